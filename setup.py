@@ -1,0 +1,42 @@
+"""Package metadata for zero-infinity-tf: the runtime, the CLI and the TensorBoard plugin."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="zero-infinity-tf",
+    version="0.1.0",
+    description=(
+        "ZeRO-Infinity-style sharding and offloading runtime for TensorFlow, with the "
+        "Memory Hierarchy View TensorBoard plugin"
+    ),
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["zero_runtime", "zero_runtime.*", "tb_plugin", "tb_plugin.*"]),
+    package_data={"tb_plugin": ["static/*", "static/**/*"]},
+    include_package_data=True,
+    install_requires=[
+        # TensorFlow itself is declared through an extra so that CPU-only hosts take the
+        # smaller tensorflow-cpu wheel and GPU hosts tensorflow[and-cuda]; one is required.
+        "keras>=3.0",
+        "tensorboard>=2.16",
+        "werkzeug>=2.0",
+        "psutil>=5.9",
+        "nvidia-ml-py>=12.0",
+        "numpy>=1.24",
+    ],
+    extras_require={
+        "cpu": ["tensorflow-cpu>=2.16"],
+        "gpu": ["tensorflow[and-cuda]>=2.16"],
+        "test": [
+            "pytest>=8",
+            "hypothesis>=6.100",
+            "playwright>=1.45",
+            "ruff>=0.5",
+        ],
+    },
+    entry_points={
+        "console_scripts": ["zero-runtime = zero_runtime.cli:main"],
+        "tensorboard_plugins": ["memory_hierarchy = tb_plugin.plugin:MemoryHierarchyPlugin"],
+    },
+)

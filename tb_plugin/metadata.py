@@ -1,0 +1,189 @@
+"""The data contract between the runtime's summaries and the Memory Hierarchy View.
+
+Every summary the runtime writes carries plugin name :data:`PLUGIN_NAME`, ``data_class``
+TENSOR (TensorBoard's Rust data server drops custom summaries without a data class) and
+a metadata content that is a JSON object::
+
+    {"version": 1, "kind": "matrix" | "vector" | "json",
+     "rows": [...], "columns": [...], "units": [...]}
+
+``rows``/``columns`` name the axes of a ``matrix`` (float64, shape ``[len(rows),
+len(columns)]``); a ``vector`` has ``columns`` only (float64, shape ``[len(columns)]``);
+a ``json`` tensor is a scalar string holding one UTF-8 JSON object. ``units`` parallels
+``columns``. A value that was not measured (for example the NVML reading on a host without
+a GPU) is NaN: absent, never zero.
+
+The reader refuses a ``version`` newer than :data:`SCHEMA_VERSION` with
+:class:`UnsupportedSchemaError`, so the format can evolve without silent misreads (the
+pattern of TensorBoard's scalar plugin, ``tensorboard/plugins/scalar/metadata.py``).
+Tag names are stable; ``docs/events.md`` documents each with its units.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tensorboard.compat.proto import summary_pb2
+
+PLUGIN_NAME = "memory_hierarchy"
+
+# Version of the metadata content and of the tensor layouts below. Bump when a layout
+# changes incompatibly; readers refuse newer versions.
+SCHEMA_VERSION = 1
+
+# --- tiers ----------------------------------------------------------------------------
+TIERS = ("device", "host", "nvme")
+
+# Columns of the per-step tier matrix (rows are TIERS). All in bytes.
+TIER_COLUMNS = (
+    "used_bytes",  # bytes in use on the tier at the end of the step
+    "capacity_bytes",  # the tier's budget (NaN when unbounded / unknown)
+    "peak_bytes",  # highest use since the previous record
+    "param_bytes",  # of used: parameters
+    "grad_bytes",  # of used: gradients
+    "optimizer_bytes",  # of used: optimizer states (and fp32 master weights)
+    "other_bytes",  # of used: activations and everything not attributed
+)
+
+# Columns of the per-step readings vector: what the framework, driver and OS report,
+# shown beside the runtime's own accounting. Bytes; NaN when the source is absent.
+READING_COLUMNS = (
+    "framework_device_bytes",  # tf.config.experimental.get_memory_info()['current']
+    "framework_device_peak_bytes",  # ... ['peak']
+    "nvml_used_bytes",  # NVML nvmlDeviceGetMemoryInfo().used (GPU hosts only)
+    "nvml_total_bytes",  # NVML ... .total
+    "process_rss_bytes",  # psutil.Process().memory_info().rss
+    "nvme_disk_bytes",  # bytes on disk under nvme_path
+)
+
+# Columns of the per-step page-move vector (counts, bytes, seconds).
+PAGE_COLUMNS = (
+    "d2h_pages",
+    "d2h_bytes",
+    "h2d_pages",
+    "h2d_bytes",
+    "h2n_pages",
+    "h2n_bytes",
+    "n2h_pages",
+    "n2h_bytes",
+    "evictions",
+    "prefetch_hits",
+    "prefetch_misses",
+    "stall_seconds",
+    "io_seconds",
+)
+
+# Columns of the per-step timing vector (seconds, except the ratio in [0, 1]).
+TIMING_COLUMNS = (
+    "step_seconds",
+    "compute_seconds",
+    "comm_seconds",
+    "overlap_seconds",
+    "stall_seconds",
+    "overlap_ratio",  # overlap_seconds / comm_seconds; NaN when comm_seconds == 0
+)
+
+# --- tags -----------------------------------------------------------------------------
+TAG_TIERS = "memory_hierarchy/tiers"  # matrix TIERS x TIER_COLUMNS, every record
+TAG_READINGS = "memory_hierarchy/readings"  # vector READING_COLUMNS, every record
+TAG_PAGES = "memory_hierarchy/pages"  # vector PAGE_COLUMNS, every record
+TAG_TIMING = "memory_hierarchy/timing"  # vector TIMING_COLUMNS, every record
+TAG_RUN_INFO = "memory_hierarchy/run_info"  # json, at start and when it changes
+TAG_PLACEMENT = "memory_hierarchy/placement"  # json, first step and when it changes
+TAG_ESTIMATE = "memory_hierarchy/estimate"  # json, at start
+TAG_CONFIG_EVENT = "memory_hierarchy/config_event"  # json, per live-tuning event
+TAG_OOM = "memory_hierarchy/oom"  # json, the post-mortem of an out-of-memory failure
+
+KIND_MATRIX = "matrix"
+KIND_VECTOR = "vector"
+KIND_JSON = "json"
+
+# tag -> (kind, rows, columns, units)
+LAYOUTS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
+    TAG_TIERS: (KIND_MATRIX, TIERS, TIER_COLUMNS, ("bytes",) * len(TIER_COLUMNS)),
+    TAG_READINGS: (KIND_VECTOR, (), READING_COLUMNS, ("bytes",) * len(READING_COLUMNS)),
+    TAG_PAGES: (
+        KIND_VECTOR,
+        (),
+        PAGE_COLUMNS,
+        tuple(
+            "seconds" if c.endswith("seconds") else "bytes" if c.endswith("bytes") else "count"
+            for c in PAGE_COLUMNS
+        ),
+    ),
+    TAG_TIMING: (
+        KIND_VECTOR,
+        (),
+        TIMING_COLUMNS,
+        tuple("ratio" if c.endswith("ratio") else "seconds" for c in TIMING_COLUMNS),
+    ),
+    TAG_RUN_INFO: (KIND_JSON, (), (), ()),
+    TAG_PLACEMENT: (KIND_JSON, (), (), ()),
+    TAG_ESTIMATE: (KIND_JSON, (), (), ()),
+    TAG_CONFIG_EVENT: (KIND_JSON, (), (), ()),
+    TAG_OOM: (KIND_JSON, (), (), ()),
+}
+
+
+class UnsupportedSchemaError(ValueError):
+    """A summary's metadata declares a schema version newer than this reader knows."""
+
+
+def create_summary_metadata(tag: str) -> summary_pb2.SummaryMetadata:
+    """Build the ``SummaryMetadata`` proto for one of the documented tags.
+
+    Args:
+        tag: one of the keys of :data:`LAYOUTS`.
+
+    Returns:
+        A ``SummaryMetadata`` with plugin name :data:`PLUGIN_NAME`, ``data_class``
+        ``DATA_CLASS_TENSOR`` and the JSON content described in the module docstring.
+
+    Raises:
+        KeyError: ``tag`` is not a documented tag; the message lists the known tags.
+    """
+    if tag not in LAYOUTS:
+        raise KeyError(f"unknown memory_hierarchy tag {tag!r}; known tags: {sorted(LAYOUTS)}")
+    kind, rows, columns, units = LAYOUTS[tag]
+    content = {
+        "version": SCHEMA_VERSION,
+        "kind": kind,
+        "rows": list(rows),
+        "columns": list(columns),
+        "units": list(units),
+    }
+    return summary_pb2.SummaryMetadata(
+        plugin_data=summary_pb2.SummaryMetadata.PluginData(
+            plugin_name=PLUGIN_NAME, content=json.dumps(content).encode("utf-8")
+        ),
+        data_class=summary_pb2.DATA_CLASS_TENSOR,
+    )
+
+
+def parse_plugin_metadata(content: bytes) -> dict[str, Any]:
+    """Parse and check the plugin-specific metadata content written by this module.
+
+    Args:
+        content: the ``plugin_data.content`` bytes of a summary (UTF-8 JSON).
+
+    Returns:
+        The decoded dict with keys ``version``, ``kind``, ``rows``, ``columns``, ``units``.
+
+    Raises:
+        UnsupportedSchemaError: the content's ``version`` is newer than
+            :data:`SCHEMA_VERSION`; the message names both versions.
+        ValueError: the content is not a JSON object with an integer ``version``.
+    """
+    try:
+        parsed = json.loads(content.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"memory_hierarchy metadata is not UTF-8 JSON: {content[:80]!r}") from exc
+    if not isinstance(parsed, dict) or not isinstance(parsed.get("version"), int):
+        raise ValueError(f"memory_hierarchy metadata lacks an integer 'version': {parsed!r}")
+    if parsed["version"] > SCHEMA_VERSION:
+        raise UnsupportedSchemaError(
+            f"memory_hierarchy summaries use schema version {parsed['version']}, but this "
+            f"reader knows versions up to {SCHEMA_VERSION}; upgrade zero-infinity-tf"
+        )
+    return parsed

@@ -1,0 +1,178 @@
+"""Write side of the Memory Hierarchy summaries (no server code here).
+
+The runtime calls these functions from Python (outside TensorFlow graphs, from any
+thread), so the writer is TensorBoard's own pure-Python ``EventFileWriter`` and protos,
+not ``tf.summary``: writing a record costs no TensorFlow op and no graph trace.
+Layouts and tag names are defined in :mod:`tb_plugin.metadata`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from tensorboard.compat.proto import event_pb2, summary_pb2
+from tensorboard.summary.writer.event_file_writer import EventFileWriter
+from tensorboard.util import tensor_util
+
+from tb_plugin import metadata
+
+
+class SummaryWriter:
+    """Append Memory Hierarchy summaries to one run's event file.
+
+    Args:
+        logdir: the run's directory (created if missing). One writer per run.
+        flush_secs: the background writer flushes at least this often (seconds,
+            default 2.0, so a live run shows up in TensorBoard within seconds).
+        filename_suffix: appended to the event file name (default ``".memory_hierarchy"``).
+
+    The writer is thread-safe. Lifecycle: open after construction; :meth:`close` flushes
+    and makes further writes raise ``RuntimeError``.
+    """
+
+    def __init__(
+        self, logdir: str, flush_secs: float = 2.0, filename_suffix: str = ".memory_hierarchy"
+    ) -> None:
+        self.logdir = str(logdir)
+        self._writer = EventFileWriter(
+            self.logdir, max_queue_size=1024, flush_secs=flush_secs, filename_suffix=filename_suffix
+        )
+        self._lock = threading.Lock()
+        self._closed = False
+        self._metadata_sent: set[str] = set()
+
+    # -- low level -----------------------------------------------------------------------
+    def _write(self, tag: str, step: int, tensor: np.ndarray, wall_time: float | None) -> None:
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"SummaryWriter for {self.logdir!r} is closed")
+            value = summary_pb2.Summary.Value(tag=tag, tensor=tensor_util.make_tensor_proto(tensor))
+            # Metadata on every value: the Rust data server and the Python multiplexer both
+            # accept it, and a reader that starts mid-file still learns the layout.
+            value.metadata.CopyFrom(metadata.create_summary_metadata(tag))
+            self._metadata_sent.add(tag)
+            event = event_pb2.Event(
+                wall_time=time.time() if wall_time is None else wall_time,
+                step=int(step),
+                summary=summary_pb2.Summary(value=[value]),
+            )
+            self._writer.add_event(event)
+
+    def vector(
+        self, tag: str, step: int, values: Mapping[str, float], wall_time: float | None = None
+    ) -> None:
+        """Write a ``vector`` tag: one float64 per documented column.
+
+        Args:
+            tag: a tag whose layout kind is ``vector`` (for example ``TAG_PAGES``).
+            step: the training step (int >= 0).
+            values: column name -> value in the column's unit; a missing column is
+                written as NaN (not measured).
+            wall_time: seconds since the epoch (default: now).
+
+        Raises:
+            ValueError: unknown column names, or the tag is not a vector tag.
+        """
+        kind, _rows, columns, _units = metadata.LAYOUTS[tag]
+        if kind != metadata.KIND_VECTOR:
+            raise ValueError(f"tag {tag!r} is a {kind} tag, not a vector tag")
+        unknown = set(values) - set(columns)
+        if unknown:
+            raise ValueError(f"unknown columns {sorted(unknown)} for {tag!r}; known: {columns}")
+        arr = np.array([_num(values.get(c)) for c in columns], dtype=np.float64)
+        self._write(tag, step, arr, wall_time)
+
+    def matrix(
+        self,
+        tag: str,
+        step: int,
+        rows: Mapping[str, Mapping[str, float]],
+        wall_time: float | None = None,
+    ) -> None:
+        """Write a ``matrix`` tag, float64 ``[len(rows), len(columns)]``.
+
+        Args:
+            tag: a tag whose layout kind is ``matrix`` (``TAG_TIERS``).
+            step: the training step.
+            rows: row name -> (column name -> value); missing cells are NaN.
+            wall_time: seconds since the epoch (default: now).
+
+        Raises:
+            ValueError: unknown row or column names, or the tag is not a matrix tag.
+        """
+        kind, row_names, columns, _units = metadata.LAYOUTS[tag]
+        if kind != metadata.KIND_MATRIX:
+            raise ValueError(f"tag {tag!r} is a {kind} tag, not a matrix tag")
+        unknown_rows = set(rows) - set(row_names)
+        if unknown_rows:
+            raise ValueError(f"unknown rows {sorted(unknown_rows)} for {tag!r}; known: {row_names}")
+        arr = np.full((len(row_names), len(columns)), np.nan, dtype=np.float64)
+        for i, r in enumerate(row_names):
+            cells = rows.get(r, {})
+            unknown = set(cells) - set(columns)
+            if unknown:
+                raise ValueError(f"unknown columns {sorted(unknown)} for {tag!r}; known: {columns}")
+            for j, c in enumerate(columns):
+                arr[i, j] = _num(cells.get(c))
+        self._write(tag, step, arr, wall_time)
+
+    def json(
+        self, tag: str, step: int, obj: Mapping[str, Any], wall_time: float | None = None
+    ) -> None:
+        """Write a ``json`` tag: one UTF-8 JSON object as a scalar string tensor.
+
+        Args:
+            tag: a tag whose layout kind is ``json``.
+            step: the training step.
+            obj: a JSON-serialisable mapping (NaN and infinities are written as null).
+            wall_time: seconds since the epoch (default: now).
+
+        Raises:
+            ValueError: the tag is not a json tag.
+            TypeError: ``obj`` is not JSON-serialisable.
+        """
+        kind = metadata.LAYOUTS[tag][0]
+        if kind != metadata.KIND_JSON:
+            raise ValueError(f"tag {tag!r} is a {kind} tag, not a json tag")
+        text = json.dumps(_finite(obj), allow_nan=False, sort_keys=True)
+        self._write(tag, step, np.array(text.encode("utf-8"), dtype=object), wall_time)
+
+    def flush(self) -> None:
+        """Write everything queued to disk (blocks until written)."""
+        with self._lock:
+            if not self._closed:
+                self._writer.flush()
+
+    def close(self) -> None:
+        """Flush and close the event file; idempotent."""
+        with self._lock:
+            if not self._closed:
+                self._writer.close()
+                self._closed = True
+
+
+def _num(value: float | None) -> float:
+    if value is None:
+        return math.nan
+    return float(value)
+
+
+def _finite(obj: Any) -> Any:
+    """Replace non-finite floats by None, recursively, so the JSON is strict."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, Mapping):
+        return {str(k): _finite(v) for k, v in obj.items()}
+    if isinstance(obj, Sequence) and not isinstance(obj, str | bytes):
+        return [_finite(v) for v in obj]
+    if isinstance(obj, np.generic):
+        return _finite(obj.item())
+    return obj
