@@ -1,0 +1,120 @@
+"""The local compute devices a strategy replicates over, and what the device tier is.
+
+On a GPU host the replicas are the GPUs and the device tier is their memory. On a
+CPU-only host the replicas are N logical CPU devices (TensorFlow's
+``LogicalDeviceConfiguration``) and the device tier is a *budgeted stand-in*: memory on
+the CPU that the runtime accounts for and caps itself. Everything that shows the device
+tier must say which of the two it is (:attr:`DeviceInfo.is_standin`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import tensorflow as tf
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceInfo:
+    """The replicas' devices and the nature of the device tier.
+
+    Attributes:
+        devices: TensorFlow device names, one per local replica (e.g. ``"/gpu:0"``).
+        is_standin: True when there is no accelerator and the device tier is a budgeted
+            region of host memory standing in for one.
+        description: human-readable text for the view, e.g. ``"device (CPU stand-in)"``.
+        allocator_stats: True when ``tf.config.experimental.get_memory_info`` works for
+            the first device (on CPU it needs ``TF_CPU_ALLOCATOR_USE_BFC=true`` set before
+            TensorFlow is imported; ``import zero_runtime`` first does that).
+    """
+
+    devices: tuple[str, ...]
+    is_standin: bool
+    description: str
+    allocator_stats: bool
+
+    @property
+    def memory_info_device(self) -> str:
+        """The device name to pass to ``tf.config.experimental.get_memory_info``."""
+        return "GPU:0" if not self.is_standin else "CPU:0"
+
+
+def local_devices(num_cpu_replicas: int = 2) -> DeviceInfo:
+    """Choose the local replica devices, configuring logical CPUs when there is no GPU.
+
+    Args:
+        num_cpu_replicas: number of logical CPU devices to replicate over on a CPU-only
+            host (default 2; ignored when GPUs are visible). Must be >= 1.
+
+    Returns:
+        A :class:`DeviceInfo`.
+
+    Raises:
+        ValueError: ``num_cpu_replicas`` < 1.
+        RuntimeError: TensorFlow's runtime was initialised before the logical CPU devices
+            could be configured and fewer than ``num_cpu_replicas`` exist; create the
+            strategy before running any TensorFlow operation.
+    """
+    if not isinstance(num_cpu_replicas, int) or isinstance(num_cpu_replicas, bool):
+        raise ValueError(f"num_cpu_replicas must be an int >= 1, got {num_cpu_replicas!r}")
+    if num_cpu_replicas < 1:
+        raise ValueError(f"num_cpu_replicas must be >= 1, got {num_cpu_replicas}")
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        names = tuple(f"/gpu:{i}" for i in range(len(gpus)))
+        return DeviceInfo(names, False, "device (GPU)", True)
+    cpus = tf.config.list_physical_devices("CPU")
+    logical = None
+    try:
+        tf.config.set_logical_device_configuration(
+            cpus[0], [tf.config.LogicalDeviceConfiguration()] * num_cpu_replicas
+        )
+    except RuntimeError:
+        logical = tf.config.list_logical_devices("CPU")
+        if len(logical) < num_cpu_replicas:
+            raise RuntimeError(
+                f"TensorFlow is already initialised with {len(logical)} logical CPU "
+                f"device(s), but {num_cpu_replicas} replicas were requested; create the "
+                "ZeroInfinityStrategy before running any TensorFlow operation, or pass "
+                f"num_cpu_replicas={len(logical)}"
+            ) from None
+    logical = tf.config.list_logical_devices("CPU")
+    names = tuple(f"/cpu:{i}" for i in range(num_cpu_replicas))
+    del logical
+    return DeviceInfo(names, True, "device (CPU stand-in)", _cpu_allocator_stats())
+
+
+def _cpu_allocator_stats() -> bool:
+    try:
+        tf.config.experimental.get_memory_info("CPU:0")
+    except (ValueError, RuntimeError):
+        return False
+    return True
+
+
+def framework_memory_bytes(info: DeviceInfo) -> tuple[float, float]:
+    """The framework's view of device memory: (current, peak) bytes, NaN when unavailable.
+
+    On a GPU host this sums ``get_memory_info('GPU:i')`` over the local GPUs; on the CPU
+    stand-in the logical CPU devices share one allocator, so ``CPU:0`` covers them all.
+    """
+    if not info.allocator_stats:
+        return math.nan, math.nan
+    names = (
+        [info.memory_info_device]
+        if info.is_standin
+        else [f"GPU:{i}" for i in range(len(info.devices))]
+    )
+    current = peak = 0.0
+    for name in names:
+        stats = tf.config.experimental.get_memory_info(name)
+        current += stats["current"]
+        peak += stats["peak"]
+    return current, peak
+
+
+def bfc_requested() -> bool:
+    """True when the CPU BFC allocator was requested through the environment."""
+    return os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").lower() in ("1", "true")

@@ -1,0 +1,142 @@
+"""Optimizer state shards kept in host memory, one record per local replica.
+
+ZeRO stage 1 (Rajbhandari et al., SC20, section 5.1, "P_os"): each data-parallel replica
+holds only its shard of the optimizer states. With optimizer offload to the host
+(ZeRO-Offload, Ren et al., USENIX ATC 2021, section 4.1) those shards live in CPU memory
+and the update runs on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import threading
+
+import numpy as np
+
+from zero_runtime.optim.layout import FlatLayout
+
+
+class ShardState(enum.Enum):
+    """Lifecycle of one replica's host shard.
+
+    ``UNALLOCATED``: no memory held (counts 0 bytes). ``READY``: slot buffers allocated and
+    valid between steps (counts ``len(slots) * shard_bytes`` plus the scratch buffers).
+    ``UPDATING``: inside an update; the buffers are being written.
+    """
+
+    UNALLOCATED = "unallocated"
+    READY = "ready"
+    UPDATING = "updating"
+
+
+@dataclasses.dataclass
+class ReplicaShard:
+    """One replica's optimizer-state shard on the host.
+
+    Attributes:
+        replica: the replica id in the sync group.
+        slots: slot name (e.g. ``"momentum"``) -> float32 ``[shard_size]`` buffer.
+        scratch: two float32 ``[shard_size]`` work buffers reused every step.
+        state: the lifecycle state.
+        updates: number of completed updates.
+    """
+
+    replica: int
+    slots: dict[str, np.ndarray]
+    scratch: tuple[np.ndarray, np.ndarray]
+    state: ShardState = ShardState.READY
+    updates: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes held: the slot buffers plus the scratch buffers."""
+        return sum(a.nbytes for a in self.slots.values()) + sum(a.nbytes for a in self.scratch)
+
+    @property
+    def state_bytes(self) -> int:
+        """Host bytes of optimizer state proper (the slot buffers only)."""
+        return sum(a.nbytes for a in self.slots.values())
+
+
+class HostOptimizerState:
+    """The host-resident optimizer-state shards of one optimizer, for the local replicas.
+
+    Args:
+        layout: the flat layout of the optimizer's trainable variables.
+        slot_names: names of the per-element state buffers (e.g. ``("momentum",
+            "velocity")`` for Adam; empty for plain SGD).
+
+    Shards are allocated lazily, the first time a replica updates, so a worker process
+    only ever holds the shards of its own replicas. Thread-safe: replicas update from
+    TensorFlow's executor threads concurrently, each on its own shard.
+    """
+
+    def __init__(self, layout: FlatLayout, slot_names: tuple[str, ...]) -> None:
+        self.layout = layout
+        self.slot_names = tuple(slot_names)
+        self._shards: dict[int, ReplicaShard] = {}
+        self._lock = threading.Lock()
+
+    def shard(self, replica: int) -> ReplicaShard:
+        """The shard of ``replica``, allocating it (zero-filled) on first use.
+
+        Raises:
+            ValueError: ``replica`` outside ``[0, layout.num_shards)``.
+        """
+        if not 0 <= replica < self.layout.num_shards:
+            raise ValueError(f"replica {replica} out of range [0, {self.layout.num_shards})")
+        with self._lock:
+            shard = self._shards.get(replica)
+            if shard is None:
+                n = self.layout.shard_size
+                shard = ReplicaShard(
+                    replica=replica,
+                    slots={s: np.zeros(n, np.float32) for s in self.slot_names},
+                    scratch=(np.empty(n, np.float32), np.empty(n, np.float32)),
+                )
+                self._shards[replica] = shard
+            return shard
+
+    def begin_update(self, replica: int) -> ReplicaShard:
+        """Move ``replica``'s shard READY -> UPDATING and return it.
+
+        Raises:
+            RuntimeError: the shard is already UPDATING (two concurrent updates).
+        """
+        shard = self.shard(replica)
+        if shard.state is not ShardState.READY:
+            raise RuntimeError(f"shard {replica} is {shard.state.value}, expected ready")
+        shard.state = ShardState.UPDATING
+        return shard
+
+    def end_update(self, shard: ReplicaShard) -> None:
+        """Move a shard UPDATING -> READY and count the update."""
+        if shard.state is not ShardState.UPDATING:
+            raise RuntimeError(f"shard {shard.replica} is {shard.state.value}, expected updating")
+        shard.updates += 1
+        shard.state = ShardState.READY
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes held by all allocated local shards (state plus scratch)."""
+        with self._lock:
+            return sum(s.nbytes for s in self._shards.values())
+
+    @property
+    def state_bytes(self) -> int:
+        """Host bytes of optimizer state proper over all allocated local shards."""
+        with self._lock:
+            return sum(s.state_bytes for s in self._shards.values())
+
+    def slot_values(self, slot: str) -> np.ndarray:
+        """The full (unpadded) flat buffer of one slot, concatenated over local shards.
+
+        Only meaningful when every shard is local (one process); used by tests and by
+        checkpoint export. Shape ``[layout.total]``, float32.
+
+        Raises:
+            KeyError: unknown slot name, or a shard was never allocated here.
+        """
+        parts = [self._shards[r].slots[slot] for r in range(self.layout.num_shards)]
+        return np.concatenate(parts)[: self.layout.total]

@@ -1,0 +1,272 @@
+"""ZeroRuntime: the per-strategy engine state behind ``ZeroInfinityStrategy``.
+
+It owns what happens at a step boundary: the step clock (a step ends when every local
+replica has finished its optimizer-shard update), the StepStats record, the flight
+recorder and the summary writer. The strategy is the public face; the optimizers call
+back into the runtime from the host update.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import threading
+import time
+from typing import Any
+
+import psutil
+
+from tb_plugin import metadata
+from tb_plugin.summary import SummaryWriter
+from zero_runtime.config import ZeroConfig
+from zero_runtime.devices import DeviceInfo
+from zero_runtime.telemetry import FlightRecorder, StepStats, TierStats, read_probes
+
+log = logging.getLogger(__name__)
+
+
+class RuntimeState(enum.Enum):
+    """Lifecycle: OPEN (accepting steps) -> CLOSED (writer flushed and closed)."""
+
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class ZeroRuntime:
+    """Step clock, accounting and telemetry for one strategy.
+
+    Args:
+        config: the validated :class:`ZeroConfig`.
+        device: the local devices and the nature of the device tier.
+        num_replicas: replicas in sync (the data-parallel degree N_d).
+        logdir: the run's TensorBoard directory, or None for no summaries.
+        fallback_mirrored: True when the strategy runs as plain mirrored data parallelism.
+    """
+
+    def __init__(
+        self,
+        config: ZeroConfig,
+        device: DeviceInfo,
+        num_replicas: int,
+        logdir: str | None,
+        fallback_mirrored: bool = False,
+    ) -> None:
+        self.config = config
+        self.device = device
+        self.num_replicas = num_replicas
+        self.logdir = logdir
+        self.fallback_mirrored = fallback_mirrored
+        self.recorder = FlightRecorder()
+        self.state = RuntimeState.OPEN
+        self._writer = SummaryWriter(logdir) if logdir else None
+        self._optimizers: list[Any] = []
+        self._pending: dict[int, int] = {}  # step -> local replicas done
+        self._lock = threading.Lock()
+        self._last_boundary = time.time()
+        self._placement_written = False
+        self._host_peak = 0
+        self.steps_recorded = 0
+        self._write_run_info()
+
+    # -- registration --------------------------------------------------------------------
+    def register_optimizer(self, optimizer: Any) -> None:
+        """Track a partitioned optimizer whose host state counts toward the host tier."""
+        with self._lock:
+            self._optimizers.append(optimizer)
+
+    # -- the step clock ------------------------------------------------------------------
+    def on_shard_updated(
+        self, optimizer: Any, replica: int, iteration: int, seconds: float
+    ) -> None:
+        """Called by a partitioned optimizer after replica ``replica`` updated its shard.
+
+        When all local replicas have updated for ``iteration``, the step has ended: a
+        StepStats record is made (every ``telemetry_every_n_steps``).
+
+        Args:
+            optimizer: the optimizer that updated.
+            replica: the replica id.
+            iteration: Keras's ``iterations`` before the update (the 0-based step).
+            seconds: host seconds spent in the update.
+        """
+        del optimizer, replica, seconds
+        with self._lock:
+            done = self._pending.get(iteration, 0) + 1
+            if done < self.device_replicas:
+                self._pending[iteration] = done
+                return
+            self._pending.pop(iteration, None)
+        self._step_boundary(iteration)
+
+    @property
+    def device_replicas(self) -> int:
+        """Replicas that run in this process."""
+        return len(self.device.devices)
+
+    def _step_boundary(self, step: int) -> None:
+        now = time.time()
+        step_seconds = now - self._last_boundary
+        self._last_boundary = now
+        if self.state is not RuntimeState.OPEN:
+            return
+        if step % self.config.telemetry_every_n_steps:
+            return
+        stats = self._collect(step, now, step_seconds)
+        self.recorder.append(stats)
+        self.steps_recorded += 1
+        if self._writer is not None:
+            self._emit(stats)
+
+    # -- accounting ----------------------------------------------------------------------
+    def model_param_bytes(self) -> int:
+        """Bytes of one replica's trainable variables tracked by the optimizers."""
+        total = 0
+        for opt in self._optimizers:
+            total += 4 * opt.flat_layout.total
+        return total
+
+    def host_state_bytes(self) -> tuple[int, int]:
+        """(optimizer-state bytes, scratch bytes) held on the host by all optimizers."""
+        state = scratch = 0
+        for opt in self._optimizers:
+            s = opt.host_state
+            state += s.state_bytes
+            scratch += s.nbytes - s.state_bytes
+        return state, scratch
+
+    def _collect(self, step: int, now: float, step_seconds: float) -> StepStats:
+        readings = read_probes(self.device, self.config.nvme_path)
+        param_bytes = float(self.model_param_bytes() * self.device_replicas)
+        used = readings.framework_device_bytes
+        device = TierStats(
+            used_bytes=used,
+            capacity_bytes=_or_nan(self.config.device_budget_bytes),
+            peak_bytes=readings.framework_device_peak_bytes,
+            param_bytes=param_bytes,
+            optimizer_bytes=0.0,
+            other_bytes=max(0.0, used - param_bytes) if math.isfinite(used) else math.nan,
+        )
+        state, scratch = self.host_state_bytes()
+        host_used = float(state + scratch)
+        self._host_peak = max(self._host_peak, int(host_used))
+        host_capacity = self.config.host_budget_bytes or psutil.virtual_memory().total
+        host = TierStats(
+            used_bytes=host_used,
+            capacity_bytes=float(host_capacity),
+            peak_bytes=float(self._host_peak),
+            param_bytes=0.0,
+            grad_bytes=0.0,
+            optimizer_bytes=float(state),
+            other_bytes=float(scratch),
+        )
+        self._host_peak = int(host_used)
+        nvme = TierStats(
+            used_bytes=0.0,
+            capacity_bytes=_or_nan(self.config.nvme_budget_bytes),
+            peak_bytes=0.0,
+        )
+        self._reset_framework_peak()
+        return StepStats(
+            step=step,
+            wall_time=now,
+            tiers={"device": device, "host": host, "nvme": nvme},
+            readings=readings,
+            timing={"step_seconds": step_seconds},
+            pages={},
+        )
+
+    def _reset_framework_peak(self) -> None:
+        if not self.device.allocator_stats:
+            return
+        import tensorflow as tf
+
+        try:
+            tf.config.experimental.reset_memory_stats(self.device.memory_info_device)
+        except (ValueError, RuntimeError):
+            pass
+
+    # -- summaries -----------------------------------------------------------------------
+    def _write_run_info(self) -> None:
+        if self._writer is None:
+            return
+        self._writer.json(
+            metadata.TAG_RUN_INFO,
+            0,
+            {
+                "stage": self.config.stage,
+                "num_replicas": self.num_replicas,
+                "devices": list(self.device.devices),
+                "device_is_standin": self.device.is_standin,
+                "device_description": self.device.description,
+                "device_allocator_stats": self.device.allocator_stats,
+                "fallback_mirrored": self.fallback_mirrored,
+                "config": self.config.to_dict(),
+                "host_total_bytes": psutil.virtual_memory().total,
+            },
+        )
+
+    def _emit(self, stats: StepStats) -> None:
+        w = self._writer
+        assert w is not None
+        w.matrix(
+            metadata.TAG_TIERS,
+            stats.step,
+            {name: t.as_dict() for name, t in stats.tiers.items()},
+            wall_time=stats.wall_time,
+        )
+        w.vector(metadata.TAG_READINGS, stats.step, stats.readings.as_dict(), stats.wall_time)
+        w.vector(metadata.TAG_TIMING, stats.step, stats.timing, stats.wall_time)
+        w.vector(metadata.TAG_PAGES, stats.step, stats.pages, stats.wall_time)
+        if not self._placement_written:
+            w.json(metadata.TAG_PLACEMENT, stats.step, self.placement(), stats.wall_time)
+            self._placement_written = True
+
+    def placement(self) -> dict[str, Any]:
+        """Where every trainable variable's parameter, gradient and optimizer state live.
+
+        Returns:
+            ``{"variables": [{"name", "shape", "dtype", "bytes", "partitioning",
+            "shard_bytes_per_replica", "param_tier", "grad_tier", "optimizer_tier"}]}``
+            with bytes as ints.
+        """
+        rows = []
+        opt_tier = (
+            "host" if self.config.offload_optimizer == "cpu" else self.config.offload_optimizer
+        )
+        for opt in self._optimizers:
+            layout = opt.flat_layout
+            n = layout.num_shards
+            for name, shape, size in zip(layout.names, layout.shapes, layout.sizes):
+                rows.append(
+                    {
+                        "name": name,
+                        "shape": list(shape),
+                        "dtype": "float32",
+                        "bytes": 4 * size,
+                        "partitioning": f"optimizer state sharded 1/{n} (ZeRO-1); "
+                        "parameter and gradient replicated",
+                        "shard_bytes_per_replica": 4 * -(-size // n),
+                        "param_tier": "device",
+                        "grad_tier": "device",
+                        "optimizer_tier": opt_tier,
+                    }
+                )
+        return {"variables": rows}
+
+    def flush(self) -> None:
+        """Write queued summaries to disk."""
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        """Flush and close the summary writer; idempotent."""
+        if self.state is RuntimeState.CLOSED:
+            return
+        self.state = RuntimeState.CLOSED
+        if self._writer is not None:
+            self._writer.close()
+
+
+def _or_nan(value: int | None) -> float:
+    return math.nan if value is None else float(value)

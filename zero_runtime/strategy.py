@@ -1,0 +1,137 @@
+"""ZeroInfinityStrategy: a ``tf.distribute`` strategy with ZeRO partitioning and offload.
+
+User code stays Keras code::
+
+    import zero_runtime
+    strategy = zero_runtime.ZeroInfinityStrategy(logdir="logs/run1")
+    with strategy.scope():
+        model = build_model()
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    model.fit(dataset, epochs=1)
+
+Inside ``scope()``, the Keras optimizer identifiers ``"adam"``, ``"adamw"`` and ``"sgd"``
+resolve to the partitioned optimizers of :mod:`zero_runtime.optim` (through Keras's own
+custom-object scope, not by patching Keras), whose states live only as per-replica shards
+in host memory (ZeRO stage 1 with optimizer offload; Rajbhandari et al., SC20, section
+5.1; Ren et al., ZeRO-Offload, ATC 2021). Custom training loops use ``strategy.run`` as
+with any ``tf.distribute`` strategy, with an optimizer from ``zero_runtime.optim`` or
+``keras.optimizers.get("adam")`` created inside the scope.
+
+Stage 0, or a model whose states are smaller than ``mirrored_fallback_bytes``, runs as
+plain ``MirroredStrategy`` data parallelism (stock Keras optimizers), and the telemetry
+says so.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import itertools
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from zero_runtime.config import ZeroConfig
+from zero_runtime.devices import DeviceInfo, local_devices
+from zero_runtime.optim.partitioned import PARTITIONED_BY_NAME
+from zero_runtime.runtime import ZeroRuntime
+
+# Each strategy instance gets its own range of collective group keys, so that several
+# strategies in one process (a notebook, a parity test against MirroredStrategy) never
+# share a collective instance. MirroredExtended reads ``_collective_key_base`` from its
+# container strategy (tensorflow/python/distribute/mirrored_strategy.py).
+_COLLECTIVE_KEY_BASES = itertools.count(start=100_000, step=100_000)
+
+#: (stage, offload_optimizer) pairs this version implements.
+IMPLEMENTED = {(0, "none"), (1, "cpu")}
+
+
+class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
+    """Data parallelism over the local replicas with ZeRO partitioning and offload.
+
+    Args:
+        config: a :class:`ZeroConfig`, a mapping of its keys, or None for the defaults
+            (stage 1, optimizer states offloaded to the host).
+        logdir: the run's TensorBoard log directory for Memory Hierarchy summaries
+            (created if missing), or None to write none.
+        num_cpu_replicas: on a host without GPUs, the number of logical CPU devices to
+            replicate over (default 2). Ignored when GPUs are visible.
+
+    Attributes:
+        config: the active :class:`ZeroConfig`.
+        device_info: the replica devices and whether the device tier is a CPU stand-in.
+        runtime: the :class:`ZeroRuntime` (step clock, accounting, telemetry).
+
+    Raises:
+        zero_runtime.config.ZeroConfigError: an invalid config value.
+        NotImplementedError: a (stage, offload) combination this version does not
+            implement yet; the message lists the implemented ones.
+        RuntimeError: TensorFlow was initialised before the logical CPU devices could be
+            configured (create the strategy before running any TensorFlow op).
+    """
+
+    def __init__(
+        self,
+        config: ZeroConfig | Mapping[str, Any] | None = None,
+        logdir: str | None = None,
+        num_cpu_replicas: int = 2,
+    ) -> None:
+        if config is None:
+            config = ZeroConfig()
+        elif isinstance(config, Mapping):
+            config = ZeroConfig.from_dict(config)
+        elif not isinstance(config, ZeroConfig):
+            raise TypeError(
+                f"config must be a ZeroConfig, a mapping or None, got {type(config).__name__}"
+            )
+        key = (config.stage, config.offload_optimizer if config.stage else "none")
+        if key not in IMPLEMENTED:
+            raise NotImplementedError(
+                f"stage={config.stage} with offload_optimizer={config.offload_optimizer!r} "
+                f"is not implemented yet; implemented (stage, offload_optimizer): "
+                f"{sorted(IMPLEMENTED)}"
+            )
+        self.config = config
+        self.device_info: DeviceInfo = local_devices(num_cpu_replicas)
+        self._collective_key_base = next(_COLLECTIVE_KEY_BASES)
+        super().__init__(devices=list(self.device_info.devices))
+        self.runtime = ZeroRuntime(
+            config,
+            self.device_info,
+            self.num_replicas_in_sync,
+            logdir,
+            fallback_mirrored=config.stage == 0,
+        )
+        atexit.register(_close_runtime, weakref.ref(self.runtime))
+
+    @property
+    def partitioned(self) -> bool:
+        """True when optimizer states are partitioned (stage >= 1, no mirrored fallback)."""
+        return not self.runtime.fallback_mirrored
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        """The strategy's scope; inside it, Keras optimizer names resolve to partitioned ones.
+
+        Returns:
+            A context manager entering ``MirroredStrategy.scope()`` and, unless the
+            strategy runs as plain mirrored, a ``keras.saving.CustomObjectScope`` that
+            maps ``"adam"``, ``"adamw"`` and ``"sgd"`` to :mod:`zero_runtime.optim`.
+        """
+        stack = contextlib.ExitStack()
+        stack.enter_context(super().scope())
+        if self.partitioned:
+            stack.enter_context(keras.saving.CustomObjectScope(PARTITIONED_BY_NAME))
+        return stack
+
+    def close(self) -> None:
+        """Flush and close the telemetry; the strategy must not run steps afterwards."""
+        self.runtime.close()
+
+
+def _close_runtime(ref: weakref.ref) -> None:
+    runtime = ref()
+    if runtime is not None:
+        runtime.close()

@@ -1,0 +1,59 @@
+"""StepStats: one record of what the runtime did with memory during a step."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from zero_runtime.telemetry.probes import Readings
+
+
+@dataclasses.dataclass(frozen=True)
+class TierStats:
+    """One tier at the end of a step, bytes (NaN when unknown).
+
+    Attributes:
+        used_bytes: bytes in use on the tier.
+        capacity_bytes: the tier's budget; NaN when unbounded.
+        peak_bytes: highest use since the previous record.
+        param_bytes: of used, held by parameters.
+        grad_bytes: of used, held by gradients.
+        optimizer_bytes: of used, held by optimizer states and master weights.
+        other_bytes: of used, everything else (activations, scratch, framework).
+    """
+
+    used_bytes: float
+    capacity_bytes: float = math.nan
+    peak_bytes: float = math.nan
+    param_bytes: float = math.nan
+    grad_bytes: float = math.nan
+    optimizer_bytes: float = math.nan
+    other_bytes: float = math.nan
+
+    def as_dict(self) -> dict[str, float]:
+        """Column name (``tb_plugin.metadata.TIER_COLUMNS``) -> value."""
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepStats:
+    """What one step did with memory and time.
+
+    Attributes:
+        step: the optimizer step (0-based: Keras's ``iterations`` before the update).
+        wall_time: seconds since the epoch when the step ended.
+        tiers: ``"device" | "host" | "nvme"`` -> :class:`TierStats`.
+        readings: framework / driver / OS readings at the step's end.
+        timing: ``tb_plugin.metadata.TIMING_COLUMNS`` -> seconds (ratio for
+            ``overlap_ratio``); missing columns are not measured.
+        pages: ``tb_plugin.metadata.PAGE_COLUMNS`` -> counts / bytes / seconds.
+        config_version: version of the active configuration (0 = as started).
+    """
+
+    step: int
+    wall_time: float
+    tiers: dict[str, TierStats]
+    readings: Readings
+    timing: dict[str, float]
+    pages: dict[str, float]
+    config_version: int = 0
