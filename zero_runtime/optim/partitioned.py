@@ -89,6 +89,10 @@ class _PartitionedUpdate:
             v.value if isinstance(v, keras.Variable) else v for v in self._trainable_variables
         ]
 
+        # Sparse gradients (tf.IndexedSlices from embedding lookups) are densified per
+        # replica and summed with the rest: the dense Adam update of the true gradient.
+        # (Keras's own Adam applies IndexedSlices with duplicate indices as separate
+        # scatter updates, which is not Adam on the summed gradient; see docs/parity.md.)
         flat_grad = _flatten(
             [
                 g if g is not None else tf.zeros(s, tf.float32)
@@ -96,9 +100,8 @@ class _PartitionedUpdate:
             ],
             layout.padded_total,
         )
-        flat_param = _flatten([tf.cast(v, tf.float32) for v in all_vars], layout.padded_total)
-
         summed = comm.all_reduce_sum_flat(flat_grad)
+        flat_param = _flatten([tf.cast(v, tf.float32) for v in all_vars], layout.padded_total)
         grad_shard = comm.shard_of(summed, layout.shard_size)
         param_shard = comm.shard_of(flat_param, layout.shard_size)
         ctx = tf.distribute.get_replica_context()
@@ -171,9 +174,11 @@ class _PartitionedUpdate:
         raise NotImplementedError
 
 
-def _flatten(tensors: list[tf.Tensor], padded_total: int) -> tf.Tensor:
-    """Concatenate tensors as 1-D float32 and zero-pad to ``padded_total`` elements."""
-    flat = tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in tensors], axis=0)
+def _flatten(tensors: list, padded_total: int) -> tf.Tensor:
+    """Concatenate tensors (``tf.IndexedSlices`` densified) as 1-D float32, zero-padded to
+    ``padded_total`` elements."""
+    dense = [tf.convert_to_tensor(t) if isinstance(t, tf.IndexedSlices) else t for t in tensors]
+    flat = tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in dense], axis=0)
     pad = padded_total - int(flat.shape[0])
     if pad:
         flat = tf.concat([flat, tf.zeros([pad], tf.float32)], axis=0)

@@ -1,0 +1,235 @@
+"""Tests for the ``zero-runtime`` command line (zero_runtime.cli)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from zero_runtime import cli
+from zero_runtime.cli import COMMANDS, Command, format_bytes, main, parse_count
+
+PAPER = ["estimate", "--params", "7.5e9", "--replicas", "64"]
+
+
+def run(capsys, argv):
+    """main(argv) -> (exit code, stdout, stderr)."""
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_json(capsys, argv):
+    code, out, err = run(capsys, [*argv, "--json"])
+    assert code == 0, err
+    return json.loads(out), err
+
+
+@pytest.mark.parametrize(
+    ("stage", "device_bytes"),
+    [("0", 120_000_000_000), ("1", 31_406_250_000), ("2", 16_640_625_000), ("3", 1_875_000_000)],
+)
+def test_estimate_json_paper_example(capsys, stage, device_bytes):
+    data, _ = run_json(capsys, [*PAPER, "--stage", stage])
+    assert data["device_bytes"] == device_bytes
+    assert data["host_bytes"] == 0 and data["nvme_bytes"] == 0
+    assert data["inputs"] == {
+        "params": 7_500_000_000,
+        "replicas": 64,
+        "stage": int(stage),
+        "offload_optimizer": "none",
+        "offload_param": "none",
+        "precision": "mixed",
+        "optimizer": "adam",
+        "config": None,
+        "config_kind": None,
+    }
+
+
+def test_estimate_table(capsys):
+    code, out, err = run(
+        capsys, [*PAPER, "--stage", "3", "--offload-optimizer", "cpu", "--offload-param", "nvme"]
+    )
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    assert "Ψ=7,500,000,000 params, N_d=64, stage 3, mixed precision, adam" in lines[0]
+    assert lines[1] == "offload: optimizer=cpu, param=nvme"
+    rows = {line.split("  ")[0]: line.split() for line in lines[3:] if line.strip()}
+    assert rows["parameters"][1:] == ["2Ψ", "/", "64", "nvme", "234,375,000", "223.52", "MiB"]
+    assert rows["gradients"][1:] == ["2Ψ", "/", "64", "device", "234,375,000", "223.52", "MiB"]
+    assert rows["optimizer states"][2:] == [
+        "12Ψ",
+        "/",
+        "64",
+        "host",
+        "1,406,250,000",
+        "1.31",
+        "GiB",
+    ]
+    assert rows["device total"][-3:] == ["234,375,000", "223.52", "MiB"]
+    assert rows["host total"][-3:] == ["1,406,250,000", "1.31", "GiB"]
+    assert rows["nvme total"][-3:] == ["234,375,000", "223.52", "MiB"]
+    assert rows["all tiers"][-3:] == ["1,875,000,000", "1.75", "GiB"]
+
+
+def test_estimate_fp32_and_optimizer(capsys):
+    argv = ["estimate", "--params", "1B", "--replicas", "4", "--stage", "2"]
+    data, _ = run_json(capsys, [*argv, "--precision", "fp32"])
+    assert data["device_bytes"] == 7_000_000_000  # 4Ψ + (4 + 8)Ψ / 4
+    data, _ = run_json(capsys, [*argv, "--precision", "fp32", "--optimizer", "sgd"])
+    assert data["device_bytes"] == 5_000_000_000  # 4Ψ + 4Ψ / 4, K = 0
+
+
+def test_estimate_zero_config_file(tmp_path, capsys):
+    path = tmp_path / "zero.json"
+    path.write_text(json.dumps({"stage": 3, "offload_param": "cpu"}), encoding="utf-8")
+    data, _ = run_json(capsys, [*PAPER, "--config", str(path)])
+    # the file's offload_optimizer is the ZeroConfig default, 'cpu'
+    assert data["inputs"]["stage"] == 3 and data["inputs"]["config_kind"] == "zero"
+    assert (data["device_bytes"], data["host_bytes"]) == (234_375_000, 1_640_625_000)
+    # command-line flags override the file
+    data, _ = run_json(
+        capsys, [*PAPER, "--config", str(path), "--offload-optimizer", "none", "--stage", "3"]
+    )
+    assert (data["device_bytes"], data["host_bytes"]) == (1_640_625_000, 234_375_000)
+
+
+def test_estimate_deepspeed_config_file(tmp_path, capsys):
+    path = tmp_path / "ds.json"
+    ds = {
+        "train_batch_size": 32,
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"},
+            "reduce_bucket_size": "auto",
+        },
+    }
+    path.write_text(json.dumps(ds), encoding="utf-8")
+    data, err = run_json(capsys, [*PAPER, "--config", str(path)])
+    assert data["inputs"]["config_kind"] == "deepspeed"
+    assert data["inputs"]["offload_optimizer"] == "nvme"
+    assert (data["device_bytes"], data["nvme_bytes"]) == (468_750_000, 1_406_250_000)
+    assert err.splitlines() == [
+        "zero-runtime: note: DeepSpeed key 'zero_optimization.reduce_bucket_size' is 'auto' "
+        "(resolved by the Hugging Face Trainer from its arguments); using the ZeroConfig "
+        "default reduce_bucket_size=500000000",
+        "zero-runtime: note: DeepSpeed key 'train_batch_size' ignored: it has no counterpart "
+        "in ZeroConfig",
+    ]
+
+
+BAD = [
+    (["estimate", "--params", "7.5x", "--replicas", "64", "--stage", "1"], "invalid count '7.5x'"),
+    (["estimate", "--params", "0", "--replicas", "64", "--stage", "1"], "whole number >= 1"),
+    (["estimate", "--params", "1.5", "--replicas", "1", "--stage", "1"], "invalid count '1.5'"),
+    (["estimate", "--params", "1e9", "--replicas", "0", "--stage", "1"], "expected an int >= 1"),
+    ([*PAPER, "--stage", "5"], "argument --stage: invalid choice: 5"),
+    ([*PAPER, "--stage", "1", "--offload-param", "gpu"], "invalid choice: 'gpu'"),
+    ([*PAPER, "--stage", "2", "--offload-param", "cpu"], "requires stage 3"),
+    (PAPER, "--stage is required unless --config is given"),
+    (["estimate", "--replicas", "2", "--stage", "1"], "the following arguments are required"),
+    ([*PAPER, "--config", "/nonexistent/zero.json"], "cannot read config file"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ([], "the following arguments are required: COMMAND"),
+]
+
+
+@pytest.mark.parametrize(("argv", "fragment"), BAD)
+def test_bad_arguments_exit_2_without_traceback(capsys, argv, fragment):
+    code, out, err = run(capsys, argv)
+    assert code == 2
+    assert out == ""
+    assert fragment in err
+    assert "error:" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("content", "fragment"),
+    [
+        ('{"offload_optimiser": "cpu"}', "did you mean 'offload_optimizer'?"),
+        ("{not json", "invalid JSON in"),
+        ("[1]", "must hold a JSON object"),
+        ('{"zero_optimization": {"stage": "auto"}}', "zero_optimization.stage='auto'"),
+    ],
+)
+def test_bad_config_file_exits_2(tmp_path, capsys, content, fragment):
+    path = tmp_path / "bad.json"
+    path.write_text(content, encoding="utf-8")
+    code, _, err = run(capsys, [*PAPER, "--config", str(path)])
+    assert code == 2
+    assert "zero-runtime estimate: error: " in err and fragment in err
+
+
+def test_help_exits_0(capsys):
+    code, out, _ = run(capsys, ["estimate", "--help"])
+    assert code == 0 and "--offload-optimizer" in out
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("7500000000", 7_500_000_000),
+        ("7.5e9", 7_500_000_000),
+        ("7.5B", 7_500_000_000),
+        ("1.3b", 1_300_000_000),
+        ("350M", 350_000_000),
+        ("12k", 12_000),
+        ("1T", 10**12),
+    ],
+)
+def test_parse_count(text, value):
+    assert parse_count(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "abc", "1.5", "-3", "0", "inf", "nan", "1e", "7.5X"])
+def test_parse_count_rejects(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_count(text)
+
+
+@pytest.mark.parametrize(
+    ("n", "text"),
+    [
+        (0, "0 B"),
+        (1023, "1023 B"),
+        (1024, "1.00 KiB"),
+        (234_375_000, "223.52 MiB"),
+        (1_875_000_000, "1.75 GiB"),
+        (120 * 10**12, "109.14 TiB"),
+    ],
+)
+def test_format_bytes(n, text):
+    assert format_bytes(n) == text
+
+
+def test_adding_a_subcommand_is_one_entry(monkeypatch, capsys):
+    def add_arguments(parser):
+        parser.add_argument("--name", required=True)
+
+    def run_hello(args):
+        print(f"hello {args.name}")
+        return 0
+
+    monkeypatch.setitem(COMMANDS, "hello", Command("hello", "say hello", add_arguments, run_hello))
+    assert run(capsys, ["hello", "--name", "zero"])[:2] == (0, "hello zero\n")
+    with pytest.raises(ValueError, match="already registered"):
+        cli.register(Command("hello", "again", add_arguments, run_hello))
+
+
+def test_console_script_subprocess():
+    script = pathlib.Path(sys.executable).with_name("zero-runtime")
+    argv = [str(script)] if script.exists() else [sys.executable, "-m", "zero_runtime.cli"]
+    proc = subprocess.run(
+        [*argv, *PAPER, "--stage", "3", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert (data["device_bytes"], data["host_bytes"], data["nvme_bytes"]) == (1_875_000_000, 0, 0)
