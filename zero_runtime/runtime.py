@@ -19,6 +19,7 @@ import psutil
 
 from tb_plugin import metadata
 from tb_plugin.summary import SummaryWriter
+from zero_runtime import estimator
 from zero_runtime.config import ZeroConfig
 from zero_runtime.devices import DeviceInfo
 from zero_runtime.telemetry import FlightRecorder, StepStats, TierStats, read_probes
@@ -71,9 +72,46 @@ class ZeroRuntime:
 
     # -- registration --------------------------------------------------------------------
     def register_optimizer(self, optimizer: Any) -> None:
-        """Track a partitioned optimizer whose host state counts toward the host tier."""
+        """Track a partitioned optimizer whose host state counts toward the host tier.
+
+        Also records the estimator's prediction for the optimizer's parameters as the
+        ``memory_hierarchy/estimate`` event, so the view can draw predicted beside measured.
+        """
         with self._lock:
             self._optimizers.append(optimizer)
+        if self._writer is not None:
+            self._writer.json(metadata.TAG_ESTIMATE, 0, self.estimate(optimizer))
+
+    def estimate(self, optimizer: Any) -> dict[str, Any]:
+        """The ZeRO estimator's prediction of model-state bytes for one optimizer's variables.
+
+        Returns:
+            ``{"per_replica": TierEstimate.to_dict(), "local_replicas": int,
+            "per_process": {"device_bytes", "host_bytes", "nvme_bytes"}, "num_params": int,
+            "precision": "fp32", "optimizer": kind, "source": str}``. ``per_process`` is the
+            per-replica figure times the replicas in this process, the scope of the tier
+            telemetry.
+        """
+        num_params = optimizer.flat_layout.total
+        kind = estimator.optimizer_kind(optimizer)
+        est = estimator.estimate_for_config(
+            num_params, self.num_replicas, self.config, precision="fp32", optimizer=kind
+        )
+        local = self.device_replicas
+        return {
+            "per_replica": est.to_dict(),
+            "local_replicas": local,
+            "per_process": {
+                "device_bytes": est.device_bytes * local,
+                "host_bytes": est.host_bytes * local,
+                "nvme_bytes": est.nvme_bytes * local,
+            },
+            "num_params": num_params,
+            "precision": "fp32",
+            "optimizer": kind,
+            "source": "ZeRO (Rajbhandari et al., SC20) sections 3.1 and 5.1, "
+            "zero_runtime.estimator",
+        }
 
     # -- the step clock ------------------------------------------------------------------
     def on_shard_updated(
