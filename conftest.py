@@ -1,17 +1,21 @@
 """Process-wide TensorFlow setup for the test session; loaded before tests/conftest.py.
 
 TensorFlow fixes its devices and its CPU allocator when it first initialises, so this
-runs before anything imports TensorFlow: ``import zero_runtime`` selects the BFC CPU
-allocator (allocator statistics for the device tier's CPU stand-in), and two logical CPU
-devices are configured so that every strategy in the session has two local replicas.
+runs before anything imports TensorFlow: the BFC CPU allocator is selected (allocator
+statistics for the device tier's CPU stand-in), and two logical CPU devices are
+configured so that every strategy in the session has two local replicas.
 """
+# isort: skip_file  (the environment must be set before TensorFlow is imported)
 
 from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-import zero_runtime  # noqa: F401  (must come before tensorflow: sets TF_CPU_ALLOCATOR_USE_BFC)
 from zero_runtime.devices import local_devices  # noqa: E402
 
 TEST_REPLICAS = 2

@@ -25,15 +25,16 @@ class DeviceInfo:
         is_standin: True when there is no accelerator and the device tier is a budgeted
             region of host memory standing in for one.
         description: human-readable text for the view, e.g. ``"device (CPU stand-in)"``.
-        allocator_stats: True when ``tf.config.experimental.get_memory_info`` works for
-            the first device (on CPU it needs ``TF_CPU_ALLOCATOR_USE_BFC=true`` set before
-            TensorFlow is imported; ``import zero_runtime`` first does that).
+
+    The framework's allocator statistics (``tf.config.experimental.get_memory_info``) are
+    read when available: on CPU they need ``TF_CPU_ALLOCATOR_USE_BFC=true`` set before
+    TensorFlow is imported (``import zero_runtime`` first does that) and exist only once
+    the allocator has served a tensor.
     """
 
     devices: tuple[str, ...]
     is_standin: bool
     description: str
-    allocator_stats: bool
 
     @property
     def memory_info_device(self) -> str:
@@ -64,7 +65,7 @@ def local_devices(num_cpu_replicas: int = 2) -> DeviceInfo:
     gpus = tf.config.list_physical_devices("GPU")
     if gpus:
         names = tuple(f"/gpu:{i}" for i in range(len(gpus)))
-        return DeviceInfo(names, False, "device (GPU)", True)
+        return DeviceInfo(names, False, "device (GPU)")
     cpus = tf.config.list_physical_devices("CPU")
     logical = None
     try:
@@ -83,15 +84,7 @@ def local_devices(num_cpu_replicas: int = 2) -> DeviceInfo:
     logical = tf.config.list_logical_devices("CPU")
     names = tuple(f"/cpu:{i}" for i in range(num_cpu_replicas))
     del logical
-    return DeviceInfo(names, True, "device (CPU stand-in)", _cpu_allocator_stats())
-
-
-def _cpu_allocator_stats() -> bool:
-    try:
-        tf.config.experimental.get_memory_info("CPU:0")
-    except (ValueError, RuntimeError):
-        return False
-    return True
+    return DeviceInfo(names, True, "device (CPU stand-in)")
 
 
 def framework_memory_bytes(info: DeviceInfo) -> tuple[float, float]:
@@ -100,8 +93,6 @@ def framework_memory_bytes(info: DeviceInfo) -> tuple[float, float]:
     On a GPU host this sums ``get_memory_info('GPU:i')`` over the local GPUs; on the CPU
     stand-in the logical CPU devices share one allocator, so ``CPU:0`` covers them all.
     """
-    if not info.allocator_stats:
-        return math.nan, math.nan
     names = (
         [info.memory_info_device]
         if info.is_standin
@@ -109,7 +100,10 @@ def framework_memory_bytes(info: DeviceInfo) -> tuple[float, float]:
     )
     current = peak = 0.0
     for name in names:
-        stats = tf.config.experimental.get_memory_info(name)
+        try:
+            stats = tf.config.experimental.get_memory_info(name)
+        except (ValueError, RuntimeError):  # no allocator statistics on this device
+            return math.nan, math.nan
         current += stats["current"]
         peak += stats["peak"]
     return current, peak

@@ -21,7 +21,7 @@ from tb_plugin import metadata
 from tb_plugin.summary import SummaryWriter
 from zero_runtime import estimator
 from zero_runtime.config import ZeroConfig
-from zero_runtime.devices import DeviceInfo
+from zero_runtime.devices import DeviceInfo, bfc_requested
 from zero_runtime.telemetry import FlightRecorder, StepStats, TierStats, read_probes
 
 log = logging.getLogger(__name__)
@@ -215,8 +215,6 @@ class ZeroRuntime:
         )
 
     def _reset_framework_peak(self) -> None:
-        if not self.device.allocator_stats:
-            return
         import tensorflow as tf
 
         try:
@@ -237,7 +235,7 @@ class ZeroRuntime:
                 "devices": list(self.device.devices),
                 "device_is_standin": self.device.is_standin,
                 "device_description": self.device.description,
-                "device_allocator_stats": self.device.allocator_stats,
+                "device_allocator_stats_requested": bfc_requested() or not self.device.is_standin,
                 "fallback_mirrored": self.fallback_mirrored,
                 "config": self.config.to_dict(),
                 "host_total_bytes": psutil.virtual_memory().total,
