@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Set up zero-infinity-tf on a fresh machine; safe to run again (idempotent).
+#  - Debian's chromium for the browser tests (when missing; needs root or sudo),
+#  - a virtual environment in .venv with the package (editable) and its test extra,
+#  - the frontend built from frontend/ with npm into tb_plugin/static/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { printf '[setup] %s\n' "$*"; }
+
+if ! command -v chromium >/dev/null 2>&1; then
+  log "installing Debian's chromium (browser tests)"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  log "creating .venv"
+  python3 -m venv .venv
+fi
+# A GPU host takes tensorflow[and-cuda]; everything else the smaller tensorflow-cpu.
+EXTRA=cpu
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then EXTRA=gpu; fi
+log "installing Python packages (.[${EXTRA},test])"
+.venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[${EXTRA},test]"
+
+log "building the frontend (npm)"
+if [ ! -f frontend/node_modules/.package-lock.json ] \
+   || [ frontend/package-lock.json -nt frontend/node_modules/.package-lock.json ]; then
+  (cd frontend && npm ci --no-audit --no-fund --loglevel=error)
+fi
+(cd frontend && npm run --silent build)
+test -f tb_plugin/static/index.js
+log "ready"
