@@ -12,6 +12,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers.reference_optimizers import DenseGradAdam, DenseGradSGD
 
 import zero_runtime
 from tb_plugin import metadata
@@ -19,31 +20,6 @@ from zero_runtime.optim import partitioned
 
 STEPS = 20
 GLOBAL_BATCH = 16
-
-
-def _densify(grads):
-    return [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
-
-
-class DenseGradAdam(keras.optimizers.Adam):
-    """The reference: Keras's own Adam, given the embedding gradient as a dense tensor.
-
-    Keras 3.15's Adam applies a ``tf.IndexedSlices`` gradient with duplicate row indices
-    (a token that occurs twice in a batch) as separate scatter updates of m and v, which is
-    not Adam on the summed gradient (shown in ``test_keras_sparse_adam_is_not_dense_adam``;
-    docs/parity.md). The partitioned optimizer implements Adam on the summed gradient, so
-    the reference densifies first; everything else is Keras's code.
-    """
-
-    def apply(self, grads, trainable_variables=None):
-        return super().apply(_densify(grads), trainable_variables)
-
-
-class DenseGradSGD(keras.optimizers.SGD):
-    """Keras's SGD given dense gradients (see :class:`DenseGradAdam`)."""
-
-    def apply(self, grads, trainable_variables=None):
-        return super().apply(_densify(grads), trainable_variables)
 
 
 def _model(seed: int) -> keras.Model:
@@ -270,3 +246,32 @@ def test_keras_sparse_adam_is_not_dense_adam():
 def test_unimplemented_stage_is_a_clear_error():
     with pytest.raises(NotImplementedError, match=r"stage=3 .*implemented \(stage, offload"):
         zero_runtime.ZeroInfinityStrategy({"stage": 3, "offload_optimizer": "cpu"})
+
+
+def test_estimate_event_matches_what_the_runtime_holds(zero_run):
+    """The estimator's host prediction equals the optimizer-state bytes actually allocated.
+
+    ZeRO stage 1, fp32 Adam, offload to cpu: K = 8 bytes per parameter of optimizer state,
+    divided over N_d = 2 replicas (SC20 section 5.1), on the host; parameters (4 bytes) and
+    gradients (4 bytes) stay on the device, replicated.
+    """
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
+
+    strategy, _, model, _, logdir = zero_run
+    acc = EventAccumulator(str(logdir), size_guidance={"tensors": 0})
+    acc.Reload()
+    event = acc.Tensors(metadata.TAG_ESTIMATE)[0]
+    import json
+
+    estimate = json.loads(tensor_util.make_ndarray(event.tensor_proto).item())
+    psi = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    per_replica = estimate["per_replica"]
+    assert estimate["num_params"] == psi
+    assert per_replica["device_bytes"] == 4 * psi + 4 * psi
+    assert per_replica["host_bytes"] == 8 * math.ceil(psi / 2)  # each replica's padded shard
+    # Measured: the host shards of both local replicas, allocated by the runtime.
+    assert estimate["per_process"]["host_bytes"] == 2 * per_replica["host_bytes"]
+    assert model.optimizer.host_state.state_bytes == estimate["per_process"]["host_bytes"]
+    # Measured on the device: the replicas' parameters, as the runtime accounts them.
+    assert strategy.runtime.model_param_bytes() * 2 == 2 * 4 * psi
