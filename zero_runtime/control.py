@@ -1,0 +1,241 @@
+"""Live tuning: the control-file channel between the Memory Hierarchy tab and a running job.
+
+The channel is two small JSON files in the run's log directory, so it works when
+TensorBoard and the job run on different machines that share the log directory:
+
+- ``memory_hierarchy_control.json`` — the *request*, written only by the plugin (or
+  :func:`write_request`), atomically (temporary file, then ``os.replace``)::
+
+      {"version": 3, "updates": {"device_budget_bytes": 268435456}, "requested_at": 1.7e9}
+
+  ``version`` increases monotonically; ``updates`` holds only keys of
+  ``zero_runtime.config.TUNABLE_KEYS``.
+- ``memory_hierarchy_control_ack.json`` — the *acknowledgement*, written only by the
+  runtime, atomically, after each request it has decided on::
+
+      {"version": 3, "status": "applied", "step": 120, "changes": {...}, "reason": null}
+
+At every step boundary the runtime calls :meth:`ControlChannel.poll`, which costs one
+``os.stat`` when nothing changed (the file's inode, modification time and size are
+compared).
+A newer valid version is applied before the next step; an invalid one is rejected with
+its reason and the job continues; a version not newer than the last one decided on is
+ignored (an out-of-order or replayed request).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+import tempfile
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from zero_runtime.config import TUNABLE_KEYS, ZeroConfig, ZeroConfigError, validate_tunable_update
+
+REQUEST_FILE = "memory_hierarchy_control.json"
+ACK_FILE = "memory_hierarchy_control_ack.json"
+#: Largest control file read, bytes; a larger one is rejected unread.
+MAX_REQUEST_BYTES = 64 * 1024
+
+
+class Status(enum.Enum):
+    """What the runtime decided about one request."""
+
+    APPLIED = "applied"  # valid and newer: in effect from ``step`` on
+    REJECTED = "rejected"  # malformed or invalid: not applied, ``reason`` says why
+    IGNORED = "ignored"  # version not newer than the last decided one
+
+
+@dataclasses.dataclass(frozen=True)
+class ControlOutcome:
+    """The decision about one control request.
+
+    Attributes:
+        version: the request's version (-1 when the file could not be parsed).
+        status: applied, rejected or ignored.
+        step: the step from which an applied change is in effect (the next step), or at
+            which the request was rejected / ignored.
+        changes: key -> ``{"old": value, "new": value}`` (applied requests only).
+        reason: why a request was rejected or ignored; None when applied.
+        decided_at: seconds since the epoch.
+    """
+
+    version: int
+    status: Status
+    step: int
+    changes: dict[str, dict[str, Any]]
+    reason: str | None
+    decided_at: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable form (the ack file and the ``config_event`` summary)."""
+        d = dataclasses.asdict(self)
+        d["status"] = self.status.value
+        return d
+
+
+class ControlChannel:
+    """Reads a run's control file at step boundaries and decides on each new request.
+
+    Args:
+        run_dir: the run's log directory (where the plugin writes the request).
+        config: the job's configuration at start (version 0).
+
+    Attributes:
+        config: the configuration in effect now.
+        version: the version of ``config`` (0 = as started).
+        history: every decision so far, oldest first.
+    """
+
+    def __init__(self, run_dir: str, config: ZeroConfig) -> None:
+        self.run_dir = str(run_dir)
+        self.config = config
+        self.version = 0
+        self.history: list[ControlOutcome] = []
+        self._last_decided_version = 0
+        self._seen_stat: tuple[int, int, int] | None = None
+
+    @property
+    def request_path(self) -> str:
+        """Path of the request file."""
+        return os.path.join(self.run_dir, REQUEST_FILE)
+
+    def poll(self, step: int) -> ControlOutcome | None:
+        """Check the request file; decide on it if it changed since the last poll.
+
+        Args:
+            step: the step about to start (an applied change is in effect from it).
+
+        Returns:
+            The outcome when a changed file was decided on, else None. An applied outcome
+            has already replaced :attr:`config` and :attr:`version`.
+        """
+        try:
+            st = os.stat(self.request_path)
+        except FileNotFoundError:
+            return None
+        # A request is replaced atomically, so a new request is a new inode; mtime and size
+        # catch an in-place edit.
+        stat_key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if stat_key == self._seen_stat:
+            return None
+        self._seen_stat = stat_key
+        outcome = self._decide(step, st.st_size)
+        self.history.append(outcome)
+        _write_json_atomic(os.path.join(self.run_dir, ACK_FILE), outcome.to_dict())
+        return outcome
+
+    def _decide(self, step: int, size: int) -> ControlOutcome:
+        if size > MAX_REQUEST_BYTES:
+            return self._outcome(
+                -1, Status.REJECTED, step, f"request larger than {MAX_REQUEST_BYTES} bytes"
+            )
+        try:
+            with open(self.request_path, encoding="utf-8") as fh:
+                request = json.load(fh)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            return self._outcome(-1, Status.REJECTED, step, f"unreadable request: {exc}")
+        version = request.get("version") if isinstance(request, dict) else None
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            return self._outcome(
+                -1, Status.REJECTED, step, f"'version' must be an int >= 1, got {version!r}"
+            )
+        if version <= self._last_decided_version:
+            return self._outcome(
+                version,
+                Status.IGNORED,
+                step,
+                f"version {version} is not newer than {self._last_decided_version}",
+            )
+        self._last_decided_version = version
+        updates = request.get("updates")
+        try:
+            new = validate_tunable_update(self.config, updates)
+        except ZeroConfigError as exc:
+            return self._outcome(version, Status.REJECTED, step, str(exc))
+        changes = {
+            k: {"old": getattr(self.config, k), "new": getattr(new, k)}
+            for k in updates
+            if getattr(self.config, k) != getattr(new, k)
+        }
+        self.config = new
+        self.version = version
+        return self._outcome(version, Status.APPLIED, step, None, changes)
+
+    @staticmethod
+    def _outcome(version, status, step, reason, changes=None) -> ControlOutcome:
+        return ControlOutcome(version, status, step, changes or {}, reason, time.time())
+
+
+def write_request(run_dir: str, updates: Mapping[str, Any]) -> int:
+    """Write a new control request for a run, atomically; returns its version.
+
+    The version is one more than the version in the existing request file (1 if none).
+    Only keys of ``TUNABLE_KEYS`` within their bounds are accepted; nothing is written
+    otherwise.
+
+    Args:
+        run_dir: the run's log directory (must exist).
+        updates: key -> new value (ints, see ``TUNABLE_KEYS``).
+
+    Raises:
+        ZeroConfigError: an unknown or non-tunable key, or a value out of bounds or of the
+            wrong type (NaN and infinities included).
+        FileNotFoundError: ``run_dir`` does not exist.
+    """
+    if not isinstance(updates, Mapping) or not updates:
+        raise ZeroConfigError(f"updates must be a non-empty mapping, got {updates!r}")
+    checked = {}
+    for key, value in updates.items():
+        if key not in TUNABLE_KEYS:
+            raise ZeroConfigError(
+                f"key {key!r} cannot be tuned live; tunable keys: {', '.join(TUNABLE_KEYS)}",
+                key=key,
+                value=value,
+                accepted=", ".join(TUNABLE_KEYS),
+            )
+        checked[key] = TUNABLE_KEYS[key].check(value)
+    if not os.path.isdir(run_dir):
+        raise FileNotFoundError(f"run directory {run_dir!r} does not exist")
+    path = os.path.join(run_dir, REQUEST_FILE)
+    previous = 0
+    try:
+        with open(path, encoding="utf-8") as fh:
+            old = json.load(fh)
+        if isinstance(old, dict) and isinstance(old.get("version"), int):
+            previous = old["version"]
+    except (OSError, ValueError):
+        pass
+    version = previous + 1
+    _write_json_atomic(path, {"version": version, "updates": checked, "requested_at": time.time()})
+    return version
+
+
+def read_ack(run_dir: str) -> dict[str, Any] | None:
+    """The runtime's last acknowledgement for a run, or None when there is none yet."""
+    try:
+        with open(os.path.join(run_dir, ACK_FILE), encoding="utf-8") as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def _write_json_atomic(path: str, obj: Any) -> None:
+    directory = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(prefix=".tmp_", suffix=".json", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(obj, fh, allow_nan=False)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
