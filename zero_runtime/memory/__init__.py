@@ -1,0 +1,63 @@
+"""The paged buffer pool: fixed-size pages over device, host and NVMe tiers.
+
+Public API::
+
+    from zero_runtime.memory import PagedBufferPool
+
+    with PagedBufferPool(host_budget_bytes=1 << 30, nvme_path="/mnt/nvme") as pool:
+        pool.allocate("w", (4096, 1024), "float32", kind="param")
+        pool.write("w", weights)
+        pool.evict("w", "nvme")
+        pool.prefetch(["w"])
+        w = pool.acquire("w")          # np.ndarray, read-only, pinned
+        pool.release("w")
+        counters = pool.step_boundary(step)   # PageCounters
+
+Modules: :mod:`.page_table` (pages, states, the one record), :mod:`.tiers` (slots and
+storage), :mod:`.io` (slab files, async I/O), :mod:`.pool` (placement, eviction,
+prefetch), :mod:`.counters`, :mod:`.errors`. See ``docs/paging.md``.
+"""
+
+from zero_runtime.memory.counters import PageCounters, TierUsage
+from zero_runtime.memory.errors import (
+    Holder,
+    NvmeFullError,
+    NvmePathError,
+    OomSnapshot,
+    PageChecksumError,
+    PageStateError,
+    PagingError,
+    PoolClosedError,
+    PoolOutOfMemoryError,
+)
+from zero_runtime.memory.page_table import KINDS, PageState
+from zero_runtime.memory.pool import (
+    DEFAULT_PAGE_SIZE,
+    MIN_PAGE_SIZE,
+    PagedBufferPool,
+    PageInfo,
+    TensorInfo,
+)
+from zero_runtime.memory.tiers import DeviceTier
+
+__all__ = [
+    "DEFAULT_PAGE_SIZE",
+    "KINDS",
+    "MIN_PAGE_SIZE",
+    "DeviceTier",
+    "Holder",
+    "NvmeFullError",
+    "NvmePathError",
+    "OomSnapshot",
+    "PageChecksumError",
+    "PageCounters",
+    "PageInfo",
+    "PageState",
+    "PageStateError",
+    "PagedBufferPool",
+    "PagingError",
+    "PoolClosedError",
+    "PoolOutOfMemoryError",
+    "TensorInfo",
+    "TierUsage",
+]

@@ -1,0 +1,300 @@
+"""NVMe slab files and the asynchronous I/O scheduler.
+
+A pool's NVMe tier is one *slab file* of fixed page-sized slots, named
+``zrpool-<pid>-<token>.slab`` in ``nvme_path``: the pid records the owner, and the owner
+holds an exclusive ``flock`` on it for its whole life. At start, files of processes that
+are gone (pid not alive *and* the lock free) are removed; files of live processes never
+are.
+
+I/O uses ``os.pwrite`` and ``os.preadv`` (``os.pread`` cannot read into a caller's
+buffer, which ``O_DIRECT`` needs). ``O_DIRECT`` is tried at open with a page-aligned
+(mmap) buffer; if the filesystem refuses it, buffered I/O is used. The mode is recorded
+in :attr:`NvmeFile.io_mode`. With ``O_DIRECT``, offsets, lengths and buffers are
+multiples of :data:`IO_ALIGN`; the pool's buffers are mmap-allocated, hence aligned.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import re
+import secrets
+import shutil
+import time
+import zlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import psutil
+
+from zero_runtime.memory.errors import NvmePathError
+
+logger = logging.getLogger(__name__)
+
+# Alignment of O_DIRECT offsets, lengths and buffers (bytes). 4096 covers 512-byte and
+# 4 KiB logical-block devices.
+IO_ALIGN = 4096
+
+SLAB_PATTERN = re.compile(r"^zrpool-(\d+)-[0-9a-f]+\.slab$")
+
+
+def round_up(n: int, align: int = IO_ALIGN) -> int:
+    """Round ``n`` (bytes) up to a multiple of ``align``."""
+    return (n + align - 1) // align * align
+
+
+def cleanup_stale_files(directory: str) -> list[str]:
+    """Remove slab files left in ``directory`` by processes that no longer exist.
+
+    A file is removed only if its pid (from the name) is not this process, is not alive
+    (``psutil.pid_exists``), and its ``flock`` can be taken (no process, e.g. a forked
+    child that inherited the descriptor, still holds it).
+
+    Returns:
+        The paths removed.
+    """
+    removed = []
+    me = os.getpid()
+    for name in sorted(os.listdir(directory)):
+        match = SLAB_PATTERN.match(name)
+        if not match or int(match.group(1)) == me or psutil.pid_exists(int(match.group(1))):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError as exc:
+            logger.warning("could not remove stale NVMe slab file %s: %s", path, exc)
+        finally:
+            os.close(fd)
+    if removed:
+        logger.info(
+            "removed %d stale NVMe slab file(s) of dead processes: %s", len(removed), removed
+        )
+    return removed
+
+
+def aligned_buffer(nbytes: int) -> mmap.mmap:
+    """Allocate ``nbytes`` of anonymous, page-aligned memory (usable for O_DIRECT)."""
+    return mmap.mmap(-1, max(nbytes, mmap.PAGESIZE))
+
+
+class NvmeFile:
+    """One slab file: open, ownership lock, I/O mode detection, full-length pread/pwrite.
+
+    Args:
+        directory: an existing, writable directory.
+        budget_bytes: bytes the tier may use (``None``: unbounded). Refused if larger
+            than the free space of the filesystem.
+
+    Raises:
+        NvmePathError: the directory is missing, not a directory, read-only or not
+            writable, or has less free space than ``budget_bytes`` (both numbers given).
+    """
+
+    def __init__(self, directory: str, budget_bytes: int | None) -> None:
+        directory = os.path.abspath(directory)
+        if not os.path.exists(directory):
+            raise NvmePathError(
+                f"nvme_path {directory!r} does not exist (or a parent is not a directory); "
+                f"create it or pass an existing directory"
+            )
+        if not os.path.isdir(directory):
+            raise NvmePathError(f"nvme_path {directory!r} is not a directory")
+        cleanup_stale_files(directory)
+        self.path = os.path.join(directory, f"zrpool-{os.getpid()}-{secrets.token_hex(6)}.slab")
+        try:
+            self._lock_fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            raise NvmePathError(
+                f"nvme_path {directory!r} is not writable ({errno.errorcode.get(exc.errno, '?')}:"
+                f" {exc.strerror}); pass a writable directory on a local disk"
+            ) from exc
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self._closed = False
+        free = shutil.disk_usage(directory).free
+        if budget_bytes is not None and budget_bytes > free:
+            self.close()
+            raise NvmePathError(
+                f"nvme_budget_bytes={budget_bytes} exceeds the free space under {directory!r} "
+                f"({free} bytes free)"
+            )
+        self.fd, self.io_mode = self._open_io_fd()
+
+    def _open_io_fd(self) -> tuple[int, str]:
+        """Open the descriptor used for I/O: O_DIRECT if a probe write/read works."""
+        if hasattr(os, "O_DIRECT"):
+            probe = aligned_buffer(IO_ALIGN)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_DIRECT)
+            except OSError:
+                fd = -1
+            if fd >= 0:
+                try:
+                    os.pwrite(fd, probe, 0)
+                    os.preadv(fd, [probe], 0)
+                    os.ftruncate(fd, 0)
+                    return fd, "direct"
+                except OSError as exc:
+                    logger.info("O_DIRECT refused on %s (%s); using buffered I/O", self.path, exc)
+                    os.close(fd)
+            probe.close()
+        os.ftruncate(self._lock_fd, 0)
+        return os.dup(self._lock_fd), "buffered"
+
+    def pwrite(self, buf: memoryview, offset: int) -> None:
+        """Write all of ``buf`` at ``offset`` (bytes).
+
+        Raises:
+            OSError: as raised by ``os.pwrite``; a write that makes no progress (a short
+                write on a full disk) raises ``OSError(errno.ENOSPC)``.
+        """
+        done = 0
+        while done < len(buf):
+            n = os.pwrite(self.fd, buf[done:], offset + done)
+            if n <= 0:
+                raise OSError(errno.ENOSPC, "short write: no space left on device", self.path)
+            done += n
+
+    def pread_into(self, buf: memoryview, offset: int) -> None:
+        """Fill ``buf`` from ``offset`` (bytes).
+
+        Raises:
+            OSError: as raised by ``os.preadv``; ``EIO`` if the file ends first.
+        """
+        done = 0
+        while done < len(buf):
+            n = os.preadv(self.fd, [buf[done:]], offset + done)
+            if n <= 0:
+                raise OSError(errno.EIO, f"short read at offset {offset + done}", self.path)
+            done += n
+
+    def disk_bytes(self) -> int:
+        """Bytes the slab file occupies on disk (``st_blocks * 512``)."""
+        return os.fstat(self._lock_fd).st_blocks * 512
+
+    def close(self) -> None:
+        """Close the descriptors and remove the file. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for fd in (getattr(self, "fd", -1), self._lock_fd):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+@dataclasses.dataclass(eq=False)
+class IoJob:
+    """One page read or write on the NVMe slab.
+
+    Attributes:
+        op: ``"read"`` (NVMe -> host slot) or ``"write"`` (host slot -> NVMe).
+        page: the page record (a ``PageRecord``), in flight while the job runs.
+        buffer: the host slot's memory, ``round_up(payload)`` bytes.
+        offset: byte offset in the slab file.
+        payload: bytes covered by the CRC32 (the page's payload).
+        evicting: the write is an eviction (counted as such when it completes).
+        crc: CRC32 of the payload, computed by the job (before writing / after reading).
+        seconds: time spent in I/O and CRC (seconds).
+        error: the exception the job ended with, if any.
+        done: set when the pool has processed the completion.
+    """
+
+    op: str
+    page: Any
+    buffer: memoryview
+    offset: int
+    payload: int
+    evicting: bool = False
+    crc: int | None = None
+    seconds: float = 0.0
+    error: BaseException | None = None
+    done: bool = False
+
+
+class IoScheduler:
+    """A bounded pool of I/O threads with a bounded number of outstanding jobs.
+
+    At most ``queue_depth`` jobs are handed to the threads at once; more wait in a FIFO
+    here. Each finished job is passed to ``on_complete`` on the I/O thread, which must
+    take the pool's lock, process it and call :meth:`job_finished` under that lock.
+
+    Args:
+        file: the slab file.
+        threads: number of I/O threads (>= 1).
+        queue_depth: maximum jobs outstanding at the threads (>= 1).
+        on_complete: the pool's completion handler.
+    """
+
+    def __init__(
+        self,
+        file: NvmeFile,
+        threads: int,
+        queue_depth: int,
+        on_complete: Callable[[IoJob], None],
+    ) -> None:
+        self._file = file
+        self._depth = queue_depth
+        self._on_complete = on_complete
+        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zr-io")
+        self._pending: collections.deque[IoJob] = collections.deque()
+        self._outstanding = 0
+
+    def submit(self, job: IoJob) -> None:
+        """Queue ``job``; never blocks. Call under the pool's lock."""
+        if self._outstanding < self._depth:
+            self._outstanding += 1
+            self._executor.submit(self._run, job)
+        else:
+            self._pending.append(job)
+
+    def job_finished(self) -> None:
+        """Account a processed completion and start queued jobs. Call under the pool's lock."""
+        self._outstanding -= 1
+        while self._pending and self._outstanding < self._depth:
+            self._outstanding += 1
+            self._executor.submit(self._run, self._pending.popleft())
+
+    def busy(self) -> bool:
+        """True while any job is queued or running."""
+        return self._outstanding > 0 or bool(self._pending)
+
+    def _run(self, job: IoJob) -> None:
+        start = time.perf_counter()
+        try:
+            if job.op == "write":
+                job.crc = zlib.crc32(job.buffer[: job.payload])
+                self._file.pwrite(job.buffer, job.offset)
+            else:
+                self._file.pread_into(job.buffer, job.offset)
+                job.crc = zlib.crc32(job.buffer[: job.payload])
+        except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
+            job.error = exc
+        job.seconds = time.perf_counter() - start
+        self._on_complete(job)
+
+    def shutdown(self) -> None:
+        """Wait for the threads to finish their jobs and stop them."""
+        self._executor.shutdown(wait=True)
