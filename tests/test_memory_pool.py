@@ -306,3 +306,30 @@ def test_closed_pool_refuses_calls_and_removes_its_file(tmp_path):
     assert pool.closed and not list((tmp_path / "nvme").iterdir())
     with pytest.raises(PoolClosedError, match="closed"):
         pool.read("a")
+
+
+def test_prefetch_never_evicts_pages_needed_sooner_than_what_it_brings(tmp_path):
+    for order, expected in ((["a", "b", "c"], "nvme"), (None, "host")):
+        with make_pool(tmp_path, host=2) as pool:
+            for tid in "cab":  # c first: it goes to NVMe when b arrives
+                pool.allocate(tid, (F32_PER_PAGE,), np.float32)
+            assert tiers_of(pool, "c") == ["nvme"]
+            pool.set_access_order(order)
+            pool.prefetch("c")
+            pool.synchronize()
+            # With the order, a and b are needed before c: the prefetch gives up.
+            # Without it, LRU lets the prefetch evict a.
+            assert tiers_of(pool, "c") == [expected]
+            assert tiers_of(pool, "b") == ["host"]
+
+
+def test_close_while_prefetching_finishes_io_and_removes_the_file(tmp_path):
+    pool = make_pool(tmp_path, host=2, nvme=16)
+    ids = [f"t{i}" for i in range(12)]
+    for tid in ids:
+        pool.allocate(tid, (F32_PER_PAGE,), np.float32)
+    pool.evict(ids, "nvme")
+    for tid in ids:
+        pool.prefetch(tid)
+    pool.close()
+    assert pool.closed and not list((tmp_path / "nvme").iterdir())

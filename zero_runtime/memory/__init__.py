@@ -14,8 +14,9 @@ Public API::
         counters = pool.step_boundary(step)   # PageCounters
 
 Modules: :mod:`.page_table` (pages, states, the one record), :mod:`.tiers` (slots and
-storage), :mod:`.io` (slab files, async I/O), :mod:`.pool` (placement, eviction,
-prefetch), :mod:`.counters`, :mod:`.errors`. See ``docs/paging.md``.
+storage), :mod:`.io` (slab files, async I/O), :mod:`.policy` (victim ranking),
+:mod:`.pool` (placement, eviction, prefetch), :mod:`.counters`, :mod:`.errors`.
+See ``docs/paging.md``.
 """
 
 from zero_runtime.memory.counters import PageCounters, TierUsage

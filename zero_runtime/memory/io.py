@@ -61,7 +61,12 @@ def cleanup_stale_files(directory: str) -> list[str]:
     """
     removed = []
     me = os.getpid()
-    for name in sorted(os.listdir(directory)):
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError as exc:
+        logger.warning("cannot list %s for stale slab files: %s", directory, exc)
+        return removed
+    for name in names:
         match = SLAB_PATTERN.match(name)
         if not match or int(match.group(1)) == me or psutil.pid_exists(int(match.group(1))):
             continue
@@ -134,17 +139,21 @@ class NvmeFile:
                 f"nvme_budget_bytes={budget_bytes} exceeds the free space under {directory!r} "
                 f"({free} bytes free)"
             )
-        self.fd, self.io_mode = self._open_io_fd()
+        try:
+            self.fd, self.io_mode = self._open_io_fd()
+        except BaseException:
+            self.close()
+            raise
 
     def _open_io_fd(self) -> tuple[int, str]:
-        """Open the descriptor used for I/O: O_DIRECT if a probe write/read works."""
+        """Open the descriptor used for I/O: O_DIRECT if an aligned probe write/read works."""
         if hasattr(os, "O_DIRECT"):
-            probe = aligned_buffer(IO_ALIGN)
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_DIRECT)
-            except OSError:
-                fd = -1
-            if fd >= 0:
+            except OSError as exc:
+                logger.info("O_DIRECT refused on %s (%s); using buffered I/O", self.path, exc)
+            else:
+                probe = aligned_buffer(IO_ALIGN)
                 try:
                     os.pwrite(fd, probe, 0)
                     os.preadv(fd, [probe], 0)
@@ -153,7 +162,8 @@ class NvmeFile:
                 except OSError as exc:
                     logger.info("O_DIRECT refused on %s (%s); using buffered I/O", self.path, exc)
                     os.close(fd)
-            probe.close()
+                finally:
+                    probe.close()
         os.ftruncate(self._lock_fd, 0)
         return os.dup(self._lock_fd), "buffered"
 

@@ -19,11 +19,9 @@ page-aligned staging buffer under the lock: they are not the paging hot path.
 
 from __future__ import annotations
 
-import bisect
 import collections
 import dataclasses
 import errno
-import heapq
 import logging
 import math
 import threading
@@ -31,6 +29,7 @@ import time
 import weakref
 import zlib
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import psutil
@@ -57,7 +56,11 @@ from zero_runtime.memory.page_table import (
     PageTable,
     TensorEntry,
 )
+from zero_runtime.memory.policy import EvictionPolicy
 from zero_runtime.memory.tiers import DeviceTier, HostTier, NvmeTier, SlotTier
+
+if TYPE_CHECKING:
+    import tensorflow as tf
 
 logger = logging.getLogger(__name__)
 
@@ -218,9 +221,7 @@ class PagedBufferPool:
         self._zeros = np.zeros(ps, np.uint8)  # (page_size,) source of zero-filled pages
         self._staging = aligned_buffer(ps)  # page-aligned buffer for synchronous NVMe I/O
         self._staging_arr = np.frombuffer(self._staging, np.uint8)[:ps]
-        self._access_order: list[str] = []
-        self._order_positions: dict[str, list[int]] = {}
-        self._cursor = 0  # position in the access order of the next expected use
+        self._policy = EvictionPolicy()
         self._starved = 0  # blocking callers waiting for slots; the prefetcher yields
         self._prefetch_queue: collections.deque[tuple[tuple[str, ...], str]] = collections.deque()
         self._prefetching = False
@@ -376,6 +377,9 @@ class PagedBufferPool:
     def write(self, tensor_id: str, array: np.ndarray) -> None:
         """Overwrite a tensor's contents where its pages are (no page moves).
 
+        A copy handed out by a multi-page ``acquire(writable=True)`` is not updated and
+        is written back over these contents at its release.
+
         Args:
             tensor_id: an allocated tensor.
             array: array-like of the tensor's shape; cast to its dtype as numpy assignment
@@ -434,7 +438,9 @@ class PagedBufferPool:
             return out.view(entry.dtype).reshape(entry.shape)
 
     # --- paging -----------------------------------------------------------------------
-    def acquire(self, tensor_id: str, tier: str = "host", writable: bool = False):
+    def acquire(
+        self, tensor_id: str, tier: str = "host", writable: bool = False
+    ) -> np.ndarray | tf.Tensor:
         """Bring a tensor's pages to ``tier``, pin them, and return the tensor.
 
         Waits only for pages not yet resident on ``tier``; that wait is counted in
@@ -453,7 +459,9 @@ class PagedBufferPool:
             page for a one-page tensor, else a contiguous copy (so a multi-page acquire
             allocates ``nbytes`` outside the tier budgets). For 'device', a ``tf.Tensor``
             of the shape and dtype, assembled from the pages (a transient ``nbytes``
-            device buffer for multi-page tensors).
+            device buffer for multi-page tensors). A host array is valid only until the
+            matching :meth:`release`: a one-page view then points at a slot the pool may
+            give to another page.
 
         Raises:
             KeyError: unknown tensor.
@@ -494,7 +502,7 @@ class PagedBufferPool:
             self._counters.add("prefetch_misses", len(entry.pages) - hits)
             if waited:
                 self._counters.add("stall_seconds", time.perf_counter() - start)
-            self._advance_cursor(tensor_id)
+            self._policy.advance(tensor_id)
             for page in entry.pages:
                 self._table.touch(page)
             return result
@@ -604,19 +612,14 @@ class PagedBufferPool:
     def set_access_order(self, tensor_ids: Sequence[str] | None) -> None:
         """Declare the order in which a step acquires tensors, for reuse-distance eviction.
 
-        With an order, a full tier evicts first the page whose tensor is next used
-        furthest ahead (not at all, then the next step), ties broken by least recent use.
+        With an order, a full tier evicts first the pages of tensors absent from it, then
+        the page whose tensor is next used furthest ahead (counting into the next step),
+        ties broken by least recent use.
         The position advances with each ``acquire`` and restarts at ``step_boundary``.
         ``None`` or ``[]`` restores plain LRU.
         """
-        order = list(tensor_ids or ())
         with self._cond:
-            self._access_order = order
-            positions: dict[str, list[int]] = {}
-            for i, tid in enumerate(order):
-                positions.setdefault(tid, []).append(i)
-            self._order_positions = positions
-            self._cursor = 0
+            self._policy.set_order(tensor_ids)
 
     def synchronize(self) -> None:
         """Wait until queued prefetches and all NVMe I/O have finished."""
@@ -641,7 +644,7 @@ class PagedBufferPool:
             for tier in self._tiers.values():
                 tier.reset_peak()
             self._table.step = int(step) + 1
-            self._cursor = 0
+            self._policy.restart()
             return snapshot
 
     def usage(self) -> dict[str, TierUsage]:
@@ -826,19 +829,16 @@ class PagedBufferPool:
     def _victims(
         self, tier: str, n: int, exclude: set[str], limit: float | None
     ) -> list[PageRecord]:
-        """The ``n`` best pages to evict from ``tier``: furthest next use, then LRU."""
+        """The ``n`` pages of other, unpinned tensors to evict first from ``tier``."""
         state = RESIDENT[tier]
-        candidates = [
-            (self._distance(e.tensor_id), p)
+        candidates = (
+            p
             for e in self._table.entries()
             if not e.pinned and e.tensor_id not in exclude
             for p in e.pages
             if p.state is state
-        ]
-        if limit is not None:
-            candidates = [c for c in candidates if c[0] > limit]
-        best = heapq.nsmallest(n, candidates, key=lambda c: (-c[0], c[1].last_use_tick))
-        return [p for _, p in best]
+        )
+        return self._policy.choose(candidates, n, limit)
 
     def _hop(
         self, page: PageRecord, dst: str, slot: int, jobs: list[IoJob], evicting: bool
@@ -1001,7 +1001,7 @@ class PagedBufferPool:
             )
         out[:] = self._staging_arr[:n]
 
-    def _materialise(self, entry: TensorEntry, tier: str, writable: bool):
+    def _materialise(self, entry: TensorEntry, tier: str, writable: bool) -> np.ndarray | tf.Tensor:
         if tier == "device":
             return self._device_tensor(entry)
         if entry.acquired is not None:
@@ -1028,7 +1028,7 @@ class PagedBufferPool:
         entry.writable = writable
         return arr
 
-    def _device_tensor(self, entry: TensorEntry):
+    def _device_tensor(self, entry: TensorEntry) -> tf.Tensor:
         tf = self._device._tf
         with tf.device(self._device.device_name):
             tf_dtype = tf.as_dtype(entry.dtype)
@@ -1065,7 +1065,7 @@ class PagedBufferPool:
         if entry.tensor_id not in self._table:
             raise KeyError(f"tensor {entry.tensor_id!r} was freed while waiting")
 
-    # --- internals: prefetch and access order -----------------------------------------
+    # --- internals: prefetch -----------------------------------------
     def _prefetch_loop(self) -> None:
         with self._cond:
             while not self._closed:
@@ -1079,8 +1079,8 @@ class PagedBufferPool:
                 ids = tuple(t for t in ids if t in self._table)
                 pages = [p for t in ids for p in self._table.get(t).pages]
                 limit = None
-                if self._access_order and ids:
-                    limit = max(self._distance(t) for t in ids)
+                if self._policy.ordered and ids:
+                    limit = max(self._policy.distance(t) for t in ids)
                 try:
                     done = self._settle(pages, tier, set(ids), advisory=True, limit=limit)
                 except PoolClosedError:
@@ -1092,23 +1092,6 @@ class PagedBufferPool:
                     self._prefetch_queue.appendleft((ids, tier))  # resume after the caller
             self._prefetching = False
             self._cond.notify_all()
-
-    def _distance(self, tensor_id: str) -> float:
-        """Acquires until ``tensor_id`` is next used per the access order (inf: never)."""
-        positions = self._order_positions.get(tensor_id)
-        if not positions:
-            return math.inf
-        i = bisect.bisect_left(positions, self._cursor)
-        if i < len(positions):
-            return positions[i] - self._cursor
-        return len(self._access_order) - self._cursor + positions[0]
-
-    def _advance_cursor(self, tensor_id: str) -> None:
-        positions = self._order_positions.get(tensor_id)
-        if not positions:
-            return
-        i = bisect.bisect_left(positions, self._cursor)
-        self._cursor = (positions[i] if i < len(positions) else positions[0]) + 1
 
     # --- internals: checks and reports ------------------------------------------------
     def _check_open(self) -> None:
