@@ -108,10 +108,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"demo.train: error: {exc}", file=sys.stderr)
         return 2
 
+    if args.batch_size % args.replicas:
+        print(
+            f"demo.train: error: --batch-size {args.batch_size} must be a multiple of "
+            f"--replicas {args.replicas} (each replica takes an equal part of the batch)",
+            file=sys.stderr,
+        )
+        return 2
     run_dir = os.path.join(args.logdir, args.run)
-    strategy = zero_runtime.ZeroInfinityStrategy(
-        config, logdir=run_dir, num_cpu_replicas=args.replicas
-    )
+    try:
+        strategy = zero_runtime.ZeroInfinityStrategy(
+            config, logdir=run_dir, num_cpu_replicas=args.replicas
+        )
+    except NotImplementedError as exc:
+        print(f"demo.train: error: {exc}", file=sys.stderr)
+        return 2
     # TensorFlow is initialised from here on (the strategy configured the devices first).
     import keras
 

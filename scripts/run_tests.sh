@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# Set up, then run every check: ruff, the frontend's unit tests and the pytest suite
-# (unit, parity, plugin, real TensorBoard + headless Chromium end-to-end).
+# Set up, then run every check: ruff (on the repository's tracked Python files), the
+# frontend's unit tests and the pytest suite (unit, parity, plugin, real TensorBoard +
+# headless Chromium end-to-end). Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/ruff check .
+if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+  git ls-files -z -- '*.py' | xargs -0 .venv/bin/ruff check
+else
+  .venv/bin/ruff check .
+fi
 (cd frontend && npm test --silent)
 .venv/bin/python -m pytest -q "$@"
