@@ -71,6 +71,18 @@ class ZeroRuntime:
         self._write_run_info()
 
     # -- registration --------------------------------------------------------------------
+    def set_fallback_mirrored(self, value: bool) -> None:
+        """Record that the strategy runs as plain mirrored data parallelism (or not).
+
+        Called by a partitioned optimizer whose model states are below
+        ``mirrored_fallback_bytes``; run_info is written again (its tag's contract: "at
+        start and when it changes").
+        """
+        if self.fallback_mirrored == bool(value):
+            return
+        self.fallback_mirrored = bool(value)
+        self._write_run_info()
+
     def register_optimizer(self, optimizer: Any) -> None:
         """Track a partitioned optimizer whose host state counts toward the host tier.
 
@@ -166,24 +178,60 @@ class ZeroRuntime:
 
     def host_state_bytes(self) -> tuple[int, int]:
         """(optimizer-state bytes, scratch bytes) held on the host by all optimizers."""
-        state = scratch = 0
+        return self._state_bytes_on("host")
+
+    def _state_bytes_on(self, tier: str) -> tuple[int, int]:
+        """(optimizer-state bytes, other bytes) the optimizers' stores hold on ``tier``."""
+        state = other = 0
         for opt in self._optimizers:
-            s = opt.host_state
-            state += s.state_bytes
-            scratch += s.nbytes - s.state_bytes
-        return state, scratch
+            s, o = opt.zero_state.store.usage().get(tier, (0, 0))
+            state += s
+            other += o
+        return state, other
+
+    def grad_bytes(self) -> int:
+        """Device bytes of gradients the local replicas keep, by the ZeRO accounting.
+
+        Stage 1: the reduced gradient of every bucket exists in full (``4 * padded_total``
+        per replica); stage 2: only the reduced shard (``4 * shard_size``), section 5.2 of
+        the ZeRO paper. With accumulation (N > 1) the kept buffer is the accumulator
+        (stage 1: ``padded_total``, stage 2: ``shard_size`` elements per replica).
+        """
+        total = 0
+        for opt in self._optimizers:
+            zs = opt.zero_state
+            if zs.accumulators:
+                total += zs.accumulator_bytes
+                continue
+            per = zs.layout.shard_size if zs.stage >= 2 else zs.layout.padded_total
+            total += 4 * per * self.device_replicas
+        return total
+
+    def _page_counters(self, step: int) -> dict[str, float]:
+        pages: dict[str, float] = {}
+        for opt in self._optimizers:
+            boundary = getattr(opt.zero_state.store, "step_boundary", None)
+            if boundary is None:
+                continue
+            for name, value in zip(metadata.PAGE_COLUMNS, boundary(step).as_row()):
+                pages[name] = pages.get(name, 0.0) + value
+        return pages
 
     def _collect(self, step: int, now: float, step_seconds: float) -> StepStats:
         readings = read_probes(self.device, self.config.nvme_path)
         param_bytes = float(self.model_param_bytes() * self.device_replicas)
+        grad_bytes = float(self.grad_bytes())
+        device_opt, _ = self._state_bytes_on("device")
         used = readings.framework_device_bytes
+        attributed = param_bytes + grad_bytes + device_opt
         device = TierStats(
             used_bytes=used,
             capacity_bytes=_or_nan(self.config.device_budget_bytes),
             peak_bytes=readings.framework_device_peak_bytes,
             param_bytes=param_bytes,
-            optimizer_bytes=0.0,
-            other_bytes=max(0.0, used - param_bytes) if math.isfinite(used) else math.nan,
+            grad_bytes=grad_bytes,
+            optimizer_bytes=float(device_opt),
+            other_bytes=max(0.0, used - attributed) if math.isfinite(used) else math.nan,
         )
         state, scratch = self.host_state_bytes()
         host_used = float(state + scratch)
@@ -199,10 +247,15 @@ class ZeroRuntime:
             other_bytes=float(scratch),
         )
         self._host_peak = int(host_used)
+        nvme_state, _ = self._state_bytes_on("nvme")
         nvme = TierStats(
-            used_bytes=0.0,
+            used_bytes=float(nvme_state),
             capacity_bytes=_or_nan(self.config.nvme_budget_bytes),
-            peak_bytes=0.0,
+            peak_bytes=float(nvme_state),
+            param_bytes=0.0,
+            grad_bytes=0.0,
+            optimizer_bytes=float(nvme_state),
+            other_bytes=0.0,
         )
         self._reset_framework_peak()
         return StepStats(
@@ -211,7 +264,7 @@ class ZeroRuntime:
             tiers={"device": device, "host": host, "nvme": nvme},
             readings=readings,
             timing={"step_seconds": step_seconds},
-            pages={},
+            pages=self._page_counters(step),
         )
 
     def _reset_framework_peak(self) -> None:
@@ -267,12 +320,15 @@ class ZeroRuntime:
             with bytes as ints.
         """
         rows = []
-        opt_tier = (
-            "host" if self.config.offload_optimizer == "cpu" else self.config.offload_optimizer
-        )
+        opt_tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[self.config.offload_optimizer]
         for opt in self._optimizers:
-            layout = opt.flat_layout
+            zs = opt.zero_state
+            layout = zs.layout
             n = layout.num_shards
+            if zs.stage >= 2:
+                text = f"optimizer state and gradient sharded 1/{n} (ZeRO-2); parameter replicated"
+            else:
+                text = f"optimizer state sharded 1/{n} (ZeRO-1); parameter and gradient replicated"
             for name, shape, size in zip(layout.names, layout.shapes, layout.sizes):
                 rows.append(
                     {
@@ -280,8 +336,7 @@ class ZeroRuntime:
                         "shape": list(shape),
                         "dtype": "float32",
                         "bytes": 4 * size,
-                        "partitioning": f"optimizer state sharded 1/{n} (ZeRO-1); "
-                        "parameter and gradient replicated",
+                        "partitioning": text,
                         "shard_bytes_per_replica": 4 * -(-size // n),
                         "param_tier": "device",
                         "grad_tier": "device",
@@ -300,6 +355,8 @@ class ZeroRuntime:
         if self.state is RuntimeState.CLOSED:
             return
         self.state = RuntimeState.CLOSED
+        for opt in self._optimizers:
+            opt.zero_state.store.close()  # e.g. the NVMe pool's files
         if self._writer is not None:
             self._writer.close()
 

@@ -12,10 +12,12 @@ User code stays Keras code::
 Inside ``scope()``, the Keras optimizer identifiers ``"adam"``, ``"adamw"`` and ``"sgd"``
 resolve to the partitioned optimizers of :mod:`zero_runtime.optim` (through Keras's own
 custom-object scope, not by patching Keras), whose states live only as per-replica shards
-in host memory (ZeRO stage 1 with optimizer offload; Rajbhandari et al., SC20, section
-5.1; Ren et al., ZeRO-Offload, ATC 2021). Custom training loops use ``strategy.run`` as
-with any ``tf.distribute`` strategy, with an optimizer from ``zero_runtime.optim`` or
-``keras.optimizers.get("adam")`` created inside the scope.
+(ZeRO stage 1, and stage 2 with reduce-scattered gradients; Rajbhandari et al., SC20,
+sections 5.1-5.2) on the tier ``offload_optimizer`` names: the device, host memory
+(ZeRO-Offload, Ren et al., ATC 2021) or NVMe (ZeRO-Infinity, Rajbhandari et al., SC21).
+Custom training loops use ``strategy.run`` as with any ``tf.distribute`` strategy, with an
+optimizer from ``zero_runtime.optim`` or ``keras.optimizers.get("adam")`` created inside
+the scope.
 
 Stage 0, or a model whose states are smaller than ``mirrored_fallback_bytes``, runs as
 plain ``MirroredStrategy`` data parallelism (stock Keras optimizers), and the telemetry
@@ -34,6 +36,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from zero_runtime.comm import REDUCE_SCATTER_IMPLS
 from zero_runtime.config import ZeroConfig
 from zero_runtime.devices import DeviceInfo, local_devices
 from zero_runtime.optim.partitioned import PARTITIONED_BY_NAME
@@ -45,8 +48,8 @@ from zero_runtime.runtime import ZeroRuntime
 # container strategy (tensorflow/python/distribute/mirrored_strategy.py).
 _COLLECTIVE_KEY_BASES = itertools.count(start=100_000, step=100_000)
 
-#: (stage, offload_optimizer) pairs this version implements.
-IMPLEMENTED = {(0, "none"), (1, "cpu")}
+#: (stage, offload_optimizer) pairs this version implements (stage 0 ignores the offload).
+IMPLEMENTED = {(0, "none")} | {(s, o) for s in (1, 2) for o in ("none", "cpu", "nvme")}
 
 
 class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
@@ -59,6 +62,9 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
             (created if missing), or None to write none.
         num_cpu_replicas: on a host without GPUs, the number of logical CPU devices to
             replicate over (default 2). Ignored when GPUs are visible.
+        reduce_scatter_impl: how stage 2 reduce-scatters gradients: 'nccl' (GPUs),
+            'all_to_all' (CPU), 'all_reduce' (all-reduce then slice), or None (default) to
+            choose by device type (``zero_runtime.comm.CollectiveGroup.create``).
 
     Attributes:
         config: the active :class:`ZeroConfig`.
@@ -67,6 +73,7 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
 
     Raises:
         zero_runtime.config.ZeroConfigError: an invalid config value.
+        ValueError: an unknown ``reduce_scatter_impl``.
         NotImplementedError: a (stage, offload) combination this version does not
             implement yet; the message lists the implemented ones.
         RuntimeError: TensorFlow was initialised before the logical CPU devices could be
@@ -78,6 +85,7 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
         config: ZeroConfig | Mapping[str, Any] | None = None,
         logdir: str | None = None,
         num_cpu_replicas: int = 2,
+        reduce_scatter_impl: str | None = None,
     ) -> None:
         if config is None:
             config = ZeroConfig()
@@ -94,7 +102,13 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
                 f"is not implemented yet; implemented (stage, offload_optimizer): "
                 f"{sorted(IMPLEMENTED)}"
             )
+        if reduce_scatter_impl is not None and reduce_scatter_impl not in REDUCE_SCATTER_IMPLS:
+            raise ValueError(
+                f"reduce_scatter_impl must be one of {REDUCE_SCATTER_IMPLS} or None, "
+                f"got {reduce_scatter_impl!r}"
+            )
         self.config = config
+        self.reduce_scatter_impl = reduce_scatter_impl
         self.device_info: DeviceInfo = local_devices(num_cpu_replicas)
         self._collective_key_base = next(_COLLECTIVE_KEY_BASES)
         super().__init__(devices=list(self.device_info.devices))
@@ -109,8 +123,13 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
 
     @property
     def partitioned(self) -> bool:
-        """True when optimizer states are partitioned (stage >= 1, no mirrored fallback)."""
-        return not self.runtime.fallback_mirrored
+        """True when optimizer states are partitioned (stage >= 1).
+
+        A model below ``mirrored_fallback_bytes`` still resolves to the partitioned
+        optimizer classes, which then run the stock Keras update and set
+        ``runtime.fallback_mirrored``.
+        """
+        return self.config.stage >= 1
 
     def scope(self) -> contextlib.AbstractContextManager:
         """The strategy's scope; inside it, Keras optimizer names resolve to partitioned ones.

@@ -1,5 +1,20 @@
 """Every collective the runtime issues, in one place (see :mod:`.collectives`)."""
 
-from zero_runtime.comm.collectives import all_gather_flat, all_reduce_sum_flat, shard_of
+from zero_runtime.comm.buckets import reduce_buckets
+from zero_runtime.comm.collectives import (
+    all_gather_flat,
+    all_reduce_sum_flat,
+    reduce_scatter_sum_flat,
+    shard_of,
+)
+from zero_runtime.comm.groups import REDUCE_SCATTER_IMPLS, CollectiveGroup
 
-__all__ = ["all_gather_flat", "all_reduce_sum_flat", "shard_of"]
+__all__ = [
+    "REDUCE_SCATTER_IMPLS",
+    "CollectiveGroup",
+    "all_gather_flat",
+    "all_reduce_sum_flat",
+    "reduce_buckets",
+    "reduce_scatter_sum_flat",
+    "shard_of",
+]

@@ -1,6 +1,8 @@
 """Collectives on flat buffers, called in replica context (inside ``strategy.run``).
 
-Stateless functions only; bookkeeping (buckets, timings) lives elsewhere. Vocabulary:
+Stateless functions only; the keys and ordering tokens of the raw collectives live in
+:class:`~zero_runtime.comm.groups.CollectiveGroup`, bucket bookkeeping in
+:mod:`zero_runtime.comm.buckets`. Vocabulary:
 
 - *flat buffer*: all of a partition group's tensors reshaped to 1-D and concatenated in a
   fixed order, then zero-padded to ``num_replicas * shard_size`` elements.
@@ -12,13 +14,20 @@ Stateless functions only; bookkeeping (buckets, timings) lives elsewhere. Vocabu
 from __future__ import annotations
 
 import tensorflow as tf
+from tensorflow.python.ops import gen_collective_ops
+
+from zero_runtime.comm.groups import CollectiveGroup
 
 
-def all_reduce_sum_flat(flat: tf.Tensor) -> tf.Tensor:
+def all_reduce_sum_flat(flat: tf.Tensor, group: CollectiveGroup | None = None) -> tf.Tensor:
     """Sum a flat buffer across all replicas.
 
     Args:
-        flat: float tensor ``[num_replicas * shard_size]`` (the padded flat buffer).
+        flat: float tensor ``[num_replicas * shard_size]`` (the padded flat buffer), or any
+            shape (the sum is element-wise).
+        group: None (default) for the strategy's own all-reduce (``ReplicaContext``), or
+            the runtime's group for a raw ``CollectiveReduceV2``: needed inside
+            ``tf.cond``, where the strategy's collectives (``merge_call``) are not allowed.
 
     Returns:
         The element-wise sum over replicas, same shape and dtype.
@@ -27,6 +36,10 @@ def all_reduce_sum_flat(flat: tf.Tensor) -> tf.Tensor:
         RuntimeError: called outside replica context.
     """
     ctx = _replica_context()
+    if group is not None and ctx.num_replicas_in_sync > 1:
+        return gen_collective_ops.collective_reduce_v2(
+            flat, merge_op="Add", final_op="Id", **_raw_args(ctx, group)
+        )
     # tf.identity: a tf.function argument passed straight to all_reduce fails under
     # MultiWorkerMirroredStrategy ("destinations can not be empty", TF_NOTES section 1a).
     return ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.identity(flat))
@@ -47,17 +60,87 @@ def shard_of(flat: tf.Tensor, shard_size: int) -> tf.Tensor:
     return tf.slice(flat, [start], [shard_size])
 
 
-def all_gather_flat(shard: tf.Tensor) -> tf.Tensor:
+def reduce_scatter_sum_flat(flat: tf.Tensor, group: CollectiveGroup | None) -> tf.Tensor:
+    """Sum a flat buffer across replicas and return only this replica's shard of the sum.
+
+    ZeRO stage 2 (Rajbhandari et al., SC20, section 5.2, "P_os+g"): each replica keeps
+    only the reduced gradients of the shard it updates. One function, three paths, chosen
+    by ``group.reduce_scatter_impl``:
+
+    - ``'nccl'`` (GPUs): ``CollectiveReduceScatterV2`` with NCCL.
+    - ``'all_to_all'`` (CPU, where TF has no reduce-scatter kernel; TF_NOTES section 2):
+      ``CollectiveAllToAllV2`` sends row ``j`` of ``flat`` viewed as ``[n, shard_size]``
+      to replica ``j``; the replica sums the ``n`` rows it receives. Same bytes on the
+      wire as a ring reduce-scatter, ``(n - 1) / n`` of the buffer per replica.
+    - ``'all_reduce'`` (or ``group`` None): all-reduce the whole buffer and slice; the
+      result, and what the replica keeps, is the same shard.
+
+    Args:
+        flat: float32 tensor ``[n * shard_size]``, n = replicas in sync.
+        group: the runtime's collective group (keys, ordering tokens), or None for the
+            all-reduce path.
+
+    Returns:
+        float32 ``[shard_size]``: ``sum_r flat_r[i * shard_size : (i + 1) * shard_size]``
+        on replica ``i``.
+
+    Raises:
+        RuntimeError: called outside replica context.
+        ValueError: the length of ``flat`` is not static or not divisible by n.
+    """
+    ctx = _replica_context()
+    n = ctx.num_replicas_in_sync
+    length = flat.shape[0]
+    if length is None or length % n:
+        raise ValueError(f"flat buffer length {length} is not a static multiple of {n}")
+    shard_size = length // n
+    if group is None or group.reduce_scatter_impl == "all_reduce" or n == 1:
+        return shard_of(all_reduce_sum_flat(flat), shard_size)
+    common = _raw_args(ctx, group)
+    if group.reduce_scatter_impl == "nccl":
+        return gen_collective_ops.collective_reduce_scatter_v2(
+            flat, merge_op="Add", final_op="Id", communication_hint="nccl", **common
+        )
+    rows = gen_collective_ops.collective_all_to_all_v2(
+        tf.reshape(flat, [n, shard_size]),
+        **common,  # (n, shard_size): row j -> replica j
+    )
+    return tf.reduce_sum(rows, axis=0)  # (shard_size,)
+
+
+def all_gather_flat(shard: tf.Tensor, group: CollectiveGroup | None = None) -> tf.Tensor:
     """Concatenate every replica's shard, in replica order.
 
     Args:
         shard: tensor ``[shard_size]``.
+        group: None (default) for the strategy's all-gather, or the runtime's group for a
+            raw ``CollectiveGatherV2`` (inside ``tf.cond``; see :func:`all_reduce_sum_flat`).
 
     Returns:
         Tensor ``[num_replicas * shard_size]``, identical on every replica.
     """
     ctx = _replica_context()
+    if group is not None and ctx.num_replicas_in_sync > 1:
+        return gen_collective_ops.collective_gather_v2(shard, **_raw_args(ctx, group))
     return ctx.all_gather(tf.identity(shard), axis=0)
+
+
+def _raw_args(ctx: tf.distribute.ReplicaContext, group: CollectiveGroup) -> dict:
+    replica = _static_replica_id(ctx)
+    return dict(
+        group_size=ctx.num_replicas_in_sync,
+        group_key=group.group_key,
+        instance_key=group.next_instance_key(replica),
+        ordering_token=[group.token(replica)],
+        timeout_seconds=group.timeout_seconds,
+    )
+
+
+def _static_replica_id(ctx: tf.distribute.ReplicaContext) -> int:
+    rid = tf.get_static_value(ctx.replica_id_in_sync_group)
+    if rid is None:
+        raise RuntimeError("the replica id must be static to pick the collective's token")
+    return int(rid)
 
 
 def _replica_context() -> tf.distribute.ReplicaContext:

@@ -3,7 +3,13 @@
 ZeRO stage 1 (Rajbhandari et al., SC20, section 5.1, "P_os"): each data-parallel replica
 holds only its shard of the optimizer states. With optimizer offload to the host
 (ZeRO-Offload, Ren et al., USENIX ATC 2021, section 4.1) those shards live in CPU memory
-and the update runs on the CPU.
+and the update runs on the CPU, tile by tile (``kernels.TILE_ELEMENTS``) so that every
+pass of the update stays in the cache.
+
+Every optimizer-state store (:class:`HostOptimizerState` here,
+:class:`~zero_runtime.optim.nvme_state.NvmeOptimizerState`,
+:class:`~zero_runtime.optim.device_state.DeviceOptimizerState`) answers
+``usage() -> {tier: (state_bytes, other_bytes)}`` for the runtime's accounting.
 """
 
 from __future__ import annotations
@@ -11,10 +17,18 @@ from __future__ import annotations
 import dataclasses
 import enum
 import threading
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from zero_runtime.optim import kernels
 from zero_runtime.optim.layout import FlatLayout
+
+#: ``step_fn(slots, scratch, param, grad)``: update one tile in place. ``slots`` maps slot
+#: name -> float32 view ``[t]``; ``scratch`` two float32 work buffers ``[t]``; ``param``
+#: and ``grad`` float32 views ``[t]`` (param updated in place).
+_Views = dict[str, np.ndarray]
+StepFn = Callable[[_Views, tuple[np.ndarray, np.ndarray], np.ndarray, np.ndarray], None]
 
 
 class ShardState(enum.Enum):
@@ -37,7 +51,7 @@ class ReplicaShard:
     Attributes:
         replica: the replica id in the sync group.
         slots: slot name (e.g. ``"momentum"``) -> float32 ``[shard_size]`` buffer.
-        scratch: two float32 ``[shard_size]`` work buffers reused every step.
+        scratch: two float32 ``[tile]`` work buffers reused every step.
         state: the lifecycle state.
         updates: number of completed updates.
     """
@@ -59,6 +73,24 @@ class ReplicaShard:
         return sum(a.nbytes for a in self.slots.values())
 
 
+def run_tiles(
+    step_fn: StepFn,
+    slots: dict[str, np.ndarray],
+    scratch: tuple[np.ndarray, np.ndarray],
+    param: np.ndarray,
+    grad: np.ndarray,
+    start: int,
+    end: int,
+) -> None:
+    """Apply ``step_fn`` to elements ``[start, end)`` of equally long 1-D buffers, tile by
+    tile (tiles of ``len(scratch[0])`` elements)."""
+    tile = len(scratch[0])
+    for s, e in kernels.tiles(end - start, tile):
+        s, e = s + start, e + start
+        views = {k: a[s:e] for k, a in slots.items()}
+        step_fn(views, (scratch[0][: e - s], scratch[1][: e - s]), param[s:e], grad[s:e])
+
+
 class HostOptimizerState:
     """The host-resident optimizer-state shards of one optimizer, for the local replicas.
 
@@ -66,15 +98,24 @@ class HostOptimizerState:
         layout: the flat layout of the optimizer's trainable variables.
         slot_names: names of the per-element state buffers (e.g. ``("momentum",
             "velocity")`` for Adam; empty for plain SGD).
+        tile: elements per update tile (default ``kernels.TILE_ELEMENTS``).
 
     Shards are allocated lazily, the first time a replica updates, so a worker process
     only ever holds the shards of its own replicas. Thread-safe: replicas update from
     TensorFlow's executor threads concurrently, each on its own shard.
     """
 
-    def __init__(self, layout: FlatLayout, slot_names: tuple[str, ...]) -> None:
+    tier = "host"
+
+    def __init__(
+        self,
+        layout: FlatLayout,
+        slot_names: tuple[str, ...],
+        tile: int = kernels.TILE_ELEMENTS,
+    ) -> None:
         self.layout = layout
         self.slot_names = tuple(slot_names)
+        self.tile = max(1, min(tile, layout.shard_size))
         self._shards: dict[int, ReplicaShard] = {}
         self._lock = threading.Lock()
 
@@ -93,7 +134,7 @@ class HostOptimizerState:
                 shard = ReplicaShard(
                     replica=replica,
                     slots={s: np.zeros(n, np.float32) for s in self.slot_names},
-                    scratch=(np.empty(n, np.float32), np.empty(n, np.float32)),
+                    scratch=(np.empty(self.tile, np.float32), np.empty(self.tile, np.float32)),
                 )
                 self._shards[replica] = shard
             return shard
@@ -117,6 +158,30 @@ class HostOptimizerState:
         shard.updates += 1
         shard.state = ShardState.READY
 
+    def update(
+        self,
+        replica: int,
+        ranges: Sequence[tuple[int, int]],
+        param: np.ndarray,
+        grad: np.ndarray,
+        step_fn: StepFn,
+    ) -> None:
+        """Update ``replica``'s shard in place over the shard-local ``ranges``.
+
+        Args:
+            replica: the replica id.
+            ranges: shard-local ``[start, end)`` element ranges to update (active variables).
+            param: float32 ``[shard_size]`` parameter shard, updated in place.
+            grad: float32 ``[shard_size]`` reduced gradient shard.
+            step_fn: the optimizer's per-tile update (:data:`StepFn`).
+        """
+        shard = self.begin_update(replica)
+        try:
+            for s, e in ranges:
+                run_tiles(step_fn, shard.slots, shard.scratch, param, grad, s, e)
+        finally:
+            self.end_update(shard)
+
     @property
     def nbytes(self) -> int:
         """Host bytes held by all allocated local shards (state plus scratch)."""
@@ -129,8 +194,19 @@ class HostOptimizerState:
         with self._lock:
             return sum(s.state_bytes for s in self._shards.values())
 
+    def usage(self) -> dict[str, tuple[int, int]]:
+        """``{"host": (state_bytes, scratch_bytes)}``."""
+        state = self.state_bytes
+        return {"host": (state, self.nbytes - state)}
+
+    def updates(self, replica: int) -> int:
+        """Completed updates of ``replica``'s shard (0 before the first)."""
+        with self._lock:
+            shard = self._shards.get(replica)
+        return 0 if shard is None else shard.updates
+
     def slot_values(self, slot: str) -> np.ndarray:
-        """The full (unpadded) flat buffer of one slot, concatenated over local shards.
+        """The full (unpadded) flat buffer of one slot, in variable order.
 
         Only meaningful when every shard is local (one process); used by tests and by
         checkpoint export. Shape ``[layout.total]``, float32.
@@ -138,5 +214,9 @@ class HostOptimizerState:
         Raises:
             KeyError: unknown slot name, or a shard was never allocated here.
         """
-        parts = [self._shards[r].slots[slot] for r in range(self.layout.num_shards)]
-        return np.concatenate(parts)[: self.layout.total]
+        return self.layout.unshard(
+            [self._shards[r].slots[slot] for r in range(self.layout.num_shards)]
+        )
+
+    def close(self) -> None:
+        """Nothing to release (numpy buffers are freed with the object)."""

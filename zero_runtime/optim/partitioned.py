@@ -1,129 +1,458 @@
-"""Partitioned Keras optimizers: each replica updates only its shard, on the host.
+"""Partitioned Keras optimizers: each replica updates only its shard (ZeRO stages 1 and 2).
 
 These are Keras 3 optimizers (subclasses of ``keras.optimizers.Adam``/``AdamW``/``SGD``)
 whose per-step update is replaced, through Keras's ``_backend_update_step`` hook
-(TF_NOTES section 4), by ZeRO stage 1:
+(TF_NOTES section 4), by the ZeRO update (Rajbhandari et al., SC20, section 5):
 
-1. the replica's gradients are flattened into one padded flat buffer and summed across
-   replicas (all-reduce);
-2. the replica takes its shard of the summed gradient and of the current parameters;
-3. a host (numpy) kernel updates the shard with optimizer states that live only on the
-   host (``HostOptimizerState``), never on the device;
-4. the updated shards are all-gathered and assigned to the replicated variables.
+1. the replica's gradients are flattened bucket by bucket (:mod:`.layout`) and reduced
+   across replicas, one collective per bucket in backward order (:mod:`zero_runtime.comm`):
+   stage 1 all-reduces each bucket and takes its piece; stage 2 reduce-scatters, so the
+   replica only ever holds the reduced gradient of its own shard;
+2. the replica updates its shard of the parameters with optimizer states that exist only
+   for that shard, on the tier ``offload_optimizer`` chooses: device variables ('none',
+   TensorFlow ops in the step's graph), host numpy buffers ('cpu', ZeRO-Offload) or NVMe
+   pages streamed by sub-group through the paged pool ('nvme', ZeRO-Infinity);
+3. the updated shards are all-gathered and assigned to the replicated variables.
 
 Everything else Keras does around the update (loss scaling, clipping, weight decay,
-learning-rate schedules, gradient accumulation, EMA, the iteration counter) is Keras's
-own code, so behaviour matches the stock optimizer; the update math matches it bit for
-bit (``zero_runtime.optim.kernels``).
+learning-rate schedules, EMA, the iteration counter) is Keras's own code, so behaviour
+matches the stock optimizer; the update math follows Keras's operation order
+(``zero_runtime.optim.kernels``). Keras clips each replica's gradients before the hook
+(as stock Keras does under ``MirroredStrategy``), so clipping matches Keras by
+construction.
 
-Vocabulary (flat buffer, shard) as in :mod:`zero_runtime.optim.layout`.
+Gradient accumulation (``ZeroConfig.gradient_accumulation_steps`` = N > 1) is done here,
+not by Keras: stage 1 accumulates the N micro-batch gradients locally (one device buffer
+of the padded flat size per replica) and reduces once; stage 2 reduce-scatters every
+micro-batch and accumulates only its shard, so it never holds a full gradient (ZeRO-2's
+memory contract). The optimizer step (bias correction, learning-rate schedule, weight
+decay) counts updates, ``iterations // N``, so N micro-batches equal one step on the
+N-times-larger batch.
+
+A model whose states are smaller than ``mirrored_fallback_bytes`` runs the stock Keras
+update (plain mirrored data parallelism) and the runtime records ``fallback_mirrored``.
+
+Vocabulary (flat buffer, bucket, piece, shard) as in :mod:`zero_runtime.optim.layout`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 import time
 from typing import Any
 
 import keras
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops
 
-from zero_runtime import comm
+from zero_runtime import comm, estimator
+from zero_runtime.config import ZeroConfig
 from zero_runtime.optim import kernels
+from zero_runtime.optim.device_state import DeviceOptimizerState
 from zero_runtime.optim.host_state import HostOptimizerState
 from zero_runtime.optim.layout import FlatLayout
+from zero_runtime.optim.nvme_state import NvmeOptimizerState
 
 _BaseOptimizer = keras.optimizers.Optimizer
+_OPTIMIZER_IDS = itertools.count()
+
+
+def model_state_bytes(num_params: int, kind: str) -> int:
+    """Bytes of the unpartitioned fp32 model states of one replica: ``(4 + 4 + K) * Ψ``.
+
+    ZeRO (SC20) section 3.1 with p = g = 4 and K from ``estimator.OPTIMIZER_STATE_BYTES``
+    (stage 0 of :func:`zero_runtime.estimator.estimate`, precision 'fp32'); the quantity
+    compared with ``ZeroConfig.mirrored_fallback_bytes``.
+    """
+    return estimator.estimate(
+        max(1, num_params), 1, stage=0, precision="fp32", optimizer=kind
+    ).total_bytes
+
+
+@dataclasses.dataclass
+class ZeroOptimizerState:
+    """Everything the ZeRO update keeps for one optimizer (one record, one owner).
+
+    Attributes:
+        config: the active configuration (the strategy's, or the defaults).
+        stage: 1 or 2.
+        layout: the flat layout (buckets, shards) of the trainable variables.
+        store: the optimizer-state shards on their tier (device, host or NVMe).
+        group: the raw-collective group for stage 2's reduce-scatter (None at stage 1).
+        devices: the local replicas' devices, index = replica id.
+        accumulators: per replica, the device gradient accumulator (float32
+            ``[padded_total]`` at stage 1, ``[shard_size]`` at stage 2) when N > 1.
+        runtime: the strategy's ``ZeroRuntime`` or None.
+    """
+
+    config: ZeroConfig
+    stage: int
+    layout: FlatLayout
+    store: Any
+    group: comm.CollectiveGroup | None
+    devices: tuple[str, ...]
+    accumulators: tuple[tf.Variable, ...]
+    runtime: Any
+
+    @property
+    def accumulation_steps(self) -> int:
+        """N, micro-batches per optimizer step."""
+        return self.config.gradient_accumulation_steps
+
+    @property
+    def accumulator_bytes(self) -> int:
+        """Device bytes of the gradient accumulators over the local replicas."""
+        return sum(4 * int(a.shape[0]) for a in self.accumulators)
 
 
 class _PartitionedUpdate:
-    """Mixin holding the ZeRO stage-1 update; combine with a Keras optimizer class.
+    """Mixin holding the ZeRO update; combine with a Keras optimizer class.
 
-    Subclasses define ``_zero_slots`` (names of host state buffers) and
-    ``_zero_host_step(shard, param, grad, scalars)``.
+    Subclasses define ``_zero_slots`` (names of state buffers), ``_zero_scalars(lr)``,
+    ``_zero_host_step(slots, scratch, param, grad, scalars)`` (numpy, in place, one tile)
+    and ``_zero_device_step(slots, param, grad, scalars, mask)`` (TensorFlow ops).
     """
 
     _zero_slots: tuple[str, ...] = ()
+    _zero: ZeroOptimizerState | None = None
+    _zero_fallback: bool = False
 
     # -- building ------------------------------------------------------------------------
     def build(self, variables: list) -> None:
-        """Create the iteration counter etc. (Keras's base ``build``) and the host state.
+        """Create Keras's counters and the ZeRO state (or, below the fallback size, the
+        stock optimizer's slot variables).
 
-        Unlike the stock optimizer, no per-variable slot variable is created on the
-        device: the optimizer states are host shards of ``4 * shard_size`` bytes per slot.
+        Raises:
+            NotImplementedError: ``amsgrad=True`` (Adam), or EMA with accumulation.
+            zero_runtime.memory.NvmePathError: ``offload_optimizer='nvme'`` with an
+                unusable ``nvme_path``.
         """
         if self.built:
             return
+        strategy = self._distribution_strategy
+        runtime = getattr(strategy, "runtime", None)
+        config = runtime.config if runtime is not None else ZeroConfig()
+        num_params = sum(int(np.prod(v.shape)) for v in variables if v.trainable)
+        kind = estimator.optimizer_kind(self)
+        if model_state_bytes(num_params, kind) < config.mirrored_fallback_bytes:
+            self._zero_fallback = True
+            super().build(variables)
+            if runtime is not None:
+                runtime.set_fallback_mirrored(True)
+            return
         _BaseOptimizer.build(self, variables)
         with tf.init_scope():
-            strategy = self._distribution_strategy
-            num_shards = strategy.num_replicas_in_sync
-            self._zero_layout = FlatLayout.from_variables(self._trainable_variables, num_shards)
-            self._zero_state = HostOptimizerState(self._zero_layout, self._zero_slots)
-            self._zero_runtime = getattr(strategy, "runtime", None)
-            if self._zero_runtime is not None:
-                self._zero_runtime.register_optimizer(self)
+            devices = tuple(strategy.extended.worker_devices)
+            n = strategy.num_replicas_in_sync
+            stage = 2 if config.stage >= 2 else 1
+            layout = FlatLayout.from_variables(
+                self._trainable_variables, n, bucket_size=config.reduce_bucket_size
+            )
+            store = self._zero_make_store(config, layout, devices)
+            group = None
+            if stage >= 2 or config.gradient_accumulation_steps > 1:
+                impl = getattr(strategy, "reduce_scatter_impl", None)
+                group = comm.CollectiveGroup.create(
+                    devices, impl, timeout_seconds=config.collective_timeout_seconds
+                )
+            accumulators = []
+            if config.gradient_accumulation_steps > 1:
+                if self.use_ema:
+                    raise NotImplementedError(
+                        "use_ema with gradient_accumulation_steps > 1 is not supported"
+                    )
+                size = layout.shard_size if stage >= 2 else layout.padded_total
+                for d in devices:
+                    with tf.device(d):
+                        accumulators.append(_plain_variable(tf.zeros([size], tf.float32)))
+            self._zero = ZeroOptimizerState(
+                config, stage, layout, store, group, devices, tuple(accumulators), runtime
+            )
+            if runtime is not None:
+                runtime.register_optimizer(self)
+
+    def _zero_make_store(self, config: ZeroConfig, layout: FlatLayout, devices: tuple[str, ...]):
+        tier = config.offload_optimizer
+        if tier == "none":
+            return DeviceOptimizerState(layout, self._zero_slots, devices)
+        if tier == "nvme":
+            return NvmeOptimizerState(
+                layout,
+                self._zero_slots,
+                nvme_path=str(config.nvme_path),
+                sub_group_size=config.sub_group_size,
+                page_size_bytes=config.page_size_bytes,
+                nvme_budget_bytes=config.nvme_budget_bytes,
+                prefix=f"{type(self).__name__}{next(_OPTIMIZER_IDS)}",
+            )
+        return HostOptimizerState(layout, self._zero_slots)
 
     @property
-    def host_state(self) -> HostOptimizerState:
-        """The host-resident optimizer state (raises AttributeError before ``build``)."""
-        return self._zero_state
+    def zero_state(self) -> ZeroOptimizerState:
+        """The ZeRO state (raises AttributeError before ``build`` or in fallback mode)."""
+        if self._zero is None:
+            raise AttributeError("the optimizer is not built, or runs as stock (fallback)")
+        return self._zero
+
+    @property
+    def host_state(self):
+        """The optimizer-state store (host, NVMe or device; AttributeError before build)."""
+        return self.zero_state.store
 
     @property
     def flat_layout(self) -> FlatLayout:
         """The flat layout of the trainable variables (available after ``build``)."""
-        return self._zero_layout
+        return self.zero_state.layout
+
+    @property
+    def fallback_mirrored(self) -> bool:
+        """True when the model was small enough to run the stock (mirrored) update."""
+        return self._zero_fallback
 
     # -- the step ------------------------------------------------------------------------
+    def apply(self, grads: list, trainable_variables: list | None = None):
+        """Keras's ``apply``, with ``tf.IndexedSlices`` gradients densified first.
+
+        The ZeRO update works on the dense summed gradient; densifying before Keras's
+        clipping also makes ``global_clipnorm`` use the norm of the dense gradient (Keras's
+        norm of an IndexedSlices with duplicate indices counts the duplicates separately).
+        In fallback mode the gradients are passed through unchanged (stock Keras).
+        """
+        if not self.built and trainable_variables is not None:
+            # Build before deciding (the fallback is decided in build): every replica must
+            # trace the same collectives, so none may densify while another does not.
+            trainable_variables = list(trainable_variables)
+            self.build(trainable_variables)
+        if not self._zero_fallback:
+            grads = [
+                tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads
+            ]
+        return super().apply(grads, trainable_variables)
+
+    def _zero_step(self) -> tf.Tensor:
+        """The optimizer step (0-based): ``iterations // N``, int64."""
+        n = self._zero.accumulation_steps if self._zero is not None else 1
+        return self._iterations // n if n > 1 else self._iterations
+
+    def _zero_learning_rate(self):
+        schedule = self._learning_rate
+        if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
+            return schedule(self._zero_step())
+        return self.learning_rate
+
+    def _backend_apply_gradients(self, grads: list, trainable_variables: list) -> None:
+        zs = self._zero
+        if zs is None or zs.accumulation_steps == 1:
+            return super()._backend_apply_gradients(grads, trainable_variables)
+        n_acc = zs.accumulation_steps
+        lr = self._zero_learning_rate()
+        by_pos = self._zero_by_pos(grads, trainable_variables)
+        active = tuple(g is not None for g in by_pos)
+        replica = _replica_id()
+        acc = zs.accumulators[replica]
+        is_update = tf.equal((self._iterations + 1) % n_acc, 0)
+        if zs.stage >= 2:
+            shard = self._zero_reduce(self._zero_bucket_flats(by_pos), by_pos)
+
+            def update():
+                total = (shard + acc) / n_acc  # as Keras: (g + acc_g) / steps
+                total = self._zero_clip_shard(total)
+                self._zero_weight_decay(trainable_variables, lr)
+                self._zero_apply_shard(total, active, lr, in_cond=True)
+                acc.assign(tf.zeros_like(acc))
+
+            def accumulate():
+                acc.assign_add(shard)
+
+        else:
+            flat = tf.concat(self._zero_bucket_flats(by_pos), axis=0)  # (padded_total,)
+
+            def update():
+                total = (flat + acc) / n_acc
+                grads_now = self._zero_unflatten(total, active)
+                clipped = self._clip_gradients([g for g in grads_now if g is not None])
+                it = iter(clipped)
+                grads_now = [next(it) if g is not None else None for g in grads_now]
+                self._zero_weight_decay(trainable_variables, lr)
+                flats = self._zero_bucket_flats(grads_now)
+                shard = self._zero_reduce(flats, grads_now, raw=True)
+                self._zero_apply_shard(shard, active, lr, in_cond=True)
+                acc.assign(tf.zeros_like(acc))
+
+            def accumulate():
+                acc.assign_add(flat)
+
+        tf.cond(is_update, update, accumulate)
+
     def _backend_update_step(self, grads: list, trainable_variables: list, learning_rate) -> None:
-        variables = [v.value if isinstance(v, keras.Variable) else v for v in trainable_variables]
-        layout = self._zero_layout
-        index = {id(v): i for i, v in enumerate(self._trainable_variables)}
-        by_pos: list[Any] = [None] * len(layout.sizes)
+        if self._zero is None:
+            return super()._backend_update_step(grads, trainable_variables, learning_rate)
+        by_pos = self._zero_by_pos(grads, trainable_variables)
+        active = tuple(g is not None for g in by_pos)
+        shard = self._zero_reduce(self._zero_bucket_flats(by_pos), by_pos)
+        self._zero_apply_shard(shard, active, learning_rate)
+
+    # -- pieces of the step --------------------------------------------------------------
+    def _zero_by_pos(self, grads: list, trainable_variables: list) -> list:
+        """Gradients in layout order (None for variables without one), densified."""
+        index = {id(_unwrap(v)): i for i, v in enumerate(self._trainable_variables)}
+        by_pos: list[Any] = [None] * len(self._zero.layout.sizes)
         for g, v in zip(grads, trainable_variables):
             if g is not None:
-                by_pos[index[id(v)]] = g
-        active = tuple(g is not None for g in by_pos)
-        all_vars = [
-            v.value if isinstance(v, keras.Variable) else v for v in self._trainable_variables
+                # Sparse gradients (tf.IndexedSlices from embedding lookups) are densified
+                # per replica: the dense update of the summed gradient (see docs/parity.md).
+                by_pos[index[id(_unwrap(v))]] = (
+                    tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+                )
+        return by_pos
+
+    def _zero_bucket_flats(self, by_pos: list) -> list[tf.Tensor]:
+        """One padded float32 ``[n * piece_size_b]`` buffer per bucket, in bucket order."""
+        layout = self._zero.layout
+        flats = []
+        for b in layout.buckets:
+            parts = [
+                tf.reshape(tf.cast(by_pos[i], tf.float32), [-1])
+                if by_pos[i] is not None
+                else tf.zeros([layout.sizes[i]], tf.float32)
+                for i in range(b.var_start, b.var_end)
+            ]
+            pad = b.padded_size(layout.num_shards) - b.size
+            if pad:
+                parts.append(tf.zeros([pad], tf.float32))
+            flats.append(tf.concat(parts, axis=0) if len(parts) > 1 else parts[0])
+        return flats
+
+    def _zero_unflatten(self, flat: tf.Tensor, active: tuple[bool, ...]) -> list:
+        """Per-variable tensors (None where inactive) from a padded flat buffer."""
+        layout = self._zero.layout
+        return [
+            tf.reshape(flat[off : off + size], shape) if on else None
+            for off, size, shape, on in zip(layout.offsets, layout.sizes, layout.shapes, active)
         ]
 
-        # Sparse gradients (tf.IndexedSlices from embedding lookups) are densified per
-        # replica and summed with the rest: the dense Adam update of the true gradient.
-        # (Keras's own Adam applies IndexedSlices with duplicate indices as separate
-        # scatter updates, which is not Adam on the summed gradient; see docs/parity.md.)
-        flat_grad = _flatten(
-            [
-                g if g is not None else tf.zeros(s, tf.float32)
-                for g, s in zip(by_pos, layout.shapes)
-            ],
-            layout.padded_total,
+    def _zero_reduce(
+        self, bucket_flats: list[tf.Tensor], by_pos: list, raw: bool = False
+    ) -> tf.Tensor:
+        """Reduce the buckets (backward order) and return this replica's gradient shard,
+        float32 ``[shard_size]`` (``raw``: the runtime's own collectives, inside tf.cond)."""
+        zs = self._zero
+        pieces = comm.reduce_buckets(
+            list(reversed(bucket_flats)),
+            scatter=zs.stage >= 2,
+            group=zs.group,
+            overlap=zs.config.overlap_comm,
+            wait_for=[g for g in by_pos if g is not None],
+            raw=raw,
         )
-        summed = comm.all_reduce_sum_flat(flat_grad)
-        flat_param = _flatten([tf.cast(v, tf.float32) for v in all_vars], layout.padded_total)
-        grad_shard = comm.shard_of(summed, layout.shard_size)
-        param_shard = comm.shard_of(flat_param, layout.shard_size)
-        ctx = tf.distribute.get_replica_context()
-        replica = tf.cast(ctx.replica_id_in_sync_group, tf.int32)
-        scalars = self._zero_scalars(learning_rate)
-        host_fn = functools.partial(self._zero_host_update, active=active)
-        new_shard = tf.numpy_function(
-            host_fn,
-            [replica, self._iterations, grad_shard, param_shard, *scalars],
-            Tout=tf.float32,
-            stateful=True,
-            name="zero_host_update",
-        )
+        pieces.reverse()  # bucket order == shard order
+        return tf.concat(pieces, axis=0) if len(pieces) > 1 else pieces[0]
+
+    def _zero_clip_shard(self, shard: tf.Tensor) -> tf.Tensor:
+        """Clip a reduced gradient shard as Keras clips a gradient list, norms across shards.
+
+        Used at stage 2 with accumulation, where no replica holds a full gradient: the
+        global norm is ``sqrt(all_reduce(sum(shard ** 2)))`` (of the summed gradient, not
+        of each replica's gradient as stock Keras under MirroredStrategy).
+
+        Raises:
+            NotImplementedError: ``clipnorm`` (per-variable norms across shards).
+        """
+        if self.clipnorm and self.clipnorm > 0:
+            raise NotImplementedError(
+                "clipnorm with stage 2 and gradient accumulation is not supported; "
+                "use global_clipnorm or clipvalue"
+            )
+        if self.global_clipnorm and self.global_clipnorm > 0:
+            sq = comm.all_reduce_sum_flat(
+                tf.reshape(tf.reduce_sum(tf.square(shard)), [1]), self._zero.group
+            )
+            use_norm = tf.sqrt(sq[0])
+            clip = tf.cast(self.global_clipnorm, tf.float32)
+            scale = clip * tf.minimum(1.0 / use_norm, 1.0 / clip) + (use_norm - use_norm)
+            return shard * scale
+        if self.clipvalue and self.clipvalue > 0:
+            return tf.clip_by_value(shard, -self.clipvalue, self.clipvalue)
+        return shard
+
+    def _zero_weight_decay(self, variables: list, learning_rate) -> None:
+        """Keras's decoupled weight decay (``TFOptimizer._apply_weight_decay``:
+        ``v -= v * wd * lr``) with the learning rate of the optimizer step rather than of
+        the micro-step. Runs inside ``tf.cond``, where ``merge_call`` is not allowed, so
+        each replica updates its own copy of the (mirrored) variable."""
+        if self.weight_decay is None:
+            return
+        for variable in variables:
+            variable = _unwrap(variable)
+            if self._use_weight_decay(variable):
+                local = _local_copy(variable)
+                lr = tf.cast(learning_rate, local.dtype)
+                wd = tf.cast(self.weight_decay, local.dtype)
+                local.assign_sub(local * wd * lr)
+
+    def _zero_apply_shard(
+        self, grad_shard: tf.Tensor, active: tuple[bool, ...], lr, in_cond: bool = False
+    ) -> None:
+        """Update this replica's parameter shard with ``grad_shard``, all-gather the shards
+        and assign the active variables (each replica its own copy when ``in_cond``:
+        ``merge_call`` is not allowed inside ``tf.cond``; the values are identical)."""
+        zs = self._zero
+        layout = zs.layout
+        n = layout.num_shards
+        all_vars = [_unwrap(v) for v in self._trainable_variables]
+        param_flats = self._zero_bucket_flats([tf.cast(v, tf.float32) for v in all_vars])
+        pieces = [comm.shard_of(f, b.piece_size) for f, b in zip(param_flats, layout.buckets)]
+        param_shard = tf.concat(pieces, axis=0) if len(pieces) > 1 else pieces[0]
+        replica = _replica_id()
+        scalars = self._zero_scalars(lr)
+        step = self._zero_step()
+        if isinstance(zs.store, DeviceOptimizerState):
+            mask = None
+            if not all(active):
+                m = np.zeros(layout.shard_size, bool)
+                for s, e in layout.active_ranges(replica, active):
+                    m[s:e] = True
+                mask = tf.constant(m)
+            new_shard = self._zero_device_step(
+                zs.store.slots(replica), param_shard, grad_shard, scalars, mask
+            )
+            with tf.control_dependencies([new_shard]):
+                tf.numpy_function(
+                    functools.partial(self._zero_tick, replica=replica),
+                    [step],
+                    Tout=tf.int64,
+                    stateful=True,
+                    name="zero_step_clock",
+                )
+        else:
+            host_fn = functools.partial(self._zero_host_update, replica=replica, active=active)
+            new_shard = tf.numpy_function(
+                host_fn,
+                [step, grad_shard, param_shard, *scalars],
+                Tout=tf.float32,
+                stateful=True,
+                name="zero_host_update",
+            )
         new_shard.set_shape([layout.shard_size])
-        new_flat = comm.all_gather_flat(new_shard)
-        pieces = [
-            tf.reshape(new_flat[off : off + size], shape)
-            for off, size, shape in zip(layout.offsets, layout.sizes, layout.shapes)
-        ]
-        chosen = [(p, v) for p, v, on in zip(pieces, all_vars, active) if on]
-        del variables
+        gathered = comm.all_gather_flat(new_shard, zs.group if in_cond else None)
+        rows = tf.reshape(gathered, [n, layout.shard_size])
+        chosen = []
+        for b in layout.buckets:
+            bucket = tf.reshape(rows[:, b.shard_offset : b.shard_offset + b.piece_size], [-1])
+            for i in range(b.var_start, b.var_end):
+                if active[i]:
+                    off = layout.offsets[i] - b.flat_offset
+                    value = tf.reshape(bucket[off : off + layout.sizes[i]], layout.shapes[i])
+                    chosen.append((value, all_vars[i]))
         if not chosen:
+            return
+        if in_cond:
+            for value, var in chosen:
+                local = _local_copy(var)
+                local.assign(tf.cast(value, local.dtype))
             return
 
         def _assign(distribution, values_and_vars):
@@ -136,34 +465,28 @@ class _PartitionedUpdate:
             _assign, self._distribution_strategy, chosen
         )
 
+    def _zero_tick(self, step: np.ndarray, replica: int) -> np.int64:
+        if self._zero.runtime is not None:
+            self._zero.runtime.on_shard_updated(self, replica, int(step), 0.0)
+        return np.int64(step)
+
     def _zero_host_update(
         self,
-        replica: np.ndarray,
-        iterations: np.ndarray,
+        step: np.ndarray,
         grad: np.ndarray,
         param: np.ndarray,
         *scalars: np.ndarray,
+        replica: int,
         active: tuple[bool, ...],
     ) -> np.ndarray:
         start = time.perf_counter()
-        replica = int(replica)
+        zs = self._zero
         param = np.array(param, dtype=np.float32, copy=True)
-        shard = self._zero_state.begin_update(replica)
-        try:
-            ranges = self._zero_layout.active_ranges(replica, active)
-            if len(ranges) == 1 and ranges[0] == (0, self._zero_layout.shard_size):
-                self._zero_host_step(shard.slots, shard.scratch, param, grad, scalars)
-            else:
-                for s, e in ranges:
-                    view = {k: a[s:e] for k, a in shard.slots.items()}
-                    scratch = (shard.scratch[0][s:e], shard.scratch[1][s:e])
-                    self._zero_host_step(view, scratch, param[s:e], grad[s:e], scalars)
-        finally:
-            self._zero_state.end_update(shard)
-        if self._zero_runtime is not None:
-            self._zero_runtime.on_shard_updated(
-                self, replica, int(iterations), time.perf_counter() - start
-            )
+        ranges = zs.layout.active_ranges(replica, active)
+        step_fn = functools.partial(self._zero_host_step, scalars=scalars)
+        zs.store.update(replica, ranges, param, grad, step_fn)
+        if zs.runtime is not None:
+            zs.runtime.on_shard_updated(self, replica, int(step), time.perf_counter() - start)
         return param
 
     # Subclass hooks ---------------------------------------------------------------------
@@ -173,16 +496,35 @@ class _PartitionedUpdate:
     def _zero_host_step(self, slots, scratch, param, grad, scalars) -> None:
         raise NotImplementedError
 
+    def _zero_device_step(self, slots, param, grad, scalars, mask) -> tf.Tensor:
+        raise NotImplementedError
 
-def _flatten(tensors: list, padded_total: int) -> tf.Tensor:
-    """Concatenate tensors (``tf.IndexedSlices`` densified) as 1-D float32, zero-padded to
-    ``padded_total`` elements."""
-    dense = [tf.convert_to_tensor(t) if isinstance(t, tf.IndexedSlices) else t for t in tensors]
-    flat = tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in dense], axis=0)
-    pad = padded_total - int(flat.shape[0])
-    if pad:
-        flat = tf.concat([flat, tf.zeros([pad], tf.float32)], axis=0)
-    return flat
+
+def _unwrap(v):
+    return v.value if isinstance(v, keras.Variable) else v
+
+
+def _local_copy(variable):
+    """This replica's component of a mirrored variable (the variable itself otherwise)."""
+    get = getattr(variable, "_get_on_device_or_primary", None)
+    return get() if get is not None else variable
+
+
+def _replica_id() -> int:
+    ctx = tf.distribute.get_replica_context()
+    rid = tf.get_static_value(ctx.replica_id_in_sync_group)
+    if rid is None:
+        raise RuntimeError("the partitioned optimizer needs a static replica id")
+    return int(rid)
+
+
+def _plain_variable(initial: tf.Tensor) -> tf.Variable:
+    """A resource variable on the current device, outside the strategy's creator."""
+    return resource_variable_ops.ResourceVariable(initial, trainable=False)
+
+
+def _masked(mask, new: tf.Tensor, old: tf.Tensor) -> tf.Tensor:
+    return new if mask is None else tf.where(mask, new, old)
 
 
 class _AdamHost(_PartitionedUpdate):
@@ -193,7 +535,7 @@ class _AdamHost(_PartitionedUpdate):
         if self.amsgrad:
             raise NotImplementedError("amsgrad=True is not supported by the partitioned Adam")
         lr = tf.cast(learning_rate, tf.float32)
-        local_step = tf.cast(self.iterations + 1, tf.float32)
+        local_step = tf.cast(self._zero_step() + 1, tf.float32)
         beta_1_power = tf.pow(tf.cast(self.beta_1, tf.float32), local_step)
         beta_2_power = tf.pow(tf.cast(self.beta_2, tf.float32), local_step)
         alpha = lr * tf.sqrt(1 - beta_2_power) / (1 - beta_1_power)
@@ -214,21 +556,32 @@ class _AdamHost(_PartitionedUpdate):
             scratch[1],
         )
 
+    def _zero_device_step(self, slots, param, grad, scalars, mask) -> tf.Tensor:
+        # Keras's Adam.update_step, operation for operation, on the shard.
+        (alpha,) = scalars
+        m_var, v_var = slots["momentum"], slots["velocity"]
+        m_old, v_old = m_var.read_value(), v_var.read_value()
+        m = _masked(mask, m_old + (grad - m_old) * (1 - self.beta_1), m_old)
+        v = _masked(mask, v_old + (tf.square(grad) - v_old) * (1 - self.beta_2), v_old)
+        m_var.assign(m)
+        v_var.assign(v)
+        return _masked(mask, param - (m * alpha) / (tf.sqrt(v) + self.epsilon), param)
+
 
 @keras.saving.register_keras_serializable(package="zero_runtime")
 class Adam(_AdamHost, keras.optimizers.Adam):
-    """Keras ``Adam`` with ZeRO stage-1 partitioned state on the host.
+    """Keras ``Adam`` with ZeRO-partitioned state (stage 1 or 2, any offload tier).
 
     Same constructor and behaviour as ``keras.optimizers.Adam`` (Kingma & Ba, ICLR 2015)
     except ``amsgrad=True`` (raises ``NotImplementedError`` at the first step). Each
-    replica holds ``2 * 4 * ceil(P / N)`` bytes of state on the host for P float32
-    parameters over N replicas, and none on the device.
+    replica holds ``2 * 4 * shard_size`` bytes of state (about ``8 * P / N`` for P float32
+    parameters over N replicas) on the ``offload_optimizer`` tier.
     """
 
 
 @keras.saving.register_keras_serializable(package="zero_runtime")
 class AdamW(_AdamHost, keras.optimizers.AdamW):
-    """Keras ``AdamW`` (Loshchilov & Hutter, ICLR 2019) with partitioned host state.
+    """Keras ``AdamW`` (Loshchilov & Hutter, ICLR 2019) with partitioned state.
 
     Decoupled weight decay is applied by Keras to the variables before the update, as in
     the stock optimizer.
@@ -237,10 +590,10 @@ class AdamW(_AdamHost, keras.optimizers.AdamW):
 
 @keras.saving.register_keras_serializable(package="zero_runtime")
 class SGD(_PartitionedUpdate, keras.optimizers.SGD):
-    """Keras ``SGD`` (optionally with momentum / Nesterov) with partitioned host state.
+    """Keras ``SGD`` (optionally with momentum / Nesterov) with partitioned state.
 
     With ``momentum == 0`` no state is held; otherwise one float32 momentum buffer per
-    shard (``4 * ceil(P / N)`` bytes per replica).
+    shard (``4 * shard_size`` bytes per replica).
     """
 
     @property
@@ -266,6 +619,20 @@ class SGD(_PartitionedUpdate, keras.optimizers.SGD):
             )
         else:
             kernels.sgd_update(param, grad, lr, scratch[0])
+
+    def _zero_device_step(self, slots, param, grad, scalars, mask) -> tf.Tensor:
+        # Keras's SGD.update_step on the shard.
+        (lr,) = scalars
+        if self.momentum == 0:
+            return _masked(mask, param - grad * lr, param)
+        momentum = tf.cast(self.momentum, tf.float32)
+        m_var = slots["momentum"]
+        m_old = m_var.read_value()
+        m = _masked(mask, m_old * momentum - grad * lr, m_old)
+        m_var.assign(m)
+        if self.nesterov:
+            return _masked(mask, param + (m * momentum - grad * lr), param)
+        return _masked(mask, param + m, param)
 
 
 #: Keras optimizer identifiers that the strategy maps to partitioned optimizers.

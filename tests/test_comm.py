@@ -1,0 +1,144 @@
+"""zero_runtime.comm: reduce-scatter (all-to-all and all-reduce paths), raw collectives,
+bucketed reduction and collective groups, on the session's 2 logical CPU devices."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from zero_runtime import comm
+
+SHARD = 5
+
+
+@pytest.fixture(scope="module")
+def strategy(cpu_devices):
+    return tf.distribute.MirroredStrategy(list(cpu_devices))
+
+
+def _inputs(n: int) -> np.ndarray:
+    return np.arange(n * n * SHARD, dtype=np.float32).reshape(n, n * SHARD) * 0.5 + 1.0
+
+
+def _run(strategy, fn):
+    """Run ``fn(replica_flat)`` on each replica inside a tf.function; per-replica numpy."""
+    n = strategy.num_replicas_in_sync
+    data = _inputs(n)
+
+    @tf.function
+    def step():
+        def replica_fn():
+            ctx = tf.distribute.get_replica_context()
+            flat = tf.gather(tf.constant(data), ctx.replica_id_in_sync_group)
+            return fn(flat)
+
+        return strategy.run(replica_fn)
+
+    out = step()
+    return [np.asarray(t) for t in strategy.experimental_local_results(out)], data
+
+
+@pytest.mark.parametrize("impl", ["all_to_all", "all_reduce"])
+def test_reduce_scatter_gives_each_replica_its_summed_shard(strategy, impl):
+    group = comm.CollectiveGroup.create(strategy.extended.worker_devices, impl)
+    results, data = _run(strategy, lambda f: comm.reduce_scatter_sum_flat(f, group))
+    total = data.sum(axis=0)  # (n * SHARD,)
+    for r, shard in enumerate(results):
+        assert shard.shape == (SHARD,)
+        np.testing.assert_array_equal(shard, total[r * SHARD : (r + 1) * SHARD])
+
+
+def test_reduce_scatter_without_group_is_all_reduce_and_slice(strategy):
+    results, data = _run(strategy, lambda f: comm.reduce_scatter_sum_flat(f, None))
+    total = data.sum(axis=0)
+    np.testing.assert_array_equal(np.concatenate(results), total)
+
+
+def test_raw_all_reduce_and_all_gather_match_the_strategy_ones(strategy):
+    group = comm.CollectiveGroup.create(strategy.extended.worker_devices)
+
+    def fn(flat):
+        return (
+            comm.all_reduce_sum_flat(flat, group),
+            comm.all_reduce_sum_flat(flat),
+            comm.all_gather_flat(flat[:SHARD], group),
+            comm.all_gather_flat(flat[:SHARD]),
+        )
+
+    n = strategy.num_replicas_in_sync
+    data = _inputs(n)
+
+    @tf.function
+    def step():
+        def replica_fn():
+            ctx = tf.distribute.get_replica_context()
+            return fn(tf.gather(tf.constant(data), ctx.replica_id_in_sync_group))
+
+        return strategy.run(replica_fn)
+
+    raw_sum, sum_, raw_gather, gather = (
+        [np.asarray(t) for t in strategy.experimental_local_results(x)] for x in step()
+    )
+    for r in range(n):
+        np.testing.assert_array_equal(raw_sum[r], data.sum(axis=0))
+        np.testing.assert_array_equal(raw_sum[r], sum_[r])
+        np.testing.assert_array_equal(raw_gather[r], data[:, :SHARD].reshape(-1))
+        np.testing.assert_array_equal(raw_gather[r], gather[r])
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("scatter", [True, False])
+def test_reduce_buckets(strategy, overlap, scatter):
+    group = comm.CollectiveGroup.create(strategy.extended.worker_devices)
+    n = strategy.num_replicas_in_sync
+
+    def fn(flat):  # two buckets of n*2 and n*3 elements
+        a, b = flat[: 2 * n], flat[2 * n : 5 * n]
+        return comm.reduce_buckets(
+            [a, b], scatter=scatter, group=group, overlap=overlap, wait_for=[a, b]
+        )
+
+    n_elems = 5 * n
+    data = _inputs(n)[:, :n_elems]
+    assert data.shape[1] == n_elems
+
+    @tf.function
+    def step():
+        def replica_fn():
+            ctx = tf.distribute.get_replica_context()
+            return fn(tf.gather(tf.constant(data), ctx.replica_id_in_sync_group))
+
+        return strategy.run(replica_fn)
+
+    pieces = [[np.asarray(t) for t in strategy.experimental_local_results(x)] for x in step()]
+    total = data.sum(axis=0)
+    for r in range(n):
+        np.testing.assert_array_equal(pieces[0][r], total[: 2 * n][r * 2 : (r + 1) * 2])
+        np.testing.assert_array_equal(pieces[1][r], total[2 * n :][r * 3 : (r + 1) * 3])
+
+
+def test_group_keys_and_instance_keys():
+    g1 = comm.CollectiveGroup.create(["/cpu:0", "/cpu:1"])
+    g2 = comm.CollectiveGroup.create(["/cpu:0", "/cpu:1"])
+    assert g1.group_key != g2.group_key
+    assert g1.reduce_scatter_impl == "all_to_all" and g1.group_size == 2
+    # Each replica counts its own calls: the i-th call of every replica gets key i.
+    assert [g1.next_instance_key(0) for _ in range(3)] == [1, 2, 3]
+    assert [g1.next_instance_key(1) for _ in range(2)] == [1, 2]
+
+
+def test_group_validation():
+    with pytest.raises(ValueError, match="needs GPU devices"):
+        comm.CollectiveGroup.create(["/cpu:0"], "nccl")
+    with pytest.raises(ValueError, match="must be one of"):
+        comm.CollectiveGroup.create(["/cpu:0"], "ring")
+    with pytest.raises(ValueError, match="at least one device"):
+        comm.CollectiveGroup.create([])
+    with pytest.raises(ValueError, match="timeout_seconds"):
+        comm.CollectiveGroup.create(["/cpu:0"], timeout_seconds=0)
+
+
+def test_collectives_need_replica_context(strategy):
+    with strategy.scope(), pytest.raises(RuntimeError, match="replica context"):
+        comm.all_gather_flat(tf.zeros([2]))

@@ -1,0 +1,122 @@
+"""Collective groups for the raw V2 collectives the runtime issues itself.
+
+TensorFlow's ``tf.distribute`` replica context has ``all_reduce`` and ``all_gather`` but
+no reduce-scatter, so :func:`zero_runtime.comm.reduce_scatter_sum_flat` issues
+``CollectiveReduceScatterV2`` (NCCL, GPUs) or ``CollectiveAllToAllV2`` (CPU) directly.
+Those ops need what a strategy's collective launcher normally keeps (TF_NOTES section 2):
+
+- a *group key* of their own, distinct from the strategy's groups, so the runtime's
+  collectives never share an instance with ``tf.distribute``'s;
+- an *instance key* per call site that is the same on every replica: replicas trace
+  their functions concurrently, so keys are counted per local replica, and the i-th call
+  traced by each replica gets the same key;
+- an *ordering token* per device (a resource variable): raw V2 collectives of several
+  local devices in one ``tf.function`` hang without one, and the token also orders one
+  device's collectives the same way on every device.
+
+This module holds that bookkeeping; :mod:`.collectives` stays stateless.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+
+import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops
+
+#: Reduce-scatter implementations: the native collective (GPUs, NCCL), all-to-all plus a
+#: local sum (CPU; TF has no CPU reduce-scatter kernel), or all-reduce plus a slice.
+REDUCE_SCATTER_IMPLS = ("nccl", "all_to_all", "all_reduce")
+
+# Group keys of the runtime's own collectives: far above the ranges MirroredStrategy
+# allocates from its ``_collective_key_base`` (multiples of 100_000 plus a few groups),
+# and unique in the process so that several strategies/optimizers never collide.
+_GROUP_KEYS = itertools.count(start=1_900_000_001, step=7)
+
+
+@dataclasses.dataclass
+class CollectiveGroup:
+    """The local replicas' devices taking part in the runtime's raw collectives.
+
+    Attributes:
+        group_key: the group's key (int32), unique in the process.
+        devices: one device name per local replica, index = replica id.
+        reduce_scatter_impl: one of :data:`REDUCE_SCATTER_IMPLS`.
+        timeout_seconds: a collective that does not complete in this many seconds fails
+            (``DeadlineExceededError``), float > 0.
+        tokens: one scalar float32 resource variable per device (the ordering token).
+    """
+
+    group_key: int
+    devices: tuple[str, ...]
+    reduce_scatter_impl: str
+    timeout_seconds: float
+    tokens: tuple = ()
+    _counters: dict[int, itertools.count] = dataclasses.field(default_factory=dict)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    @classmethod
+    def create(
+        cls,
+        devices: tuple[str, ...] | list[str],
+        reduce_scatter_impl: str | None = None,
+        timeout_seconds: float = 60.0,
+    ) -> CollectiveGroup:
+        """Make a group over ``devices`` with a fresh group key and ordering tokens.
+
+        Call outside any ``tf.function`` trace or under ``tf.init_scope()``; the tokens
+        are plain resource variables on each device, not strategy variables.
+
+        Args:
+            devices: the local replicas' device names, in replica order (non-empty).
+            reduce_scatter_impl: one of :data:`REDUCE_SCATTER_IMPLS`, or None (default) to
+                choose: 'nccl' when the devices are GPUs, else 'all_to_all'.
+            timeout_seconds: collective timeout, seconds (> 0). Default 60.
+
+        Raises:
+            ValueError: no devices, an unknown implementation, 'nccl' on non-GPU devices,
+                or a non-positive timeout.
+        """
+        devices = tuple(devices)
+        if not devices:
+            raise ValueError("a collective group needs at least one device")
+        if not timeout_seconds > 0:
+            raise ValueError(f"timeout_seconds must be > 0, got {timeout_seconds}")
+        on_gpu = all("gpu" in d.lower() for d in devices)
+        impl = reduce_scatter_impl or ("nccl" if on_gpu else "all_to_all")
+        if impl not in REDUCE_SCATTER_IMPLS:
+            raise ValueError(
+                f"reduce_scatter_impl must be one of {REDUCE_SCATTER_IMPLS}, got {impl!r}"
+            )
+        if impl == "nccl" and not on_gpu:
+            raise ValueError(f"reduce_scatter_impl='nccl' needs GPU devices, got {devices}")
+        tokens = []
+        with tf.init_scope():
+            for d in devices:
+                with tf.device(d):
+                    # ResourceVariable(...) directly, not tf.Variable: it bypasses the
+                    # strategy's variable creator, so this is one plain variable per device
+                    # (as tf.distribute's own CollectiveReplicaLauncher does).
+                    tokens.append(resource_variable_ops.ResourceVariable(0.0, trainable=False))
+        return cls(next(_GROUP_KEYS), devices, impl, float(timeout_seconds), tuple(tokens))
+
+    @property
+    def group_size(self) -> int:
+        """Number of devices (replicas) in the group."""
+        return len(self.devices)
+
+    def next_instance_key(self, replica: int) -> int:
+        """The next instance key for ``replica``'s trace (1, 2, ... per replica).
+
+        Replicas make the same calls in the same order, so the i-th call of each replica
+        gets key i and the collective instances match across replicas.
+        """
+        with self._lock:
+            counter = self._counters.setdefault(replica, itertools.count(start=1))
+            return next(counter)
+
+    def token(self, replica: int):
+        """The ordering token's handle for ``replica`` (a resource tensor)."""
+        return self.tokens[replica].handle

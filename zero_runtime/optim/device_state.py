@@ -1,0 +1,83 @@
+"""Optimizer state shards on the device: one resource variable per slot per replica.
+
+ZeRO stages 1 and 2 without offload (Rajbhandari et al., SC20, section 5.1): replica
+``r`` holds float32 ``[shard_size]`` buffers for each optimizer slot on its own device and
+updates them with TensorFlow ops in the train step's graph. On this CPU-only machine the
+"device" is the replica's logical CPU device (the device tier's stand-in).
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops
+
+from zero_runtime.optim.layout import FlatLayout
+
+
+class DeviceOptimizerState:
+    """Per-replica device variables holding the optimizer-state shards.
+
+    Args:
+        layout: the flat layout of the optimizer's trainable variables.
+        slot_names: per-element state buffers (e.g. ``("momentum", "velocity")``).
+        devices: one device per local replica, index = replica id.
+
+    Create outside a ``tf.function`` trace or under ``tf.init_scope()``. The variables are
+    plain resource variables on each device (not strategy variables), zero-initialised.
+    """
+
+    tier = "device"
+
+    def __init__(
+        self, layout: FlatLayout, slot_names: tuple[str, ...], devices: tuple[str, ...]
+    ) -> None:
+        self.layout = layout
+        self.slot_names = tuple(slot_names)
+        self.devices = tuple(devices)
+        self._slots: list[dict[str, tf.Variable]] = []
+        with tf.init_scope():
+            for r, d in enumerate(self.devices):
+                with tf.device(d):
+                    self._slots.append(
+                        {
+                            s: resource_variable_ops.ResourceVariable(
+                                tf.zeros([layout.shard_size], tf.float32),
+                                trainable=False,
+                                name=f"zero_{s}_r{r}",
+                            )
+                            for s in self.slot_names
+                        }
+                    )
+
+    def slots(self, replica: int) -> dict[str, tf.Variable]:
+        """Slot name -> float32 ``[shard_size]`` variable of ``replica``.
+
+        Raises:
+            IndexError: no such local replica.
+        """
+        return self._slots[replica]
+
+    @property
+    def state_bytes(self) -> int:
+        """Device bytes of optimizer state over the local replicas."""
+        return 4 * self.layout.shard_size * len(self.slot_names) * len(self.devices)
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes held (none: the state is on the device)."""
+        return 0
+
+    def usage(self) -> dict[str, tuple[int, int]]:
+        """``{"device": (state_bytes, 0)}``."""
+        return {"device": (self.state_bytes, 0)}
+
+    def slot_values(self, slot: str):
+        """One slot's full (unpadded) flat buffer, in variable order (numpy float32).
+
+        Raises:
+            KeyError: unknown slot.
+        """
+        return self.layout.unshard([s[slot].numpy() for s in self._slots])
+
+    def close(self) -> None:
+        """Nothing to release (the variables go with the object)."""

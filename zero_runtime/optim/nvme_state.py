@@ -1,0 +1,272 @@
+"""Optimizer state shards on NVMe, streamed through the paged buffer pool by sub-group.
+
+ZeRO-Infinity (Rajbhandari et al., SC21, sections 5.2 and 6.3): the optimizer states of
+each replica's shard live on NVMe; the update walks the shard in *sub-groups* of
+``sub_group_size`` elements. While sub-group ``j`` is updated on the host, sub-group
+``j + 1`` is read ahead (``PagedBufferPool.prefetch``) and sub-group ``j - 1`` is written
+behind (``PagedBufferPool.evict`` on a background thread), so NVMe I/O overlaps the
+host compute. At the end of the update every written sub-group is back on NVMe; between
+steps the host holds only the pool's (empty or cached) page slots.
+
+Tensor ids in the pool: ``"{prefix}/r{replica}/g{subgroup}/{slot}"``, kind
+``'optimizer'``, float32 ``[subgroup elements]``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+from zero_runtime.memory import PagedBufferPool
+from zero_runtime.optim import kernels
+from zero_runtime.optim.host_state import StepFn, run_tiles
+from zero_runtime.optim.layout import FlatLayout
+
+#: Sub-groups whose pages the host tier holds at once per replica: the one being
+#: updated, the one read ahead and the one being written behind.
+_LIVE_SUBGROUPS = 3
+
+
+@dataclasses.dataclass
+class _Replica:
+    """Bookkeeping of one replica's streamed shard (one record per replica)."""
+
+    allocated: set[int] = dataclasses.field(default_factory=set)
+    scratch: tuple[np.ndarray, np.ndarray] | None = None
+    updates: int = 0
+
+
+class NvmeOptimizerState:
+    """Optimizer-state shards paged to NVMe, updated sub-group by sub-group.
+
+    Args:
+        layout: the flat layout of the optimizer's trainable variables.
+        slot_names: per-element state buffers (e.g. ``("momentum", "velocity")``).
+        nvme_path: an existing writable directory for the pool's slab file.
+        sub_group_size: elements per sub-group (int >= 1; DeepSpeed's ``sub_group_size``).
+        page_size_bytes: pool page size, bytes (power of two >= 64 KiB).
+        host_budget_bytes: the pool's host tier, bytes, or None (default) for room for
+            ``3`` sub-groups of every slot for every local replica.
+        nvme_budget_bytes: bytes the pool may write under ``nvme_path``, or None.
+        prefix: tensor-id prefix in the pool (unique per optimizer).
+        tile: elements per update tile (default ``kernels.TILE_ELEMENTS``).
+
+    Raises:
+        ValueError: ``sub_group_size`` < 1 or a bad pool argument.
+        zero_runtime.memory.NvmePathError: ``nvme_path`` unusable.
+    """
+
+    tier = "nvme"
+
+    def __init__(
+        self,
+        layout: FlatLayout,
+        slot_names: tuple[str, ...],
+        nvme_path: str,
+        sub_group_size: int,
+        page_size_bytes: int,
+        host_budget_bytes: int | None = None,
+        nvme_budget_bytes: int | None = None,
+        prefix: str = "opt",
+        tile: int = kernels.TILE_ELEMENTS,
+    ) -> None:
+        if sub_group_size < 1:
+            raise ValueError(f"sub_group_size must be >= 1, got {sub_group_size}")
+        self.layout = layout
+        self.slot_names = tuple(slot_names)
+        self.sub_group_size = min(sub_group_size, layout.shard_size)
+        self.prefix = prefix
+        self.tile = max(1, min(tile, self.sub_group_size))
+        pages_per_group = -(-self.sub_group_size * 4 // page_size_bytes)
+        if host_budget_bytes is None:
+            host_budget_bytes = (
+                _LIVE_SUBGROUPS
+                * max(1, len(self.slot_names))
+                * layout.num_shards
+                * pages_per_group
+                * page_size_bytes
+            )
+        self.pool = PagedBufferPool(
+            host_budget_bytes=host_budget_bytes,
+            page_size_bytes=page_size_bytes,
+            nvme_path=nvme_path,
+            nvme_budget_bytes=nvme_budget_bytes,
+        )
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zr-wb")
+        self._replicas: dict[int, _Replica] = {}
+        self._lock = threading.Lock()
+
+    # -- sub-groups ---------------------------------------------------------------------
+    @property
+    def num_subgroups(self) -> int:
+        """Sub-groups per shard, ``ceil(shard_size / sub_group_size)``."""
+        return -(-self.layout.shard_size // self.sub_group_size)
+
+    def subgroup_range(self, j: int) -> tuple[int, int]:
+        """Shard-local ``[start, end)`` of sub-group ``j``."""
+        start = j * self.sub_group_size
+        return start, min(self.layout.shard_size, start + self.sub_group_size)
+
+    def tensor_id(self, replica: int, j: int, slot: str) -> str:
+        """The pool tensor id of one slot of one sub-group."""
+        return f"{self.prefix}/r{replica}/g{j}/{slot}"
+
+    def _ids(self, replica: int, j: int) -> list[str]:
+        return [self.tensor_id(replica, j, s) for s in self.slot_names]
+
+    def _record(self, replica: int) -> _Replica:
+        if not 0 <= replica < self.layout.num_shards:
+            raise ValueError(f"replica {replica} out of range [0, {self.layout.num_shards})")
+        with self._lock:
+            return self._replicas.setdefault(replica, _Replica())
+
+    def _ensure_allocated(self, rec: _Replica, replica: int, j: int) -> None:
+        if j in rec.allocated:
+            return
+        start, end = self.subgroup_range(j)
+        for tid in self._ids(replica, j):
+            self.pool.allocate(tid, (end - start,), np.float32, kind="optimizer", tier="host")
+        rec.allocated.add(j)
+
+    # -- the update ---------------------------------------------------------------------
+    def update(
+        self,
+        replica: int,
+        ranges: Sequence[tuple[int, int]],
+        param: np.ndarray,
+        grad: np.ndarray,
+        step_fn: StepFn,
+    ) -> None:
+        """Stream ``replica``'s shard through the host and update it over ``ranges``.
+
+        Args:
+            replica: the replica id.
+            ranges: shard-local ``[start, end)`` ranges to update (active variables).
+            param: float32 ``[shard_size]`` parameter shard, updated in place.
+            grad: float32 ``[shard_size]`` reduced gradient shard.
+            step_fn: the optimizer's per-tile update.
+
+        Raises:
+            zero_runtime.memory.PagingError: an NVMe read or write failed (including
+                ``NvmeFullError``); the write-behind's error is raised here.
+        """
+        rec = self._record(replica)
+        if rec.scratch is None:
+            rec.scratch = (np.empty(self.tile, np.float32), np.empty(self.tile, np.float32))
+        work = []  # (subgroup, [(start, end) within the sub-group's shard range])
+        for j in range(self.num_subgroups):
+            lo, hi = self.subgroup_range(j)
+            parts = [(max(s, lo), min(e, hi)) for s, e in ranges if s < hi and e > lo]
+            if parts:
+                work.append((j, parts))
+        for j, _ in work:
+            self._ensure_allocated(rec, replica, j)
+        if not self.slot_names:
+            for _, parts in work:
+                for s, e in parts:
+                    run_tiles(step_fn, {}, rec.scratch, param, grad, s, e)
+            rec.updates += 1
+            return
+        pending: list[concurrent.futures.Future] = []
+        if work:
+            self.pool.prefetch(self._ids(replica, work[0][0]))
+        try:
+            for k, (j, parts) in enumerate(work):
+                if k + 1 < len(work):
+                    self.pool.prefetch(self._ids(replica, work[k + 1][0]))  # read-ahead
+                ids = self._ids(replica, j)
+                arrays = [self.pool.acquire(tid, writable=True) for tid in ids]
+                try:
+                    lo, _ = self.subgroup_range(j)
+                    for s, e in parts:
+                        slots = {
+                            name: a[s - lo : e - lo] for name, a in zip(self.slot_names, arrays)
+                        }
+                        run_tiles(step_fn, slots, rec.scratch, param[s:e], grad[s:e], 0, e - s)
+                finally:
+                    for tid in ids:
+                        self.pool.release(tid)
+                pending.append(self._writer.submit(self.pool.evict, ids, "nvme"))  # write-behind
+        finally:
+            for f in pending:
+                f.result()
+        rec.updates += 1
+
+    # -- accounting ---------------------------------------------------------------------
+    def updates(self, replica: int) -> int:
+        """Completed updates of ``replica``'s shard."""
+        with self._lock:
+            rec = self._replicas.get(replica)
+        return 0 if rec is None else rec.updates
+
+    @property
+    def state_bytes(self) -> int:
+        """Logical optimizer-state bytes of the allocated sub-groups (all tiers)."""
+        total = 0
+        with self._lock:
+            for rec in self._replicas.values():
+                for j in rec.allocated:
+                    s, e = self.subgroup_range(j)
+                    total += 4 * (e - s) * len(self.slot_names)
+        return total
+
+    def usage(self) -> dict[str, tuple[int, int]]:
+        """``{"host": (state pages, scratch), "nvme": (state pages, 0)}``, bytes.
+
+        Host state is the pool's host pages that hold optimizer states (whole pages);
+        scratch is the per-replica tile buffers.
+        """
+        u = self.pool.usage()
+        with self._lock:
+            scratch = sum(
+                sum(a.nbytes for a in rec.scratch)
+                for rec in self._replicas.values()
+                if rec.scratch is not None
+            )
+        return {
+            "host": (u["host"].bytes_by_kind.get("optimizer", 0), scratch),
+            "nvme": (u["nvme"].bytes_by_kind.get("optimizer", 0), 0),
+        }
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes held (pool host pages of optimizer states plus scratch)."""
+        state, scratch = self.usage()["host"]
+        return state + scratch
+
+    def slot_values(self, slot: str) -> np.ndarray:
+        """One slot's full (unpadded) flat buffer, in variable order, read from the pool.
+
+        Sub-groups never updated (only inactive variables) read as zeros.
+
+        Raises:
+            KeyError: unknown slot.
+        """
+        if slot not in self.slot_names:
+            raise KeyError(slot)
+        shards = []
+        for r in range(self.layout.num_shards):
+            allocated = self._record(r).allocated
+            parts = []
+            for j in range(self.num_subgroups):
+                if j in allocated:
+                    parts.append(self.pool.read(self.tensor_id(r, j, slot)))
+                else:  # never updated (inactive variables only): zero state
+                    s, e = self.subgroup_range(j)
+                    parts.append(np.zeros(e - s, np.float32))
+            shards.append(np.concatenate(parts))
+        return self.layout.unshard(shards)
+
+    def step_boundary(self, step: int):
+        """Close the pool's step; returns its ``PageCounters``."""
+        return self.pool.step_boundary(step)
+
+    def close(self) -> None:
+        """Stop the write-behind thread and close the pool (removes its NVMe file)."""
+        self._writer.shutdown(wait=True)
+        if not self.pool.closed:
+            self.pool.close()
