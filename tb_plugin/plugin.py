@@ -19,15 +19,29 @@ Rust server, 10 with the Python one) unless started with
 ``--samples_per_plugin=memory_hierarchy=0``, which keeps every step. The plugin then reads
 all stored steps and thins each answer to a point budget with :func:`peak_keeping_indices`,
 which never drops a bucket's minimum or maximum, so a tier's peak stays visible.
+
+Caching: decoding every stored step is the expensive part of a request (a 100,000-step
+series is 100,000 tensor protos), so the decoded steps of each series are kept in a
+:class:`tb_plugin.cache.CostLru` keyed by ``(experiment, run, tag, max_step)``, and the
+encoded (gzipped) answers likewise plus their parameters. ``max_step`` comes from the
+cheap ``list_tensors`` listing, so new steps of a live run are read on the next request.
+
+Exports: ``/series`` and ``/json`` take ``format=json|csv``; either answers as a download
+(``Content-Disposition: attachment``), built by :mod:`tb_plugin.export`. ``points=0``
+asks ``/series`` for every stored step.
 """
 
 from __future__ import annotations
 
 import functools
+import gzip
+import io
 import json
 import math
 import os
 import re
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,16 +53,32 @@ from tensorboard.data import provider
 from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
-from tb_plugin import metadata
+from tb_plugin import export, fast_read, metadata
+from tb_plugin.cache import CostLru
 
 # Steps asked of the data provider per time series; ``read_tensors`` caps its answer at
 # this many, so it is large: thinning is done here, by the point budget below.
 READ_DOWNSAMPLE = 1_000_000  # steps
 
 DEFAULT_POINTS = 2000  # points per series in a /series answer when ?points is absent
-MIN_POINTS = 2  # smallest accepted ?points
+FULL_POINTS = 0  # ?points=0: every stored step, not thinned (for exports)
+MIN_POINTS = 2  # smallest accepted ?points other than FULL_POINTS
 MAX_POINTS = 50_000  # largest accepted ?points
 MAX_QUERY_VALUE_CHARS = 1024  # characters; a longer run or tag is refused with 400
+FORMATS = ("json", "csv")  # accepted ?format values; either answers as a download
+
+SERIES_CACHE_BYTES = 512 * 2**20  # bytes of decoded steps kept (all runs, all tags)
+ANSWER_CACHE_BYTES = 64 * 2**20  # bytes of encoded, gzipped answers kept
+GZIP_LEVEL = 3  # the level TensorBoard's http_util uses
+# How long a listing of every run's tags (with max_step) is reused, seconds. The Rust data
+# server's ListTensors scans every stored point for max_step (about 0.4 s for 10 runs of
+# 100,000 steps), and every request needs it; TensorBoard itself reloads the logdir every
+# 5 s by default, so a listing this young hides at most one reload.
+LISTING_TTL_SECONDS = 2.0
+# A listing older than the TTL but younger than this is still answered from at once while
+# a background thread lists again (stale-while-revalidate), so the view's 5-s poll of
+# /runs never waits for the scan; older than this, the request lists and waits. Seconds.
+LISTING_STALE_SECONDS = 60.0
 
 STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 
@@ -64,6 +94,7 @@ _CONTENT_TYPES = {
 # percent sign (so neither encoded nor doubly encoded ".." can get through).
 _ASSET_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
 _POINTS_ARG = re.compile(r"[0-9]{1,9}")
+_FORMAT_ARG = re.compile(r"[a-z]{1,8}")
 
 _STATIC_PREFIX = f"/data/plugin/{metadata.PLUGIN_NAME}/"
 
@@ -137,9 +168,11 @@ def peak_keeping_indices(values: np.ndarray, budget: int) -> np.ndarray:
 
     The steps are cut into equal buckets; in each bucket the first step holding each
     series' minimum and the first holding its maximum are kept, as are the first and the
-    last step. If the union is larger than ``budget`` the buckets are halved and the
-    choice redone. So the largest (and smallest) value of every series always survives,
-    however far it is thinned; NaN cells are ignored.
+    last step. If the union is larger than ``budget`` neighbouring buckets are merged in
+    pairs (keeping the larger maximum and the smaller minimum of the two) and the union
+    taken again, until it fits. So the largest (and smallest) value of every series always
+    survives, however far it is thinned; NaN cells are ignored. The steps are scanned once
+    (cost O(N x S)); each merge costs O(buckets x S).
 
     Args:
         values: float array ``[N, S]``: N steps, S series sharing those steps.
@@ -157,19 +190,31 @@ def peak_keeping_indices(values: np.ndarray, budget: int) -> np.ndarray:
     lows = np.where(np.isnan(measured), np.inf, measured)
     position = np.arange(n)[:, None]  # [N, 1]
     buckets = max(1, (budget - 2) // 2)
+    starts = np.linspace(0, n, buckets + 1).astype(np.int64)[:-1]  # [B] bucket starts
+    bucket_of = np.repeat(np.arange(buckets), np.diff(np.append(starts, n)))  # [N]
+    picks = []  # per (series, reduce): [B, S'] the step of each bucket's extreme
+    for series, reduce in ((highs, np.maximum), (lows, np.minimum)):
+        extreme = reduce.reduceat(series, starts, axis=0)  # [B, S'] per-bucket extreme
+        at_extreme = np.where(series == extreme[bucket_of], position, n)  # [N, S']
+        picks.append((series, np.minimum.reduceat(at_extreme, starts, axis=0)))
+    columns = np.arange(measured.shape[1])[None, :]  # [1, S']
+    ends = np.array([0, n - 1])
     while True:
-        starts = np.linspace(0, n, buckets + 1).astype(np.int64)[:-1]  # [B] bucket starts
-        bucket_of = np.repeat(np.arange(buckets), np.diff(np.append(starts, n)))  # [N]
-        chosen = [np.array([0, n - 1])]
-        for series, reduce in ((highs, np.maximum), (lows, np.minimum)):
-            extreme = reduce.reduceat(series, starts, axis=0)  # [B, S'] per-bucket extreme
-            at_extreme = np.where(series == extreme[bucket_of], position, n)  # [N, S']
-            chosen.append(np.minimum.reduceat(at_extreme, starts, axis=0).ravel())
-        kept = np.unique(np.concatenate(chosen))
+        kept = np.unique(np.concatenate([ends] + [pos.ravel() for _s, pos in picks]))
         kept = kept[kept < n]
-        if len(kept) <= budget or buckets == 1:
+        if len(kept) <= budget or len(picks[0][1]) == 1:
             return kept
-        buckets = max(1, buckets // 2)
+        merged = []
+        for (series, pos), better in zip(picks, (np.greater, np.less)):
+            pairs = len(pos) // 2
+            left, right = pos[0 : 2 * pairs : 2], pos[1 : 2 * pairs : 2]  # [B/2, S']
+            take_right = better(series[np.minimum(right, n - 1), columns], series[left, columns])
+            take_right &= right < n
+            out = np.where(take_right, right, left)
+            if len(pos) % 2:
+                out = np.vstack([out, pos[-1:]])
+            merged.append((series, out))
+        picks = merged
 
 
 def _json_floats(values: np.ndarray) -> list[float | None]:
@@ -206,16 +251,80 @@ def _required_arg(request: wrappers.Request, name: str) -> str:
 
 
 def _points_arg(request: wrappers.Request) -> int:
-    """The ?points budget: an integer in [MIN_POINTS, MAX_POINTS], default DEFAULT_POINTS."""
+    """The ?points budget: 0 (every step) or an integer in [MIN_POINTS, MAX_POINTS].
+
+    Default DEFAULT_POINTS.
+    """
     raw = request.args.get("points")
     if raw is None:
         return DEFAULT_POINTS
-    if not _POINTS_ARG.fullmatch(raw) or not MIN_POINTS <= int(raw) <= MAX_POINTS:
+    if not _POINTS_ARG.fullmatch(raw) or not (
+        int(raw) == FULL_POINTS or MIN_POINTS <= int(raw) <= MAX_POINTS
+    ):
         raise errors.InvalidArgumentError(
-            f"query parameter 'points' must be an integer in [{MIN_POINTS}, {MAX_POINTS}]"
-            f", got {raw[:40]!r}"
+            f"query parameter 'points' must be {FULL_POINTS} (every step) or an integer in "
+            f"[{MIN_POINTS}, {MAX_POINTS}], got {raw[:40]!r}"
         )
     return int(raw)
+
+
+def _format_arg(request: wrappers.Request) -> str | None:
+    """The ?format of a download: None (plain answer), 'json' or 'csv'."""
+    raw = request.args.get("format")
+    if raw is None:
+        return None
+    if not _FORMAT_ARG.fullmatch(raw) or raw not in FORMATS:
+        raise errors.InvalidArgumentError(
+            f"query parameter 'format' must be one of {list(FORMATS)}, got {raw[:40]!r}"
+        )
+    return raw
+
+
+@dataclass(frozen=True)
+class SeriesData:
+    """Every stored step of one matrix or vector tag, decoded (a cache entry)."""
+
+    layout: Layout
+    steps: np.ndarray  # [N] int64
+    wall_times: np.ndarray  # [N] float64, seconds since the epoch
+    cells: np.ndarray  # [N, rows*columns] float64, NaN = not measured
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held by the arrays, bytes."""
+        return int(self.steps.nbytes + self.wall_times.nbytes + self.cells.nbytes)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """An encoded, gzipped HTTP answer body (a cache entry)."""
+
+    gzipped: bytes
+    content_type: str
+    headers: tuple[tuple[str, str], ...]
+
+
+def _encode(text: str, content_type: str, headers: tuple[tuple[str, str], ...] = ()) -> Answer:
+    out = io.BytesIO()
+    with gzip.GzipFile(fileobj=out, mode="wb", compresslevel=GZIP_LEVEL, mtime=0) as f:
+        f.write(text.encode("utf-8"))
+    return Answer(out.getvalue(), content_type, headers)
+
+
+def _respond(request: wrappers.Request, answer: Answer) -> wrappers.Response:
+    """Send a pre-gzipped answer (TensorBoard's Respond gunzips it for clients that must)."""
+    return http_util.Respond(
+        request,
+        answer.gzipped,
+        answer.content_type,
+        content_encoding="gzip",
+        headers=list(answer.headers),
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_layout(content: bytes, run: str, tag: str) -> Layout:
+    return parse_layout(content, run, tag)
 
 
 class MemoryHierarchyPlugin(base_plugin.TBPlugin):
@@ -223,13 +332,28 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
 
     Args:
         context: TensorBoard's ``TBContext``; only ``context.data_provider`` is used.
+        static_dir: where the built frontend is (default :data:`STATIC_DIR`).
+        series_cache_bytes: budget of the decoded-steps cache (bytes).
+        answer_cache_bytes: budget of the encoded-answers cache (bytes).
     """
 
     plugin_name = metadata.PLUGIN_NAME
 
-    def __init__(self, context: base_plugin.TBContext, static_dir: str = STATIC_DIR) -> None:
+    def __init__(
+        self,
+        context: base_plugin.TBContext,
+        static_dir: str = STATIC_DIR,
+        series_cache_bytes: int = SERIES_CACHE_BYTES,
+        answer_cache_bytes: int = ANSWER_CACHE_BYTES,
+    ) -> None:
         self._data_provider = context.data_provider
         self._static_dir = static_dir
+        self._series_cache: CostLru[SeriesData] = CostLru(series_cache_bytes)
+        self._json_cache: CostLru[list[dict[str, Any]]] = CostLru(answer_cache_bytes)
+        self._answer_cache: CostLru[Answer] = CostLru(answer_cache_bytes)
+        self._listing_lock = threading.Lock()
+        self._listings: dict[str, tuple[float, dict[str, dict[str, Any]]]] = {}
+        self._listing_refreshes: set[str] = set()  # experiments being listed in background
 
     # -- TBPlugin interface ----------------------------------------------------------------
     def get_plugin_apps(self) -> dict[str, Callable]:
@@ -258,17 +382,48 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
         return base_plugin.FrontendMetadata(es_module_path="/index.js", tab_name="Memory Hierarchy")
 
     # -- data access ------------------------------------------------------------------------
-    def _layout(self, ctx: Any, experiment: str, run: str, tag: str) -> Layout:
-        listing = self._data_provider.list_tensors(
-            ctx,
-            experiment_id=experiment,
-            plugin_name=metadata.PLUGIN_NAME,
-            run_tag_filter=provider.RunTagFilter(runs=[run], tags=[tag]),
-        )
-        series = listing.get(run, {}).get(tag)
+    def _listing(self, ctx: Any, experiment: str) -> dict[str, dict[str, Any]]:
+        """Every run's memory_hierarchy time series (metadata, max_step).
+
+        Fresh for LISTING_TTL_SECONDS; then, up to LISTING_STALE_SECONDS, the cached one is
+        returned while one background thread lists again; older, this call lists and waits.
+        """
+        with self._listing_lock:
+            cached = self._listings.get(experiment)
+            age = time.monotonic() - cached[0] if cached is not None else math.inf
+            if age < LISTING_TTL_SECONDS:
+                return cached[1]  # type: ignore[index]
+            if age < LISTING_STALE_SECONDS:
+                if experiment not in self._listing_refreshes:
+                    self._listing_refreshes.add(experiment)
+                    threading.Thread(
+                        target=self._refresh_listing,
+                        args=(ctx, experiment),
+                        name="memory_hierarchy-listing",
+                        daemon=True,
+                    ).start()
+                return cached[1]  # type: ignore[index]
+        return self._refresh_listing(ctx, experiment)
+
+    def _refresh_listing(self, ctx: Any, experiment: str) -> dict[str, dict[str, Any]]:
+        """List every run's time series now and keep the answer."""
+        try:
+            listing = self._data_provider.list_tensors(
+                ctx, experiment_id=experiment, plugin_name=metadata.PLUGIN_NAME
+            )
+            with self._listing_lock:
+                self._listings[experiment] = (time.monotonic(), listing)
+            return listing
+        finally:
+            with self._listing_lock:
+                self._listing_refreshes.discard(experiment)
+
+    def _layout(self, ctx: Any, experiment: str, run: str, tag: str) -> tuple[Layout, int]:
+        """The layout of one time series and its ``max_step`` (from the listing)."""
+        series = self._listing(ctx, experiment).get(run, {}).get(tag)
         if series is None:
             raise errors.NotFoundError(f"no memory_hierarchy data for run {run!r}, tag {tag!r}")
-        return parse_layout(series.plugin_content, run, tag)
+        return _cached_layout(series.plugin_content, run, tag), int(series.max_step)
 
     def _read(self, ctx: Any, experiment: str, run: str, tag: str) -> list[provider.TensorDatum]:
         data = self._data_provider.read_tensors(
@@ -279,6 +434,54 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
             run_tag_filter=provider.RunTagFilter(runs=[run], tags=[tag]),
         )
         return data.get(run, {}).get(tag, [])
+
+    def _decode_series(
+        self, ctx: Any, experiment: str, run: str, tag: str, layout: Layout
+    ) -> SeriesData:
+        """Read and decode every stored step of a matrix or vector tag."""
+        fast = fast_read.read_series(
+            self._data_provider,
+            experiment,
+            metadata.PLUGIN_NAME,
+            run,
+            tag,
+            READ_DOWNSAMPLE,
+            layout.shape,
+        )
+        if fast is not None:
+            return SeriesData(layout, fast.steps, fast.wall_times, fast.cells)
+        data = self._read(ctx, experiment, run, tag)
+        width = int(np.prod(layout.shape))
+        cells = np.empty((len(data), width), dtype=np.float64)  # [N, rows*columns]
+        for i, datum in enumerate(data):
+            array = np.asarray(datum.numpy, dtype=np.float64)
+            if array.shape != layout.shape:
+                raise DataContractError(
+                    f"run {run!r}, tag {tag!r}, step {datum.step}: tensor shape "
+                    f"{array.shape} does not match the layout's {layout.shape}"
+                )
+            cells[i] = array.ravel()
+        steps = np.fromiter((d.step for d in data), dtype=np.int64, count=len(data))
+        walls = np.fromiter((d.wall_time for d in data), dtype=np.float64, count=len(data))
+        return SeriesData(layout, steps, walls, cells)
+
+    def series_data(self, ctx: Any, experiment: str, run: str, tag: str) -> SeriesData:
+        """Every stored step of a matrix or vector tag, from the cache when unchanged.
+
+        Raises:
+            NotFoundError: no such run or tag.
+            InvalidArgumentError: the tag is a json tag.
+            DataContractError: undecodable metadata or a tensor of the wrong shape.
+        """
+        layout, max_step = self._layout(ctx, experiment, run, tag)
+        if layout.kind == metadata.KIND_JSON:
+            raise errors.InvalidArgumentError(f"tag {tag!r} is a json tag; read it from /json")
+
+        def compute() -> tuple[SeriesData, int]:
+            data = self._decode_series(ctx, experiment, run, tag, layout)
+            return data, data.nbytes
+
+        return self._series_cache.get_or_compute((experiment, run, tag, max_step), compute)
 
     # -- /runs --------------------------------------------------------------------------------
     def runs_impl(self, ctx: Any, experiment: str) -> dict[str, Any]:
@@ -293,9 +496,7 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
             "max_wall_time"}}}]}`` sorted by run name. A tag whose metadata this reader
             cannot decode has ``"kind": null`` and an ``"error"`` message instead.
         """
-        listing = self._data_provider.list_tensors(
-            ctx, experiment_id=experiment, plugin_name=metadata.PLUGIN_NAME
-        )
+        listing = self._listing(ctx, experiment)
         runs = []
         for run in sorted(listing):
             tags = {}
@@ -305,7 +506,7 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
                     "max_wall_time": series.max_wall_time,
                 }
                 try:
-                    entry["kind"] = parse_layout(series.plugin_content, run, tag).kind
+                    entry["kind"] = _cached_layout(series.plugin_content, run, tag).kind
                 except DataContractError as exc:
                     entry["kind"] = None
                     entry["error"] = str(exc)
@@ -332,7 +533,8 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
             experiment: the experiment id.
             run: the run name.
             tag: a matrix or vector tag.
-            points: the point budget (see :func:`peak_keeping_indices`).
+            points: the point budget (see :func:`peak_keeping_indices`);
+                :data:`FULL_POINTS` (0) returns every stored step.
 
         Returns:
             ``{"run", "tag", "kind", "rows", "columns", "units", "steps", "wall_times",
@@ -345,21 +547,10 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
             InvalidArgumentError: the tag is a json tag.
             DataContractError: undecodable metadata or a tensor of the wrong shape.
         """
-        layout = self._layout(ctx, experiment, run, tag)
-        if layout.kind == metadata.KIND_JSON:
-            raise errors.InvalidArgumentError(f"tag {tag!r} is a json tag; read it from /json")
-        data = self._read(ctx, experiment, run, tag)
-        width = int(np.prod(layout.shape))
-        cells = np.empty((len(data), width), dtype=np.float64)  # [N, rows*columns]
-        for i, datum in enumerate(data):
-            array = np.asarray(datum.numpy, dtype=np.float64)
-            if array.shape != layout.shape:
-                raise DataContractError(
-                    f"run {run!r}, tag {tag!r}, step {datum.step}: tensor shape "
-                    f"{array.shape} does not match the layout's {layout.shape}"
-                )
-            cells[i] = array.ravel()
-        keep = peak_keeping_indices(cells, points)
+        data = self.series_data(ctx, experiment, run, tag)
+        layout, cells = data.layout, data.cells
+        n = len(cells)
+        keep = np.arange(n) if points == FULL_POINTS else peak_keeping_indices(cells, points)
         kept = cells[keep]
         columns = layout.columns
         if layout.kind == metadata.KIND_MATRIX:
@@ -377,24 +568,49 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
             "rows": list(layout.rows),
             "columns": list(columns),
             "units": list(layout.units),
-            "steps": [int(data[i].step) for i in keep],
-            "wall_times": [float(data[i].wall_time) for i in keep],
+            "steps": data.steps[keep].tolist(),
+            "wall_times": data.wall_times[keep].tolist(),
             "values": values,
-            "total_steps": len(data),
-            "downsampled": len(keep) < len(data),
+            "total_steps": n,
+            "downsampled": len(keep) < n,
         }
+
+    def series_answer(
+        self, ctx: Any, experiment: str, run: str, tag: str, points: int, fmt: str | None
+    ) -> Answer:
+        """The encoded /series answer, cached by (run, tag, max_step, points, format)."""
+        _layout, max_step = self._layout(ctx, experiment, run, tag)
+
+        def compute() -> tuple[Answer, int]:
+            body = self.series_impl(ctx, experiment, run, tag, points)
+            if fmt is None:
+                answer = _encode(json.dumps(body), "application/json")
+            else:
+                suffix = "full" if points == FULL_POINTS else f"{points}points"
+                text = json.dumps(body) if fmt == "json" else export.series_csv(body)
+                content_type = "application/json" if fmt == "json" else "text/csv; charset=utf-8"
+                disposition = export.content_disposition(run, tag, suffix, fmt)
+                answer = _encode(text, content_type, (("Content-Disposition", disposition),))
+            return answer, len(answer.gzipped)
+
+        key = ("series", experiment, run, tag, max_step, points, fmt)
+        return self._answer_cache.get_or_compute(key, compute)
 
     @wrappers.Request.application
     @_json_errors
     def series_route(self, request: wrappers.Request) -> wrappers.Response:
-        """GET /series?run=R&tag=T[&points=N]: see :meth:`series_impl`."""
+        """GET /series?run=R&tag=T[&points=N][&format=json|csv]: see :meth:`series_impl`.
+
+        With ``format`` the answer is a download (``Content-Disposition: attachment``):
+        the same JSON, or CSV (:func:`tb_plugin.export.series_csv`).
+        """
         run = _required_arg(request, "run")
         tag = _required_arg(request, "tag")
         points = _points_arg(request)
+        fmt = _format_arg(request)
         ctx = plugin_util.context(request.environ)
         experiment = plugin_util.experiment_id(request.environ)
-        body = self.series_impl(ctx, experiment, run, tag, points)
-        return http_util.Respond(request, body, "application/json")
+        return _respond(request, self.series_answer(ctx, experiment, run, tag, points, fmt))
 
     # -- /json ----------------------------------------------------------------------------------
     def json_impl(self, ctx: Any, experiment: str, run: str, tag: str) -> dict[str, Any]:
@@ -415,35 +631,53 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
             InvalidArgumentError: the tag is not a json tag.
             DataContractError: undecodable metadata or a record that is not JSON.
         """
-        layout = self._layout(ctx, experiment, run, tag)
+        layout, max_step = self._layout(ctx, experiment, run, tag)
         if layout.kind != metadata.KIND_JSON:
             raise errors.InvalidArgumentError(
                 f"tag {tag!r} is a {layout.kind} tag; read it from /series"
             )
-        events = []
-        for datum in self._read(ctx, experiment, run, tag):
-            raw = np.asarray(datum.numpy).reshape(()).item()  # bytes (or str)
-            try:
-                value = json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
-            except (UnicodeDecodeError, json.JSONDecodeError, TypeError) as exc:
-                raise DataContractError(
-                    f"run {run!r}, tag {tag!r}, step {datum.step}: record is not UTF-8 JSON"
-                ) from exc
-            events.append(
-                {"step": int(datum.step), "wall_time": float(datum.wall_time), "value": value}
-            )
+
+        def compute() -> tuple[list[dict[str, Any]], int]:
+            events = []
+            cost = 0
+            for datum in self._read(ctx, experiment, run, tag):
+                raw = np.asarray(datum.numpy).reshape(()).item()  # bytes (or str)
+                try:
+                    value = json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
+                except (UnicodeDecodeError, json.JSONDecodeError, TypeError) as exc:
+                    raise DataContractError(
+                        f"run {run!r}, tag {tag!r}, step {datum.step}: record is not UTF-8 JSON"
+                    ) from exc
+                cost += len(raw) + 64
+                events.append(
+                    {"step": int(datum.step), "wall_time": float(datum.wall_time), "value": value}
+                )
+            return events, cost
+
+        events = self._json_cache.get_or_compute(("json", experiment, run, tag, max_step), compute)
         return {"run": run, "tag": tag, "kind": metadata.KIND_JSON, "events": events}
 
     @wrappers.Request.application
     @_json_errors
     def json_route(self, request: wrappers.Request) -> wrappers.Response:
-        """GET /json?run=R&tag=T: see :meth:`json_impl`."""
+        """GET /json?run=R&tag=T[&format=json|csv]: see :meth:`json_impl`.
+
+        With ``format`` the answer is a download: the same JSON, or CSV
+        (:func:`tb_plugin.export.json_csv`; placement as one row per variable).
+        """
         run = _required_arg(request, "run")
         tag = _required_arg(request, "tag")
+        fmt = _format_arg(request)
         ctx = plugin_util.context(request.environ)
         experiment = plugin_util.experiment_id(request.environ)
-        return http_util.Respond(
-            request, self.json_impl(ctx, experiment, run, tag), "application/json"
+        body = self.json_impl(ctx, experiment, run, tag)
+        if fmt is None:
+            return http_util.Respond(request, body, "application/json")
+        text = json.dumps(body) if fmt == "json" else export.json_csv(body)
+        content_type = "application/json" if fmt == "json" else "text/csv; charset=utf-8"
+        disposition = export.content_disposition(run, tag, "all", fmt)
+        return _respond(
+            request, _encode(text, content_type, (("Content-Disposition", disposition),))
         )
 
     # -- static assets ------------------------------------------------------------------------

@@ -61,6 +61,27 @@ READ_PANELS = """
 """
 
 
+TIER_HEADS = """
+(cells) => cells.map((c) => ({
+  tier: c.dataset.tier,
+  title: c.querySelector('.mh-tier-title').textContent,
+  notes: c.querySelector('.mh-tier-notes').textContent,
+  canvases: c.querySelectorAll('canvas').length,
+}))
+"""
+
+# The figures a view's summary line shows: metric -> {text, value (data-value)}.
+READ_SUMMARY = """
+(p) => ({
+  step: p.dataset.step,
+  metrics: Object.fromEntries([...p.querySelectorAll('.mh-metric')].map((m) => [
+    m.dataset.metric,
+    {text: m.querySelector('.mh-metric-value').textContent, value: m.dataset.value ?? null},
+  ])),
+})
+"""
+
+
 def require_built_frontend() -> None:
     """Fail (not skip) when the frontend bundle is missing."""
     if not os.path.isfile(os.path.join(plugin.STATIC_DIR, "index.js")):
@@ -130,8 +151,38 @@ def test_tier_occupancy_chart_shows_every_run(
                 assert panel["standin"] is None
                 assert tiers["device"]["label"] == "device"
                 assert tiers["device"]["usedText"] == "226 MiB"  # 2 * (64 + 49) MiB
-        # The chart's legend names the stand-in too.
-        expect(frame.locator(".u-legend").first).to_contain_text("device (CPU stand-in) used")
+        # One chart per tier, with its own header; the stand-in is named on its chart.
+        alpha = frame.locator(f'section.mh-run[data-run="{synthetic.RUN_STANDIN}"]')
+        heads = alpha.locator(".mh-tier-cell").evaluate_all(TIER_HEADS)
+        assert heads == [
+            {
+                "tier": "device",
+                "title": "device (CPU stand-in)",
+                "notes": "peak 113 MiB · capacity 256 MiB",
+                "canvases": 1,
+            },
+            {
+                "tier": "host",
+                "title": "host",
+                "notes": "peak 708 MiB · capacity 4 GiB",
+                "canvases": 1,
+            },
+            {
+                "tier": "nvme",
+                "title": "nvme",
+                "notes": "peak 784 MiB · capacity unbounded",
+                "canvases": 1,
+            },
+        ]
+        device_legend = alpha.locator('.mh-tier-cell[data-tier="device"] .u-legend')
+        for label in ("param", "grad", "other", "used", "capacity", "framework allocator"):
+            expect(device_legend).to_contain_text(label)
+        expect(alpha.locator('.mh-tier-cell[data-tier="host"] .u-legend')).to_contain_text(
+            "process RSS"
+        )
+        expect(alpha.locator('.mh-tier-cell[data-tier="nvme"] .u-legend')).to_contain_text(
+            "on disk"
+        )
         in_frame = plugin_frame(page)
         # uPlot's CSS (injected as <style>) applies under TensorBoard's CSP ...
         font = in_frame.evaluate("getComputedStyle(document.querySelector('.uplot')).fontFamily")
@@ -173,3 +224,236 @@ def test_new_steps_of_a_live_run_appear_without_reloading(
         expect(frame.locator(".mh-chart")).to_have_attribute("data-points", "20")
     finally:
         page.context.close()
+
+
+# -- the other views (one page load against the shared load_fast server) ------------------
+
+DOCS = REPO / "docs"
+ALPHA = f'section.mh-run[data-run="{synthetic.RUN_STANDIN}"]'
+# The beta run's name is HTML; its panel is selected by position (runs sort by name).
+BETA = ".mh-runs > section.mh-run:nth-child(2)"
+CHARTS_PER_ALPHA_PANEL = 3 + 3 + 2  # tiers, page moves, step time
+SCREENSHOTS = {
+    "tiers": f'{ALPHA} .mh-section[data-view="tiers"]',
+    "pages": f'{ALPHA} .mh-section[data-view="pages"]',
+    "timing": f'{ALPHA} .mh-section[data-view="timing"]',
+    "placement": f'{ALPHA} .mh-section[data-view="placement"]',
+    "config": f'{ALPHA} .mh-section[data-view="config"]',
+    "runs": "fieldset.mh-runs-selector",
+    "overlay": "section.mh-overlay",
+}
+
+
+@pytest.fixture(scope="module")
+def views_page(browser, tensorboard_server, synthetic_logdir):
+    """The tab over the synthetic logdir (load_fast), loaded once for the view tests."""
+    require_built_frontend()
+    server = tensorboard_server(synthetic_logdir, load_fast=True)
+    page, frame, console = open_view(browser, server)
+    last = synthetic.NUM_STEPS - 1
+    expect(frame.locator(f'section.mh-run .mh-readout[data-step="{last}"]')).to_have_count(
+        len(synthetic.RUNS), timeout=LOAD_TIMEOUT_MS
+    )
+    expect(frame.locator(".mh-placement tbody tr")).to_have_count(9, timeout=LOAD_TIMEOUT_MS)
+    yield page, frame, console, server
+    page.context.close()
+
+
+def placement_names(frame, panel: str) -> list[str]:
+    """The variable names of a panel's placement table, top to bottom, as shown."""
+    return frame.locator(f"{panel} .mh-placement tbody tr td.mh-col-name").all_text_contents()
+
+
+def test_page_moves_view_shows_directions_hit_rate_and_stall(views_page):
+    _page, frame, _console, _server = views_page
+    last = synthetic.NUM_STEPS - 1  # 49: h2d 1 page, d2h 1 page, 3 hits of 4
+    summary = frame.locator(f'{ALPHA} .mh-section[data-view="pages"] .mh-summary')
+    got = summary.evaluate(READ_SUMMARY)
+    assert got["step"] == str(last)
+    metrics = got["metrics"]
+    assert metrics["h2d_bytes"] == {"text": "1 pages, 1 MiB", "value": str(2**20)}
+    assert metrics["d2h_bytes"] == {"text": "1 pages, 1 MiB", "value": str(2**20)}
+    assert metrics["n2h_bytes"] == {"text": "0 pages, 0 B", "value": "0"}
+    assert metrics["prefetch_hit_rate"]["text"] == "75%"
+    assert float(metrics["prefetch_hit_rate"]["value"]) == synthetic.prefetch_hit_rate(
+        synthetic.RUN_STANDIN, last
+    )
+    assert metrics["stall_seconds"] == {"text": "2 ms", "value": "0.002"}
+    section = frame.locator(f'{ALPHA} .mh-section[data-view="pages"]')
+    expect(section.locator("canvas")).to_have_count(3)
+    legends = section.locator(".u-legend").all_text_contents()
+    assert "host→device" in legends[0] and "nvme→host" in legends[0]
+    assert "prefetch hit rate" in legends[2] and "stall" in legends[2]
+    beta = frame.locator(f'{BETA} .mh-section[data-view="pages"]')
+    expect(beta.locator(".mh-note")).to_have_text("No page moves recorded for this run.")
+    expect(beta.locator("canvas")).to_have_count(0)
+
+
+def test_step_time_view_names_unmeasured_parts(views_page):
+    _page, frame, _console, _server = views_page
+    alpha = frame.locator(f'{ALPHA} .mh-section[data-view="timing"]')
+    metrics = alpha.locator(".mh-summary").evaluate(READ_SUMMARY)["metrics"]
+    assert metrics["compute_seconds"]["text"] == "60 ms"
+    assert metrics["comm_seconds"]["text"] == "40 ms"
+    assert metrics["overlap_seconds"]["text"] == "30 ms"
+    assert metrics["stall_seconds"]["text"] == "2 ms"
+    assert metrics["step_seconds"]["text"] == "149 ms"  # 0.1 + 0.001 * 49 s
+    assert metrics["overlap_ratio"] == {"text": "75%", "value": "0.75"}
+    expect(alpha.locator("canvas")).to_have_count(2)
+    expect(alpha.locator(".mh-missing")).to_be_hidden()
+    beta = frame.locator(f'{BETA} .mh-section[data-view="timing"]')
+    metrics = beta.locator(".mh-summary").evaluate(READ_SUMMARY)["metrics"]
+    assert metrics["step_seconds"]["text"] == "149 ms"
+    for part in ("compute_seconds", "comm_seconds", "overlap_seconds", "stall_seconds"):
+        assert metrics[part] == {"text": "not measured", "value": None}, part
+    expect(beta.locator(".mh-missing")).to_have_text(
+        "Not measured: compute, communication, overlapped, stall, overlap ratio."
+    )
+    expect(beta.locator(".mh-note:not([hidden])")).to_have_text("Overlap ratio: not measured.")
+    # Only the measured series is drawn: one canvas (the breakdown), no zero lines.
+    expect(beta.locator("canvas")).to_have_count(1)
+    legend = beta.locator(".u-legend").first.text_content()
+    assert "step total" in legend and "compute" not in legend
+
+
+def test_placement_table_sorts_and_filters(views_page):
+    _page, frame, _console, _server = views_page
+    table = frame.locator(f"{ALPHA} .mh-placement")
+    # Default: largest first.
+    assert placement_names(frame, ALPHA) == [
+        "embedding/embeddings",
+        "lm_head/kernel",
+        "dense/kernel",
+        "dense/bias",
+    ]
+    first = table.locator("tbody tr").first.locator("td").all_text_contents()
+    assert first == [
+        "embedding/embeddings",
+        "1000×512",
+        "float32",
+        "1.95 MiB",
+        "optimizer state sharded 1/2 (ZeRO-1)",
+        "1000 KiB",
+        "device",
+        "device",
+        "nvme",
+    ]
+    name_header = table.locator('th[data-key="name"]')
+    name_header.click()
+    assert placement_names(frame, ALPHA) == sorted(placement_names(frame, ALPHA))
+    expect(name_header).to_have_attribute("aria-sort", "ascending")
+    name_header.click()
+    expect(name_header).to_have_attribute("aria-sort", "descending")
+    assert placement_names(frame, ALPHA) == [
+        "lm_head/kernel",
+        "embedding/embeddings",
+        "dense/kernel",
+        "dense/bias",
+    ]
+    table.locator('th[data-key="shape"]').click()  # by element count, ascending
+    assert placement_names(frame, ALPHA)[0] == "dense/bias"
+    search = frame.locator(f"{ALPHA} .mh-placement-filter")
+    search.fill("nvme")
+    assert placement_names(frame, ALPHA) == ["embedding/embeddings"]
+    expect(frame.locator(f"{ALPHA} .mh-placement-count")).to_have_text("1 of 4 variables")
+    search.fill("dense host")
+    assert placement_names(frame, ALPHA) == ["dense/bias", "dense/kernel"]
+    search.fill("")
+    expect(frame.locator(f"{ALPHA} .mh-placement-count")).to_have_text("4 of 4 variables")
+    # The HTML-looking variable name of the other run is text.
+    assert synthetic.HTML_VARIABLE in placement_names(frame, BETA)
+    assert frame.locator(f"{BETA} .mh-placement img").count() == 0
+
+
+def test_predicted_versus_measured_and_config_markers(views_page):
+    page, frame, console, _server = views_page
+    rows = frame.locator(f"{ALPHA} .mh-estimate tr[data-tier]")
+    expect(rows).to_have_count(3)
+    device = frame.locator(f'{ALPHA} .mh-estimate tr[data-tier="device"]')
+    assert device.get_attribute("data-predicted-bytes") == str(100 * 2**20)
+    assert device.get_attribute("data-measured-bytes") == str(113 * 2**20)
+    assert device.locator("td").all_text_contents() == ["100 MiB", "113 MiB", "113%"]
+    host = frame.locator(f'{ALPHA} .mh-estimate tr[data-tier="host"]')
+    assert host.locator("td").all_text_contents() == ["640 MiB", "708 MiB", "111%"]
+    expect(frame.locator(f"{BETA} .mh-estimate")).to_have_text("No estimate recorded for this run.")
+    # Config changes: listed, and a marker at their steps on every chart of the run.
+    items = frame.locator(f"{ALPHA} .mh-config-event").evaluate_all(
+        "(lis) => lis.map((li) => [li.dataset.step, li.querySelector('.mh-config-step')"
+        ".textContent, li.querySelector('.mh-config-label').textContent])"
+    )
+    assert items == [
+        ["10", "step 10", "prefetch_depth: 1 → 2"],
+        ["30", "step 30", "prefetch_depth: 3 → 4"],
+    ]
+    for step in (10, 30):
+        expect(frame.locator(f'{ALPHA} .mh-marker[data-step="{step}"]')).to_have_count(
+            CHARTS_PER_ALPHA_PANEL
+        )
+    marker = frame.locator(f'{ALPHA} .mh-tier-cell[data-tier="device"] .mh-marker').first
+    assert marker.get_attribute("title") == "step 10: prefetch_depth: 1 → 2"
+    assert marker.bounding_box()["height"] > 100  # a vertical line across the plot
+    beta_item = frame.locator(f"{BETA} .mh-config-event .mh-config-label")
+    expect(beta_item).to_have_text("<b>offload</b> optimizer to nvme")  # text, not HTML
+    expect(frame.locator(f'{BETA} .mh-marker[data-step="20"]')).to_have_count(3 + 1)
+    in_frame = plugin_frame(page)
+    assert in_frame.evaluate("window.__xss") is None
+    assert in_frame.evaluate("window.__cspViolations") == []
+    assert [c for c in console if c.startswith(("error", "pageerror"))] == []
+
+
+def test_export_links_download_csv_and_json(views_page):
+    page, frame, _console, _server = views_page
+    links = frame.locator(f'{ALPHA} .mh-section[data-view="tiers"] a.mh-export')
+    expect(links).to_have_count(8)  # tiers and readings: CSV, JSON x shown, every step
+    full_csv = frame.locator(
+        f'{ALPHA} .mh-section[data-view="tiers"] a.mh-export[data-format="csv"][data-scope="full"]'
+    ).first
+    assert full_csv.text_content() == "tiers CSV (every step)"
+    response = page.request.get(full_csv.get_attribute("href"))
+    assert response.status == 200
+    assert response.headers["content-type"] == "text/csv; charset=utf-8"
+    assert response.headers["content-disposition"].startswith(
+        'attachment; filename="alpha_tiers_full.csv"'
+    )
+    lines = response.text().splitlines()
+    assert len(lines) == 1 + synthetic.NUM_STEPS
+    pages_links = frame.locator(f'{ALPHA} .mh-section[data-view="pages"] a.mh-export')
+    shown_json = pages_links.and_(frame.locator('[data-format="json"][data-scope="shown"]'))
+    response = page.request.get(shown_json.get_attribute("href"))
+    assert response.status == 200
+    body = response.json()
+    assert body["tag"] == "memory_hierarchy/pages" and len(body["steps"]) == synthetic.NUM_STEPS
+    placement_csv = frame.locator(
+        f'{ALPHA} .mh-section[data-view="placement"] a.mh-export[data-format="csv"]'
+    )
+    response = page.request.get(placement_csv.get_attribute("href"))
+    assert response.status == 200 and response.text().count("\n") == 1 + 4
+
+
+def test_run_selector_hides_and_shows_runs_and_the_overlay(views_page):
+    _page, frame, _console, _server = views_page
+    overlay = frame.locator("section.mh-overlay")
+    expect(overlay).to_be_visible()
+    expect(overlay.locator("canvas")).to_have_count(3)
+    legend = overlay.locator(".u-legend").first
+    expect(legend).to_contain_text(synthetic.RUN_STANDIN)
+    expect(legend).to_contain_text(synthetic.RUN_HTML_NAME)
+    # Screenshots of every view while both runs are shown.
+    for name, selector in SCREENSHOTS.items():
+        frame.locator(selector).first.screenshot(path=str(DOCS / f"screenshot_{name}.png"))
+    checkbox = frame.locator(
+        f'label.mh-run-option[data-run="{synthetic.RUN_STANDIN}"] input[type="checkbox"]'
+    )
+    expect(checkbox).to_be_checked()
+    checkbox.uncheck()
+    expect(frame.locator("section.mh-run")).to_have_count(1)
+    expect(frame.locator(ALPHA)).to_have_count(0)
+    expect(overlay).to_be_hidden()
+    frame.locator("button.mh-select-all").click()
+    expect(frame.locator("section.mh-run")).to_have_count(2)
+    expect(frame.locator(f"{ALPHA} .mh-readout")).to_have_attribute(
+        "data-step", str(synthetic.NUM_STEPS - 1)
+    )
+    frame.locator(".mh-run-filter").fill("^alp")
+    expect(frame.locator("label.mh-run-option:visible")).to_have_count(1)
+    frame.locator(".mh-run-filter").fill("")

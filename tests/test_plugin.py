@@ -7,21 +7,28 @@ for malformed data, with TensorBoard's own event writer.
 
 from __future__ import annotations
 
+import csv
+import gzip
+import io
 import json
 import math
 import os
+import time
 from urllib.parse import quote, urlencode
 
 import numpy as np
 import pytest
 from helpers import synthetic
+from tensorboard import context as tb_context
 from tensorboard import errors
+from tensorboard.backend.event_processing import data_provider as tb_data_provider
+from tensorboard.backend.event_processing import plugin_event_multiplexer
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.plugins import base_plugin
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 from tensorboard.util import tensor_util
 
-from tb_plugin import metadata, plugin
+from tb_plugin import export, fast_read, metadata, plugin
 from tb_plugin.summary import SummaryWriter
 
 PREFIX = "/data/plugin/memory_hierarchy"
@@ -75,24 +82,24 @@ def test_runs_lists_each_run_with_its_tags(client):
     assert status == 200
     assert [r["run"] for r in body["runs"]] == sorted(synthetic.RUNS)
     last = synthetic.NUM_STEPS - 1
-    for entry in body["runs"]:
-        assert entry["tags"] == {
-            metadata.TAG_TIERS: {
-                "kind": "matrix",
-                "max_step": last,
-                "max_wall_time": synthetic.wall_time(last),
-            },
-            metadata.TAG_READINGS: {
-                "kind": "vector",
-                "max_step": last,
-                "max_wall_time": synthetic.wall_time(last),
-            },
-            metadata.TAG_RUN_INFO: {
-                "kind": "json",
-                "max_step": 0,
-                "max_wall_time": synthetic.wall_time(0),
-            },
+
+    def entry(kind: str, step: int) -> dict:
+        return {"kind": kind, "max_step": step, "max_wall_time": synthetic.wall_time(step)}
+
+    for item in body["runs"]:
+        run = item["run"]
+        want = {
+            metadata.TAG_TIERS: entry("matrix", last),
+            metadata.TAG_READINGS: entry("vector", last),
+            metadata.TAG_TIMING: entry("vector", last),
+            metadata.TAG_RUN_INFO: entry("json", 0),
+            metadata.TAG_PLACEMENT: entry("json", 0),
+            metadata.TAG_CONFIG_EVENT: entry("json", synthetic.CONFIG_EVENT_STEPS[run][-1]),
         }
+        if run == synthetic.RUN_STANDIN:
+            want[metadata.TAG_PAGES] = entry("vector", last)
+            want[metadata.TAG_ESTIMATE] = entry("json", 0)
+        assert item["tags"] == want, run
 
 
 # -- /series -------------------------------------------------------------------------------
@@ -153,6 +160,224 @@ def test_json_returns_decoded_run_info(client):
         }
 
 
+def test_series_pages_has_every_direction_and_the_prefetch_counts(client):
+    run = synthetic.RUN_STANDIN
+    status, body = get_json(client, "/series", run=run, tag=metadata.TAG_PAGES)
+    assert status == 200
+    assert body["columns"] == list(metadata.PAGE_COLUMNS)
+    assert body["units"][body["columns"].index("h2d_bytes")] == "bytes"
+    assert body["units"][body["columns"].index("h2d_pages")] == "count"
+    assert body["units"][body["columns"].index("stall_seconds")] == "seconds"
+    steps = list(range(synthetic.NUM_STEPS))
+    assert body["steps"] == steps
+    for column in metadata.PAGE_COLUMNS:
+        assert body["values"][column] == [synthetic.pages(run, s)[column] for s in steps], column
+    # Plain numbers at step 7: 3 pages (3 MiB) host->device, 9 hits and 1 miss.
+    assert body["values"]["h2d_bytes"][7] == 3 * 2**20
+    assert body["values"]["prefetch_hits"][7] == 9.0
+    assert body["values"]["prefetch_misses"][7] == 1.0
+
+
+def test_pages_absent_for_a_run_that_moved_none(client):
+    status, body = get_json(client, "/series", run=synthetic.RUN_HTML_NAME, tag=metadata.TAG_PAGES)
+    assert status == 404
+    assert "no memory_hierarchy data" in body["error"]["message"]
+
+
+def test_series_timing_keeps_unmeasured_parts_null(client):
+    steps = list(range(synthetic.NUM_STEPS))
+    status, body = get_json(client, "/series", run=synthetic.RUN_STANDIN, tag=metadata.TAG_TIMING)
+    assert status == 200
+    assert body["values"]["overlap_ratio"] == [0.75] * len(steps)
+    assert body["values"]["compute_seconds"][10] == 0.06
+    assert body["units"][-1] == "ratio"
+    status, body = get_json(client, "/series", run=synthetic.RUN_HTML_NAME, tag=metadata.TAG_TIMING)
+    assert status == 200
+    assert body["values"]["step_seconds"] == [0.1 + 0.001 * s for s in steps]
+    for column in ("compute_seconds", "comm_seconds", "overlap_seconds", "overlap_ratio"):
+        assert body["values"][column] == [None] * len(steps), column
+
+
+@pytest.mark.parametrize(
+    ("tag", "expected"),
+    [
+        (metadata.TAG_PLACEMENT, lambda run: [(0, synthetic.placement(run))]),
+        (
+            metadata.TAG_CONFIG_EVENT,
+            lambda run: [
+                (s, synthetic.config_event(run, s)) for s in synthetic.CONFIG_EVENT_STEPS[run]
+            ],
+        ),
+    ],
+    ids=["placement", "config_event"],
+)
+@pytest.mark.parametrize("run", synthetic.RUNS)
+def test_json_tags_return_every_record(client, run, tag, expected):
+    status, body = get_json(client, "/json", run=run, tag=tag)
+    assert status == 200
+    assert [(e["step"], e["value"]) for e in body["events"]] == expected(run)
+    assert [e["wall_time"] for e in body["events"]] == [
+        synthetic.wall_time(step) for step, _value in expected(run)
+    ]
+
+
+def test_json_estimate_has_the_per_process_prediction(client):
+    status, body = get_json(client, "/json", run=synthetic.RUN_STANDIN, tag=metadata.TAG_ESTIMATE)
+    assert status == 200
+    (event,) = body["events"]
+    assert event["value"]["per_process"] == {
+        "device_bytes": 100 * 2**20,
+        "host_bytes": 640 * 2**20,
+        "nvme_bytes": 0,
+    }
+
+
+# -- exports -------------------------------------------------------------------------------
+
+
+def test_series_csv_export_of_every_step(client):
+    run = synthetic.RUN_STANDIN
+    response = client.get(
+        f"{PREFIX}/series",
+        query_string={"run": run, "tag": metadata.TAG_TIERS, "points": "0", "format": "csv"},
+    )
+    assert response.status_code == 200
+    assert response.headers["Content-Type"] == "text/csv; charset=utf-8"
+    disposition = response.headers["Content-Disposition"]
+    assert disposition.startswith('attachment; filename="alpha_tiers_full.csv"')
+    lines = response.get_data(as_text=True).splitlines()
+    header = lines[0].split(",")
+    assert header[:4] == ["step", "wall_time", "device/used_bytes", "device/capacity_bytes"]
+    assert len(header) == 2 + len(metadata.TIERS) * len(metadata.TIER_COLUMNS)
+    assert len(lines) == 1 + synthetic.NUM_STEPS
+    row = dict(zip(header, lines[1 + 49].split(",")))
+    assert row["step"] == "49"
+    assert float(row["wall_time"]) == synthetic.wall_time(49)
+    assert float(row["device/used_bytes"]) == (64 + 49) * 2**20
+    assert row["nvme/capacity_bytes"] == ""  # not measured: empty, never 0
+
+
+def test_series_json_export_of_a_thinned_series_is_a_download(spike_client):
+    response = spike_client.get(
+        f"{PREFIX}/series",
+        query_string={"run": "spiky", "tag": metadata.TAG_TIERS, "points": "100", "format": "json"},
+    )
+    assert response.status_code == 200
+    assert response.headers["Content-Type"] == "application/json"
+    assert response.headers["Content-Disposition"].startswith(
+        'attachment; filename="spiky_tiers_100points.json"'
+    )
+    body = json.loads(response.data)
+    assert body["downsampled"] is True and len(body["steps"]) <= 100
+    assert max(body["values"]["device"]["used_bytes"]) == SPIKE_BYTES
+
+
+def test_points_zero_returns_every_step_unthinned(spike_client):
+    status, body = get_json(spike_client, "/series", run="spiky", tag=metadata.TAG_TIERS, points=0)
+    assert status == 200
+    assert body["steps"] == list(range(SPIKE_STEPS)) and body["downsampled"] is False
+
+
+def test_placement_csv_export_has_one_row_per_variable(client):
+    run = synthetic.RUN_HTML_NAME
+    response = client.get(
+        f"{PREFIX}/json", query_string={"run": run, "tag": metadata.TAG_PLACEMENT, "format": "csv"}
+    )
+    assert response.status_code == 200
+    assert response.headers["Content-Type"] == "text/csv; charset=utf-8"
+    # The run name (HTML) is reduced to a safe ASCII file name, and kept in filename*.
+    disposition = response.headers["Content-Disposition"]
+    assert 'filename="beta_img_src_x_onerror_window.__xss_1__placement_all.csv"' in disposition
+    assert "filename*=UTF-8''beta%20%3Cimg" in disposition
+    rows = list(csv.DictReader(io.StringIO(response.get_data(as_text=True))))
+    want = synthetic.placement(run)["variables"]
+    assert [r["name"] for r in rows] == [v["name"] for v in want]
+    assert rows[0]["bytes"] == str(want[0]["bytes"]) and rows[0]["optimizer_tier"] == "host"
+
+
+def test_export_cells_that_look_like_formulas_are_defused():
+    text = export.json_csv(
+        {
+            "tag": metadata.TAG_CONFIG_EVENT,
+            "events": [{"step": 1, "wall_time": 2.0, "value": "=1+1"}],
+        }
+    )
+    assert text.splitlines()[1] == "1,2.0,'=1+1"
+
+
+def test_a_growing_run_is_read_again_when_its_max_step_changes(tmp_path, monkeypatch):
+    monkeypatch.setattr(plugin, "LISTING_TTL_SECONDS", 0.0)  # no reuse of the listing
+    monkeypatch.setattr(plugin, "LISTING_STALE_SECONDS", 0.0)
+    logdir = str(tmp_path / "growing")
+    synthetic.write_run(logdir, synthetic.RUN_STANDIN, range(5))
+    multiplexer = plugin_event_multiplexer.EventMultiplexer(
+        tensor_size_guidance={metadata.PLUGIN_NAME: 0}
+    )
+    multiplexer.AddRunsFromDirectory(logdir)
+    multiplexer.Reload()
+    context = base_plugin.TBContext(
+        data_provider=tb_data_provider.MultiplexerDataProvider(multiplexer, logdir)
+    )
+    p = plugin.MemoryHierarchyPlugin(context)
+    ctx = tb_context.RequestContext()
+    tag = metadata.TAG_TIERS
+    assert p.series_impl(ctx, "", "alpha", tag)["steps"] == list(range(5))
+    assert p.series_impl(ctx, "", "alpha", tag)["steps"] == list(range(5))  # cached
+    synthetic.write_run(logdir, synthetic.RUN_STANDIN, range(5, 8))
+    multiplexer.Reload()  # as TensorBoard's reload loop does
+    body = p.series_impl(ctx, "", "alpha", tag)
+    assert body["steps"] == list(range(8)) and body["total_steps"] == 8
+    answer = p.series_answer(ctx, "", "alpha", tag, 100, None)
+    assert json.loads(gzip.decompress(answer.gzipped))["steps"] == list(range(8))
+
+
+def test_a_stale_listing_is_answered_at_once_and_refreshed_in_the_background(tmp_path, monkeypatch):
+    logdir = str(tmp_path / "stale")
+    synthetic.write_run(logdir, synthetic.RUN_STANDIN, range(3))
+    multiplexer = plugin_event_multiplexer.EventMultiplexer(
+        tensor_size_guidance={metadata.PLUGIN_NAME: 0}
+    )
+    multiplexer.AddRunsFromDirectory(logdir)
+    multiplexer.Reload()
+    data_provider = tb_data_provider.MultiplexerDataProvider(multiplexer, logdir)
+    p = plugin.MemoryHierarchyPlugin(base_plugin.TBContext(data_provider=data_provider))
+    ctx = tb_context.RequestContext()
+
+    def max_step() -> int:
+        return p.runs_impl(ctx, "")["runs"][0]["tags"][metadata.TAG_TIERS]["max_step"]
+
+    assert max_step() == 2
+    synthetic.write_run(logdir, synthetic.RUN_STANDIN, range(3, 6))
+    multiplexer.Reload()
+    assert max_step() == 2  # younger than the TTL: the cached listing
+    monkeypatch.setattr(plugin, "LISTING_TTL_SECONDS", 0.0)
+    assert max_step() == 2  # stale: answered at once, listed again in the background
+    deadline = time.monotonic() + 10
+    while max_step() != 5:
+        assert time.monotonic() < deadline, "the background listing never landed"
+        time.sleep(0.01)
+
+
+def test_fast_read_decodes_like_make_ndarray():
+    rng = np.random.default_rng(0)
+    arrays = [rng.normal(size=(3, 7)) for _ in range(5)]
+    arrays[2][1, 4] = np.nan
+    protos = [tensor_util.make_tensor_proto(a) for a in arrays]
+    raw = fast_read.decode_points([0, 1, 2, 3, 9], [1.0, 2.0, 3.0, 4.0, 5.5], protos, (3, 7))
+    assert raw is not None
+    want = np.stack([tensor_util.make_ndarray(p).ravel() for p in protos])
+    np.testing.assert_array_equal(raw.cells, want)  # NaN in the same place
+    assert raw.steps.tolist() == [0, 1, 2, 3, 9] and raw.wall_times.tolist()[-1] == 5.5
+    # Another shape or dtype: not decoded here (the caller uses read_tensors).
+    assert fast_read.decode_points([0], [1.0], protos[:1], (21,)) is None
+    as_float32 = tensor_util.make_tensor_proto(arrays[0].astype(np.float32))
+    assert fast_read.decode_points([0], [1.0], [as_float32], (3, 7)) is None
+
+
+def test_fast_read_needs_a_grpc_provider():
+    assert fast_read.read_series(object(), "", "memory_hierarchy", "r", "t", 10, (3,)) is None
+
+
 # -- errors --------------------------------------------------------------------------------
 
 LONG = "x" * (plugin.MAX_QUERY_VALUE_CHARS + 1)
@@ -172,12 +397,22 @@ INFO_TAG = metadata.TAG_RUN_INFO
         ("/series", {"run": "alpha", "tag": TIERS_TAG, "points": "1"}, 400, "'points'"),
         ("/series", {"run": "alpha", "tag": TIERS_TAG, "points": "-5"}, 400, "'points'"),
         ("/series", {"run": "alpha", "tag": TIERS_TAG, "points": "10" * 10}, 400, "'points'"),
+        ("/series", {"run": "alpha", "tag": TIERS_TAG, "points": "0" * 10}, 400, "'points'"),
+        ("/series", {"run": "alpha", "tag": TIERS_TAG, "points": "2.5"}, 400, "'points'"),
+        ("/series", {"run": "alpha", "tag": TIERS_TAG, "points": LONG}, 400, "'points'"),
+        ("/series", {"run": "alpha", "tag": TIERS_TAG, "format": "xml"}, 400, "'format'"),
+        ("/series", {"run": "alpha", "tag": TIERS_TAG, "format": "CSV"}, 400, "'format'"),
+        ("/series", {"run": "alpha", "tag": TIERS_TAG, "format": LONG}, 400, "'format'"),
+        ("/series", {"run": "alpha", "tag": TIERS_TAG, "format": ""}, 400, "'format'"),
         ("/series", {"run": "alpha", "tag": INFO_TAG}, 400, "json tag"),
         ("/series", {"run": "nope", "tag": TIERS_TAG}, 404, "no memory_hierarchy data"),
         ("/series", {"run": "alpha", "tag": "memory_hierarchy/nope"}, 404, "no memory_hierarchy"),
         ("/json", {"tag": INFO_TAG}, 400, "'run' is required"),
         ("/json", {"run": "alpha", "tag": TIERS_TAG}, 400, "matrix tag"),
         ("/json", {"run": "nope", "tag": INFO_TAG}, 404, "no memory_hierarchy data"),
+        ("/json", {"run": "alpha", "tag": INFO_TAG, "format": "html"}, 400, "'format'"),
+        ("/json", {"run": LONG, "tag": INFO_TAG, "format": "csv"}, 400, "longer than"),
+        ("/json", {"run": "nope", "tag": INFO_TAG, "format": "csv"}, 404, "no memory_hierarchy"),
     ],
 )
 def test_bad_requests_get_json_errors(client, route, params, status, needle):

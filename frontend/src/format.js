@@ -31,3 +31,52 @@ export function formatBytes(bytes) {
 export function byteTicks(_u, splits) {
   return splits.map((v) => formatBytes(v));
 }
+
+/**
+ * Seconds with a unit that fits: 0.0021 -> "2.1 ms", 1.5 -> "1.5 s".
+ * @param {number|null|undefined} seconds
+ * @returns {string} "—" when not measured.
+ */
+export function formatSeconds(seconds) {
+  if (seconds === null || seconds === undefined || Number.isNaN(seconds)) return '—';
+  const abs = Math.abs(seconds);
+  if (abs === 0) return '0 s';
+  const [value, unit] = abs < 1e-3 ? [seconds * 1e6, 'µs'] : abs < 1 ? [seconds * 1e3, 'ms'] : [seconds, 's'];
+  return `${trim(value)} ${unit}`;
+}
+
+/**
+ * A ratio in [0, 1] as a percentage: 0.75 -> "75%".
+ * @param {number|null|undefined} ratio
+ */
+export function formatPercent(ratio) {
+  if (ratio === null || ratio === undefined || Number.isNaN(ratio)) return '—';
+  return `${trim(ratio * 100)}%`;
+}
+
+/**
+ * A count: whole numbers as they are, fractions to three significant digits.
+ * @param {number|null|undefined} count
+ */
+export function formatCount(count) {
+  if (count === null || count === undefined || Number.isNaN(count)) return '—';
+  return Number.isInteger(count) ? String(count) : trim(count);
+}
+
+function trim(value) {
+  const abs = Math.abs(value);
+  const digits = abs >= 100 ? 0 : abs >= 10 ? 1 : 2;
+  let text = value.toFixed(digits);
+  if (digits > 0) text = text.replace(/\.?0+$/, '');
+  return text;
+}
+
+/** Axis ticks in seconds (uPlot `axes[].values`). */
+export function secondTicks(_u, splits) {
+  return splits.map((v) => formatSeconds(v));
+}
+
+/** Axis ticks as percentages of a [0, 1] ratio (uPlot `axes[].values`). */
+export function percentTicks(_u, splits) {
+  return splits.map((v) => formatPercent(v));
+}

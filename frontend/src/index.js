@@ -1,18 +1,43 @@
 // Entry module of the Memory Hierarchy View. TensorBoard loads it inside the plugin's
 // iframe (data/plugin_entry.html?name=memory_hierarchy) and calls render().
+// This module is the controller: it asks the model for data and hands it to the views.
 
 import uPlotCss from 'uplot/dist/uPlot.min.css';
-import { Model, TAG_RUN_INFO, TAG_TIERS } from './model.js';
+import { configMarkers } from './data.js';
+import {
+  CHART_POINTS,
+  FULL_POINTS,
+  Model,
+  TAG_CONFIG_EVENT,
+  TAG_ESTIMATE,
+  TAG_PAGES,
+  TAG_PLACEMENT,
+  TAG_READINGS,
+  TAG_RUN_INFO,
+  TAG_TIERS,
+  TAG_TIMING,
+} from './model.js';
 import viewCss from './style.css';
+import { renderConfigList } from './views/config_list.js';
+import { renderEstimate } from './views/estimate_table.js';
+import { clearWidthCache } from './views/chart.js';
+import { OverlayView } from './views/overlay_view.js';
+import { PagesView } from './views/pages_view.js';
+import { PlacementTable } from './views/placement_table.js';
 import {
   createRunPanel,
+  renderExports,
   renderFacts,
   renderReadout,
   renderStatus,
 } from './views/run_panel.js';
-import { TierChart } from './views/tier_chart.js';
+import { RunSelector, runColor } from './views/run_selector.js';
+import { TierCharts } from './views/tier_chart.js';
+import { TimingView } from './views/timing_view.js';
 
 const POLL_MS = 5000; // how often a live run is checked for new steps (milliseconds)
+// Performance mark set once every selected run's tier charts have first drawn.
+const FIRST_PAINT_MARK = 'mh-first-meaningful-paint';
 
 function injectStyles(doc) {
   // CSP: TensorBoard's style-src allows inline <style>; scripts come only from 'self'.
@@ -21,45 +46,111 @@ function injectStyles(doc) {
   doc.head.append(style);
 }
 
-/** The controller: keeps one panel per run in sync with the model. */
+const nextFrame = () => new Promise((resolve) => requestAnimationFrame(() => resolve()));
+
+/** One run's views and the data they last drew. */
+class RunView {
+  constructor(run) {
+    this.run = run;
+    this.parts = createRunPanel(run);
+    this.tierCharts = new TierCharts(this.parts.chartBox);
+    this.pages = new PagesView(this.parts.pagesBody);
+    this.timing = new TimingView(this.parts.timingBody);
+    this.placement = new PlacementTable(this.parts.placementBody);
+    this.token = 0; // bumped per refresh: an older refresh's results are dropped
+    this.drawn = false; // the tier charts have drawn at least once
+    this.shown = {}; // name -> the answer last drawn
+    this.changed = false; // round 1 drew something new: round 2 redraws too
+    this.tiers = null;
+    this.runInfo = null;
+    this.markers = [];
+  }
+
+  resize() {
+    this.tierCharts.resize();
+    this.pages.resize();
+    this.timing.resize();
+  }
+}
+
+/** The controller: keeps the run selector and one panel per selected run in sync. */
 class App {
   constructor(root, model) {
     this.root = root;
     this.model = model;
-    this.panels = new Map(); // run -> {view, chart, series}
+    this.views = new Map(); // run -> RunView
+    this.selected = new Set();
+    this.runNames = [];
     this.refreshing = false;
-    this.status = document.createElement('p');
-    this.status.className = 'mh-status mh-global-status';
+    this.firstPaintDone = false;
     const header = document.createElement('h1');
     header.className = 'mh-header';
     header.textContent = 'Memory Hierarchy';
+    this.status = document.createElement('p');
+    this.status.className = 'mh-status mh-global-status';
+    const selectorBox = document.createElement('div');
+    this.selector = new RunSelector(selectorBox, (selected) => this.select(selected));
+    this.overlay = new OverlayView();
     this.list = document.createElement('div');
     this.list.className = 'mh-runs';
-    root.append(header, this.status, this.list);
+    root.append(header, this.status, selectorBox, this.overlay.element, this.list);
   }
 
-  panel(run) {
-    let panel = this.panels.get(run);
-    if (!panel) {
-      const view = createRunPanel(run);
-      panel = { view, chart: new TierChart(view.chartBox), series: null, runInfo: null };
-      this.panels.set(run, panel);
-      this.list.append(view.element);
+  view(run) {
+    let view = this.views.get(run);
+    if (!view) {
+      view = new RunView(run);
+      this.views.set(run, view);
     }
-    return panel;
+    return view;
   }
 
-  /** Fetch /runs, then whatever changed; refreshes never overlap. */
+  /** Show the panels of the selected runs, in name order; refresh them unless told not. */
+  select(selected, refresh = true) {
+    this.selected = selected;
+    const order = this.runNames.filter((r) => selected.has(r));
+    for (const [run, view] of this.views) {
+      if (!selected.has(run)) view.parts.element.remove();
+    }
+    this.list.replaceChildren(...order.map((r) => this.view(r).parts.element));
+    this.updateOverlay();
+    if (refresh && this.entries) return this.refreshRuns(order);
+    return Promise.resolve();
+  }
+
+  /**
+   * Refresh runs in two rounds: first what every run's tier charts need (so the first
+   * meaningful paint waits for no other view), then the other views.
+   */
+  async refreshRuns(runs) {
+    const jobs = runs
+      .map((run) => this.entries.get(run))
+      .filter(Boolean)
+      .map((entry) => {
+        const view = this.view(entry.run);
+        return { entry, view, token: ++view.token };
+      });
+    clearWidthCache();
+    await Promise.all(jobs.map((j) => this.refreshTiers(j.entry, j.view, j.token)));
+    this.updateOverlay();
+    await Promise.all(jobs.map((j) => this.refreshOthers(j.entry, j.view, j.token)));
+  }
+
+  /** Fetch /runs, then whatever changed for the selected runs; refreshes never overlap. */
   async refresh() {
     if (this.refreshing) return;
     this.refreshing = true;
     try {
       const runs = await this.model.runs();
+      this.entries = new Map(runs.map((e) => [e.run, e]));
+      this.runNames = runs.map((e) => e.run);
       renderStatus(
         this.status,
         runs.length ? '' : 'No memory_hierarchy data found in this logdir yet.',
       );
-      for (const entry of runs) await this.refreshRun(entry);
+      const selected = this.selector.setRuns(this.runNames);
+      await this.select(selected, false);
+      await this.refreshRuns(this.runNames.filter((r) => selected.has(r)));
     } catch (err) {
       renderStatus(this.status, `Could not load runs: ${err.message}`, true);
     } finally {
@@ -67,47 +158,154 @@ class App {
     }
   }
 
-  async refreshRun(entry) {
-    const panel = this.panel(entry.run);
-    const { view } = panel;
+  /** Fetch a tag of a run if it has one (null otherwise); json tags give their events. */
+  fetchTag(entry, tag, kind) {
+    const info = entry.tags[tag];
+    if (!info) return Promise.resolve(null);
+    if (info.error) return Promise.reject(new Error(info.error));
+    return kind === 'json'
+      ? this.model.json(entry.run, tag, info.max_step)
+      : this.model.series(entry.run, tag, info.max_step);
+  }
+
+  /** Round 1 of a run's refresh: facts, config changes, tier charts, readout. */
+  async refreshTiers(entry, view, token) {
+    const stale = () => token !== view.token || !this.selected.has(entry.run);
+    const { parts } = view;
     try {
-      const infoTag = entry.tags[TAG_RUN_INFO];
-      let runInfo = null;
-      if (infoTag?.kind) {
-        const info = await this.model.json(entry.run, TAG_RUN_INFO, infoTag.max_step);
-        runInfo = info.events.length ? info.events[info.events.length - 1].value : null;
-      }
-      const tiersTag = entry.tags[TAG_TIERS];
-      if (!tiersTag) {
-        renderFacts(view.facts, runInfo);
-        renderStatus(view.status, 'No tier data recorded yet.');
+      const [tiers, readings, runInfoAnswer, configAnswer] = await Promise.all([
+        this.fetchTag(entry, TAG_TIERS, 'series'),
+        this.fetchTag(entry, TAG_READINGS, 'series').catch(() => null),
+        this.fetchTag(entry, TAG_RUN_INFO, 'json'),
+        this.fetchTag(entry, TAG_CONFIG_EVENT, 'json').catch(() => null),
+      ]);
+      if (stale()) return;
+      const round = { tiers, readings, runInfoAnswer, configAnswer };
+      view.changed = Object.entries(round).some(([k, v]) => view.shown[k] !== v);
+      if (!view.changed) return;
+      Object.assign(view.shown, round);
+      const events = runInfoAnswer?.events ?? [];
+      view.runInfo = events.length ? events[events.length - 1].value : null;
+      view.markers = configMarkers(configAnswer);
+      renderFacts(parts.facts, view.runInfo);
+      renderConfigList(parts.configList, view.markers);
+      if (!tiers || !tiers.steps.length) {
+        renderStatus(parts.status, 'No tier data recorded yet.');
         return;
       }
-      if (tiersTag.error) throw new Error(tiersTag.error);
-      const series = await this.model.series(entry.run, TAG_TIERS, tiersTag.max_step);
-      // Re-check after the awaits: draw only data that is new for this panel.
-      if (series === panel.series && runInfo === panel.runInfo) return;
-      const shown = panel.series?.steps;
-      const newest = series.steps[series.steps.length - 1] ?? -1;
-      if (shown?.length && shown[shown.length - 1] > newest) return;
-      panel.series = series;
-      panel.runInfo = runInfo;
-      renderFacts(view.facts, runInfo);
-      renderStatus(view.status, series.steps.length ? '' : 'No tier data recorded yet.');
-      panel.chart.update(series, runInfo);
-      renderReadout(view.readout, series, runInfo);
+      renderStatus(parts.status, '');
+      view.tiers = tiers;
+      view.tierCharts.update(tiers, readings, view.runInfo, view.markers);
+      renderReadout(parts.readout, tiers, view.runInfo);
+      this.renderTierExports(view, entry);
+      await nextFrame();
+      view.drawn = true;
+      this.markFirstPaint();
     } catch (err) {
-      renderStatus(view.status, `Could not load this run: ${err.message}`, true);
+      view.changed = false;
+      if (!stale()) renderStatus(parts.status, `Could not load this run: ${err.message}`, true);
     }
   }
 
+  /** Round 2 of a run's refresh: estimate, page moves, step time, placement. */
+  async refreshOthers(entry, view, token) {
+    const stale = () => token !== view.token || !this.selected.has(entry.run);
+    const { parts } = view;
+    const failed = (err) => ({ error: err });
+    const [pages, timing, placement, estimateAnswer] = await Promise.all([
+      this.fetchTag(entry, TAG_PAGES, 'series').catch(failed),
+      this.fetchTag(entry, TAG_TIMING, 'series').catch(failed),
+      this.fetchTag(entry, TAG_PLACEMENT, 'json').catch(failed),
+      this.fetchTag(entry, TAG_ESTIMATE, 'json').catch(() => null),
+    ]);
+    if (stale()) return;
+    const force = view.changed; // new tiers or markers: redraw everything
+    if (force || view.shown.estimateAnswer !== estimateAnswer) {
+      const events = estimateAnswer?.events ?? [];
+      const estimate = events.length ? events[events.length - 1].value : null;
+      renderEstimate(parts.estimate, estimate, view.tiers, view.runInfo);
+    }
+    this.drawSeriesView(view, 'pages', pages, force);
+    this.drawSeriesView(view, 'timing', timing, force);
+    if (view.shown.placement !== placement) {
+      view.placement.update(placement?.error ? null : placement);
+      const ok = placement && !placement.error;
+      const url = (format) => this.model.jsonExportUrl(entry.run, TAG_PLACEMENT, format);
+      renderExports(
+        parts.exports.placement,
+        ok
+          ? [this.link('CSV', url('csv'), 'csv', 'all'), this.link('JSON', url('json'), 'json', 'all')]
+          : [],
+      );
+    }
+    Object.assign(view.shown, { pages, timing, placement, estimateAnswer });
+    view.changed = false;
+  }
+
+  drawSeriesView(view, name, answer, force) {
+    if (!force && view.shown[name] === answer) return;
+    const target = name === 'pages' ? view.pages : view.timing;
+    const tag = name === 'pages' ? TAG_PAGES : TAG_TIMING;
+    if (answer?.error) {
+      target.update(null, view.markers ?? []);
+      target.body.firstChild.textContent = `Could not load: ${answer.error.message}`;
+      target.body.firstChild.classList.add('mh-error');
+      renderExports(view.parts.exports[name], []);
+      return;
+    }
+    target.update(answer, view.markers ?? []);
+    renderExports(view.parts.exports[name], answer ? this.seriesLinks(view.run, tag, name) : []);
+  }
+
+  link(label, href, format, scope) {
+    return { label, href, format, scope };
+  }
+
+  /** CSV and JSON links of a series tag: as shown (thinned) and every step. */
+  seriesLinks(run, tag, name) {
+    const m = this.model;
+    return [
+      this.link(`${name} CSV`, m.seriesExportUrl(run, tag, 'csv', CHART_POINTS), 'csv', 'shown'),
+      this.link(`${name} JSON`, m.seriesExportUrl(run, tag, 'json', CHART_POINTS), 'json', 'shown'),
+      this.link(`${name} CSV (every step)`, m.seriesExportUrl(run, tag, 'csv', FULL_POINTS), 'csv', 'full'),
+      this.link(`${name} JSON (every step)`, m.seriesExportUrl(run, tag, 'json', FULL_POINTS), 'json', 'full'),
+    ];
+  }
+
+  renderTierExports(view, entry) {
+    const links = this.seriesLinks(entry.run, TAG_TIERS, 'tiers');
+    if (entry.tags[TAG_READINGS]) links.push(...this.seriesLinks(entry.run, TAG_READINGS, 'readings'));
+    renderExports(view.parts.exports.tiers, links);
+  }
+
+  markFirstPaint() {
+    if (this.firstPaintDone || !this.selected.size) return;
+    for (const run of this.selected) {
+      if (!this.views.get(run)?.drawn) return;
+    }
+    this.firstPaintDone = true;
+    performance.mark(FIRST_PAINT_MARK);
+    document.body.dataset.firstPaint = 'done';
+  }
+
+  updateOverlay() {
+    const runs = this.runNames
+      .map((run, index) => ({ run, index }))
+      .filter(({ run }) => this.selected.has(run) && this.views.get(run)?.tiers)
+      .map(({ run, index }) => ({ run, color: runColor(index), tiers: this.views.get(run).tiers }));
+    this.overlay.update(this.selected.size > 1 ? runs : []);
+  }
+
   resize() {
-    for (const panel of this.panels.values()) panel.chart.resize();
+    clearWidthCache();
+    for (const view of this.views.values()) view.resize();
+    this.overlay.resize();
   }
 }
 
 /** Called by TensorBoard once the iframe has loaded this module. */
 export async function render() {
+  performance.mark('mh-render-start');
   injectStyles(document);
   const model = new Model(new URL('./', import.meta.url));
   const app = new App(document.body, model);

@@ -23,6 +23,10 @@ RUN_STANDIN = "alpha"  # device tier is a CPU stand-in
 # A run name that is also HTML: the view must show it as text and run nothing.
 RUN_HTML_NAME = "beta <img src=x onerror=window.__xss=1>"
 RUNS = (RUN_STANDIN, RUN_HTML_NAME)
+# A variable name that is also HTML (in the beta run's placement).
+HTML_VARIABLE = "<img src=x onerror=window.__xss=2>/kernel"
+# Steps of each run's memory_hierarchy/config_event records.
+CONFIG_EVENT_STEPS = {RUN_STANDIN: (10, 30), RUN_HTML_NAME: (20,)}
 
 
 def wall_time(step: int) -> float:
@@ -85,17 +89,138 @@ def readings(run: str, step: int) -> dict[str, float]:
     }
 
 
+def pages(run: str, step: int) -> dict[str, float] | None:
+    """The memory_hierarchy/pages vector of ``run`` at ``step``; None: not written.
+
+    Only the stand-in run moves pages: h2d ``step % 4`` pages of 1 MiB, d2h ``step % 3``,
+    h2n 1 page every 5th step, n2h none; prefetch hits ``3 * (step % 4)`` of
+    ``3 * (step % 4) + 1`` prefetches; 2 ms of stall per miss.
+    """
+    if run != RUN_STANDIN:
+        return None
+    h2d, d2h, h2n = step % 4, step % 3, 1 if step % 5 == 0 else 0
+    hits, misses = 3 * (step % 4), 1
+    return {
+        "d2h_pages": float(d2h),
+        "d2h_bytes": float(d2h * MIB),
+        "h2d_pages": float(h2d),
+        "h2d_bytes": float(h2d * MIB),
+        "h2n_pages": float(h2n),
+        "h2n_bytes": float(h2n * MIB),
+        "n2h_pages": 0.0,
+        "n2h_bytes": 0.0,
+        "evictions": float(d2h),
+        "prefetch_hits": float(hits),
+        "prefetch_misses": float(misses),
+        "stall_seconds": 0.002 * misses,
+        "io_seconds": 0.001 * (h2d + d2h + h2n),
+    }
+
+
+def prefetch_hit_rate(run: str, step: int) -> float:
+    """hits / (hits + misses) of ``run`` at ``step`` (the stand-in run only)."""
+    p = pages(run, step)
+    assert p is not None
+    return p["prefetch_hits"] / (p["prefetch_hits"] + p["prefetch_misses"])
+
+
+def timing(run: str, step: int) -> dict[str, float]:
+    """The memory_hierarchy/timing vector of ``run`` at ``step`` (seconds).
+
+    The stand-in run measures everything; the other run only ``step_seconds`` (the rest
+    is NaN: not measured, as with the demo's stage-1 runtime).
+    """
+    step_seconds = 0.1 + 0.001 * step
+    if run != RUN_STANDIN:
+        return {"step_seconds": step_seconds}
+    compute, comm, overlap, stall = 0.06, 0.04, 0.03, 0.002
+    return {
+        "step_seconds": step_seconds,
+        "compute_seconds": compute,
+        "comm_seconds": comm,
+        "overlap_seconds": overlap,
+        "stall_seconds": stall,
+        "overlap_ratio": overlap / comm,
+    }
+
+
+def placement(run: str) -> dict:
+    """The memory_hierarchy/placement object written at step 0 of ``run``."""
+    variables = [
+        ("dense/kernel", [512, 256], "host"),
+        ("dense/bias", [256], "host"),
+        ("embedding/embeddings", [1000, 512], "nvme"),
+        ("lm_head/kernel", [512, 1000], "host"),
+    ]
+    if run == RUN_HTML_NAME:
+        variables.append((HTML_VARIABLE, [8, 8], "host"))
+    rows = []
+    for name, shape, opt_tier in variables:
+        size = math.prod(shape)
+        rows.append(
+            {
+                "name": name,
+                "shape": shape,
+                "dtype": "float32",
+                "bytes": 4 * size,
+                "partitioning": "optimizer state sharded 1/2 (ZeRO-1)",
+                "shard_bytes_per_replica": 4 * -(-size // 2),
+                "param_tier": "device",
+                "grad_tier": "device",
+                "optimizer_tier": opt_tier,
+            }
+        )
+    return {"variables": rows}
+
+
+def estimate(run: str) -> dict | None:
+    """The memory_hierarchy/estimate object of ``run`` (None: not written, beta run)."""
+    if run != RUN_STANDIN:
+        return None
+    return {
+        "per_replica": {"device_bytes": 50 * MIB, "host_bytes": 320 * MIB, "nvme_bytes": 0},
+        "local_replicas": 2,
+        "per_process": {"device_bytes": 100 * MIB, "host_bytes": 640 * MIB, "nvme_bytes": 0},
+        "num_params": 1_000_000,
+        "precision": "fp32",
+        "optimizer": "adam",
+        "source": "synthetic",
+    }
+
+
+def config_event(run: str, step: int) -> dict:
+    """The memory_hierarchy/config_event object of ``run`` at ``step``."""
+    if run == RUN_HTML_NAME:
+        return {"description": "<b>offload</b> optimizer to nvme", "key": "offload_optimizer"}
+    return {"key": "prefetch_depth", "old": step // 10, "new": step // 10 + 1}
+
+
 def write_run(logdir: str, run: str, steps: range) -> None:
-    """Append ``steps`` of ``run`` to ``logdir/run`` (run_info at step 0)."""
+    """Append ``steps`` of ``run`` to ``logdir/run``.
+
+    run_info, placement and estimate at step 0; tiers, readings, pages (stand-in run
+    only) and timing at every step; config events at :data:`CONFIG_EVENT_STEPS`.
+    """
     writer = SummaryWriter(os.path.join(logdir, run))
     try:
         for step in steps:
+            wall = wall_time(step)
             if step == 0:
-                writer.json(metadata.TAG_RUN_INFO, 0, run_info(run), wall_time=wall_time(0))
-            writer.matrix(metadata.TAG_TIERS, step, tiers(run, step), wall_time=wall_time(step))
-            writer.vector(
-                metadata.TAG_READINGS, step, readings(run, step), wall_time=wall_time(step)
-            )
+                writer.json(metadata.TAG_RUN_INFO, 0, run_info(run), wall_time=wall)
+                writer.json(metadata.TAG_PLACEMENT, 0, placement(run), wall_time=wall)
+                est = estimate(run)
+                if est is not None:
+                    writer.json(metadata.TAG_ESTIMATE, 0, est, wall_time=wall)
+            writer.matrix(metadata.TAG_TIERS, step, tiers(run, step), wall_time=wall)
+            writer.vector(metadata.TAG_READINGS, step, readings(run, step), wall_time=wall)
+            page = pages(run, step)
+            if page is not None:
+                writer.vector(metadata.TAG_PAGES, step, page, wall_time=wall)
+            writer.vector(metadata.TAG_TIMING, step, timing(run, step), wall_time=wall)
+            if step in CONFIG_EVENT_STEPS.get(run, ()):
+                writer.json(
+                    metadata.TAG_CONFIG_EVENT, step, config_event(run, step), wall_time=wall
+                )
     finally:
         writer.close()
 

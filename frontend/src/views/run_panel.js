@@ -1,13 +1,15 @@
-// View: one run's panel (name, facts, status line, chart box, last-step readout).
-// Builds DOM from data and nothing else. Every text from the logdir (run names, device
-// descriptions) goes through textContent, never through HTML.
+// View: one run's panel (name, facts, status line, and one section per view) and the
+// small pieces of text it shows. Builds DOM from data and nothing else. Every text from the
+// logdir (run names, device descriptions, variable names, config changes) goes through
+// textContent, never through HTML.
 
 import { formatBytes } from '../format.js';
 
 export const TIERS = ['device', 'host', 'nvme'];
 export const STANDIN_LABEL = 'device (CPU stand-in)';
 
-function el(tag, className, text) {
+/** document.createElement with a class and a text. */
+export function el(tag, className, text) {
   const node = document.createElement(tag);
   if (className) node.className = className;
   if (text !== undefined) node.textContent = text;
@@ -24,18 +26,79 @@ export function tierLabel(tier, runInfo) {
   return tier === 'device' && runInfo?.device_is_standin === true ? STANDIN_LABEL : tier;
 }
 
-/** Create the (empty) panel of one run. */
+function section(view, title) {
+  const element = el('div', 'mh-section');
+  element.dataset.view = view;
+  const head = el('div', 'mh-section-head');
+  const heading = el('h3', 'mh-chart-title', title);
+  const exports = el('span', 'mh-exports');
+  head.append(heading, exports);
+  element.append(head);
+  return { element, exports };
+}
+
+/** Create the (empty) panel of one run; returns its parts by name. */
 export function createRunPanel(run) {
   const element = el('section', 'mh-run');
   element.dataset.run = run;
   const title = el('h2', 'mh-run-name', run);
   const facts = el('p', 'mh-facts');
   const status = el('p', 'mh-status');
-  const heading = el('h3', 'mh-chart-title', 'Tier occupancy');
-  const chartBox = el('div', 'mh-chart');
+
+  const tiers = section('tiers', 'Tier occupancy');
+  const chartBox = el('div', 'mh-chart mh-grid3');
   const readout = el('table', 'mh-readout');
-  element.append(title, facts, status, heading, chartBox, readout);
-  return { element, facts, status, chartBox, readout };
+  const estimate = el('table', 'mh-estimate');
+  const estimateBox = el('div', 'mh-side');
+  estimateBox.append(el('h4', 'mh-subtitle', 'Predicted vs measured'), estimate);
+  const tables = el('div', 'mh-tables');
+  tables.append(readout, estimateBox);
+  tiers.element.append(chartBox, tables);
+
+  const pages = section('pages', 'Page moves');
+  const pagesBody = el('div', 'mh-view-body');
+  pages.element.append(pagesBody);
+
+  const timing = section('timing', 'Step time');
+  const timingBody = el('div', 'mh-view-body');
+  timing.element.append(timingBody);
+
+  const config = section('config', 'Config changes');
+  const configList = el('ul', 'mh-config-list');
+  config.element.append(configList);
+
+  const placement = section('placement', 'Placement');
+  const placementBody = el('div', 'mh-view-body');
+  placement.element.append(placementBody);
+
+  element.append(
+    title,
+    facts,
+    status,
+    tiers.element,
+    pages.element,
+    timing.element,
+    config.element,
+    placement.element,
+  );
+  return {
+    element,
+    facts,
+    status,
+    chartBox,
+    readout,
+    estimate,
+    exports: {
+      tiers: tiers.exports,
+      pages: pages.exports,
+      timing: timing.exports,
+      placement: placement.exports,
+    },
+    pagesBody,
+    timingBody,
+    configList,
+    placementBody,
+  };
 }
 
 /** Show a status or error line in a panel ('' hides it). */
@@ -104,5 +167,55 @@ export function renderReadout(table, series, runInfo) {
       el('td', 'mh-capacity', capacity === null ? 'unbounded' : formatBytes(capacity)),
     );
     table.append(row);
+  }
+}
+
+/**
+ * Export links of one section: CSV and JSON, as shown (downsampled) or every step.
+ * @param {HTMLElement} box the section's `.mh-exports`
+ * @param {Array<{label: string, href: string, format: string, scope: string}>} links
+ */
+export function renderExports(box, links) {
+  box.replaceChildren();
+  if (!links.length) return;
+  box.append(el('span', 'mh-exports-label', 'Export:'));
+  for (const link of links) {
+    const a = el('a', 'mh-export', link.label);
+    a.href = link.href;
+    a.setAttribute('download', '');
+    a.dataset.format = link.format;
+    a.dataset.scope = link.scope;
+    box.append(a);
+  }
+}
+
+/** A line of text saying a view has no data (or an error). */
+export function renderNote(box, text, isError = false) {
+  const note = el('p', isError ? 'mh-note mh-error' : 'mh-note', text);
+  box.replaceChildren(note);
+}
+
+/**
+ * The last step's figures of a view as text: "Step N · label value · ...", each figure a
+ * span with data-metric (and data-value when measured; the text says "not measured").
+ * @param {HTMLElement} p
+ * @param {number} step
+ * @param {Array<{metric: string, label: string, value: number|null, text: string}>} items
+ */
+export function renderSummary(p, step, items) {
+  p.replaceChildren();
+  p.dataset.step = String(step);
+  p.append(el('span', 'mh-summary-step', `Step ${step}`));
+  for (const item of items) {
+    const span = el('span', 'mh-metric');
+    span.dataset.metric = item.metric;
+    const measured = item.value !== null && item.value !== undefined && !Number.isNaN(item.value);
+    if (measured) span.dataset.value = String(item.value);
+    else span.classList.add('mh-not-measured');
+    span.append(
+      el('span', 'mh-metric-name', `${item.label} `),
+      el('span', 'mh-metric-value', measured ? item.text : 'not measured'),
+    );
+    p.append(span);
   }
 }

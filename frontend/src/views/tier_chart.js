@@ -1,99 +1,124 @@
-// View: the "Tier occupancy" chart of one run, drawn with uPlot.
-// Data contract: a /series answer for memory_hierarchy/tiers (columnar arrays over steps,
-// bytes, null where not measured). x is the step; y is bytes in binary units.
+// View: "Tier occupancy" of one run as small multiples, one chart per tier with its own
+// y scale: the tier's bytes stacked by holder (param, grad, optimizer, other), the used
+// line, the capacity line and the readings beside the accounting (dashed). A line more
+// than OFF_SCALE_RATIO times the tier's peak use is left out of the range and named in the
+// chart's header as "capacity X (off scale)".
+// Data contract: /series answers for memory_hierarchy/tiers and memory_hierarchy/readings.
 
-import uPlot from 'uplot';
-import { byteTicks, formatBytes } from '../format.js';
-import { TIERS, tierLabel } from './run_panel.js';
+import { maxOf, TIERS, tierPlot } from '../data.js';
+import { formatBytes } from '../format.js';
+import { Chart } from './chart.js';
+import { tierLabel } from './run_panel.js';
 
-const COLORS = { device: '#e8710a', host: '#1a73e8', nvme: '#12a05c' };
-const HEIGHT = 260; // px
-const MIN_WIDTH = 320; // px
-// Tick increments: whole steps (1, 2, 5, 10, ...) and bytes in powers of two, so the axis
-// reads 512 MiB, 1 GiB, 2 GiB rather than 954 MiB, 1.86 GiB.
-const STEP_INCRS = [];
-for (let e = 0; e <= 12; e++) for (const m of [1, 2, 5]) STEP_INCRS.push(m * 10 ** e);
-const BYTE_INCRS = Array.from({ length: 61 }, (_, k) => 2 ** k);
+const HEIGHT = 220; // px
+export const HOLDER_COLORS = {
+  param: '#aecbfa',
+  grad: '#fbc99a',
+  optimizer: '#a8dab5',
+  other: '#dadce0',
+};
+const USED_COLOR = '#202124';
+const CAPACITY_COLOR = '#c5221f';
+const READING_COLORS = ['#9334e6', '#e37400'];
 
-function chartWidth(container) {
-  return Math.max(MIN_WIDTH, container.clientWidth || 0);
+function el(tag, className, text) {
+  const node = document.createElement(tag);
+  if (className) node.className = className;
+  if (text !== undefined) node.textContent = text;
+  return node;
 }
 
-/** uPlot's aligned data: [steps, used per tier..., capacity per tier...]. */
-export function alignedData(series) {
-  const used = TIERS.map((t) => series.values[t]?.used_bytes ?? series.steps.map(() => null));
-  const capacity = TIERS.map(
-    (t) => series.values[t]?.capacity_bytes ?? series.steps.map(() => null),
-  );
-  return [series.steps, ...used, ...capacity];
+/** The header text of one tier's chart, e.g. "capacity 23.5 GiB (off scale)". */
+export function tierHeaderNotes(plot) {
+  const notes = [`peak ${formatBytes(plot.peakUse)}`];
+  const capacity = plot.lines.find((l) => l.kind === 'capacity');
+  if (capacity) notes.push(`capacity ${formatBytes(maxOf(capacity.values))}`);
+  for (const line of plot.offScale) {
+    notes.push(`${line.label} ${formatBytes(line.value)} (off scale)`);
+  }
+  const hasCapacity = capacity || plot.offScale.some((l) => l.kind === 'capacity');
+  if (!hasCapacity) notes.push('capacity unbounded');
+  return notes;
 }
 
-function options(labels, width) {
-  const bytes = (_u, v) => formatBytes(v);
-  const used = TIERS.map((t, i) => ({
-    label: `${labels[i]} used`,
-    stroke: COLORS[t],
-    width: 2,
-    value: bytes,
-  }));
-  const capacity = TIERS.map((t, i) => ({
-    label: `${labels[i]} capacity`,
-    stroke: COLORS[t],
-    width: 1,
-    dash: [6, 4],
-    points: { show: false },
-    value: bytes,
-  }));
+/** The chart spec (see chart.js) of one tier. */
+export function tierSpec(plot, markers) {
+  const series = [];
+  // Painter's stacking: the top layer first, each filled down to 0, lower ones over it.
+  for (const layer of [...plot.layers].reverse()) {
+    series.push({
+      label: layer.label,
+      values: layer.top,
+      stroke: HOLDER_COLORS[layer.key],
+      fill: HOLDER_COLORS[layer.key],
+      width: 1,
+      legend: (idx) => formatBytes(layer.raw[idx]),
+    });
+  }
+  series.push({ label: 'used', values: plot.used, stroke: USED_COLOR, width: 2 });
+  let r = 0;
+  for (const line of plot.lines) {
+    const isCapacity = line.kind === 'capacity';
+    series.push({
+      label: line.label,
+      values: line.values,
+      stroke: isCapacity ? CAPACITY_COLOR : READING_COLORS[r++ % READING_COLORS.length],
+      dash: isCapacity ? [8, 4] : [4, 4],
+      width: isCapacity ? 1.5 : 2,
+    });
+  }
   return {
-    width,
-    height: HEIGHT,
-    scales: {
-      x: { time: false },
-      y: { range: (_u, _min, max) => [0, max > 0 ? max * 1.05 : 1] },
-    },
-    axes: [
-      { label: 'step', incrs: STEP_INCRS },
-      { label: 'bytes', values: byteTicks, incrs: BYTE_INCRS, size: 72 },
-    ],
-    series: [{ label: 'step' }, ...used, ...capacity],
-    legend: { live: true },
+    x: plot.steps,
+    series,
+    scales: { y: { unit: 'bytes', max: plot.yMax > 0 ? plot.yMax : 1024 } },
+    markers,
   };
 }
 
-/** One run's tier-occupancy chart; create once, then update with new data. */
-export class TierChart {
-  /** @param {HTMLElement} container */
+/** The three tier charts of one run; create once, then update with new data. */
+export class TierCharts {
+  /** @param {HTMLElement} container the run's `.mh-chart` element */
   constructor(container) {
     this.container = container;
-    this.plot = null;
-    this.labelsKey = '';
+    this.cells = new Map(); // tier -> {title, notes, chart}
+    for (const tier of TIERS) {
+      const cell = el('div', 'mh-tier-cell');
+      cell.dataset.tier = tier;
+      const head = el('div', 'mh-tier-head');
+      const title = el('span', 'mh-tier-title', tier);
+      const notes = el('span', 'mh-tier-notes');
+      head.append(title, notes);
+      const box = el('div', 'mh-plot');
+      cell.append(head, box);
+      container.append(cell);
+      this.cells.set(tier, { title, notes, chart: new Chart(box, { height: HEIGHT, widthKey: 'tier' }) });
+    }
   }
 
   /**
-   * Draw (or redraw) with a /series answer. The container's data-* attributes expose
-   * what is drawn: data-points, data-first-step, data-last-step.
-   * @param {object} series a /series answer for memory_hierarchy/tiers
+   * Draw every tier. The container's data-* attributes expose what is drawn:
+   * data-points, data-first-step, data-last-step (of the tiers series).
+   * @param {object} tiers a /series answer for memory_hierarchy/tiers
+   * @param {object|null} readings a /series answer for memory_hierarchy/readings
    * @param {object|null} runInfo the latest run_info (for the stand-in label)
+   * @param {Array<{step, label}>} markers config changes
    */
-  update(series, runInfo) {
-    const labels = TIERS.map((t) => tierLabel(t, runInfo));
-    const key = labels.join('|');
-    const data = alignedData(series);
-    if (this.plot && key === this.labelsKey) {
-      this.plot.setData(data);
-    } else {
-      this.plot?.destroy();
-      this.plot = new uPlot(options(labels, chartWidth(this.container)), data, this.container);
-      this.labelsKey = key;
+  update(tiers, readings, runInfo, markers) {
+    for (const tier of TIERS) {
+      const cell = this.cells.get(tier);
+      const plot = tierPlot(tiers, readings, tier);
+      cell.title.textContent = tierLabel(tier, runInfo);
+      cell.notes.textContent = tierHeaderNotes(plot).join(' · ');
+      cell.chart.update(tierSpec(plot, markers));
     }
-    const n = series.steps.length;
+    const n = tiers.steps.length;
     this.container.dataset.points = String(n);
-    this.container.dataset.firstStep = n ? String(series.steps[0]) : '';
-    this.container.dataset.lastStep = n ? String(series.steps[n - 1]) : '';
+    this.container.dataset.firstStep = n ? String(tiers.steps[0]) : '';
+    this.container.dataset.lastStep = n ? String(tiers.steps[n - 1]) : '';
   }
 
-  /** Fit the chart to its container's width. */
+  /** Fit the charts to their cells' widths. */
   resize() {
-    this.plot?.setSize({ width: chartWidth(this.container), height: HEIGHT });
+    for (const cell of this.cells.values()) cell.chart.resize();
   }
 }

@@ -1,0 +1,54 @@
+// View: predicted (memory_hierarchy/estimate, per_process) versus measured (the last
+// step's used_bytes) bytes per tier, as a table with a bar per figure.
+
+import { predictedVsMeasured } from '../data.js';
+import { formatBytes, formatPercent } from '../format.js';
+import { el, tierLabel } from './run_panel.js';
+
+function bar(value, max, className) {
+  const track = el('span', 'mh-bar-track');
+  const fill = el('span', `mh-bar ${className}`);
+  fill.style.width = `${max > 0 && value !== null ? Math.max(0, (100 * value) / max) : 0}%`;
+  track.append(fill);
+  return track;
+}
+
+/**
+ * @param {HTMLTableElement} table
+ * @param {object|null} estimate the latest memory_hierarchy/estimate value (null: none)
+ * @param {object|null} tiers a /series answer for memory_hierarchy/tiers
+ * @param {object|null} runInfo
+ */
+export function renderEstimate(table, estimate, tiers, runInfo) {
+  table.replaceChildren();
+  if (!estimate) {
+    table.dataset.state = 'none';
+    table.append(el('caption', 'mh-note', 'No estimate recorded for this run.'));
+    return;
+  }
+  table.dataset.state = 'shown';
+  const rows = predictedVsMeasured(estimate, tiers);
+  const max = Math.max(0, ...rows.flatMap((r) => [r.predicted ?? 0, r.measured ?? 0]));
+  const head = el('tr');
+  for (const text of ['tier', 'predicted', 'measured', 'measured / predicted']) {
+    head.append(el('th', null, text));
+  }
+  table.append(head);
+  for (const r of rows) {
+    const tr = el('tr');
+    tr.dataset.tier = r.tier;
+    if (r.predicted !== null) tr.dataset.predictedBytes = String(r.predicted);
+    if (r.measured !== null) tr.dataset.measuredBytes = String(r.measured);
+    const predicted = el('td', 'mh-predicted');
+    predicted.append(el('span', 'mh-figure', formatBytes(r.predicted)), bar(r.predicted, max, 'mh-bar-predicted'));
+    const measured = el('td', 'mh-measured');
+    measured.append(el('span', 'mh-figure', formatBytes(r.measured)), bar(r.measured, max, 'mh-bar-measured'));
+    tr.append(
+      el('th', 'mh-tier', tierLabel(r.tier, runInfo)),
+      predicted,
+      measured,
+      el('td', 'mh-ratio', r.ratio === null ? '—' : formatPercent(r.ratio)),
+    );
+    table.append(tr);
+  }
+}

@@ -1,0 +1,103 @@
+// node --test: the pure data helpers of the views.
+import assert from 'node:assert/strict';
+import { test } from 'node:test';
+import {
+  alignTo,
+  configLabel,
+  filterPlacement,
+  hitRate,
+  offScale,
+  predictedVsMeasured,
+  shapeText,
+  sortPlacement,
+  tierPlot,
+  unionSteps,
+} from '../src/data.js';
+import { formatPercent, formatSeconds } from '../src/format.js';
+
+const MIB = 2 ** 20;
+const GIB = 2 ** 30;
+
+function tiersAnswer(steps, cells) {
+  return { steps, values: cells };
+}
+
+test('unionSteps and alignTo merge differently thinned series', () => {
+  assert.deepEqual(unionSteps([0, 2, 4], [0, 1, 4, 5]), [0, 1, 2, 4, 5]);
+  assert.deepEqual(unionSteps([], [3]), [3]);
+  assert.deepEqual(alignTo([0, 1, 2, 4, 5], [0, 4, 5], [10, 40, null]), [10, null, null, 40, null]);
+});
+
+test('a capacity more than 20x the peak use is off scale', () => {
+  assert.equal(offScale(24 * GIB, 2 * MIB), true);
+  assert.equal(offScale(20 * MIB, 1 * MIB), false);
+  assert.equal(offScale(21 * MIB, 1 * MIB), true);
+  assert.equal(offScale(null, MIB), false);
+  assert.equal(offScale(MIB, 0), true);
+});
+
+test('tierPlot stacks holders, keeps unmeasured lines out and names off-scale lines', () => {
+  const tiers = tiersAnswer([0, 1], {
+    host: {
+      used_bytes: [2 * MIB, 2 * MIB],
+      capacity_bytes: [24 * GIB, 24 * GIB],
+      param_bytes: [null, null],
+      grad_bytes: [null, null],
+      optimizer_bytes: [MIB, 1.5 * MIB],
+      other_bytes: [MIB, 0.5 * MIB],
+    },
+  });
+  const readings = { steps: [0, 1], values: { process_rss_bytes: [3 * MIB, 3 * MIB] } };
+  const plot = tierPlot(tiers, readings, 'host');
+  assert.deepEqual(plot.layers.map((l) => l.key), ['optimizer', 'other']);
+  assert.deepEqual(plot.layers[1].top, [2 * MIB, 2 * MIB]);
+  assert.deepEqual(plot.offScale, [{ kind: 'capacity', label: 'capacity', value: 24 * GIB }]);
+  assert.deepEqual(plot.lines.map((l) => l.label), ['process RSS']);
+  assert.equal(plot.yMax, 3 * MIB);
+});
+
+test('hitRate is null when nothing was prefetched, never 0', () => {
+  assert.deepEqual(hitRate([3, 0, null], [1, 0, 1]), [0.75, null, null]);
+});
+
+test('configLabel prefers a description, then key old → new', () => {
+  assert.equal(configLabel({ description: 'moved' }), 'moved');
+  assert.equal(configLabel({ key: 'prefetch_depth', old: 1, new: 2 }), 'prefetch_depth: 1 → 2');
+  assert.equal(configLabel({ x: 1 }), '{"x":1}');
+});
+
+test('predictedVsMeasured compares per_process with the last step', () => {
+  const tiers = tiersAnswer([0, 1], {
+    device: { used_bytes: [1, 150] },
+    host: { used_bytes: [1, 50] },
+    nvme: { used_bytes: [null, null] },
+  });
+  const rows = predictedVsMeasured({ per_process: { device_bytes: 100, host_bytes: 100, nvme_bytes: 0 } }, tiers);
+  assert.deepEqual(rows, [
+    { tier: 'device', predicted: 100, measured: 150, ratio: 1.5 },
+    { tier: 'host', predicted: 100, measured: 50, ratio: 0.5 },
+    { tier: 'nvme', predicted: 0, measured: null, ratio: null },
+  ]);
+});
+
+test('placement rows sort numerically by bytes and shape, and filter by words', () => {
+  const rows = [
+    { name: 'b', shape: [2, 3], bytes: 24, optimizer_tier: 'host' },
+    { name: 'a', shape: [10], bytes: 40, optimizer_tier: 'nvme' },
+    { name: 'c', shape: [], bytes: 4, optimizer_tier: 'host' },
+  ];
+  assert.deepEqual(sortPlacement(rows, 'bytes', 'desc').map((r) => r.name), ['a', 'b', 'c']);
+  assert.deepEqual(sortPlacement(rows, 'shape', 'asc').map((r) => r.name), ['c', 'b', 'a']);
+  assert.deepEqual(sortPlacement(rows, 'name', 'asc').map((r) => r.name), ['a', 'b', 'c']);
+  assert.deepEqual(filterPlacement(rows, 'HOST').map((r) => r.name), ['b', 'c']);
+  assert.deepEqual(filterPlacement(rows, 'host 2×3').map((r) => r.name), ['b']);
+  assert.equal(shapeText([]), 'scalar');
+});
+
+test('seconds and percentages format with units', () => {
+  assert.equal(formatSeconds(0.002), '2 ms');
+  assert.equal(formatSeconds(0.149), '149 ms');
+  assert.equal(formatSeconds(1.5), '1.5 s');
+  assert.equal(formatSeconds(null), '—');
+  assert.equal(formatPercent(0.75), '75%');
+});
