@@ -116,4 +116,60 @@ def test_write_request_is_atomic_and_versioned(tmp_path):
     with open(os.path.join(run, control.REQUEST_FILE), encoding="utf-8") as fh:
         request = json.load(fh)
     assert request["version"] == 3 and request["updates"] == {"max_reuse_distance": 3}
+    # Not yet acknowledged: a new request keeps the pending one's other keys.
+    control.write_request(run, {"persistence_threshold": 7})
+    with open(os.path.join(run, control.REQUEST_FILE), encoding="utf-8") as fh:
+        merged = json.load(fh)
+    assert merged["updates"] == {"max_reuse_distance": 3, "persistence_threshold": 7}
     assert sorted(os.listdir(run)) == [control.REQUEST_FILE]  # no temporary file left
+    # Once the runtime has decided on a version, the next request starts afresh.
+    channel = control.ControlChannel(run, ZeroConfig())
+    assert channel.poll(0).status is control.Status.APPLIED
+    control.write_request(run, {"max_live_parameters": 5})
+    with open(os.path.join(run, control.REQUEST_FILE), encoding="utf-8") as fh:
+        assert json.load(fh)["updates"] == {"max_live_parameters": 5}
+
+
+def test_running_job_applies_a_request_at_a_step_boundary(tmp_path, cpu_devices):
+    """A request written while a job runs takes effect at the next step and is audited."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
+
+    import zero_runtime
+    from tb_plugin import metadata
+
+    run = tmp_path / "run"
+    strategy = zero_runtime.ZeroInfinityStrategy(logdir=str(run))
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile(optimizer="adam", loss="mse")
+    x = np.ones((64, 4), "float32")
+    ds = tf.data.Dataset.from_tensor_slices((x, x[:, :2])).batch(8)
+
+    class RequestAtBatch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 2:  # after step 2 ended: the next boundary (end of step 3) polls
+                control.write_request(str(run), {"telemetry_every_n_steps": 2})
+                control.write_request(str(run), {"device_budget_bytes": 300 * MIB})
+
+    model.fit(ds, epochs=1, verbose=0, shuffle=False, callbacks=[RequestAtBatch()])
+    strategy.close()
+    assert strategy.config.telemetry_every_n_steps == 2
+    assert strategy.config.device_budget_bytes == 300 * MIB
+    assert strategy.runtime.config_version == 2
+    acc = EventAccumulator(str(run), size_guidance={"tensors": 0})
+    acc.Reload()
+    steps = [e.step for e in acc.Tensors(metadata.TAG_TIERS)]
+    assert steps == [0, 1, 2, 3, 4, 6]  # every step until the change at step 4, then every 2nd
+    events = [
+        (e.step, json.loads(tensor_util.make_ndarray(e.tensor_proto).item()))
+        for e in acc.Tensors(metadata.TAG_CONFIG_EVENT)
+    ]
+    assert [(s, ev["status"], ev["version"]) for s, ev in events] == [(4, "applied", 2)]
+    assert events[0][1]["changes"] == {
+        "telemetry_every_n_steps": {"old": 1, "new": 2},
+        "device_budget_bytes": {"old": None, "new": 300 * MIB},
+    }

@@ -175,8 +175,10 @@ def write_request(run_dir: str, updates: Mapping[str, Any]) -> int:
     """Write a new control request for a run, atomically; returns its version.
 
     The version is one more than the version in the existing request file (1 if none).
-    Only keys of ``TUNABLE_KEYS`` within their bounds are accepted; nothing is written
-    otherwise.
+    When the runtime has not yet acknowledged the existing request, its updates are kept
+    in the new one (the new values win), so no request is lost between two step
+    boundaries. Only keys of ``TUNABLE_KEYS`` within their bounds are accepted; nothing is
+    written otherwise.
 
     Args:
         run_dir: the run's log directory (must exist).
@@ -202,14 +204,21 @@ def write_request(run_dir: str, updates: Mapping[str, Any]) -> int:
     if not os.path.isdir(run_dir):
         raise FileNotFoundError(f"run directory {run_dir!r} does not exist")
     path = os.path.join(run_dir, REQUEST_FILE)
-    previous = 0
+    previous, pending = 0, {}
     try:
         with open(path, encoding="utf-8") as fh:
             old = json.load(fh)
         if isinstance(old, dict) and isinstance(old.get("version"), int):
             previous = old["version"]
+            ack = read_ack(run_dir)
+            decided = ack.get("version", 0) if isinstance(ack, dict) else 0
+            if previous > decided and isinstance(old.get("updates"), dict):
+                # The runtime has not decided on the previous request yet: keep its changes,
+                # so that a request written before the next step boundary is not lost.
+                pending = {k: v for k, v in old["updates"].items() if k in TUNABLE_KEYS}
     except (OSError, ValueError):
         pass
+    checked = {**pending, **checked}
     version = previous + 1
     _write_json_atomic(path, {"version": version, "updates": checked, "requested_at": time.time()})
     return version

@@ -19,7 +19,7 @@ import psutil
 
 from tb_plugin import metadata
 from tb_plugin.summary import SummaryWriter
-from zero_runtime import estimator
+from zero_runtime import control, estimator
 from zero_runtime.config import ZeroConfig
 from zero_runtime.devices import DeviceInfo, bfc_requested
 from zero_runtime.telemetry import FlightRecorder, StepStats, TierStats, read_probes
@@ -68,6 +68,9 @@ class ZeroRuntime:
         self._placement_written = False
         self._host_peak = 0
         self.steps_recorded = 0
+        #: Version of the active config: 0 as started, then each applied control request's.
+        self.config_version = 0
+        self.control = control.ControlChannel(logdir, config) if logdir else None
         self._write_run_info()
 
     # -- registration --------------------------------------------------------------------
@@ -160,13 +163,47 @@ class ZeroRuntime:
         self._last_boundary = now
         if self.state is not RuntimeState.OPEN:
             return
-        if step % self.config.telemetry_every_n_steps:
+        if step % self.config.telemetry_every_n_steps == 0:
+            stats = self._collect(step, now, step_seconds)
+            self.recorder.append(stats)
+            self.steps_recorded += 1
+            if self._writer is not None:
+                self._emit(stats)
+        # After this step's record, before the next step runs: a change applies from it on.
+        self._poll_control(step + 1)
+
+    # -- live tuning ---------------------------------------------------------------------
+    def _poll_control(self, next_step: int) -> None:
+        """Decide on a new control request before ``next_step`` runs (zero_runtime.control).
+
+        An applied request replaces :attr:`config` (and :attr:`config_version`); every
+        decision is recorded as a ``memory_hierarchy/config_event`` summary at
+        ``next_step``, the step from which an applied change is in effect.
+        """
+        if self.control is None:
             return
-        stats = self._collect(step, now, step_seconds)
-        self.recorder.append(stats)
-        self.steps_recorded += 1
+        outcome = self.control.poll(next_step)
+        if outcome is None:
+            return
+        if outcome.status is control.Status.APPLIED:
+            self.config = self.control.config
+            self.config_version = self.control.version
+            log.info(
+                "live tuning: applied version %d at step %d: %s",
+                outcome.version,
+                next_step,
+                outcome.changes,
+            )
+        else:
+            log.warning(
+                "live tuning: %s version %d: %s",
+                outcome.status.value,
+                outcome.version,
+                outcome.reason,
+            )
         if self._writer is not None:
-            self._emit(stats)
+            self._writer.json(metadata.TAG_CONFIG_EVENT, next_step, outcome.to_dict())
+            self._writer.flush()
 
     # -- accounting ----------------------------------------------------------------------
     def model_param_bytes(self) -> int:
@@ -265,6 +302,7 @@ class ZeroRuntime:
             readings=readings,
             timing={"step_seconds": step_seconds},
             pages=self._page_counters(step),
+            config_version=self.config_version,
         )
 
     def _reset_framework_peak(self) -> None:

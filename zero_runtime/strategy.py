@@ -107,7 +107,7 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
                 f"reduce_scatter_impl must be one of {REDUCE_SCATTER_IMPLS} or None, "
                 f"got {reduce_scatter_impl!r}"
             )
-        self.config = config
+        self._initial_config = config
         self.reduce_scatter_impl = reduce_scatter_impl
         self.device_info: DeviceInfo = local_devices(num_cpu_replicas)
         self._collective_key_base = next(_COLLECTIVE_KEY_BASES)
@@ -120,6 +120,12 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
             fallback_mirrored=config.stage == 0,
         )
         atexit.register(_close_runtime, weakref.ref(self.runtime))
+
+    @property
+    def config(self) -> ZeroConfig:
+        """The active configuration: as started, or as changed by live tuning since."""
+        runtime = getattr(self, "runtime", None)
+        return runtime.config if runtime is not None else self._initial_config
 
     @property
     def partitioned(self) -> bool:
