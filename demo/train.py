@@ -27,6 +27,8 @@ import time  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from zero_runtime.cli import positive_int  # noqa: E402  (no TensorFlow import)
+
 DEFAULT_LOGDIR = str(Path(__file__).resolve().parent.parent / "logs" / "demo")
 
 
@@ -38,14 +40,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--logdir", default=DEFAULT_LOGDIR, help="TensorBoard log directory")
     p.add_argument("--run", default="gpt_zero1", help="run name (a subdirectory of logdir)")
-    p.add_argument("--steps", type=_positive_int, default=300, help="optimizer steps")
-    p.add_argument("--batch-size", type=_positive_int, default=16, help="global batch size")
-    p.add_argument("--seq-len", type=_positive_int, default=64, help="tokens per sequence")
-    p.add_argument("--d-model", type=_positive_int, default=64, help="model width")
-    p.add_argument("--layers", type=_positive_int, default=2, help="transformer blocks")
-    p.add_argument("--replicas", type=_positive_int, default=2, help="CPU replicas (no GPU)")
+    p.add_argument("--steps", type=positive_int, default=300, help="optimizer steps")
+    p.add_argument("--batch-size", type=positive_int, default=16, help="global batch size")
+    p.add_argument("--seq-len", type=positive_int, default=64, help="tokens per sequence")
+    p.add_argument("--d-model", type=positive_int, default=64, help="model width")
+    p.add_argument("--layers", type=positive_int, default=2, help="transformer blocks")
+    p.add_argument("--replicas", type=positive_int, default=2, help="CPU replicas (no GPU)")
     p.add_argument("--learning-rate", type=float, default=3e-3, help="Adam learning rate")
-    p.add_argument("--corpus-bytes", type=_positive_int, default=4 << 20, help="text bytes")
+    p.add_argument("--corpus-bytes", type=positive_int, default=4 << 20, help="text bytes")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and data order")
     p.add_argument(
         "--config",
@@ -60,16 +62,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="override one ZeroConfig key (JSON value), e.g. --set stage=1; repeatable",
     )
     return p
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def load_config(path: str | None, overrides: Sequence[str]):
