@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers.mirrored import Mirrored
 
 from zero_runtime import comm
 
@@ -14,7 +15,7 @@ SHARD = 5
 
 @pytest.fixture(scope="module")
 def strategy(cpu_devices):
-    return tf.distribute.MirroredStrategy(list(cpu_devices))
+    return Mirrored(cpu_devices)
 
 
 def _inputs(n: int) -> np.ndarray:

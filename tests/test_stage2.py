@@ -11,13 +11,13 @@ absolute floor of 1e-7 for weights that are ~0).
 from __future__ import annotations
 
 import functools
-import itertools
 import json
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers.mirrored import Mirrored
 from helpers.reference_optimizers import DenseGradAdam, DenseGradAdamW, DenseGradSGD
 
 import zero_runtime
@@ -69,19 +69,7 @@ def _kwargs(name: str) -> dict:
     return {"learning_rate": 0.05, "momentum": 0.9, "nesterov": True, "clipvalue": 0.05}
 
 
-# Plain MirroredStrategy instances all start their collective keys at the same group and
-# instance keys; TensorFlow caches an instance's shape by key, so two plain references with
-# different gradient shapes in one process abort ("Shape mismatch in the collective
-# instance 100"). Each reference gets its own key base, as ZeroInfinityStrategy does.
-_KEY_BASES = itertools.count(start=70_000_000, step=100_000)
-
-
-class _Mirrored(tf.distribute.MirroredStrategy):
-    """MirroredStrategy with a collective key base of its own."""
-
-    def __init__(self, devices) -> None:
-        self._collective_key_base = next(_KEY_BASES)
-        super().__init__(list(devices))
+_Mirrored = Mirrored
 
 
 REFERENCE = {"adam": DenseGradAdam, "adamw": DenseGradAdamW, "sgd": DenseGradSGD}

@@ -12,6 +12,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers.mirrored import Mirrored
 from helpers.reference_optimizers import DenseGradAdam, DenseGradSGD
 
 import zero_runtime
@@ -67,7 +68,7 @@ def _fit(strategy: tf.distribute.Strategy, make_optimizer):
 
 @pytest.fixture(scope="module")
 def mirrored_run(cpu_devices):
-    strategy = tf.distribute.MirroredStrategy(list(cpu_devices))
+    strategy = Mirrored(cpu_devices)
     return _fit(strategy, lambda: DenseGradAdam(learning_rate=0.01))
 
 
@@ -120,7 +121,7 @@ def test_host_moments_equal_keras_adam_slots(cpu_devices):
     """After training, the host shards hold exactly the moments Keras's Adam holds."""
     x, y = _data()
     strategy = zero_runtime.ZeroInfinityStrategy()
-    ref = tf.distribute.MirroredStrategy(list(cpu_devices))
+    ref = Mirrored(cpu_devices)
     results = []
     for strat, make_opt in ((strategy, lambda: "adam"), (ref, DenseGradAdam)):
         ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH).take(5)
@@ -149,7 +150,7 @@ def test_custom_training_loop_through_strategy_run(cpu_devices):
     for make in (
         lambda: (zero_runtime.ZeroInfinityStrategy(), lambda: keras.optimizers.get("sgd")),
         lambda: (
-            tf.distribute.MirroredStrategy(list(cpu_devices)),
+            Mirrored(cpu_devices),
             lambda: DenseGradSGD(),
         ),
     ):
