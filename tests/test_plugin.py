@@ -893,8 +893,9 @@ def test_symlinked_run_leading_out_of_the_logdir_is_refused(tmp_path):
 
 def test_the_loader_defines_the_flag_and_tensorboard_parses_it():
     from tensorboard import program
+    from tensorboard.plugins.core import core_plugin
 
-    tb = program.TensorBoard(plugins=[MemoryHierarchyLoader])
+    tb = program.TensorBoard(plugins=[core_plugin.CorePluginLoader, MemoryHierarchyLoader])
     tb.configure(argv=["tensorboard", "--logdir", "/tmp/x"])
     assert tb.flags.memory_hierarchy_tuning is False
     tb.configure(argv=["tensorboard", "--logdir", "/tmp/x", "--memory_hierarchy_tuning"])
