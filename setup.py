@@ -37,6 +37,6 @@ setup(
     },
     entry_points={
         "console_scripts": ["zero-runtime = zero_runtime.cli:main"],
-        "tensorboard_plugins": ["memory_hierarchy = tb_plugin.plugin:MemoryHierarchyPlugin"],
+        "tensorboard_plugins": ["memory_hierarchy = tb_plugin.loader:MemoryHierarchyLoader"],
     },
 )

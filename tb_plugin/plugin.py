@@ -29,6 +29,12 @@ cheap ``list_tensors`` listing, so new steps of a live run are read on the next 
 Exports: ``/series`` and ``/json`` take ``format=json|csv``; either answers as a download
 (``Content-Disposition: attachment``), built by :mod:`tb_plugin.export`. ``points=0``
 asks ``/series`` for every stored step.
+
+Live tuning (issue #9): ``GET /tuning`` shows a run's tunable keys, their values in effect
+and the latest request's state; ``POST /tune`` writes a request through
+:func:`zero_runtime.control.write_request`, only when TensorBoard was started with
+``--memory_hierarchy_tuning`` (:mod:`tb_plugin.loader`); the checks are in
+:mod:`tb_plugin.tuning`. ``GET /oom`` returns a run's latest out-of-memory post-mortem.
 """
 
 from __future__ import annotations
@@ -53,8 +59,9 @@ from tensorboard.data import provider
 from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
-from tb_plugin import export, fast_read, metadata
+from tb_plugin import export, fast_read, metadata, tuning
 from tb_plugin.cache import CostLru
+from zero_runtime import control
 
 # Steps asked of the data provider per time series; ``read_tensors`` caps its answer at
 # this many, so it is large: thinning is done here, by the point budget below.
@@ -331,7 +338,9 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
     """The Memory Hierarchy View: tier occupancy, page traffic and timing per run.
 
     Args:
-        context: TensorBoard's ``TBContext``; only ``context.data_provider`` is used.
+        context: TensorBoard's ``TBContext``: ``data_provider``, ``logdir`` (where runs'
+            directories are, for live tuning) and ``flags`` (``memory_hierarchy_tuning``,
+            absent = off) are used.
         static_dir: where the built frontend is (default :data:`STATIC_DIR`).
         series_cache_bytes: budget of the decoded-steps cache (bytes).
         answer_cache_bytes: budget of the encoded-answers cache (bytes).
@@ -354,6 +363,10 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
         self._listing_lock = threading.Lock()
         self._listings: dict[str, tuple[float, dict[str, dict[str, Any]]]] = {}
         self._listing_refreshes: set[str] = set()  # experiments being listed in background
+        flags = getattr(context, "flags", None)
+        self._tuning_enabled = bool(getattr(flags, tuning.FLAG_NAME, False))
+        self._logdir = getattr(context, "logdir", None) or getattr(flags, "logdir", None) or ""
+        self._tune_lock = threading.Lock()  # one request written at a time (versions)
 
     # -- TBPlugin interface ----------------------------------------------------------------
     def get_plugin_apps(self) -> dict[str, Callable]:
@@ -362,6 +375,9 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
             "/runs": self.runs_route,
             "/series": self.series_route,
             "/json": self.json_route,
+            "/tuning": self.tuning_route,
+            "/tune": self.tune_route,
+            "/oom": self.oom_route,
             "/*": self.static_route,
         }
 
@@ -679,6 +695,191 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
         return _respond(
             request, _encode(text, content_type, (("Content-Disposition", disposition),))
         )
+
+    # -- /tuning and /tune ------------------------------------------------------------------
+    def _latest_json(self, ctx: Any, experiment: str, run: str, tag: str) -> list[dict]:
+        """Every record of a json tag of a run ([] when the run has none of that tag)."""
+        if tag not in self._listing(ctx, experiment).get(run, {}):
+            return []
+        return self.json_impl(ctx, experiment, run, tag)["events"]
+
+    def _run_dir(self, ctx: Any, experiment: str, run: str) -> str:
+        """The run's directory inside the logdir (see :func:`tuning.resolve_run_dir`)."""
+        return tuning.resolve_run_dir(self._logdir, run, self._listing(ctx, experiment))
+
+    def tuning_impl(self, ctx: Any, experiment: str, run: str) -> dict[str, Any]:
+        """A run's tunable keys, the values in effect and the latest request's state.
+
+        Args:
+            ctx: the request context.
+            experiment: the experiment id.
+            run: the run name.
+
+        Returns:
+            ``{"run", "enabled", "flag", "keys": [{"key", "unit", "min", "max",
+            "description", "value", "recorded", "since_step", "version"}],
+            "config_version",
+            "request": tuning.request_state(...), "run_dir_error"}``: ``enabled`` is whether
+            this TensorBoard may write requests; ``value`` the value in effect (null when
+            the run never recorded it); ``config_version`` the version of the newest
+            applied request (0: as started); ``run_dir_error`` says why the run's
+            directory cannot be read (null normally; the request state is then "none").
+
+        Raises:
+            NotFoundError: the run has no memory_hierarchy data.
+        """
+        if run not in self._listing(ctx, experiment):
+            raise errors.NotFoundError(f"no memory_hierarchy run {run[:80]!r} in this logdir")
+        run_infos = self._latest_json(ctx, experiment, run, metadata.TAG_RUN_INFO)
+        config = run_infos[-1]["value"].get("config") if run_infos else None
+        events = self._latest_json(ctx, experiment, run, metadata.TAG_CONFIG_EVENT)
+        request = ack = None
+        run_dir_error = None
+        try:
+            run_dir = self._run_dir(ctx, experiment, run)
+            request, ack = tuning.read_request(run_dir), control.read_ack(run_dir)
+        except errors.InvalidArgumentError as exc:
+            run_dir_error = str(exc)
+        values = tuning.current_values(config if isinstance(config, dict) else None, events, ack)
+        keys = [{**spec, **values[spec["key"]]} for spec in tuning.tunable_keys()]
+        return {
+            "run": run,
+            "enabled": self._tuning_enabled,
+            "flag": f"--{tuning.FLAG_NAME}",
+            "keys": keys,
+            "config_version": max((v["version"] for v in values.values()), default=0),
+            "request": tuning.request_state(request, ack),
+            "run_dir_error": run_dir_error,
+        }
+
+    @wrappers.Request.application
+    @_json_errors
+    def tuning_route(self, request: wrappers.Request) -> wrappers.Response:
+        """GET /tuning?run=R: see :meth:`tuning_impl`."""
+        run = _required_arg(request, "run")
+        ctx = plugin_util.context(request.environ)
+        experiment = plugin_util.experiment_id(request.environ)
+        return http_util.Respond(
+            request, self.tuning_impl(ctx, experiment, run), "application/json"
+        )
+
+    def _require_tuning(self) -> None:
+        """Raise TuningDisabledError unless started with ``--memory_hierarchy_tuning``."""
+        if not self._tuning_enabled:
+            raise tuning.TuningDisabledError(
+                f"live tuning is off: start TensorBoard with --{tuning.FLAG_NAME} to let "
+                "the tab change running jobs"
+            )
+
+    def tune_impl(
+        self, ctx: Any, experiment: str, run: str, updates: dict[str, int]
+    ) -> dict[str, Any]:
+        """Write a live-tuning request for a run (``zero_runtime.control.write_request``).
+
+        Args:
+            ctx: the request context.
+            experiment: the experiment id.
+            run: the run name.
+            updates: checked key -> int (see :func:`tuning.parse_tune_body`).
+
+        Returns:
+            ``{"run", "version", "updates", "request"}``: the version written, the updates
+            the request file now holds (a pending earlier request's are merged in) and
+            its state (``"pending"`` until the job's next step boundary).
+
+        Raises:
+            TuningDisabledError: TensorBoard runs without ``--memory_hierarchy_tuning``.
+            InvalidArgumentError: the run's directory is not inside the logdir.
+            NotFoundError: not a run of this logdir.
+        """
+        self._require_tuning()
+        run_dir = self._run_dir(ctx, experiment, run)
+        with self._tune_lock:
+            version = control.write_request(run_dir, updates)
+            written = tuning.read_request(run_dir)
+            ack = control.read_ack(run_dir)
+        return {
+            "run": run,
+            "version": version,
+            "updates": (written or {}).get("updates", updates),
+            "request": tuning.request_state(written, ack),
+        }
+
+    @wrappers.Request.application
+    @_json_errors
+    def tune_route(self, request: wrappers.Request) -> wrappers.Response:
+        """POST /tune?run=R with ``{"updates": {...}}``: see :meth:`tune_impl`.
+
+        Refused, with nothing written: another method (405); tuning off (403); without
+        the header ``X-Memory-Hierarchy-Tuning: 1`` (403, so a cross-site form cannot post
+        it); a Content-Type other than ``application/json`` (415); a body over
+        ``tuning.MAX_BODY_BYTES`` (413); a body :func:`tuning.parse_tune_body` refuses
+        or a run outside the logdir (400); an unknown run (404).
+        """
+        if request.method != "POST":
+            raise tuning.MethodNotAllowedError("/tune accepts only POST", allow="POST")
+        self._require_tuning()
+        if request.headers.get(tuning.HEADER_NAME) != tuning.HEADER_VALUE:
+            raise errors.PermissionDeniedError(
+                f"POST /tune needs the header {tuning.HEADER_NAME}: {tuning.HEADER_VALUE}"
+            )
+        if request.mimetype != tuning.CONTENT_TYPE:
+            raise tuning.UnsupportedMediaTypeError(
+                f"POST /tune needs Content-Type {tuning.CONTENT_TYPE}, "
+                f"got {request.mimetype[:80]!r}"
+            )
+        limit = tuning.MAX_BODY_BYTES
+        if request.content_length is not None and request.content_length > limit:
+            raise tuning.PayloadTooLargeError(f"the body is larger than {limit} bytes")
+        body = request.stream.read(limit + 1)
+        if len(body) > limit:
+            raise tuning.PayloadTooLargeError(f"the body is larger than {limit} bytes")
+        run = _required_arg(request, "run")
+        updates = tuning.parse_tune_body(body)
+        ctx = plugin_util.context(request.environ)
+        experiment = plugin_util.experiment_id(request.environ)
+        return http_util.Respond(
+            request, self.tune_impl(ctx, experiment, run, updates), "application/json"
+        )
+
+    # -- /oom -------------------------------------------------------------------------------
+    def oom_impl(self, ctx: Any, experiment: str, run: str) -> dict[str, Any]:
+        """A run's latest out-of-memory post-mortem (the ``memory_hierarchy/oom`` tag).
+
+        Args:
+            ctx: the request context.
+            experiment: the experiment id.
+            run: the run name.
+
+        Returns:
+            ``{"run", "step", "wall_time", "count", "postmortem"}``: ``postmortem`` is the
+            latest record's object as the runtime wrote it (the shared OOM contract, see
+            ``docs/http_api.md``), ``count`` how many post-mortems the run recorded.
+
+        Raises:
+            NotFoundError: the run recorded no post-mortem.
+            DataContractError: a record that is not UTF-8 JSON.
+        """
+        events = self.json_impl(ctx, experiment, run, metadata.TAG_OOM)["events"]
+        if not events:
+            raise errors.NotFoundError(f"run {run[:80]!r} recorded no out-of-memory post-mortem")
+        last = events[-1]
+        return {
+            "run": run,
+            "step": last["step"],
+            "wall_time": last["wall_time"],
+            "count": len(events),
+            "postmortem": last["value"],
+        }
+
+    @wrappers.Request.application
+    @_json_errors
+    def oom_route(self, request: wrappers.Request) -> wrappers.Response:
+        """GET /oom?run=R: see :meth:`oom_impl`."""
+        run = _required_arg(request, "run")
+        ctx = plugin_util.context(request.environ)
+        experiment = plugin_util.experiment_id(request.environ)
+        return http_util.Respond(request, self.oom_impl(ctx, experiment, run), "application/json")
 
     # -- static assets ------------------------------------------------------------------------
     def static_impl(self, name: str) -> tuple[bytes, str]:

@@ -1,10 +1,12 @@
 """Session-scoped fixtures shared by the test modules.
 
 - ``synthetic_logdir``: a logdir with known Memory Hierarchy values (``helpers.synthetic``).
-- ``plugin_client(logdir)``: werkzeug test client on TensorBoard's real WSGI app with this
-  plugin and a real (Python multiplexer) data provider over ``logdir``.
-- ``tensorboard_server(logdir, load_fast=True)``: a real ``tensorboard`` process, one per
-  (logdir, load_fast, reload_interval) per session, stopped at session end.
+- ``plugin_client(logdir, tuning=False)``: werkzeug test client on TensorBoard's real WSGI
+  app with this plugin (loaded by its real loader; ``tuning`` sets
+  ``--memory_hierarchy_tuning``) and a real (Python multiplexer) data provider over ``logdir``.
+- ``tensorboard_server(logdir, load_fast=True, reload_interval=None, extra_args=())``: a real
+  ``tensorboard`` process, one per (logdir, load_fast, reload_interval, extra_args) per
+  session, stopped at session end.
 - ``browser``: a Playwright Chromium (Debian's ``/usr/bin/chromium``), one per session.
 """
 
@@ -32,6 +34,7 @@ from tensorboard.backend.event_processing import plugin_event_multiplexer
 from werkzeug import test as werkzeug_test
 
 from tb_plugin import metadata
+from tb_plugin.loader import MemoryHierarchyLoader
 from tb_plugin.plugin import MemoryHierarchyPlugin
 
 if TYPE_CHECKING:
@@ -58,11 +61,13 @@ def synthetic_logdir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return synthetic.write_logdir(str(tmp_path_factory.mktemp("synthetic_logdir")))
 
 
-def make_wsgi_app(logdir: str) -> application.TensorBoardWSGI:
+def make_wsgi_app(logdir: str, tuning: bool | None = None) -> application.TensorBoardWSGI:
     """TensorBoard's WSGI app with only this plugin, over a loaded Python data provider.
 
     Every step is kept (``tensor_size_guidance`` 0 for memory_hierarchy), as with
-    ``--samples_per_plugin=memory_hierarchy=0``.
+    ``--samples_per_plugin=memory_hierarchy=0``. With ``tuning`` (True or False) the
+    plugin is built by its loader with ``--memory_hierarchy_tuning`` set so; with None
+    (the default) the flag is absent and the plugin class is passed as such (tuning off).
     """
     multiplexer = plugin_event_multiplexer.EventMultiplexer(
         tensor_size_guidance={metadata.PLUGIN_NAME: 0}
@@ -76,15 +81,21 @@ def make_wsgi_app(logdir: str) -> application.TensorBoardWSGI:
         samples_per_plugin={metadata.PLUGIN_NAME: 0},
         window_title="",
     )
-    return application.TensorBoardWSGIApp(flags, [MemoryHierarchyPlugin], data_provider=provider)
+    if tuning is None:
+        plugins: list = [MemoryHierarchyPlugin]
+    else:
+        flags.memory_hierarchy_tuning = bool(tuning)
+        plugins = [MemoryHierarchyLoader()]
+    return application.TensorBoardWSGIApp(flags, plugins, data_provider=provider)
 
 
 @pytest.fixture(scope="session")
 def plugin_client() -> Callable[[str], werkzeug_test.Client]:
-    """Factory: ``plugin_client(logdir)`` -> a werkzeug ``Client`` on a freshly loaded app."""
+    """Factory: ``plugin_client(logdir, tuning=None)`` -> a werkzeug ``Client`` on a freshly
+    loaded app (see :func:`make_wsgi_app` for ``tuning``)."""
 
-    def make(logdir: str) -> werkzeug_test.Client:
-        return werkzeug_test.Client(make_wsgi_app(str(logdir)))
+    def make(logdir: str, tuning: bool | None = None) -> werkzeug_test.Client:
+        return werkzeug_test.Client(make_wsgi_app(str(logdir), tuning))
 
     return make
 
@@ -105,7 +116,11 @@ class TensorBoardServer:
 
 
 def _start_tensorboard(
-    logdir: str, load_fast: bool, reload_interval: int | None, log_path: Path
+    logdir: str,
+    load_fast: bool,
+    reload_interval: int | None,
+    log_path: Path,
+    extra_args: tuple[str, ...] = (),
 ) -> tuple[subprocess.Popen, TensorBoardServer]:
     """Start TensorBoard on a free port (``--port 0``) and wait for its plugin listing."""
     cmd = [
@@ -123,6 +138,7 @@ def _start_tensorboard(
     ]
     if reload_interval is not None:
         cmd.append(f"--reload_interval={reload_interval}")
+    cmd.extend(extra_args)
     with open(log_path, "wb") as log:  # the child keeps its own descriptor
         proc = subprocess.Popen(
             cmd,
@@ -182,23 +198,30 @@ def _stop(*procs: subprocess.Popen) -> None:
 def tensorboard_server(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Callable[..., TensorBoardServer]]:
-    """Factory: ``tensorboard_server(logdir, load_fast=True, reload_interval=None)``.
+    """Factory: ``tensorboard_server(logdir, load_fast=True, reload_interval=None,
+    extra_args=())``.
 
     Returns a :class:`TensorBoardServer`. Started with ``--host 127.0.0.1``, a free port,
     ``--load_fast=true|false`` and ``--samples_per_plugin=memory_hierarchy=0``
-    (``--reload_interval`` too when given, seconds); ready once ``/data/plugins_listing``
-    answers. One process per (logdir, load_fast, reload_interval) per session; all are
+    (``--reload_interval`` too when given, seconds; then ``extra_args``, e.g.
+    ``("--memory_hierarchy_tuning",)``); ready once ``/data/plugins_listing`` answers. One
+    process per (logdir, load_fast, reload_interval, extra_args) per session; all are
     stopped at session end.
     """
-    servers: dict[tuple[str, bool, int | None], tuple[subprocess.Popen, TensorBoardServer]] = {}
+    servers: dict[tuple, tuple[subprocess.Popen, TensorBoardServer]] = {}
 
     def get(
-        logdir: str, load_fast: bool = True, reload_interval: int | None = None
+        logdir: str,
+        load_fast: bool = True,
+        reload_interval: int | None = None,
+        extra_args: tuple[str, ...] = (),
     ) -> TensorBoardServer:
-        key = (str(Path(logdir).resolve()), bool(load_fast), reload_interval)
+        key = (str(Path(logdir).resolve()), bool(load_fast), reload_interval, tuple(extra_args))
         if key not in servers:
             log_path = tmp_path_factory.mktemp("tensorboard") / "server.log"
-            servers[key] = _start_tensorboard(key[0], key[1], reload_interval, log_path)
+            servers[key] = _start_tensorboard(
+                key[0], key[1], reload_interval, log_path, tuple(extra_args)
+            )
         return servers[key][1]
 
     yield get

@@ -241,6 +241,7 @@ SCREENSHOTS = {
     "config": f'{ALPHA} .mh-section[data-view="config"]',
     "runs": "fieldset.mh-runs-selector",
     "overlay": "section.mh-overlay",
+    "oom": f'{ALPHA} .mh-section[data-view="oom"]',
 }
 
 
@@ -457,3 +458,88 @@ def test_run_selector_hides_and_shows_runs_and_the_overlay(views_page):
     frame.locator(".mh-run-filter").fill("^alp")
     expect(frame.locator("label.mh-run-option:visible")).to_have_count(1)
     frame.locator(".mh-run-filter").fill("")
+
+
+def test_oom_postmortem_panel_shows_request_tiers_holders_history_and_advice(views_page):
+    page, frame, console, _server = views_page
+    want = synthetic.oom_postmortem(synthetic.OOM_RUN)
+    oom = frame.locator(f'{ALPHA} .mh-section[data-view="oom"]')
+    expect(oom).to_be_visible()
+    expect(oom).to_have_attribute("data-step", str(synthetic.OOM_STEP))
+    expect(oom.locator(".mh-oom-headline")).to_have_text(
+        "Out of memory at step 49: 96 MiB requested on device (CPU stand-in)."
+    )
+    expect(oom.locator(".mh-oom-summary")).to_have_text(want["summary"])
+    request = oom.locator(".mh-oom-request")
+    expect(request).to_have_attribute("data-bytes", str(96 * 2**20))
+    facts = request.locator(".mh-oom-fact").evaluate_all(
+        "(items) => items.map((i) => [i.dataset.fact, i.querySelector('dd').textContent])"
+    )
+    assert facts == [
+        ["bytes", "96 MiB (100663296 bytes)"],
+        ["tier", "device"],
+        ["tensor", "adam/m/dense_kernel:shard1"],
+        ["op", "page_in"],
+        ["error", "PoolOutOfMemoryError"],
+        ["message", want["failed_request"]["message"]],
+    ]
+    tiers = oom.locator(".mh-oom-tier").evaluate_all(
+        "(rows) => rows.map((r) => [r.dataset.tier, r.querySelector('.mh-oom-tier-text')"
+        ".textContent, parseFloat(r.querySelector('.mh-oom-fill').style.width), "
+        "r.classList.contains('mh-oom-failed-tier')])"
+    )
+    assert [t[:2] + t[3:] for t in tiers] == [
+        ["device", "250 MiB of 256 MiB (97.7%)", True],
+        ["host", "708 MiB of 4 GiB (17.3%)", False],
+        ["nvme", "0 B used (capacity unbounded)", False],
+    ]
+    widths = [t[2] for t in tiers]  # the bars: used / capacity, percent of the track
+    assert widths[0] == pytest.approx(100 * 250 / 256, abs=0.01)
+    assert widths[1] == pytest.approx(100 * 708 / 4096, abs=0.01)
+    assert widths[2] == 0
+    holders = oom.locator(".mh-oom-holders tr[data-tier] td.mh-oom-holder-name")
+    assert holders.all_text_contents() == [
+        "adam/m",
+        "params",
+        "grads",
+        "adam/v",
+        synthetic.HTML_HOLDER,  # shown as text, not run as HTML
+    ]
+    assert oom.locator("img").count() == 0
+    recent = oom.locator(".mh-oom-recent .mh-plot")
+    expect(recent).to_have_attribute("data-points", str(synthetic.OOM_RECENT_STEPS))
+    expect(recent.locator("canvas")).to_have_count(1)
+    expect(recent.locator(".u-legend")).to_contain_text("device (CPU stand-in) used")
+    advice = oom.locator(".mh-oom-advice-item")
+    expect(advice).to_have_count(3)
+    assert advice.evaluate_all("(lis) => lis.map((li) => li.dataset.rank)") == ["1", "2", "3"]
+    top = advice.first
+    expect(top.locator(".mh-oom-advice-desc")).to_have_text(
+        "Keep the optimizer states in host memory"
+    )
+    expect(top.locator(".mh-oom-advice-change")).to_have_text("offload_optimizer = cpu")
+    expect(top.locator(".mh-oom-advice-meta")).to_have_text("frees 40 MiB · fits · speed cost low")
+    expect(advice.nth(2).locator(".mh-oom-advice-meta")).to_contain_text("does not fit")
+    # The other run recorded no post-mortem: no OOM section shown.
+    expect(frame.locator(f'{BETA} .mh-section[data-view="oom"]')).to_be_hidden()
+    in_frame = plugin_frame(page)
+    assert in_frame.evaluate("window.__xss") is None
+    assert [c for c in console if c.startswith(("error", "pageerror"))] == []
+    oom.screenshot(path=str(DOCS / "screenshot_oom.png"))
+
+
+def test_tuning_panel_is_read_only_and_says_how_to_enable_when_the_flag_is_off(views_page):
+    _page, frame, _console, _server = views_page
+    panel = frame.locator(f"{ALPHA} .mh-tuning")
+    expect(panel).to_have_attribute("data-enabled", "false")
+    expect(panel.locator(".mh-tuning-note")).to_contain_text(
+        "Live tuning is off in this TensorBoard: restart it with --memory_hierarchy_tuning"
+    )
+    expect(panel.locator("form.mh-tuning-form")).to_be_hidden()
+    assert panel.locator("input").count() == 0
+    rows = panel.locator("tr[data-key]")
+    expect(rows).to_have_count(7)
+    telemetry = panel.locator('tr[data-key="telemetry_every_n_steps"]')
+    expect(telemetry.locator(".mh-tuning-bounds")).to_have_text("1 … 1,000,000 (steps)")
+    expect(telemetry.locator(".mh-tuning-current")).to_have_text("not recorded")
+    expect(panel.locator(".mh-tuning-state")).to_have_text("No live-tuning request yet.")

@@ -28,8 +28,11 @@ from tensorboard.plugins import base_plugin
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 from tensorboard.util import tensor_util
 
-from tb_plugin import export, fast_read, metadata, plugin
+from tb_plugin import export, fast_read, metadata, plugin, tuning
+from tb_plugin.loader import MemoryHierarchyLoader, parse_bool_flag
 from tb_plugin.summary import SummaryWriter
+from zero_runtime import control
+from zero_runtime.config import ZeroConfig
 
 PREFIX = "/data/plugin/memory_hierarchy"
 
@@ -99,6 +102,7 @@ def test_runs_lists_each_run_with_its_tags(client):
         if run == synthetic.RUN_STANDIN:
             want[metadata.TAG_PAGES] = entry("vector", last)
             want[metadata.TAG_ESTIMATE] = entry("json", 0)
+            want[metadata.TAG_OOM] = entry("json", synthetic.OOM_STEP)
         assert item["tags"] == want, run
 
 
@@ -634,3 +638,295 @@ def test_run_names_are_passed_through_query_encoding(client):
     response = client.get(f"{PREFIX}/series?run={quote(run)}&tag={quote(metadata.TAG_TIERS)}")
     assert response.status_code == 200
     assert json.loads(response.data)["run"] == run
+
+
+# -- /oom ----------------------------------------------------------------------------------
+
+
+def test_oom_returns_the_latest_postmortem_as_written(client):
+    status, body = get_json(client, "/oom", run=synthetic.OOM_RUN)
+    assert status == 200
+    want = synthetic.oom_postmortem(synthetic.OOM_RUN)
+    assert body["run"] == synthetic.OOM_RUN
+    assert (body["step"], body["count"]) == (synthetic.OOM_STEP, 1)
+    assert body["wall_time"] == synthetic.wall_time(synthetic.OOM_STEP)
+    assert body["postmortem"] == json.loads(json.dumps(want))
+    pm = body["postmortem"]
+    assert pm["failed_request"]["bytes"] == 96 * 2**20
+    assert [a["rank"] for a in pm["advice"]] == [2, 1, 3]  # as written; the view sorts
+    assert len(pm["recent_steps"]) == synthetic.OOM_RECENT_STEPS
+    status, body = get_json(client, "/oom", run=synthetic.RUN_HTML_NAME)
+    assert status == 404 and "no memory_hierarchy data" in body["error"]["message"]
+    status, body = get_json(client, "/oom")
+    assert status == 400 and "'run' is required" in body["error"]["message"]
+
+
+def test_synthetic_oom_file_matches_the_tag(synthetic_logdir):
+    with open(os.path.join(synthetic_logdir, synthetic.OOM_RUN, synthetic.OOM_FILE)) as fh:
+        assert json.load(fh) == json.loads(json.dumps(synthetic.oom_postmortem(synthetic.OOM_RUN)))
+
+
+# -- live tuning: /tuning and /tune --------------------------------------------------------
+
+MIB = 2**20
+TUNED_RUN = "exp/job"  # a nested run: the run name is a relative path
+STARTED = ZeroConfig(device_budget_bytes=512 * MIB)
+HEADERS = {tuning.HEADER_NAME: tuning.HEADER_VALUE}
+
+
+def write_tuned_run(logdir) -> str:
+    """A run as the runtime writes it: run_info with its config, tiers, and one applied
+    live-tuning decision (telemetry 1 -> 4 from step 3) made by the real ControlChannel."""
+    run_dir = os.path.join(str(logdir), TUNED_RUN)
+    writer = SummaryWriter(run_dir)
+    writer.json(metadata.TAG_RUN_INFO, 0, {"stage": 1, "config": STARTED.to_dict()})
+    for step in range(6):
+        writer.matrix(metadata.TAG_TIERS, step, synthetic.tiers("alpha", step))
+    channel = control.ControlChannel(run_dir, STARTED)
+    control.write_request(run_dir, {"telemetry_every_n_steps": 4})
+    outcome = channel.poll(3)
+    assert outcome.status is control.Status.APPLIED
+    writer.json(metadata.TAG_CONFIG_EVENT, 3, outcome.to_dict())
+    writer.close()
+    # The plugin's tests start from a run directory with no request in it.
+    os.remove(os.path.join(run_dir, control.REQUEST_FILE))
+    os.remove(os.path.join(run_dir, control.ACK_FILE))
+    return run_dir
+
+
+@pytest.fixture
+def tuned(plugin_client, tmp_path):
+    """(client with --memory_hierarchy_tuning, run directory) over a fresh logdir."""
+    logdir = tmp_path / "logs"
+    run_dir = write_tuned_run(logdir)
+    return plugin_client(str(logdir), tuning=True), run_dir
+
+
+def post_tune(client, body, run=TUNED_RUN, headers=HEADERS, content_type="application/json"):
+    """POST /tune; returns (status, decoded JSON body)."""
+    data = body if isinstance(body, str | bytes) else json.dumps(body)
+    response = client.post(
+        f"{PREFIX}/tune?{urlencode({'run': run})}" if run is not None else f"{PREFIX}/tune",
+        data=data,
+        headers=headers,
+        content_type=content_type,
+    )
+    assert response.headers["Content-Type"].startswith("application/json"), response.data[:200]
+    return response.status_code, json.loads(response.get_data(as_text=True))
+
+
+def test_tuning_lists_keys_bounds_and_values_in_effect(tuned):
+    client, _run_dir = tuned
+    status, body = get_json(client, "/tuning", run=TUNED_RUN)
+    assert status == 200
+    assert body["enabled"] is True and body["flag"] == "--memory_hierarchy_tuning"
+    keys = {k["key"]: k for k in body["keys"]}
+    assert list(keys) == list(tuning.TUNABLE_KEYS)
+    assert keys["device_budget_bytes"] == {
+        "key": "device_budget_bytes",
+        "unit": "bytes",
+        "min": 64 * 1024,
+        "max": 2**50,
+        "description": "bytes the runtime may place on the device tier",
+        "value": 512 * MIB,
+        "recorded": True,
+        "since_step": None,
+        "version": 0,
+    }
+    telemetry = keys["telemetry_every_n_steps"]
+    assert (telemetry["unit"], telemetry["min"], telemetry["max"]) == ("steps", 1, 1_000_000)
+    assert (telemetry["value"], telemetry["since_step"], telemetry["version"]) == (4, 3, 1)
+    assert keys["host_budget_bytes"]["value"] is None  # unbounded as started
+    assert body["config_version"] == 1
+    assert body["request"]["state"] == "none"
+    assert body["run_dir_error"] is None
+    status, body = get_json(client, "/tuning", run="nope")
+    assert status == 404
+
+
+def test_tune_writes_a_versioned_request_and_tuning_follows_the_runtime(tuned):
+    client, run_dir = tuned
+    status, body = post_tune(client, {"updates": {"telemetry_every_n_steps": 3}})
+    assert status == 200, body
+    assert (body["version"], body["updates"]) == (1, {"telemetry_every_n_steps": 3})
+    assert body["request"]["state"] == "pending"
+    with open(os.path.join(run_dir, control.REQUEST_FILE)) as fh:
+        written = json.load(fh)
+    assert (written["version"], written["updates"]) == (1, {"telemetry_every_n_steps": 3})
+    # A second request before the job decided keeps the first one's change.
+    status, body = post_tune(client, {"updates": {"device_budget_bytes": 256 * MIB}})
+    assert status == 200
+    assert body["version"] == 2
+    assert body["updates"] == {"telemetry_every_n_steps": 3, "device_budget_bytes": 256 * MIB}
+    _status, view = get_json(client, "/tuning", run=TUNED_RUN)
+    assert (view["request"]["state"], view["request"]["version"]) == ("pending", 2)
+    # The real runtime channel decides at a step boundary; /tuning reads its ack.
+    channel = control.ControlChannel(run_dir, STARTED)
+    assert channel.poll(57).status is control.Status.APPLIED
+    _status, view = get_json(client, "/tuning", run=TUNED_RUN)
+    request = view["request"]
+    assert (request["state"], request["version"], request["step"]) == ("applied", 2, 57)
+    assert request["changes"] == {
+        "telemetry_every_n_steps": {"old": 1, "new": 3},
+        "device_budget_bytes": {"old": 512 * MIB, "new": 256 * MIB},
+    }
+    keys = {k["key"]: k for k in view["keys"]}
+    # The ack is newer than the events TensorBoard loaded: its changes are in effect.
+    assert (keys["device_budget_bytes"]["value"], keys["device_budget_bytes"]["since_step"]) == (
+        256 * MIB,
+        57,
+    )
+    assert keys["telemetry_every_n_steps"]["value"] == 3
+    # A value within the key's bounds that the runtime refuses (a budget under one 4 MiB
+    # page) is written, then rejected by the job with its reason.
+    status, body = post_tune(client, {"updates": {"device_budget_bytes": 64 * 1024}})
+    assert (status, body["version"]) == (200, 3)
+    assert channel.poll(60).status is control.Status.REJECTED
+    _status, view = get_json(client, "/tuning", run=TUNED_RUN)
+    request = view["request"]
+    assert (request["state"], request["version"], request["step"]) == ("rejected", 3, 60)
+    assert "at least one page" in request["reason"]
+
+
+BIG = json.dumps({"updates": {"telemetry_every_n_steps": 3}, "pad": "x" * 5000})
+
+
+@pytest.mark.parametrize(
+    ("body", "kwargs", "status", "needle"),
+    [
+        ({"updates": {"telemetry_every_n_steps": 3}}, {"headers": {}}, 403, "X-Memory-Hierarchy"),
+        (
+            {"updates": {"telemetry_every_n_steps": 3}},
+            {"headers": {tuning.HEADER_NAME: "0"}},
+            403,
+            "X-Memory-Hierarchy",
+        ),
+        ("updates=3", {"content_type": "application/x-www-form-urlencoded"}, 415, "Content-Type"),
+        ({"updates": {"telemetry_every_n_steps": 3}}, {"content_type": "text/plain"}, 415, "text"),
+        (BIG, {}, 413, "larger than 4096 bytes"),
+        ('{"updates": {"telemetry_every_n_steps": 3', {}, 400, "not valid JSON"),
+        (b'{"updates": {"telemetry_every_n_steps": "\xff"}}', {}, 400, ""),
+        ('{"updates": {"telemetry_every_n_steps": NaN}}', {}, 400, "NaN is not a number"),
+        ('{"updates": {"device_budget_bytes": Infinity}}', {}, 400, "Infinity"),
+        ('{"updates": {"device_budget_bytes": -Infinity}}', {}, 400, "-Infinity"),
+        ({"updates": {"telemetry_every_n_steps": True}}, {}, 400, "got bool"),
+        ({"updates": {"telemetry_every_n_steps": 3.0}}, {}, 400, "got float"),
+        ({"updates": {"telemetry_every_n_steps": "3"}}, {}, 400, "got str"),
+        ({"updates": {"telemetry_every_n_steps": None}}, {}, 400, "got None"),
+        ({"updates": {"telemetry_every_n_steps": 0}}, {}, 400, "in [1, 1_000_000]"),
+        ({"updates": {"telemetry_every_n_steps": 1_000_001}}, {}, 400, "in [1, 1_000_000]"),
+        ({"updates": {"device_budget_bytes": 1}}, {}, 400, "device_budget_bytes=1 is invalid"),
+        ({"updates": {"device_budget_bytes": 2**50 + 1}}, {}, 400, "is invalid"),
+        ({"updates": {"device_budget": 1}}, {}, 400, "unknown key 'device_budget'"),
+        ({"updates": {"stage": 3}}, {}, 400, "cannot be tuned live"),
+        ({"updates": {}}, {}, 400, "non-empty"),
+        ({"updates": [1]}, {}, 400, "non-empty"),
+        ({"updates": {"telemetry_every_n_steps": 3}, "x": 1}, {}, 400, "nothing else"),
+        ([1, 2], {}, 400, "nothing else"),
+        (
+            '{"updates": {"telemetry_every_n_steps": 3, "telemetry_every_n_steps": 5}}',
+            {},
+            400,
+            "duplicate key",
+        ),
+        ({"updates": {"telemetry_every_n_steps": 3}}, {"run": "../outside"}, 400, "not a path"),
+        ({"updates": {"telemetry_every_n_steps": 3}}, {"run": "exp/../exp/job"}, 400, "not a"),
+        ({"updates": {"telemetry_every_n_steps": 3}}, {"run": "/tmp"}, 400, "not a path"),
+        ({"updates": {"telemetry_every_n_steps": 3}}, {"run": "exp\\job"}, 400, "not a path"),
+        ({"updates": {"telemetry_every_n_steps": 3}}, {"run": "exp"}, 404, "no memory_hierarchy"),
+        ({"updates": {"telemetry_every_n_steps": 3}}, {"run": None}, 400, "'run' is required"),
+    ],
+)
+def test_refused_tune_requests_write_nothing(tuned, body, kwargs, status, needle):
+    client, run_dir = tuned
+    logdir = os.path.dirname(os.path.dirname(run_dir))
+    before = sorted(os.walk(logdir))
+    got, answer = post_tune(client, body, **kwargs)
+    assert got == status, answer
+    assert answer["error"]["code"] == status
+    assert needle in answer["error"]["message"]
+    assert sorted(os.walk(logdir)) == before  # no request, no temporary file
+    assert not os.path.exists(os.path.join(run_dir, control.REQUEST_FILE))
+
+
+def test_tune_accepts_only_post(tuned):
+    client, run_dir = tuned
+    for method in ("GET", "PUT", "DELETE"):
+        response = client.open(f"{PREFIX}/tune?run={quote(TUNED_RUN)}", method=method)
+        assert response.status_code == 405, method
+        assert response.headers["Allow"] == "POST"
+    assert not os.path.exists(os.path.join(run_dir, control.REQUEST_FILE))
+
+
+@pytest.mark.parametrize("flag", [None, False], ids=["flag_absent", "flag_false"])
+def test_tuning_off_refuses_to_write_and_says_how_to_enable(plugin_client, tmp_path, flag):
+    logdir = tmp_path / "logs"
+    run_dir = write_tuned_run(logdir)
+    client = plugin_client(str(logdir), tuning=flag)
+    before = sorted(os.listdir(run_dir))
+    status, body = post_tune(client, {"updates": {"telemetry_every_n_steps": 3}})
+    assert status == 403
+    assert "start TensorBoard with --memory_hierarchy_tuning" in body["error"]["message"]
+    assert sorted(os.listdir(run_dir)) == before
+    assert not os.path.exists(os.path.join(run_dir, control.REQUEST_FILE))
+    status, view = get_json(client, "/tuning", run=TUNED_RUN)  # still readable
+    assert status == 200 and view["enabled"] is False
+    assert {k["key"]: k["value"] for k in view["keys"]}["telemetry_every_n_steps"] == 4
+
+
+def test_symlinked_run_leading_out_of_the_logdir_is_refused(tmp_path):
+    logdir, outside = tmp_path / "logs", tmp_path / "outside"
+    (logdir / "real").mkdir(parents=True)
+    outside.mkdir()
+    os.symlink(outside, logdir / "escape")
+    known = ("real", "escape", ".")
+    assert tuning.resolve_run_dir(str(logdir), "real", known) == str((logdir / "real").resolve())
+    assert tuning.resolve_run_dir(str(logdir), ".", known) == str(logdir.resolve())
+    with pytest.raises(errors.InvalidArgumentError, match="outside the logdir"):
+        tuning.resolve_run_dir(str(logdir), "escape", known)
+    with pytest.raises(errors.NotFoundError):
+        tuning.resolve_run_dir(str(logdir), "other", known)
+    with pytest.raises(errors.InvalidArgumentError, match="local directory"):
+        tuning.resolve_run_dir("gs://bucket/logs", "real", known)
+    assert os.listdir(outside) == []
+
+
+def test_the_loader_defines_the_flag_and_tensorboard_parses_it():
+    from tensorboard import program
+    from tensorboard.plugins.core import core_plugin
+
+    tb = program.TensorBoard(plugins=[core_plugin.CorePluginLoader, MemoryHierarchyLoader])
+    tb.configure(argv=["tensorboard", "--logdir", "/tmp/x"])
+    assert tb.flags.memory_hierarchy_tuning is False
+    tb.configure(argv=["tensorboard", "--logdir", "/tmp/x", "--memory_hierarchy_tuning"])
+    assert tb.flags.memory_hierarchy_tuning is True
+    tb.configure(argv=["tensorboard", "--logdir", "/tmp/x", "--memory_hierarchy_tuning=false"])
+    assert tb.flags.memory_hierarchy_tuning is False
+    assert parse_bool_flag("TRUE") is True and parse_bool_flag("0") is False
+    from importlib import metadata as importlib_metadata
+
+    (entry,) = [
+        e
+        for e in importlib_metadata.entry_points(group="tensorboard_plugins")
+        if e.name == metadata.PLUGIN_NAME
+    ]
+    assert entry.load() is MemoryHierarchyLoader
+
+
+def test_request_state_pending_applied_rejected_ignored():
+    req = {"version": 2, "updates": {"telemetry_every_n_steps": 3}, "requested_at": 100.0}
+    assert tuning.request_state(None, None)["state"] == "none"
+    assert tuning.request_state(req, None)["state"] == "pending"
+    older = {"version": 1, "status": "applied", "step": 5, "changes": {}, "reason": None}
+    assert tuning.request_state(req, older)["state"] == "pending"
+    done = {**older, "version": 2, "step": 9, "decided_at": 101.0}
+    assert (tuning.request_state(req, done)["state"], tuning.request_state(req, done)["step"]) == (
+        "applied",
+        9,
+    )
+    unreadable = {"version": -1, "status": "rejected", "step": 9, "reason": "bad", "decided_at": 1}
+    assert tuning.request_state(req, unreadable)["state"] == "pending"  # decided before
+    unreadable["decided_at"] = 200.0
+    assert tuning.request_state(req, unreadable)["state"] == "rejected"
+    ignored = {**done, "status": "ignored", "reason": "version 2 is not newer than 2"}
+    assert tuning.request_state(req, ignored)["reason"].startswith("version 2")

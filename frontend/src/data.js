@@ -2,6 +2,8 @@
 // Data contract: /series answers (docs/http_api.md) are columnar arrays parallel to `steps`;
 // null means "not measured" and is never turned into 0 here.
 
+import { formatBytes } from './format.js';
+
 export const TIERS = ['device', 'host', 'nvme'];
 
 // Holders of a tier's bytes, bottom to top of the stack, with their tier-matrix column.
@@ -169,12 +171,55 @@ export function hitRate(hits, misses) {
 }
 
 /**
- * The label of a config event: its `description`, else "key: old → new", else its JSON.
+ * A tunable or config value as text: byte keys (`…_bytes`) in binary units with the exact
+ * count, other numbers as they are, null as "not set".
+ * @param {string} key a config key
+ * @param {unknown} value
+ */
+export function formatConfigValue(key, value) {
+  if (value === null || value === undefined) return 'not set';
+  if (typeof value === 'number' && key.endsWith('_bytes')) return formatBytes(value);
+  if (Number.isInteger(value)) return groupDigits(value);
+  return typeof value === 'string' ? value : JSON.stringify(value);
+}
+
+/** An integer with thousands separators: 1000000 -> "1,000,000". */
+export function groupDigits(n) {
+  return Number.isInteger(n) ? n.toLocaleString('en-US') : String(n);
+}
+
+/**
+ * "key old → new, key old → new" of a runtime decision's `changes` ({key: {old, new}}).
+ * @param {object|null} changes
+ */
+export function changesText(changes) {
+  if (!changes || typeof changes !== 'object') return '';
+  return Object.entries(changes)
+    .map(([k, c]) => `${k} ${formatConfigValue(k, c?.old)} → ${formatConfigValue(k, c?.new)}`)
+    .join(', ');
+}
+
+/** True for a runtime decision record ({version, status, step, changes, reason}). */
+function isDecision(value) {
+  return Boolean(value) && typeof value.status === 'string' && 'version' in value;
+}
+
+/**
+ * The label of a config event: its `description`, else a runtime decision as
+ * "v3 applied: key old → new" / "v4 rejected: reason", else "key: old → new", else JSON.
  * @param {object} value a memory_hierarchy/config_event record's value
  */
 export function configLabel(value) {
   if (value && typeof value.description === 'string' && value.description) {
     return value.description;
+  }
+  if (isDecision(value)) {
+    const head = `v${value.version} ${value.status}`;
+    if (value.status === 'applied') {
+      const text = changesText(value.changes);
+      return `${head}: ${text || 'no change'}`;
+    }
+    return value.reason ? `${head}: ${value.reason}` : head;
   }
   if (value && typeof value.key === 'string') {
     const change =
@@ -187,11 +232,144 @@ export function configLabel(value) {
 }
 
 /**
- * Markers for the charts from a /json answer of memory_hierarchy/config_event.
+ * Every config event of a /json answer of memory_hierarchy/config_event, for the list:
+ * `status` is the runtime's decision ('applied', 'rejected', 'ignored') or null for an
+ * event that is not a decision (a change recorded some other way).
+ * @returns {Array<{step: number, label: string, status: string|null}>}
+ */
+export function configEvents(answer) {
+  return (answer?.events ?? []).map((e) => ({
+    step: e.step,
+    label: configLabel(e.value),
+    status: isDecision(e.value) ? e.value.status : null,
+  }));
+}
+
+/**
+ * Markers for the charts: the config events that changed something (a rejected or
+ * ignored request changes nothing, so it is listed but not drawn).
  * @returns {Array<{step: number, label: string}>}
  */
 export function configMarkers(answer) {
-  return (answer?.events ?? []).map((e) => ({ step: e.step, label: configLabel(e.value) }));
+  return configEvents(answer)
+    .filter((e) => e.status === null || e.status === 'applied')
+    .map(({ step, label }) => ({ step, label }));
+}
+
+// -- live tuning ------------------------------------------------------------------------
+
+const BYTE_SUFFIXES = { b: 1, kib: 2 ** 10, mib: 2 ** 20, gib: 2 ** 30, tib: 2 ** 40, pib: 2 ** 50 };
+
+/**
+ * Parse what a user typed as a tunable's new value: an integer, and for a unit of bytes
+ * optionally a binary suffix ("256 MiB", "1.5GiB" when that is a whole number of bytes).
+ * Bounds are the server's to check (it names them in its answer).
+ * @param {string} text
+ * @param {string} unit the key's unit ('bytes', 'elements', 'steps')
+ * @returns {{value: number}|{error: string}|null} null for an empty input
+ */
+export function parseTunableInput(text, unit) {
+  const t = String(text ?? '').trim();
+  if (!t) return null;
+  const m = /^([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)$/.exec(t.replace(/[_,]/g, ''));
+  if (!m) return { error: `"${t}" is not a whole number` };
+  const suffix = m[2].toLowerCase();
+  let factor = 1;
+  if (suffix) {
+    if (unit !== 'bytes' || !(suffix in BYTE_SUFFIXES)) {
+      return { error: `"${t}": unknown unit "${m[2]}"` };
+    }
+    factor = BYTE_SUFFIXES[suffix];
+  }
+  const value = Number(m[1]) * factor;
+  if (!Number.isSafeInteger(value)) return { error: `"${t}" is not a whole number of ${unit}` };
+  return { value };
+}
+
+/**
+ * The text of a live-tuning request's state (GET /tuning's `request`).
+ * @param {object|null} request {state, version, step, changes, reason, requested_at}
+ * @param {number} nowSeconds seconds since the epoch (for "pending for N s")
+ */
+export function tuningStateText(request, nowSeconds) {
+  if (!request || request.state === 'none') return 'No live-tuning request yet.';
+  const v = request.version === null || request.version === undefined ? '' : ` v${request.version}`;
+  switch (request.state) {
+    case 'pending': {
+      const age =
+        typeof request.requested_at === 'number'
+          ? ` for ${Math.max(0, Math.round(nowSeconds - request.requested_at))} s`
+          : '';
+      return `Request${v}: pending${age}; the job applies it at its next step boundary.`;
+    }
+    case 'applied': {
+      const text = changesText(request.changes);
+      return `Request${v}: applied at step ${request.step}${text ? ` (${text})` : ' (no change)'}.`;
+    }
+    case 'rejected':
+      return `Request${v}: rejected at step ${request.step}: ${request.reason ?? 'no reason given'}`;
+    case 'ignored':
+      return `Request${v}: ignored at step ${request.step}: ${request.reason ?? ''}`;
+    default:
+      return `Request${v}: ${request.state}`;
+  }
+}
+
+// -- out-of-memory post-mortem -------------------------------------------------------------
+
+/**
+ * Every holder of every tier at the moment of failure, largest first.
+ * @param {object} postmortem the memory_hierarchy/oom object (shared OOM contract)
+ * @returns {Array<{tier, name, kind, bytes, pages}>}
+ */
+export function oomHolders(postmortem) {
+  const rows = [];
+  for (const [tier, info] of Object.entries(postmortem?.tiers ?? {})) {
+    for (const h of info?.holders ?? []) {
+      rows.push({
+        tier,
+        name: String(h?.name ?? ''),
+        kind: String(h?.kind ?? 'other'),
+        bytes: typeof h?.bytes === 'number' ? h.bytes : null,
+        pages: typeof h?.pages === 'number' ? h.pages : null,
+      });
+    }
+  }
+  return rows.sort((a, b) => (b.bytes ?? -1) - (a.bytes ?? -1));
+}
+
+/**
+ * The advice of a post-mortem, best first (rank 1 first; ties keep their order).
+ * @param {object} postmortem
+ */
+export function rankedAdvice(postmortem) {
+  const advice = Array.isArray(postmortem?.advice) ? postmortem.advice : [];
+  return advice
+    .map((a, index) => ({ a, index }))
+    .sort((x, y) => (x.a?.rank ?? Infinity) - (y.a?.rank ?? Infinity) || x.index - y.index)
+    .map((e) => e.a);
+}
+
+/**
+ * Used and capacity bytes per tier over the flight recorder's last steps, columnar.
+ * @param {object} postmortem
+ * @returns {{steps: number[], tiers: Object<string, {used: Array, capacity: Array}>}}
+ */
+export function oomRecentSeries(postmortem) {
+  const recent = Array.isArray(postmortem?.recent_steps) ? postmortem.recent_steps : [];
+  const rows = recent.filter((r) => typeof r?.step === 'number').sort((a, b) => a.step - b.step);
+  const steps = rows.map((r) => r.step);
+  const tiers = {};
+  for (const tier of TIERS) {
+    const pick = (r, k) => {
+      const v = r.tiers?.[tier]?.[k];
+      return typeof v === 'number' ? v : null;
+    };
+    const used = rows.map((r) => pick(r, 'used_bytes'));
+    if (!isMeasured(used)) continue;
+    tiers[tier] = { used, capacity: rows.map((r) => pick(r, 'capacity_bytes')) };
+  }
+  return { steps, tiers };
 }
 
 /**

@@ -3,13 +3,14 @@
 // This module is the controller: it asks the model for data and hands it to the views.
 
 import uPlotCss from 'uplot/dist/uPlot.min.css';
-import { configMarkers } from './data.js';
+import { configEvents, configMarkers } from './data.js';
 import {
   CHART_POINTS,
   FULL_POINTS,
   Model,
   TAG_CONFIG_EVENT,
   TAG_ESTIMATE,
+  TAG_OOM,
   TAG_PAGES,
   TAG_PLACEMENT,
   TAG_READINGS,
@@ -21,6 +22,7 @@ import viewCss from './style.css';
 import { renderConfigList } from './views/config_list.js';
 import { renderEstimate } from './views/estimate_table.js';
 import { clearWidthCache } from './views/chart.js';
+import { OomView } from './views/oom_view.js';
 import { OverlayView } from './views/overlay_view.js';
 import { PagesView } from './views/pages_view.js';
 import { PlacementTable } from './views/placement_table.js';
@@ -34,6 +36,7 @@ import {
 import { RunSelector, runColor } from './views/run_selector.js';
 import { TierCharts } from './views/tier_chart.js';
 import { TimingView } from './views/timing_view.js';
+import { TuningPanel } from './views/tuning_panel.js';
 
 const POLL_MS = 5000; // how often a live run is checked for new steps (milliseconds)
 // Performance mark set once every selected run's tier charts have first drawn.
@@ -50,9 +53,11 @@ const nextFrame = () => new Promise((resolve) => requestAnimationFrame(() => res
 
 /** One run's views and the data they last drew. */
 class RunView {
-  constructor(run) {
+  constructor(run, model) {
     this.run = run;
     this.parts = createRunPanel(run);
+    this.oom = new OomView(this.parts.oomSection, this.parts.oomBody);
+    this.tuning = new TuningPanel(this.parts.tuningBody, (updates) => model.tune(run, updates));
     this.tierCharts = new TierCharts(this.parts.chartBox);
     this.pages = new PagesView(this.parts.pagesBody);
     this.timing = new TimingView(this.parts.timingBody);
@@ -70,6 +75,7 @@ class RunView {
     this.tierCharts.resize();
     this.pages.resize();
     this.timing.resize();
+    this.oom.resize();
   }
 }
 
@@ -99,7 +105,7 @@ class App {
   view(run) {
     let view = this.views.get(run);
     if (!view) {
-      view = new RunView(run);
+      view = new RunView(run, this.model);
       this.views.set(run, view);
     }
     return view;
@@ -188,7 +194,7 @@ class App {
       view.runInfo = events.length ? events[events.length - 1].value : null;
       view.markers = configMarkers(configAnswer);
       renderFacts(parts.facts, view.runInfo);
-      renderConfigList(parts.configList, view.markers);
+      renderConfigList(parts.configList, configEvents(configAnswer));
       if (!tiers || !tiers.steps.length) {
         renderStatus(parts.status, 'No tier data recorded yet.');
         return;
@@ -207,18 +213,37 @@ class App {
     }
   }
 
-  /** Round 2 of a run's refresh: estimate, page moves, step time, placement. */
+  /** A run's OOM post-mortem (GET /oom) if it recorded one, else null. */
+  fetchOom(entry) {
+    const info = entry.tags[TAG_OOM];
+    if (!info || info.error) return Promise.resolve(null);
+    return this.model.oom(entry.run, info.max_step);
+  }
+
+  /**
+   * Round 2 of a run's refresh: estimate, page moves, step time, placement, the OOM
+   * post-mortem and the live-tuning panel (read at every poll: its request state lives in
+   * files, not in the event stream).
+   */
   async refreshOthers(entry, view, token) {
     const stale = () => token !== view.token || !this.selected.has(entry.run);
     const { parts } = view;
     const failed = (err) => ({ error: err });
-    const [pages, timing, placement, estimateAnswer] = await Promise.all([
+    const [pages, timing, placement, estimateAnswer, oomAnswer, tuningAnswer] = await Promise.all([
       this.fetchTag(entry, TAG_PAGES, 'series').catch(failed),
       this.fetchTag(entry, TAG_TIMING, 'series').catch(failed),
       this.fetchTag(entry, TAG_PLACEMENT, 'json').catch(failed),
       this.fetchTag(entry, TAG_ESTIMATE, 'json').catch(() => null),
+      this.fetchOom(entry).catch(() => null),
+      this.model.tuning(entry.run).catch(failed),
     ]);
     if (stale()) return;
+    if (tuningAnswer?.error) view.tuning.update(null, tuningAnswer.error.message);
+    else view.tuning.update(tuningAnswer);
+    if (view.changed || view.shown.oomAnswer !== oomAnswer) {
+      view.oom.update(oomAnswer, view.runInfo);
+      view.shown.oomAnswer = oomAnswer;
+    }
     const force = view.changed; // new tiers or markers: redraw everything
     if (force || view.shown.estimateAnswer !== estimateAnswer) {
       const events = estimateAnswer?.events ?? [];

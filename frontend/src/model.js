@@ -11,6 +11,10 @@ export const TAG_RUN_INFO = 'memory_hierarchy/run_info';
 export const TAG_PLACEMENT = 'memory_hierarchy/placement';
 export const TAG_ESTIMATE = 'memory_hierarchy/estimate';
 export const TAG_CONFIG_EVENT = 'memory_hierarchy/config_event';
+export const TAG_OOM = 'memory_hierarchy/oom';
+
+// The header POST /tune requires (a cross-site form cannot set it; see docs/http_api.md).
+export const TUNING_HEADER = 'X-Memory-Hierarchy-Tuning';
 
 // Points per chart series asked of /series (the server keeps every peak when thinning);
 // about one per horizontal pixel of a chart.
@@ -46,9 +50,10 @@ export class Model {
     return url.href;
   }
 
-  async getJson(route, params = {}) {
+  async getJson(route, params = {}, init = {}) {
     const url = this.url(route, params);
-    const response = await this.fetchFn(url, { headers: { Accept: 'application/json' } });
+    const headers = { Accept: 'application/json', ...(init.headers ?? {}) };
+    const response = await this.fetchFn(url, { ...init, headers });
     let body = null;
     try {
       body = await response.json();
@@ -105,5 +110,34 @@ export class Model {
   /** Events of a json tag (see /json); cached by max_step. */
   json(run, tag, maxStep) {
     return this.cached('./json', run, tag, maxStep);
+  }
+
+  /** The latest out-of-memory post-mortem of a run (see /oom); cached by max_step. */
+  oom(run, maxStep) {
+    return this.cached('./oom', run, TAG_OOM, maxStep);
+  }
+
+  /** A run's tunable keys, values in effect and request state (GET /tuning; not cached). */
+  tuning(run) {
+    return this.getJson('./tuning', { run });
+  }
+
+  /**
+   * Ask a running job to change tunable settings (POST /tune); resolves to the answer
+   * ({run, version, updates, request}); rejects with an ApiError carrying the server's
+   * message (400 invalid value, 403 tuning off, ...).
+   * @param {string} run
+   * @param {Object<string, number>} updates key -> new value
+   */
+  tune(run, updates) {
+    return this.getJson(
+      './tune',
+      { run },
+      {
+        method: 'POST',
+        headers: { 'Content-Type': 'application/json', [TUNING_HEADER]: '1' },
+        body: JSON.stringify({ updates }),
+      },
+    );
   }
 }

@@ -7,6 +7,7 @@ can compute what the plugin must answer.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -27,6 +28,14 @@ RUNS = (RUN_STANDIN, RUN_HTML_NAME)
 HTML_VARIABLE = "<img src=x onerror=window.__xss=2>/kernel"
 # Steps of each run's memory_hierarchy/config_event records.
 CONFIG_EVENT_STEPS = {RUN_STANDIN: (10, 30), RUN_HTML_NAME: (20,)}
+# The stand-in run failed with an out-of-memory error at its last step: its post-mortem
+# (memory_hierarchy/oom and <run>/memory_hierarchy_oom.json, the shared OOM contract).
+OOM_RUN = RUN_STANDIN
+OOM_STEP = NUM_STEPS - 1
+OOM_FILE = "memory_hierarchy_oom.json"
+# A holder name that is also HTML: the OOM view must show it as text.
+HTML_HOLDER = "<img src=x onerror=window.__xss=3>/activations"
+OOM_RECENT_STEPS = 8  # steps in the post-mortem's flight-recorder window
 
 
 def wall_time(step: int) -> float:
@@ -195,11 +204,111 @@ def config_event(run: str, step: int) -> dict:
     return {"key": "prefetch_depth", "old": step // 10, "new": step // 10 + 1}
 
 
+def oom_postmortem(run: str) -> dict | None:
+    """The post-mortem of ``run``'s out-of-memory failure at :data:`OOM_STEP` (None: none).
+
+    The device tier (256 MiB budget) holds 250 MiB when a 96 MiB page-in of the Adam
+    moments fails; the advice ranks offloading the optimizer first (it frees 40 MiB and
+    fits), raising the budget second, and a stage change that would not fit last.
+    """
+    if run != OOM_RUN:
+        return None
+    step = OOM_STEP
+    recent = []
+    for s in range(step - OOM_RECENT_STEPS + 1, step + 1):
+        t = tiers(run, s)
+        recent.append(
+            {
+                "step": s,
+                "tiers": {
+                    tier: {
+                        "used_bytes": t[tier]["used_bytes"],
+                        "capacity_bytes": None
+                        if math.isnan(t[tier]["capacity_bytes"])
+                        else t[tier]["capacity_bytes"],
+                    }
+                    for tier in metadata.TIERS
+                },
+            }
+        )
+    return {
+        "version": 1,
+        "step": step,
+        "wall_time": wall_time(step),
+        "failed_request": {
+            "bytes": 96 * MIB,
+            "tier": "device",
+            "tensor": "adam/m/dense_kernel:shard1",
+            "op": "page_in",
+            "error_type": "PoolOutOfMemoryError",
+            "message": "cannot place 96 pages of 1 MiB on device: 250 MiB of 256 MiB in use",
+        },
+        "tiers": {
+            "device": {
+                "capacity_bytes": 256 * MIB,
+                "used_bytes": 250 * MIB,
+                "holders": [
+                    {"name": "params", "kind": "param", "bytes": 128 * MIB, "pages": 128},
+                    {"name": "grads", "kind": "grad", "bytes": 64 * MIB, "pages": 64},
+                    {"name": "adam/v", "kind": "optimizer", "bytes": 40 * MIB, "pages": 40},
+                    {"name": HTML_HOLDER, "kind": "activation", "bytes": 18 * MIB, "pages": None},
+                ],
+            },
+            "host": {
+                "capacity_bytes": 4 * GIB,
+                "used_bytes": 708 * MIB,
+                "holders": [
+                    {"name": "adam/m", "kind": "optimizer", "bytes": 708 * MIB, "pages": 708}
+                ],
+            },
+            "nvme": {"capacity_bytes": None, "used_bytes": 0, "holders": []},
+        },
+        "recent_steps": recent,
+        "config": run_info(run)["config"],
+        "config_version": 2,
+        "config_history": [config_event(run, s) for s in CONFIG_EVENT_STEPS[run]],
+        "readings": {k: v for k, v in readings(run, step).items()},
+        "advice": [
+            {
+                "rank": 2,
+                "change": {"device_budget_bytes": 384 * MIB},
+                "description": "Raise the device budget to 384 MiB",
+                "frees_bytes": 0,
+                "fits": True,
+                "speed_cost": "none",
+            },
+            {
+                "rank": 1,
+                "change": {"offload_optimizer": "cpu"},
+                "description": "Keep the optimizer states in host memory",
+                "frees_bytes": 40 * MIB,
+                "fits": True,
+                "speed_cost": "low",
+            },
+            {
+                "rank": 3,
+                "change": {"stage": 3},
+                "description": "Partition the parameters too (ZeRO stage 3)",
+                "frees_bytes": 64 * MIB,
+                "fits": False,
+                "speed_cost": "medium",
+            },
+        ],
+        "nothing_fits": False,
+        "summary": (
+            "Step 49 could not place 96 MiB of Adam moments on the device tier (CPU "
+            "stand-in, 256 MiB budget, 250 MiB in use). Keeping the optimizer states in "
+            "host memory would have freed 40 MiB and made it fit."
+        ),
+    }
+
+
 def write_run(logdir: str, run: str, steps: range) -> None:
     """Append ``steps`` of ``run`` to ``logdir/run``.
 
     run_info, placement and estimate at step 0; tiers, readings, pages (stand-in run
-    only) and timing at every step; config events at :data:`CONFIG_EVENT_STEPS`.
+    only) and timing at every step; config events at :data:`CONFIG_EVENT_STEPS`; the
+    stand-in run's out-of-memory post-mortem at :data:`OOM_STEP` (tag and file).
     """
     writer = SummaryWriter(os.path.join(logdir, run))
     try:
@@ -221,6 +330,11 @@ def write_run(logdir: str, run: str, steps: range) -> None:
                 writer.json(
                     metadata.TAG_CONFIG_EVENT, step, config_event(run, step), wall_time=wall
                 )
+            postmortem = oom_postmortem(run) if step == OOM_STEP else None
+            if postmortem is not None:
+                writer.json(metadata.TAG_OOM, step, postmortem, wall_time=wall)
+                with open(os.path.join(logdir, run, OOM_FILE), "w", encoding="utf-8") as fh:
+                    json.dump(postmortem, fh, allow_nan=False)
     finally:
         writer.close()
 

@@ -1,21 +1,24 @@
-// View: the list of a run's config changes (memory_hierarchy/config_event), each with its
-// step; the same changes are drawn as markers on every chart.
+// View: the list of a run's config events (memory_hierarchy/config_event), each with its
+// step; the ones that changed something (applied) are drawn as markers on every chart,
+// rejected and ignored live-tuning requests are listed with their reason.
 
 import { el } from './run_panel.js';
 
 /**
  * @param {HTMLUListElement} list
- * @param {Array<{step: number, label: string}>} markers
+ * @param {Array<{step: number, label: string, status?: string|null}>} events
  */
-export function renderConfigList(list, markers) {
+export function renderConfigList(list, events) {
   list.replaceChildren();
-  if (!markers.length) {
+  if (!events.length) {
     list.append(el('li', 'mh-note', 'No config changes recorded.'));
     return;
   }
-  for (const m of markers) {
+  for (const m of events) {
     const li = el('li', 'mh-config-event');
     li.dataset.step = String(m.step);
+    if (m.status) li.dataset.status = m.status;
+    if (m.status === 'rejected' || m.status === 'ignored') li.classList.add('mh-config-refused');
     li.append(el('span', 'mh-config-step', `step ${m.step}`), el('span', 'mh-config-label', m.label));
     list.append(li);
   }

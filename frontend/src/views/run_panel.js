@@ -67,6 +67,15 @@ export function createRunPanel(run) {
   const configList = el('ul', 'mh-config-list');
   config.element.append(configList);
 
+  const oom = section('oom', 'Out of memory');
+  oom.element.classList.add('mh-oom');
+  const oomBody = el('div', 'mh-view-body');
+  oom.element.append(oomBody);
+
+  const tuning = section('tuning', 'Live tuning');
+  const tuningBody = el('div', 'mh-view-body mh-tuning');
+  tuning.element.append(tuningBody);
+
   const placement = section('placement', 'Placement');
   const placementBody = el('div', 'mh-view-body');
   placement.element.append(placementBody);
@@ -75,10 +84,12 @@ export function createRunPanel(run) {
     title,
     facts,
     status,
+    oom.element,
     tiers.element,
     pages.element,
     timing.element,
     config.element,
+    tuning.element,
     placement.element,
   );
   return {
@@ -97,6 +108,9 @@ export function createRunPanel(run) {
     pagesBody,
     timingBody,
     configList,
+    oomSection: oom.element,
+    oomBody,
+    tuningBody,
     placementBody,
   };
 }

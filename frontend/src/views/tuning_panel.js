@@ -1,0 +1,177 @@
+// View: the live-tuning panel of one run (GET /tuning, POST /tune): each tunable key with
+// its value in effect, bounds and unit, an input for a new value when this TensorBoard
+// allows tuning, and the state of the latest request (pending, applied at step N, rejected
+// with its reason). Builds DOM from data; the controller supplies `submit`.
+// The inputs are built once per key list and kept across refreshes, so polling never
+// clobbers what a user is typing.
+
+import { formatConfigValue, groupDigits, parseTunableInput, tuningStateText } from '../data.js';
+import { formatBytes } from '../format.js';
+import { el } from './run_panel.js';
+
+function boundText(value, unit) {
+  return unit === 'bytes' ? formatBytes(value) : groupDigits(value);
+}
+
+/** The live-tuning panel of one run; create once, then update with each /tuning answer. */
+export class TuningPanel {
+  /**
+   * @param {HTMLElement} body the section's body
+   * @param {(updates: Object<string, number>) => Promise<object>} submit posts /tune
+   */
+  constructor(body, submit) {
+    this.body = body;
+    this.submit = submit;
+    this.keysKey = '';
+    this.rows = new Map(); // key -> {row, value, since, input, spec}
+    this.note = el('p', 'mh-tuning-note');
+    this.state = el('p', 'mh-tuning-state');
+    this.table = el('table', 'mh-tuning-table');
+    this.form = el('form', 'mh-tuning-form');
+    this.button = el('button', 'mh-tuning-submit', 'Apply to the running job');
+    this.button.type = 'submit';
+    this.message = el('p', 'mh-tuning-message');
+    this.message.hidden = true;
+    this.form.append(this.table, this.button, this.message);
+    this.form.addEventListener('submit', (event) => {
+      event.preventDefault();
+      this.onSubmit();
+    });
+    this.body.replaceChildren(this.note, this.state, this.form);
+    this.answer = null;
+    this.written = null; // the version this panel wrote and the job has not decided on
+  }
+
+  /** Show a message under the button ('' hides it). */
+  say(text, isError = false) {
+    this.message.textContent = text;
+    this.message.hidden = !text;
+    this.message.classList.toggle('mh-error', isError);
+    this.message.dataset.kind = isError ? 'error' : 'ok';
+  }
+
+  buildRows(keys, enabled) {
+    this.table.replaceChildren();
+    this.rows.clear();
+    const head = el('tr');
+    const titles = ['setting', 'in effect', 'bounds', 'meaning'];
+    if (enabled) titles.push('new value');
+    for (const t of titles) head.append(el('th', null, t));
+    this.table.append(head);
+    for (const spec of keys) {
+      const row = el('tr');
+      row.dataset.key = spec.key;
+      const value = el('td', 'mh-tuning-value');
+      const since = el('span', 'mh-tuning-since');
+      const bounds = el(
+        'td',
+        'mh-tuning-bounds',
+        `${boundText(spec.min, spec.unit)} … ${boundText(spec.max, spec.unit)} (${spec.unit})`,
+      );
+      row.append(el('th', 'mh-tuning-key', spec.key), value, bounds, el('td', 'mh-tuning-desc', spec.description));
+      let input = null;
+      if (enabled) {
+        input = el('input', 'mh-tuning-input');
+        input.type = 'text';
+        input.name = spec.key;
+        input.autocomplete = 'off';
+        input.placeholder = spec.unit === 'bytes' ? 'bytes, or e.g. 256 MiB' : spec.unit;
+        input.setAttribute('aria-label', `new ${spec.key}`);
+        const cell = el('td', 'mh-tuning-new');
+        cell.append(input);
+        row.append(cell);
+      }
+      this.table.append(row);
+      this.rows.set(spec.key, { row, value, since, input, spec });
+    }
+  }
+
+  /**
+   * Draw a /tuning answer (null: could not be loaded).
+   * @param {object|null} answer
+   * @param {string} [error] the error message when answer is null
+   */
+  update(answer, error = '') {
+    if (!answer) {
+      this.note.textContent = `Could not load the tunable settings: ${error}`;
+      this.note.className = 'mh-tuning-note mh-error';
+      return;
+    }
+    this.answer = answer;
+    const enabled = answer.enabled === true;
+    this.body.dataset.enabled = String(enabled);
+    const keysKey = JSON.stringify([enabled, answer.keys.map((k) => [k.key, k.unit, k.min, k.max])]);
+    if (keysKey !== this.keysKey) {
+      this.buildRows(answer.keys, enabled);
+      this.keysKey = keysKey;
+    }
+    this.note.className = 'mh-tuning-note';
+    this.note.textContent = enabled
+      ? 'Changes are written to the run directory and take effect at the job\u2019s next step boundary.'
+      : `Live tuning is off in this TensorBoard: restart it with ${answer.flag} to change ` +
+        'these settings from here. They are shown read-only.';
+    this.note.classList.toggle('mh-tuning-off', !enabled);
+    if (answer.run_dir_error) {
+      this.note.textContent += ` The run directory cannot be read: ${answer.run_dir_error}`;
+    }
+    for (const spec of answer.keys) {
+      const parts = this.rows.get(spec.key);
+      if (!parts) continue;
+      parts.row.dataset.value = spec.value === null ? '' : String(spec.value);
+      const sinceText =
+        spec.since_step === null || spec.since_step === undefined
+          ? ''
+          : ` since step ${spec.since_step} (v${spec.version})`;
+      parts.since.textContent = sinceText;
+      const current = spec.recorded === false ? 'not recorded' : formatConfigValue(spec.key, spec.value);
+      parts.value.replaceChildren(
+        el('span', 'mh-tuning-current', current),
+        parts.since,
+      );
+    }
+    const request = answer.request ?? { state: 'none' };
+    this.state.dataset.state = request.state;
+    this.state.dataset.version = request.version === null ? '' : String(request.version ?? '');
+    this.state.dataset.step = request.step === null ? '' : String(request.step ?? '');
+    this.state.textContent = tuningStateText(request, Date.now() / 1000);
+    this.state.classList.toggle('mh-error', request.state === 'rejected');
+    // "Request vN written; waiting" is stale once the job decided on vN.
+    if (this.written !== null && request.version === this.written && request.state !== 'pending') {
+      this.written = null;
+      this.say('');
+    }
+    this.form.hidden = !enabled;
+  }
+
+  /** Read the inputs, post the non-empty ones, report the answer. */
+  async onSubmit() {
+    const updates = {};
+    for (const [key, parts] of this.rows) {
+      if (!parts.input) continue;
+      const parsed = parseTunableInput(parts.input.value, parts.spec.unit);
+      if (parsed === null) continue;
+      if (parsed.error) {
+        this.say(`${key}: ${parsed.error}`, true);
+        return;
+      }
+      updates[key] = parsed.value;
+    }
+    if (!Object.keys(updates).length) {
+      this.say('Enter a new value for at least one setting.', true);
+      return;
+    }
+    this.button.disabled = true;
+    try {
+      const answer = await this.submit(updates);
+      for (const parts of this.rows.values()) if (parts.input) parts.input.value = '';
+      this.say(`Request v${answer.version} written; waiting for the job.`);
+      this.written = answer.version;
+      if (this.answer) this.update({ ...this.answer, request: answer.request });
+    } catch (err) {
+      this.written = null;
+      this.say(`Not applied: ${err.message}`, true);
+    } finally {
+      this.button.disabled = false;
+    }
+  }
+}

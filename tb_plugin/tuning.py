@@ -1,0 +1,344 @@
+"""Live tuning from the Memory Hierarchy tab: the plugin's side of the control channel.
+
+The runtime side is :mod:`zero_runtime.control`: the job polls
+``<run_dir>/memory_hierarchy_control.json`` at every step boundary and answers in
+``<run_dir>/memory_hierarchy_control_ack.json`` and with a ``memory_hierarchy/config_event``
+summary. This module holds what the plugin needs to take part safely, with no HTTP in it:
+
+- :func:`parse_tune_body`: the ``POST /tune`` body, strictly (size, JSON, no NaN or
+  infinities, no duplicate keys, only tunable keys, ints within their bounds, no bools),
+  so that a refused request writes nothing.
+- :func:`resolve_run_dir`: a run name to a directory inside the log directory (no ``..``,
+  no absolute path, no symlink leading out), for a run the data provider knows.
+- :func:`request_state`: the latest request and what the runtime decided about it
+  (pending / applied at step N / rejected with reason / ignored).
+- :func:`current_values`: the tunable values in effect, from run_info's config plus the
+  applied config events.
+
+Only files are used, so TensorBoard and the job may run on different machines that share
+the log directory. TensorBoard writes only when started with ``--memory_hierarchy_tuning``
+(see :mod:`tb_plugin.loader`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from tensorboard import errors
+
+from zero_runtime import control
+from zero_runtime.config import TUNABLE_KEYS, ZeroConfig, ZeroConfigError
+
+FLAG_NAME = "memory_hierarchy_tuning"  # the TensorBoard flag that lets the tab write
+MAX_BODY_BYTES = 4 * 1024  # largest POST /tune body read, bytes; larger is refused (413)
+HEADER_NAME = "X-Memory-Hierarchy-Tuning"  # required on POST /tune; a form cannot set it
+HEADER_VALUE = "1"
+CONTENT_TYPE = "application/json"  # the only accepted POST /tune Content-Type
+
+# Request states shown by the view.
+STATE_NONE = "none"  # no request was ever written for the run
+STATE_PENDING = "pending"  # written; the job has not decided yet (next step boundary)
+STATE_APPLIED = control.Status.APPLIED.value
+STATE_REJECTED = control.Status.REJECTED.value
+STATE_IGNORED = control.Status.IGNORED.value
+
+
+class TuningDisabledError(errors.PublicError):
+    """POST /tune while TensorBoard runs without ``--memory_hierarchy_tuning`` (HTTP 403)."""
+
+    http_code = 403
+
+    def __init__(self, details: str) -> None:
+        super().__init__(details)
+
+
+class MethodNotAllowedError(errors.PublicError):
+    """A route asked with a method it does not serve (HTTP 405, ``Allow`` header set)."""
+
+    http_code = 405
+
+    def __init__(self, details: str, allow: str) -> None:
+        super().__init__(details)
+        self.headers = [("Allow", allow)]
+
+
+class PayloadTooLargeError(errors.PublicError):
+    """A POST body larger than :data:`MAX_BODY_BYTES` (HTTP 413)."""
+
+    http_code = 413
+
+    def __init__(self, details: str) -> None:
+        super().__init__(details)
+
+
+class UnsupportedMediaTypeError(errors.PublicError):
+    """A POST body whose Content-Type is not ``application/json`` (HTTP 415)."""
+
+    http_code = 415
+
+    def __init__(self, details: str) -> None:
+        super().__init__(details)
+
+
+def tunable_keys() -> list[dict[str, Any]]:
+    """The keys that may be tuned live, from ``zero_runtime.config.TUNABLE_KEYS``.
+
+    Returns:
+        ``[{"key", "unit", "min", "max", "description"}]`` in declaration order; ``min``
+        and ``max`` are inclusive ints in ``unit`` (bytes, elements or steps).
+    """
+    return [
+        {
+            "key": t.key,
+            "unit": t.unit,
+            "min": t.minimum,
+            "max": t.maximum,
+            "description": t.description,
+        }
+        for t in TUNABLE_KEYS.values()
+    ]
+
+
+def _reject_constant(name: str) -> Any:
+    raise errors.InvalidArgumentError(f"{name} is not a number here; values must be finite ints")
+
+
+def _no_duplicates(pairs: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise errors.InvalidArgumentError(f"duplicate key {key!r} in the JSON body")
+        out[key] = value
+    return out
+
+
+def parse_tune_body(body: bytes) -> dict[str, int]:
+    """Decode and check a ``POST /tune`` body: ``{"updates": {key: int, ...}}``.
+
+    Every check runs before anything is written: a body refused here leaves the run's
+    directory untouched.
+
+    Args:
+        body: the raw request body (at most :data:`MAX_BODY_BYTES`, checked by the caller).
+
+    Returns:
+        key -> int value, every key in ``TUNABLE_KEYS`` and within its bounds.
+
+    Raises:
+        tensorboard.errors.InvalidArgumentError: not UTF-8 JSON; ``NaN``, ``Infinity`` or
+            ``-Infinity`` anywhere (Python's json accepts them; they are refused here); a
+            duplicate key; not an object with exactly the key ``updates``; ``updates``
+            empty or not an object; an unknown key; a known key that is not tunable; a
+            value that is a bool, a float (``3.0`` included), a string, null, or out of the
+            key's bounds. The message names the key, the value and what is accepted.
+    """
+    try:
+        text = body.decode("utf-8")
+        parsed = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
+    except UnicodeDecodeError as exc:
+        raise errors.InvalidArgumentError("the body is not UTF-8") from exc
+    except ValueError as exc:  # json.JSONDecodeError, or int() of too many digits
+        raise errors.InvalidArgumentError(f"the body is not valid JSON: {exc}") from exc
+    if not isinstance(parsed, dict) or set(parsed) != {"updates"}:
+        raise errors.InvalidArgumentError(
+            'the body must be a JSON object {"updates": {key: value, ...}} and nothing else'
+        )
+    updates = parsed["updates"]
+    if not isinstance(updates, dict) or not updates:
+        raise errors.InvalidArgumentError('"updates" must be a non-empty JSON object')
+    tunable = ", ".join(TUNABLE_KEYS)
+    checked: dict[str, int] = {}
+    for key, value in updates.items():
+        if key not in TUNABLE_KEYS:
+            if key in ZeroConfig.keys():
+                raise errors.InvalidArgumentError(
+                    f"key {key!r} cannot be tuned live on a running job; tunable keys: {tunable}"
+                )
+            raise errors.InvalidArgumentError(f"unknown key {key[:80]!r}; tunable keys: {tunable}")
+        if isinstance(value, float) and not math.isfinite(value):  # belt and braces
+            raise errors.InvalidArgumentError(f"{key}: values must be finite")
+        try:
+            checked[key] = TUNABLE_KEYS[key].check(value)
+        except ZeroConfigError as exc:
+            raise errors.InvalidArgumentError(str(exc)) from exc
+    return checked
+
+
+def resolve_run_dir(logdir: str, run: str, known_runs: Iterable[str]) -> str:
+    """The directory of a known run, inside the log directory.
+
+    Args:
+        logdir: TensorBoard's ``--logdir`` (a local path).
+        run: the run name as the data provider reports it (``"."`` for the logdir itself,
+            else a relative path such as ``"exp1/seed0"``).
+        known_runs: the runs the data provider lists.
+
+    Returns:
+        The real (symlink-free) path of the run's directory.
+
+    Raises:
+        tensorboard.errors.InvalidArgumentError: no local ``--logdir`` (for example
+            ``--logdir_spec`` or a ``gs://`` path); ``run`` absolute, holding ``..``, a
+            NUL or a backslash; the run's directory resolving (through symlinks) to a
+            place outside the log directory, or not being a directory.
+        tensorboard.errors.NotFoundError: ``run`` is not a run the data provider knows.
+    """
+    if not logdir or "://" in logdir:
+        raise errors.InvalidArgumentError(
+            "live tuning needs TensorBoard's --logdir to be a local directory"
+        )
+    if (
+        "\0" in run
+        or "\\" in run
+        or os.path.isabs(run)
+        or run.startswith("/")
+        or any(part == ".." for part in run.split("/"))
+    ):
+        raise errors.InvalidArgumentError(f"run {run[:80]!r} is not a path inside the logdir")
+    if run not in set(known_runs):
+        raise errors.NotFoundError(f"no memory_hierarchy run {run[:80]!r} in this logdir")
+    root = os.path.realpath(logdir)
+    path = os.path.realpath(os.path.join(root, run))
+    if path != root and not path.startswith(root + os.sep):
+        raise errors.InvalidArgumentError(
+            f"run {run[:80]!r} resolves to a directory outside the logdir"
+        )
+    if not os.path.isdir(path):
+        raise errors.InvalidArgumentError(f"run {run[:80]!r} is not a directory")
+    return path
+
+
+def read_request(run_dir: str) -> dict[str, Any] | None:
+    """The run's current control request file, or None when there is none (or unreadable)."""
+    try:
+        with open(os.path.join(run_dir, control.REQUEST_FILE), encoding="utf-8") as fh:
+            obj = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def request_state(
+    request: Mapping[str, Any] | None, ack: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """What became of the latest request, from the request and acknowledgement files.
+
+    Args:
+        request: the request file's object (``{"version", "updates", "requested_at"}``)
+            or None.
+        ack: the acknowledgement file's object (``ControlOutcome.to_dict()``) or None.
+
+    Returns:
+        ``{"state", "version", "updates", "requested_at", "step", "changes", "reason",
+        "decided_at"}``. ``state`` is ``"none"`` (no request), ``"pending"`` (the job has
+        not decided on this version yet: it does at its next step boundary, never if it
+        has stopped), ``"applied"`` (in effect from ``step``), ``"rejected"`` (``reason``
+        says why) or ``"ignored"`` (a version not newer than the last one decided).
+        Times are seconds since the epoch; absent fields are null.
+    """
+    out: dict[str, Any] = {
+        "state": STATE_NONE,
+        "version": None,
+        "updates": None,
+        "requested_at": None,
+        "step": None,
+        "changes": None,
+        "reason": None,
+        "decided_at": None,
+    }
+    version = request.get("version") if request else None
+    if isinstance(version, int) and not isinstance(version, bool):
+        out.update(
+            state=STATE_PENDING,
+            version=version,
+            updates=request.get("updates"),
+            requested_at=request.get("requested_at"),
+        )
+    if not ack:
+        return out
+    ack_version = ack.get("version")
+    if not isinstance(ack_version, int) or isinstance(ack_version, bool):
+        return out
+    requested_at = out["requested_at"]
+    decided_at = ack.get("decided_at")
+    about_this = out["version"] is not None and ack_version >= out["version"]
+    # An unparseable request is acknowledged with version -1: it concerns the request file
+    # present when it was decided, so it counts when decided after this request was made.
+    unreadable = (
+        ack_version == -1
+        and isinstance(decided_at, int | float)
+        and (not isinstance(requested_at, int | float) or decided_at >= requested_at)
+    )
+    if about_this or unreadable or out["version"] is None:
+        out.update(
+            state=str(ack.get("status")),
+            step=ack.get("step"),
+            changes=ack.get("changes"),
+            reason=ack.get("reason"),
+            decided_at=decided_at,
+        )
+        if out["version"] is None or about_this:
+            out["version"] = ack_version
+    return out
+
+
+def current_values(
+    config: Mapping[str, Any] | None,
+    config_events: Sequence[Mapping[str, Any]],
+    ack: Mapping[str, Any] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """The tunable values in effect: the started config plus every applied change.
+
+    Args:
+        config: the latest ``run_info`` record's ``config`` (``ZeroConfig.to_dict()``), or
+            None when the run recorded none.
+        config_events: the run's ``memory_hierarchy/config_event`` records, oldest first,
+            as ``{"step", "value"}``; only values with ``status == "applied"`` count.
+        ack: the acknowledgement file; an applied decision newer than every recorded
+            event counts too (the event may not have been loaded by TensorBoard yet).
+
+    Returns:
+        key -> ``{"value": int | None, "recorded": bool, "since_step": int | None,
+        "version": int}`` for every key of ``TUNABLE_KEYS``; ``recorded`` False (and
+        ``value`` None) when the run never recorded the key, ``value`` None when it was
+        recorded as unset (a budget of None: unbounded),
+        ``since_step`` the step from which a live change is in effect (None: as started),
+        ``version`` the request version that set it (0: as started).
+    """
+    started = config if isinstance(config, Mapping) else {}
+    values: dict[str, dict[str, Any]] = {
+        key: {
+            "value": started.get(key),
+            "recorded": key in started,
+            "since_step": None,
+            "version": 0,
+        }
+        for key in TUNABLE_KEYS
+    }
+    decided: list[tuple[int, int, Mapping[str, Any]]] = []  # (version, step, changes)
+    for event in config_events:
+        value = event.get("value")
+        if isinstance(value, Mapping) and value.get("status") == STATE_APPLIED:
+            decided.append(
+                (int(value.get("version", 0)), int(event.get("step", 0)), value.get("changes"))
+            )
+    newest = max((v for v, _s, _c in decided), default=0)
+    if ack and ack.get("status") == STATE_APPLIED and isinstance(ack.get("version"), int):
+        if ack["version"] > newest:
+            decided.append((ack["version"], int(ack.get("step") or 0), ack.get("changes")))
+    for version, step, changes in sorted(decided, key=lambda d: (d[1], d[0])):
+        if not isinstance(changes, Mapping):
+            continue
+        for key, change in changes.items():
+            if key in values and isinstance(change, Mapping) and "new" in change:
+                values[key] = {
+                    "value": change["new"],
+                    "recorded": True,
+                    "since_step": step,
+                    "version": version,
+                }
+    return values
