@@ -8,7 +8,8 @@ everything ZeRO-related is the strategy wrapped around it here::
     python -m demo.train --logdir logs/demo --steps 300
     tensorboard --logdir logs/demo --samples_per_plugin=memory_hierarchy=0
 
-Exit status: 0 on success, 2 on bad arguments or an invalid config (message on stderr).
+Exit status: 0 on success, 1 on out of memory (the post-mortem's path on stderr), 2 on bad
+arguments or an invalid config (message on stderr).
 """
 # isort: skip_file  (the CPU allocator must be chosen before TensorFlow is imported)
 
@@ -117,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     # TensorFlow is initialised from here on (the strategy configured the devices first).
     import keras
+    import tensorflow as tf
 
     from demo import data, model
 
@@ -142,13 +144,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(f"demo.train: writing Memory Hierarchy summaries to {run_dir}", flush=True)
     start = time.time()
-    history = gpt.fit(
-        train,
-        steps_per_epoch=args.steps,
-        epochs=1,
-        shuffle=False,
-        verbose=2,
-    )
+    try:
+        history = gpt.fit(
+            train,
+            steps_per_epoch=args.steps,
+            epochs=1,
+            shuffle=False,
+            verbose=2,
+        )
+    except (MemoryError, tf.errors.ResourceExhaustedError) as exc:  # out of memory: exit 1
+        return _out_of_memory(strategy, exc)
     strategy.close()
     losses = history.history["loss"]
     print(
@@ -157,6 +162,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
     return 0
+
+
+def _out_of_memory(strategy, exc: BaseException) -> int:
+    """Report an out-of-memory failure: the error's first line and where the post-mortem
+    is (``zero-runtime oom-report``); returns exit status 1."""
+    path = strategy.write_postmortem(exc)
+    strategy.close()
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    print(f"demo.train: error: out of memory ({type(exc).__name__}): {first}", file=sys.stderr)
+    print(f"demo.train: OOM post-mortem: {path}", file=sys.stderr)
+    print(f"demo.train: read it with: zero-runtime oom-report {path}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -84,6 +84,25 @@ TIMING_COLUMNS = (
     "overlap_ratio",  # overlap_seconds / comm_seconds; NaN when comm_seconds == 0
 )
 
+# Columns of the per-step collective vector: bytes each collective kind's input buffers
+# hold per optimizer step (summed over the local replicas), then calls per kind.
+COLLECTIVE_COLUMNS = (
+    "all_reduce_bytes",
+    "reduce_scatter_bytes",
+    "all_gather_bytes",
+    "all_reduce_calls",
+    "reduce_scatter_calls",
+    "all_gather_calls",
+)
+
+# Columns of the per-step info vector (flags are 0/1).
+STEP_INFO_COLUMNS = (
+    "config_version",  # version of the active config (0 = as started)
+    "stage",  # ZeRO stage in effect
+    "fallback_mirrored",  # 1 when running as plain mirrored data parallelism
+    "profiled",  # 1 when the timing's comm/compute came from a profiler trace
+)
+
 # --- tags -----------------------------------------------------------------------------
 TAG_TIERS = "memory_hierarchy/tiers"  # matrix TIERS x TIER_COLUMNS, every record
 TAG_READINGS = "memory_hierarchy/readings"  # vector READING_COLUMNS, every record
@@ -94,6 +113,8 @@ TAG_PLACEMENT = "memory_hierarchy/placement"  # json, first step and when it cha
 TAG_ESTIMATE = "memory_hierarchy/estimate"  # json, at start
 TAG_CONFIG_EVENT = "memory_hierarchy/config_event"  # json, per live-tuning event
 TAG_OOM = "memory_hierarchy/oom"  # json, the post-mortem of an out-of-memory failure
+TAG_COLLECTIVES = "memory_hierarchy/collectives"  # vector COLLECTIVE_COLUMNS, every record
+TAG_STEP_INFO = "memory_hierarchy/step_info"  # vector STEP_INFO_COLUMNS, every record
 
 KIND_MATRIX = "matrix"
 KIND_VECTOR = "vector"
@@ -123,6 +144,18 @@ LAYOUTS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...]]
     TAG_ESTIMATE: (KIND_JSON, (), (), ()),
     TAG_CONFIG_EVENT: (KIND_JSON, (), (), ()),
     TAG_OOM: (KIND_JSON, (), (), ()),
+    TAG_COLLECTIVES: (
+        KIND_VECTOR,
+        (),
+        COLLECTIVE_COLUMNS,
+        tuple("bytes" if c.endswith("bytes") else "count" for c in COLLECTIVE_COLUMNS),
+    ),
+    TAG_STEP_INFO: (
+        KIND_VECTOR,
+        (),
+        STEP_INFO_COLUMNS,
+        ("count", "count", "flag", "flag"),
+    ),
 }
 
 

@@ -8,6 +8,7 @@ Layouts and tag names are defined in :mod:`tb_plugin.metadata`.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import threading
@@ -16,7 +17,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from tensorboard.compat.proto import event_pb2, summary_pb2
+from tensorboard.compat.proto import (
+    event_pb2,
+    summary_pb2,
+    tensor_pb2,
+    tensor_shape_pb2,
+    types_pb2,
+)
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 from tensorboard.util import tensor_util
 
@@ -45,25 +52,23 @@ class SummaryWriter:
         )
         self._lock = threading.Lock()
         self._closed = False
-        self._metadata_sent: set[str] = set()
 
     # -- low level -----------------------------------------------------------------------
     def _write(self, tag: str, step: int, tensor: np.ndarray, wall_time: float | None) -> None:
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
+        value = summary_pb2.Summary.Value(tag=tag, tensor=_tensor_proto(tensor))
+        # Metadata on every value (cached per tag): the Rust data server and the Python
+        # multiplexer both accept it, and every value is self-describing.
+        value.metadata.CopyFrom(_metadata(tag))
+        event = event_pb2.Event(
+            wall_time=time.time() if wall_time is None else wall_time,
+            step=int(step),
+            summary=summary_pb2.Summary(value=[value]),
+        )
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"SummaryWriter for {self.logdir!r} is closed")
-            value = summary_pb2.Summary.Value(tag=tag, tensor=tensor_util.make_tensor_proto(tensor))
-            # Metadata on every value: the Rust data server and the Python multiplexer both
-            # accept it, and a reader that starts mid-file still learns the layout.
-            value.metadata.CopyFrom(metadata.create_summary_metadata(tag))
-            self._metadata_sent.add(tag)
-            event = event_pb2.Event(
-                wall_time=time.time() if wall_time is None else wall_time,
-                step=int(step),
-                summary=summary_pb2.Summary(value=[value]),
-            )
             self._writer.add_event(event)
 
     def vector(
@@ -157,6 +162,24 @@ class SummaryWriter:
             if not self._closed:
                 self._writer.close()
                 self._closed = True
+
+
+@functools.cache
+def _metadata(tag: str) -> summary_pb2.SummaryMetadata:
+    return metadata.create_summary_metadata(tag)
+
+
+def _tensor_proto(array: np.ndarray) -> tensor_pb2.TensorProto:
+    """A TensorProto for a float64 array (packed bytes) or a scalar bytes object."""
+    if array.dtype == np.float64:
+        proto = tensor_pb2.TensorProto(
+            dtype=types_pb2.DT_DOUBLE, tensor_content=np.ascontiguousarray(array).tobytes()
+        )
+        proto.tensor_shape.dim.extend(
+            tensor_shape_pb2.TensorShapeProto.Dim(size=d) for d in array.shape
+        )
+        return proto
+    return tensor_util.make_tensor_proto(array)
 
 
 def _num(value: float | None) -> float:

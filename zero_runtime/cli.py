@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -288,6 +289,96 @@ register(
         help="bytes of model states per replica on each tier (ZeRO paper formulas)",
         add_arguments=_estimate_add_arguments,
         run=_estimate_run,
+    )
+)
+
+
+# --------------------------------------------------------------------------------------
+# oom-report
+# --------------------------------------------------------------------------------------
+
+
+def _oom_report_add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "path",
+        metavar="LOGDIR_OR_RUN",
+        help="a log directory, a run directory or a memory_hierarchy_oom.json file; the "
+        "newest post-mortem under it is shown",
+    )
+    parser.add_argument("--json", action="store_true", help="print the report's JSON object")
+
+
+def _oom_report_run(args: argparse.Namespace) -> int:
+    """Print the newest OOM post-mortem under ``args.path``; exit 1 when there is none."""
+    from zero_runtime import oom  # imports TensorFlow: only for this subcommand
+
+    path = oom.find_report(args.path)
+    if path is None:
+        print(
+            f"{PROG} oom-report: no {oom.OOM_FILENAME} under {args.path!r} "
+            "(no run there ran out of memory)",
+            file=sys.stderr,
+        )
+        return 1
+    try:
+        with open(path, encoding="utf-8") as f:
+            report = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UsageError(f"cannot read the post-mortem {path}: {exc}") from exc
+    if args.json:
+        print(json.dumps(report, indent=1, sort_keys=True))
+    else:
+        print(oom.format_report(report, path))
+    return 0
+
+
+register(
+    Command(
+        name="oom-report",
+        help="print the OOM post-mortem of a run (newest under a log directory)",
+        add_arguments=_oom_report_add_arguments,
+        run=_oom_report_run,
+    )
+)
+
+
+# --------------------------------------------------------------------------------------
+# launch
+# --------------------------------------------------------------------------------------
+
+
+def _launch_add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nproc", type=positive_int, required=True, help="worker processes")
+    p.add_argument(
+        "--port-base",
+        type=positive_int,
+        default=None,
+        help="worker r listens on port PORT_BASE + r (default: free ports)",
+    )
+    p.add_argument("script", help="a Python script (run with this interpreter) or a program")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def _launch_run(args: argparse.Namespace) -> int:
+    from zero_runtime import launch
+
+    command = [args.script, *args.args]
+    if args.script.endswith(".py"):
+        if not os.path.isfile(args.script):
+            raise UsageError(f"script {args.script!r} not found")
+        command = [sys.executable, *command]
+    try:
+        return launch.launch(args.nproc, command, port_base=args.port_base)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+register(
+    Command(
+        name="launch",
+        help="run a training script as N local workers with TF_CONFIG (multi-worker)",
+        add_arguments=_launch_add_arguments,
+        run=_launch_run,
     )
 )
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import os
+import shutil
 import threading
 import time
 from typing import Any
@@ -19,10 +21,21 @@ import psutil
 
 from tb_plugin import metadata
 from tb_plugin.summary import SummaryWriter
-from zero_runtime import control, estimator
+from zero_runtime import control, estimator, oom
 from zero_runtime.config import ZeroConfig
 from zero_runtime.devices import DeviceInfo, bfc_requested
-from zero_runtime.telemetry import FlightRecorder, StepStats, TierStats, read_probes
+from zero_runtime.telemetry import (
+    BackgroundEmitter,
+    FlightRecorder,
+    PageMoveRecorder,
+    ProfileSampler,
+    StepStats,
+    TierStats,
+    Timeline,
+    collective_bytes,
+    overlap,
+    read_probes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +84,20 @@ class ZeroRuntime:
         #: Version of the active config: 0 as started, then each applied control request's.
         self.config_version = 0
         self.control = control.ControlChannel(logdir, config) if logdir else None
+        # Telemetry (issue #7): False skips collecting and writing StepStats (the overhead
+        # benchmark's "off"); the budget checks and post-mortems stay on.
+        self.telemetry_enabled = True
+        self.timeline = Timeline()  # runtime-driven intervals, time.time() clock
+        self.profiler = ProfileSampler()  # sampled TF profiler traces (in-graph collectives)
+        self.page_moves = PageMoveRecorder()  # the last NVMe page moves
+        self._last_placement: dict[str, Any] | None = None
+        # Summaries are serialised off the step's critical path (telemetry/emitter.py).
+        self._emitter = BackgroundEmitter(self._emit) if self._writer is not None else None
+        # OOM post-mortem (issue #10): the path written, once per runtime.
+        self.postmortem_path: str | None = None
+        self._postmortem: dict[str, Any] | None = None
+        self.host_margin_bytes = oom.host_margin_bytes()
+        oom.install_excepthook(self)
         self._write_run_info()
 
     # -- registration --------------------------------------------------------------------
@@ -94,6 +121,7 @@ class ZeroRuntime:
         """
         with self._lock:
             self._optimizers.append(optimizer)
+        self._observe_store(optimizer.zero_state.store)
         if self._writer is not None:
             self._writer.json(metadata.TAG_ESTIMATE, 0, self.estimate(optimizer))
 
@@ -143,7 +171,10 @@ class ZeroRuntime:
             iteration: Keras's ``iterations`` before the update (the 0-based step).
             seconds: host seconds spent in the update.
         """
-        del optimizer, replica, seconds
+        del optimizer, replica
+        if seconds > 0:  # the host update: runtime-driven compute
+            end = time.time()
+            self.timeline.add("compute", end - seconds, end)
         with self._lock:
             done = self._pending.get(iteration, 0) + 1
             if done < self.device_replicas:
@@ -163,14 +194,22 @@ class ZeroRuntime:
         self._last_boundary = now
         if self.state is not RuntimeState.OPEN:
             return
-        if step % self.config.telemetry_every_n_steps == 0:
+        trace = self.profiler.stop()  # the sampled window ends with this step
+        self._trace = trace
+        if self.telemetry_enabled and step % self.config.telemetry_every_n_steps == 0:
             stats = self._collect(step, now, step_seconds)
             self.recorder.append(stats)
             self.steps_recorded += 1
-            if self._writer is not None:
-                self._emit(stats)
+            if self._emitter is not None:
+                self._emitter.submit(stats)
+        else:
+            self.timeline.drain()
+        self._trace = None
+        self._check_memory(step)  # raises (post-mortem written) when a tier is over
         # After this step's record, before the next step runs: a change applies from it on.
         self._poll_control(step + 1)
+        if self.telemetry_enabled:
+            self.profiler.maybe_start(step)
 
     # -- live tuning ---------------------------------------------------------------------
     def _poll_control(self, next_step: int) -> None:
@@ -295,14 +334,20 @@ class ZeroRuntime:
             other_bytes=0.0,
         )
         self._reset_framework_peak()
+        pages = self._page_counters(step)
+        trace = getattr(self, "_trace", None)
         return StepStats(
             step=step,
             wall_time=now,
             tiers={"device": device, "host": host, "nvme": nvme},
             readings=readings,
-            timing={"step_seconds": step_seconds},
-            pages=self._page_counters(step),
+            timing=self._timing(step_seconds, pages, trace),
+            pages=pages,
             config_version=self.config_version,
+            collectives=self._collectives(),
+            stage=self.config.stage,
+            fallback_mirrored=self.fallback_mirrored,
+            profiled=trace is not None,
         )
 
     def _reset_framework_peak(self) -> None:
@@ -345,8 +390,13 @@ class ZeroRuntime:
         w.vector(metadata.TAG_READINGS, stats.step, stats.readings.as_dict(), stats.wall_time)
         w.vector(metadata.TAG_TIMING, stats.step, stats.timing, stats.wall_time)
         w.vector(metadata.TAG_PAGES, stats.step, stats.pages, stats.wall_time)
-        if not self._placement_written:
-            w.json(metadata.TAG_PLACEMENT, stats.step, self.placement(), stats.wall_time)
+        w.vector(metadata.TAG_STEP_INFO, stats.step, stats.step_info(), stats.wall_time)
+        if stats.collectives:
+            w.vector(metadata.TAG_COLLECTIVES, stats.step, stats.collectives, stats.wall_time)
+        placement = self.placement()
+        if placement != self._last_placement:  # first step and whenever it changes
+            w.json(metadata.TAG_PLACEMENT, stats.step, placement, stats.wall_time)
+            self._last_placement = placement
             self._placement_written = True
 
     def placement(self) -> dict[str, Any]:
@@ -383,8 +433,294 @@ class ZeroRuntime:
                 )
         return {"variables": rows}
 
+    # -- telemetry: intervals, collectives (issue #7) ------------------------------------
+    def _observe_store(self, store: Any) -> None:
+        """Watch an optimizer-state store: its pool's NVMe I/O becomes ``comm`` intervals
+        and page moves, and a ``PoolOutOfMemoryError`` from its update writes the
+        post-mortem before it propagates (as a :class:`oom.TierOutOfMemoryError`).
+
+        The pool has no public completion hook yet, so the I/O scheduler's completion
+        callback (an attribute of our own scheduler object) is wrapped here.
+        """
+        sched = getattr(getattr(store, "pool", None), "_io", None)
+        if sched is not None and hasattr(sched, "_on_complete"):
+            inner = sched._on_complete
+
+            def on_complete(job: Any, _inner=inner) -> None:
+                end = time.time()
+                self.timeline.add("comm", end - job.seconds, end)
+                self.page_moves.append(
+                    {
+                        "wall_time": end,
+                        "direction": "h2n" if job.op == "write" else "n2h",
+                        "bytes": int(job.payload),
+                        "tensor": getattr(job.page, "tensor_id", None),
+                        "page": getattr(job.page, "index", None),
+                        "seconds": float(job.seconds),
+                        "ok": job.error is None,
+                    }
+                )
+                _inner(job)
+
+            sched._on_complete = on_complete
+        update = getattr(store, "update", None)
+        if update is not None:
+            store.update = self._guard_pool_oom(update)
+
+    def _guard_pool_oom(self, update: Any) -> Any:
+        from zero_runtime.memory import PoolOutOfMemoryError
+
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return update(*args, **kwargs)
+            except PoolOutOfMemoryError as exc:
+                snap = exc.snapshot
+                err = oom.TierOutOfMemoryError(str(exc), snap.request_tier)
+                step = self.recorder.last(1)[0].step + 1 if len(self.recorder) else 0
+                raise self._fail(err, step, cause=exc) from exc
+
+        return guarded
+
+    def _has_runtime_io(self) -> bool:
+        return any(hasattr(o.zero_state.store, "pool") for o in self._optimizers)
+
+    def _timing(self, step_seconds: float, pages: dict[str, float], trace: Any) -> dict[str, float]:
+        """The step's TIMING_COLUMNS (seconds; ratio in [0, 1]; NaN = not measured).
+
+        Sampled steps (``trace``): collectives and ops from the profiler trace plus the
+        runtime's NVMe I/O. Other steps: only what the runtime drives itself (NVMe I/O as
+        comm, the host update as compute); without an NVMe tier nothing is measured.
+        Overlaps are computed per clock and summed (the trace has its own clock).
+        """
+        drained = self.timeline.drain()
+        io = overlap(drained["comm"], drained["compute"])
+        has_io = self._has_runtime_io()
+        timing = {
+            "step_seconds": step_seconds,
+            "stall_seconds": pages.get("stall_seconds", math.nan),
+        }
+        if trace is not None:
+            t = overlap(trace.comm, trace.compute)
+            comm = t.comm_seconds + (io.comm_seconds if has_io else 0.0)
+            both = t.overlap_seconds + (io.overlap_seconds if has_io else 0.0)
+            compute = t.compute_seconds
+        elif has_io:
+            comm, both, compute = io.comm_seconds, io.overlap_seconds, io.compute_seconds
+        else:
+            return timing
+        timing.update(
+            comm_seconds=comm,
+            compute_seconds=compute,
+            overlap_seconds=both,
+            overlap_ratio=both / comm if comm > 0 else math.nan,
+        )
+        return timing
+
+    def _collectives(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for opt in self._optimizers:
+            for k, v in collective_bytes(opt.zero_state, self.device_replicas).items():
+                out[k] = out.get(k, 0.0) + v
+        return out
+
+    # -- out of memory (issue #10) -------------------------------------------------------
+    def device_used_bytes(self) -> float:
+        """Device-tier bytes in use: the framework's reading, else the runtime's accounting
+        (parameters, gradients and device optimizer states of the local replicas)."""
+        from zero_runtime.devices import framework_memory_bytes
+
+        current, _ = framework_memory_bytes(self.device)
+        if math.isfinite(current):
+            return current
+        return float(
+            self.model_param_bytes() * self.device_replicas
+            + self.grad_bytes()
+            + self._state_bytes_on("device")[0]
+        )
+
+    def _check_memory(self, step: int) -> None:
+        """Enforce the device budget and the host-memory margin at a step boundary.
+
+        Raises:
+            oom.DeviceBudgetExceededError: device used bytes > ``device_budget_bytes``.
+            oom.HostMemoryLowError: available host memory < :attr:`host_margin_bytes`.
+            (Both after writing the post-mortem.)
+        """
+        budget = self.config.device_budget_bytes
+        if budget is not None:
+            used = self.device_used_bytes()
+            if used > budget:
+                raise self._fail(oom.DeviceBudgetExceededError(int(used), budget, step), step)
+        available = psutil.virtual_memory().available
+        if available < self.host_margin_bytes:
+            err = oom.HostMemoryLowError(available, self.host_margin_bytes, step)
+            raise self._fail(err, step)
+
+    def write_postmortem(self, exc: BaseException, step: int | None = None) -> str | None:
+        """Write the OOM post-mortem for ``exc`` (e.g. a TensorFlow
+        ``ResourceExhaustedError`` the caller caught); returns the JSON file's path.
+
+        Idempotent: an error whose post-mortem this runtime already wrote (ours, or
+        TensorFlow's re-raise of ours, whose message names the file) returns that path.
+        The failed tier is the error's own (runtime errors, pool snapshots), else
+        'device' (TensorFlow's allocator serves the device tier).
+        """
+        known = getattr(exc, "postmortem_path", None)
+        if known is not None or (
+            self.postmortem_path is not None and self.postmortem_path in str(exc)
+        ):
+            return known or self.postmortem_path
+        if step is None:
+            step = self.recorder.last(1)[0].step + 1 if len(self.recorder) else 0
+        tier = getattr(exc, "tier", None)
+        snapshot = getattr(exc, "snapshot", None)
+        if tier is None:
+            tier = snapshot.request_tier if snapshot is not None else "device"
+        err = oom.OutOfMemoryError(str(exc), tier)
+        self._fail(err, step, cause=exc)
+        return err.postmortem_path
+
+    def _fail(
+        self, err: oom.OutOfMemoryError, step: int, cause: BaseException | None = None
+    ) -> oom.OutOfMemoryError:
+        """Build and write the post-mortem for ``err`` (summary + JSON file); returns
+        ``err`` with the path attached, for the caller to raise."""
+        try:
+            report = self._postmortem_report(err, step, cause or err)
+        except Exception as exc:  # noqa: BLE001 - never hide the OOM behind a report bug
+            log.exception("could not build the OOM post-mortem: %s", exc)
+            return err
+        path = None
+        if self._writer is not None and self.state is RuntimeState.OPEN:
+            self._writer.json(metadata.TAG_OOM, step, report, report["wall_time"])
+            self._writer.flush()
+        if self.logdir:
+            path = os.path.join(self.logdir, oom.OOM_FILENAME)
+            oom.write_json_atomic(path, report)
+        self.postmortem_path = path
+        self._postmortem = report
+        err.attach(path, report)
+        log.error("out of memory at step %d on tier %s; post-mortem: %s", step, err.tier, path)
+        return err
+
+    def _postmortem_report(
+        self, err: oom.OutOfMemoryError, step: int, cause: BaseException
+    ) -> dict[str, Any]:
+        snap = self._collect(step, time.time(), 0.0)  # consumes the failed step's counters
+        tiers: dict[str, dict[str, Any]] = {}
+        labels = {
+            "param": "parameters (local replicas)",
+            "grad": "gradients (local replicas)",
+            "optimizer": "optimizer states",
+            "other": "activations, scratch and framework (unattributed)",
+        }
+        for name, t in snap.tiers.items():
+            holders = [
+                oom.holder(labels[k], k, getattr(t, f"{k}_bytes"))
+                for k in ("param", "grad", "optimizer", "other")
+                if math.isfinite(getattr(t, f"{k}_bytes")) and getattr(t, f"{k}_bytes") > 0
+            ]
+            tiers[name] = {
+                "capacity_bytes": _or_none(t.capacity_bytes),
+                "used_bytes": _or_none(t.used_bytes),
+                "holders": holders,
+            }
+        pool_snap = getattr(cause, "snapshot", None)
+        request_bytes = tensor = None
+        if pool_snap is not None:  # the pool's own tiers, tensor by tensor
+            for name, t in pool_snap.tiers.items():
+                tiers[name] = {
+                    "capacity_bytes": t["capacity_bytes"],
+                    "used_bytes": t["used_bytes"],
+                    "holders": [
+                        oom.holder(h.tensor_id, h.kind, h.bytes, h.pages)
+                        for h in pool_snap.holders.get(name, ())
+                    ],
+                }
+            request_bytes, tensor = pool_snap.request_bytes, pool_snap.request_tensor_id
+        elif isinstance(err, oom.DeviceBudgetExceededError):
+            tiers["device"]["used_bytes"] = err.used_bytes
+        else:
+            request_bytes = oom.request_from_message(str(cause))
+        tier = err.tier
+        failed = {
+            "bytes": request_bytes,
+            "tier": tier,
+            "tensor": tensor,
+            "op": getattr(cause, "op", None) and getattr(cause.op, "name", None),
+            "error_type": type(cause).__name__,
+            "message": str(cause).split("\n\npost-mortem")[0][:4000],
+        }
+        t = tiers[tier]
+        used = int(t["used_bytes"] or 0) + int(request_bytes or 0)
+        return oom.build_report(
+            step=step,
+            failed=failed,
+            tiers=tiers,
+            recent_steps=[
+                {
+                    "step": r.step,
+                    "tiers": {
+                        n: {
+                            "used_bytes": _or_none(ts.used_bytes),
+                            "capacity_bytes": _or_none(ts.capacity_bytes),
+                        }
+                        for n, ts in r.tiers.items()
+                    },
+                }
+                for r in self.recorder.last()
+            ],
+            config=self.config.to_dict(),
+            config_version=self.config_version,
+            config_history=[o.to_dict() for o in self.control.history] if self.control else [],
+            readings=snap.readings.as_dict(),
+            advice=self._advice(tier, used, t, snap),
+        )
+
+    def _advice(
+        self, tier: str, required: int, t: dict[str, Any], snap: StepStats
+    ) -> list[dict[str, Any]]:
+        from zero_runtime.strategy import IMPLEMENTED
+
+        stats = snap.tiers[tier]
+        holders = {
+            k: int(getattr(stats, f"{k}_bytes"))
+            for k in ("param", "grad", "optimizer")
+            if math.isfinite(getattr(stats, f"{k}_bytes"))
+        }
+        vm = psutil.virtual_memory()
+        nvme_free = None
+        if self.config.nvme_path and os.path.isdir(self.config.nvme_path):
+            nvme_free = shutil.disk_usage(self.config.nvme_path).free
+        nvml_total = snap.readings.nvml_total_bytes
+        device_physical = int(vm.total) if self.device.is_standin else _or_none(nvml_total)
+        host_used = snap.tiers["host"].used_bytes
+        host_cap = self.config.host_budget_bytes
+        host_free = (
+            int(host_cap - host_used)
+            if host_cap is not None and math.isfinite(host_used)
+            else int(vm.available)
+        )
+        return oom.advise(
+            failed_tier=tier,
+            required_bytes=int(required),
+            capacity_bytes=_or_none(t["capacity_bytes"]),
+            holders=holders,
+            config=self.config,
+            num_replicas=self.num_replicas,
+            physical_bytes={
+                "device": device_physical,
+                "host": int(vm.total),
+                "nvme": None if nvme_free is None else nvme_free + int(t["used_bytes"] or 0),
+            },
+            free_bytes={"host": host_free, "nvme": nvme_free},
+            implemented=set(IMPLEMENTED),
+        )
+
     def flush(self) -> None:
-        """Write queued summaries to disk."""
+        """Write queued summaries to disk (waits for the background emitter first)."""
+        if self._emitter is not None:
+            self._emitter.drain()
         if self._writer is not None:
             self._writer.flush()
 
@@ -395,9 +731,18 @@ class ZeroRuntime:
         self.state = RuntimeState.CLOSED
         for opt in self._optimizers:
             opt.zero_state.store.close()  # e.g. the NVMe pool's files
+        if self._emitter is not None:
+            self._emitter.close()  # every StepStats handed over is written first
         if self._writer is not None:
             self._writer.close()
 
 
 def _or_nan(value: int | None) -> float:
     return math.nan if value is None else float(value)
+
+
+def _or_none(value: float | None) -> int | None:
+    """An int, or None for None / NaN (the post-mortem's "unknown")."""
+    if value is None or not math.isfinite(value):
+        return None
+    return int(value)

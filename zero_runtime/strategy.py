@@ -49,7 +49,15 @@ from zero_runtime.runtime import ZeroRuntime
 _COLLECTIVE_KEY_BASES = itertools.count(start=100_000, step=100_000)
 
 #: (stage, offload_optimizer) pairs this version implements (stage 0 ignores the offload).
-IMPLEMENTED = {(0, "none")} | {(s, o) for s in (1, 2) for o in ("none", "cpu", "nvme")}
+IMPLEMENTED = (
+    {(0, "none")}
+    | {(s, o) for s in (1, 2) for o in ("none", "cpu", "nvme")}
+    | {(3, "cpu")}  # stage 3: tested with host optimizer states (tests/test_stage3.py)
+)
+
+#: (stage, offload_param) pairs of stage 3 this version implements (parity-tested in
+#: tests/test_stage3.py); any offload_optimizer tier combines with them.
+IMPLEMENTED_STAGE3_PARAM: set[str] = {"none", "cpu", "nvme"}
 
 
 class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
@@ -96,6 +104,11 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
                 f"config must be a ZeroConfig, a mapping or None, got {type(config).__name__}"
             )
         key = (config.stage, config.offload_optimizer if config.stage else "none")
+        if config.stage == 3 and config.offload_param not in IMPLEMENTED_STAGE3_PARAM:
+            raise NotImplementedError(
+                f"stage=3 with offload_param={config.offload_param!r} is not implemented yet; "
+                f"implemented offload_param at stage 3: {sorted(IMPLEMENTED_STAGE3_PARAM)}"
+            )
         if key not in IMPLEMENTED:
             raise NotImplementedError(
                 f"stage={config.stage} with offload_optimizer={config.offload_optimizer!r} "
@@ -150,6 +163,32 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
         if self.partitioned:
             stack.enter_context(keras.saving.CustomObjectScope(PARTITIONED_BY_NAME))
         return stack
+
+    def write_postmortem(self, exc: BaseException) -> str | None:
+        """Write the OOM post-mortem for an error caught by the caller (docs/oom.md).
+
+        For a ``tf.errors.ResourceExhaustedError`` raised by TensorFlow's own ops (the
+        runtime's own OOM errors already wrote theirs; this returns that path).
+
+        Returns:
+            The path of ``<run_dir>/memory_hierarchy_oom.json``, or None without a logdir.
+        """
+        return self.runtime.write_postmortem(exc)
+
+    def shard_model(self, model: keras.Model) -> keras.Model:
+        """Stage 3: wrap a built model for block-by-block training with sharded parameters.
+
+        Returns:
+            A :class:`zero_runtime.stage3.ShardedModel` (a ``keras.Model``; compile and
+            ``fit`` it). The model's trainable weights become ShardedVariables in place.
+
+        Raises:
+            ValueError: the strategy is not at stage 3 (see ``ShardedModel``).
+        """
+        from zero_runtime.stage3 import ShardedModel
+
+        with self.scope():
+            return ShardedModel(model, self)
 
     def close(self) -> None:
         """Flush and close the telemetry; the strategy must not run steps afterwards."""

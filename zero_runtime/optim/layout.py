@@ -206,3 +206,43 @@ class FlatLayout:
 
 def _name(v) -> str:
     return str(getattr(v, "path", None) or getattr(v, "name", "?"))
+
+
+def layout_from_sharded(variables: Sequence, num_shards: int) -> FlatLayout:
+    """The flat layout of stage-3 variables (``ShardedVariable``, see sharded_variable.py).
+
+    One bucket per variable, whose piece is the variable's shard (``shard_elements``:
+    ``ceil(D / N)`` rows of its moved value); a replica's optimizer shard is its shards of
+    all variables, in order. ``size`` of a bucket is its padded element count
+    (``N * shard_elements``), so :meth:`FlatLayout.unshard` returns padded rows.
+
+    Args:
+        variables: objects with ``shape``, ``path`` and ``shard_elements``.
+        num_shards: N (must equal each variable's ``num_shards``).
+
+    Raises:
+        ValueError: a variable sharded over a different number of replicas.
+    """
+    names, shapes, sizes, offsets, buckets = [], [], [], [], []
+    flat_offset = shard_offset = 0
+    for i, v in enumerate(variables):
+        if getattr(v, "num_shards", num_shards) != num_shards:
+            raise ValueError(f"{_name(v)!r} is sharded {v.num_shards} ways, not {num_shards}")
+        piece = int(v.shard_elements)
+        names.append(_name(v))
+        shapes.append(tuple(int(d) for d in v.shape))
+        sizes.append(num_shards * piece)
+        offsets.append(flat_offset)
+        buckets.append(Bucket(i, i, i + 1, flat_offset, num_shards * piece, piece, shard_offset))
+        flat_offset += num_shards * piece
+        shard_offset += piece
+    return FlatLayout(
+        tuple(names),
+        tuple(shapes),
+        tuple(sizes),
+        tuple(offsets),
+        sum(sizes),
+        num_shards,
+        max(1, shard_offset),
+        tuple(buckets),
+    )

@@ -53,8 +53,9 @@ from zero_runtime.config import ZeroConfig
 from zero_runtime.optim import kernels
 from zero_runtime.optim.device_state import DeviceOptimizerState
 from zero_runtime.optim.host_state import HostOptimizerState
-from zero_runtime.optim.layout import FlatLayout
+from zero_runtime.optim.layout import FlatLayout, layout_from_sharded
 from zero_runtime.optim.nvme_state import NvmeOptimizerState
+from zero_runtime.sharded_variable import ShardedVariable, ShardState
 
 _BaseOptimizer = keras.optimizers.Optimizer
 _OPTIMIZER_IDS = itertools.count()
@@ -78,7 +79,7 @@ class ZeroOptimizerState:
 
     Attributes:
         config: the active configuration (the strategy's, or the defaults).
-        stage: 1 or 2.
+        stage: 1, 2 or 3 (3: the variables are ShardedVariables, see ``apply_shard_gradients``).
         layout: the flat layout (buckets, shards) of the trainable variables.
         store: the optimizer-state shards on their tier (device, host or NVMe).
         group: the raw-collective group for stage 2's reduce-scatter (None at stage 1).
@@ -135,6 +136,9 @@ class _PartitionedUpdate:
         strategy = self._distribution_strategy
         runtime = getattr(strategy, "runtime", None)
         config = runtime.config if runtime is not None else ZeroConfig()
+        if variables and all(isinstance(v, ShardedVariable) for v in variables):
+            self._zero3_build(variables, strategy, runtime, config)
+            return
         num_params = sum(int(np.prod(v.shape)) for v in variables if v.trainable)
         kind = estimator.optimizer_kind(self)
         if model_state_bytes(num_params, kind) < config.mirrored_fallback_bytes:
@@ -173,6 +177,132 @@ class _PartitionedUpdate:
             )
             if runtime is not None:
                 runtime.register_optimizer(self)
+
+    def _zero3_build(self, variables: list, strategy, runtime, config: ZeroConfig) -> None:
+        """Stage 3: the variables are ShardedVariables; the optimizer shard of a replica is
+        its shards of every variable (:func:`~zero_runtime.optim.layout.layout_from_sharded`).
+
+        Raises:
+            NotImplementedError: gradient accumulation or EMA (not implemented at stage 3).
+        """
+        if config.gradient_accumulation_steps > 1 or self.use_ema:
+            raise NotImplementedError(
+                "stage 3 does not implement gradient_accumulation_steps > 1 or use_ema yet"
+            )
+        _BaseOptimizer.build(self, variables)
+        with tf.init_scope():
+            devices = tuple(strategy.extended.worker_devices)
+            layout = layout_from_sharded(self._trainable_variables, strategy.num_replicas_in_sync)
+            store = self._zero_make_store(config, layout, devices)
+            self._zero = ZeroOptimizerState(config, 3, layout, store, None, devices, (), runtime)
+            if runtime is not None:
+                runtime.register_optimizer(self)
+
+    def _var_key(self, variable):
+        if isinstance(variable, ShardedVariable):
+            return id(variable)  # Keras's TF key reads .value, which would gather
+        return super()._var_key(variable)
+
+    def apply_shard_gradients(self, grads: dict[int, tf.Tensor]) -> tf.Tensor:
+        """Stage 3: update this replica's parameter shards with its reduced gradient shards.
+
+        Runs in replica context (inside the stage-3 train step). The parameters stay
+        partitioned: each replica reads its shards from the pool, updates them with the
+        optimizer state on the ``offload_optimizer`` tier, and writes them back; nothing
+        is all-gathered (ZeRO, SC20, section 5.3). Learning-rate schedules and AdamW's
+        decoupled weight decay behave as Keras's (same operation order); the iteration
+        counter is Keras's.
+
+        Args:
+            grads: ``{id(variable): float32 [shard_elements]}``, the replica's reduced
+                (summed over replicas) gradient shard of every trainable variable.
+
+        Returns:
+            An int64 scalar that exists once the shards are written back.
+
+        Raises:
+            NotImplementedError: clipping (``clipnorm``, ``global_clipnorm``,
+                ``clipvalue``): Keras clips each replica's full gradient, which no
+                stage-3 replica holds.
+        """
+        if self.clipnorm or self.global_clipnorm or self.clipvalue:
+            raise NotImplementedError(
+                "gradient clipping is not implemented at stage 3 (no replica holds a full "
+                "gradient); remove clipnorm/global_clipnorm/clipvalue"
+            )
+        zs = self._zero
+        replica = _replica_id()
+        order = self._trainable_variables
+        grad_shard = tf.concat([grads[id(v)] for v in order], axis=0)  # (shard_size,)
+        lr = self._zero_learning_rate()
+        scalars = self._zero_scalars(lr)
+        step = self._zero_step()
+        wd = tf.cast(self.weight_decay if self.weight_decay else 0.0, tf.float32)
+        lr32 = tf.cast(lr, tf.float32)
+        if isinstance(zs.store, DeviceOptimizerState):
+            param = tf.numpy_function(
+                functools.partial(self._zero3_read, replica=replica, decay=True),
+                [wd, lr32],
+                tf.float32,
+                stateful=True,
+                name="zero3_read_shards",
+            )
+            param.set_shape([zs.layout.shard_size])
+            new = self._zero_device_step(zs.store.slots(replica), param, grad_shard, scalars, None)
+            done = tf.numpy_function(
+                functools.partial(self._zero3_write, replica=replica),
+                [step, new],
+                tf.int64,
+                stateful=True,
+                name="zero3_write_shards",
+            )
+        else:
+            done = tf.numpy_function(
+                functools.partial(self._zero3_host_update, replica=replica),
+                [step, grad_shard, wd, lr32, *scalars],
+                tf.int64,
+                stateful=True,
+                name="zero3_host_update",
+            )
+        with tf.control_dependencies([done]):
+            self._iterations.assign_add(1)
+            return tf.identity(done)
+
+    def _zero3_decay_ranges(self) -> tuple[tuple[int, int], ...]:
+        layout = self._zero.layout
+        return tuple(
+            (b.shard_offset, b.shard_offset + b.piece_size)
+            for b, v in zip(layout.buckets, self._trainable_variables)
+            if self.weight_decay and self._use_weight_decay(v)
+        )
+
+    def _zero3_read(self, wd, lr, replica: int, decay: bool) -> np.ndarray:
+        param = np.concatenate([v.read_shard(replica) for v in self._trainable_variables])
+        if decay and self.weight_decay:
+            wd, lr = np.float32(wd), np.float32(lr)
+            for s, e in self._zero3_decay_ranges():  # Keras: v - v * wd * lr
+                param[s:e] = param[s:e] - param[s:e] * wd * lr
+        return param
+
+    def _zero3_write(self, step, param: np.ndarray, replica: int) -> np.int64:
+        off = 0
+        for v in self._trainable_variables:
+            if v.state(replica) is ShardState.GATHERED:  # persistent copies go stale
+                v.release(replica)
+            v.write_shard(replica, param[off : off + v.shard_elements])
+            off += v.shard_elements
+        if self._zero.runtime is not None:
+            self._zero.runtime.on_shard_updated(self, replica, int(step), 0.0)
+        return np.int64(step)
+
+    def _zero3_host_update(self, step, grad, wd, lr, *scalars, replica: int) -> np.int64:
+        start = time.perf_counter()
+        zs = self._zero
+        param = self._zero3_read(wd, lr, replica=replica, decay=True)
+        step_fn = functools.partial(self._zero_host_step, scalars=scalars)
+        zs.store.update(replica, ((0, zs.layout.shard_size),), param, grad, step_fn)
+        del start
+        return self._zero3_write(step, param, replica)
 
     def _zero_make_store(self, config: ZeroConfig, layout: FlatLayout, devices: tuple[str, ...]):
         tier = config.offload_optimizer

@@ -1,7 +1,30 @@
-"""Per-step telemetry: probes (readings), StepStats, the flight recorder, the emitter."""
+"""Per-step telemetry: probes (readings), StepStats, the flight recorder, the timeline,
+sampled profiler traces and collective byte counts."""
 
+from zero_runtime.telemetry.comm import COLLECTIVE_KINDS, collective_bytes
+from zero_runtime.telemetry.emitter import BackgroundEmitter
 from zero_runtime.telemetry.probes import Readings, read_probes
-from zero_runtime.telemetry.recorder import FlightRecorder
+from zero_runtime.telemetry.profile import ProfileSampler, parse_xplane
+from zero_runtime.telemetry.recorder import FlightRecorder, PageMoveRecorder
 from zero_runtime.telemetry.stats import StepStats, TierStats
+from zero_runtime.telemetry.timeline import Overlap, Timeline, intersect, overlap, total, union
 
-__all__ = ["FlightRecorder", "Readings", "StepStats", "TierStats", "read_probes"]
+__all__ = [
+    "BackgroundEmitter",
+    "COLLECTIVE_KINDS",
+    "FlightRecorder",
+    "Overlap",
+    "PageMoveRecorder",
+    "ProfileSampler",
+    "Readings",
+    "StepStats",
+    "TierStats",
+    "Timeline",
+    "collective_bytes",
+    "intersect",
+    "overlap",
+    "parse_xplane",
+    "read_probes",
+    "total",
+    "union",
+]

@@ -48,6 +48,11 @@ class StepStats:
             ``overlap_ratio``); missing columns are not measured.
         pages: ``tb_plugin.metadata.PAGE_COLUMNS`` -> counts / bytes / seconds.
         config_version: version of the active configuration (0 = as started).
+        collectives: ``<kind>_bytes`` / ``<kind>_calls`` per collective kind
+            (``zero_runtime.telemetry.comm``); empty when no partitioned optimizer runs.
+        stage: the ZeRO stage in effect.
+        fallback_mirrored: True when the strategy ran as plain mirrored data parallelism.
+        profiled: True when the comm/compute figures came from a profiler trace.
     """
 
     step: int
@@ -57,3 +62,16 @@ class StepStats:
     timing: dict[str, float]
     pages: dict[str, float]
     config_version: int = 0
+    collectives: dict[str, float] = dataclasses.field(default_factory=dict)
+    stage: int = -1
+    fallback_mirrored: bool = False
+    profiled: bool = False
+
+    def step_info(self) -> dict[str, float]:
+        """``tb_plugin.metadata.STEP_INFO_COLUMNS`` -> value (flags as 0/1)."""
+        return {
+            "config_version": float(self.config_version),
+            "stage": float(self.stage),
+            "fallback_mirrored": float(self.fallback_mirrored),
+            "profiled": float(self.profiled),
+        }

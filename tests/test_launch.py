@@ -1,0 +1,95 @@
+"""The local multi-worker launcher: TF_CONFIG per rank, prefixed output, fail-fast."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from zero_runtime import launch
+
+WORKER = """
+import json, os, sys, time
+cfg = json.loads(os.environ["TF_CONFIG"])
+rank = cfg["task"]["index"]
+world = os.environ["ZERO_RUNTIME_WORLD_SIZE"]
+print("cluster", json.dumps(cfg["cluster"]), "rank", rank, "world", world)
+mode = sys.argv[1] if len(sys.argv) > 1 else "ok"
+if mode == "fail" and rank == 1:
+    time.sleep(0.2)
+    sys.exit(3)
+if mode == "fail":
+    time.sleep(60)  # would hang the job without fail-fast
+print("done", rank)
+"""
+
+
+@pytest.fixture
+def worker_script(tmp_path):
+    path = tmp_path / "worker.py"
+    path.write_text(WORKER)
+    return str(path)
+
+
+def test_tf_config_names_the_cluster_and_the_rank():
+    cfg = json.loads(launch.tf_config([7001, 7002], 1))
+    assert cfg == {
+        "cluster": {"worker": ["127.0.0.1:7001", "127.0.0.1:7002"]},
+        "task": {"type": "worker", "index": 1},
+    }
+    with pytest.raises(ValueError, match="rank 2 out of range for 2 workers"):
+        launch.tf_config([7001, 7002], 2)
+
+
+def test_every_worker_runs_with_its_rank_and_output_is_prefixed(worker_script):
+    out = io.StringIO()
+    status = launch.launch(3, [sys.executable, worker_script], port_base=23456, out=out)
+    assert status == 0
+    lines = out.getvalue().splitlines()
+    for rank in range(3):
+        assert f"[rank {rank}] done {rank}" in lines
+        started = [ln for ln in lines if ln.startswith(f"[rank {rank}] cluster")]
+        assert len(started) == 1 and started[0].endswith(f"rank {rank} world 3")
+        assert '"127.0.0.1:23456", "127.0.0.1:23457", "127.0.0.1:23458"' in started[0]
+
+
+def test_one_failing_worker_stops_the_others_with_its_status(worker_script):
+    out = io.StringIO()
+    start = time.monotonic()
+    status = launch.launch(2, [sys.executable, worker_script, "fail"], out=out)
+    elapsed = time.monotonic() - start
+    assert status == 3
+    assert elapsed < 30  # rank 0 would sleep 60 s: it was stopped
+    assert "[launcher] rank 1 exited with status 3; stopping the other workers" in out.getvalue()
+    assert "[rank 0] done 0" not in out.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["launch", "--nproc", "0", "x.py"], "expected an int >= 1"),
+        (["launch", "--nproc", "2", "missing_script.py"], "script 'missing_script.py' not found"),
+        (["launch", "--nproc", "2", "--port-base", "65535", "/bin/true"], "leaves no room"),
+    ],
+)
+def test_cli_rejects_bad_arguments_with_exit_2(argv, message):
+    proc = subprocess.run(
+        [sys.executable, "-m", "zero_runtime.cli", *argv], capture_output=True, text=True
+    )
+    assert proc.returncode == 2
+    assert message in proc.stderr
+
+
+def test_cli_launch_end_to_end(worker_script):
+    proc = subprocess.run(
+        [sys.executable, "-m", "zero_runtime.cli", "launch", "--nproc", "2", worker_script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[rank 0] done 0" in proc.stdout and "[rank 1] done 1" in proc.stdout

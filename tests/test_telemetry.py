@@ -1,0 +1,155 @@
+"""Telemetry that tells the truth (issue #7): the Timeline's overlap arithmetic, exact page
+counts and bytes of a step that pages to NVMe, and tier bytes equal to the pool's own
+accounting (real training with Keras fit, a real NVMe slab file under tmp_path)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import keras
+import numpy as np
+import pytest
+
+import zero_runtime
+from zero_runtime.telemetry import Timeline, intersect, overlap, total, union
+
+# -- Timeline -----------------------------------------------------------------------------
+
+
+def test_union_and_intersection_arithmetic():
+    assert union([(3, 4), (0, 1), (0.5, 2), (2, 2.5)]) == [(0, 2.5), (3, 4)]
+    assert union([(1, 1), (2, 1)]) == []  # empty and reversed intervals are dropped
+    assert intersect([(0, 2), (3, 5)], [(1, 4)]) == [(1, 2), (3, 4)]
+    assert total([(0, 1), (0.5, 1.5)]) == pytest.approx(1.5)
+
+
+def test_fully_overlapped_comm_gives_ratio_one():
+    tl = Timeline()
+    tl.add("compute", 0.0, 10.0)
+    for s in range(0, 10, 2):
+        tl.add("comm", s + 0.5, s + 1.5)  # every comm second under compute
+    o = tl.overlap()
+    assert o.comm_seconds == pytest.approx(5.0)
+    assert o.overlap_ratio == pytest.approx(1.0)
+
+
+def test_serialized_comm_gives_ratio_zero():
+    comm = [(i + 0.5, i + 1.0) for i in range(5)]
+    compute = [(i, i + 0.5) for i in range(5)]  # alternating, never concurrent
+    o = overlap(comm, compute)
+    assert o.overlap_ratio == pytest.approx(0.0)
+    assert o.compute_seconds == pytest.approx(2.5)
+
+
+def test_partial_overlap_and_no_comm():
+    o = overlap([(0, 4)], [(3, 10)])
+    assert o.overlap_seconds == pytest.approx(1.0)
+    assert o.overlap_ratio == pytest.approx(0.25)
+    assert math.isnan(overlap([], [(0, 1)]).overlap_ratio)  # no comm: not measured
+
+
+def test_timeline_drain_clears_and_rejects_unknown_kind():
+    tl = Timeline()
+    tl.add("comm", 0, 1)
+    assert tl.drain()["comm"] == [(0.0, 1.0)]
+    assert tl.drain() == {"comm": [], "compute": []}
+    with pytest.raises(ValueError, match="kind"):
+        tl.add("io", 0, 1)
+
+
+# -- a real step that pages ---------------------------------------------------------------
+
+PAGE = 1 << 16  # 64 KiB, the smallest page
+SUB_GROUP = 200  # elements
+
+
+def _nvme_run(tmp_path, steps: int):
+    strategy = zero_runtime.ZeroInfinityStrategy(
+        {
+            "stage": 1,
+            "offload_optimizer": "nvme",
+            "nvme_path": str(tmp_path / "nvme"),
+            "page_size_bytes": PAGE,
+            "sub_group_size": SUB_GROUP,
+        },
+        logdir=str(tmp_path / "run"),
+    )
+    (tmp_path / "nvme").mkdir(exist_ok=True)
+    with strategy.scope():
+        model = keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(64), keras.layers.Dense(1)]
+        )  # 8*64+64 + 64+1 = 641 parameters
+        model.compile(optimizer="adam", loss="mse")
+    rng = np.random.default_rng(0)
+    x = rng.random((16 * steps, 8), dtype=np.float32)
+    y = rng.random((16 * steps, 1), dtype=np.float32)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    return strategy, model
+
+
+def test_paging_step_records_exact_counts_and_bytes(tmp_path):
+    strategy, model = _nvme_run(tmp_path, steps=3)
+    runtime = strategy.runtime
+    store = model.optimizer.zero_state.store
+    layout = store.layout
+    shard = layout.shard_size  # ceil(641 / 2) = 321 elements per replica
+    assert shard == 321
+    subgroups = -(-shard // SUB_GROUP)  # 2
+    slots = 2  # Adam: momentum, velocity
+    replicas = 2
+    pages = (
+        replicas
+        * slots
+        * sum(
+            -(-4 * (min(shard, (j + 1) * SUB_GROUP) - j * SUB_GROUP) // PAGE)
+            for j in range(subgroups)
+        )
+    )  # one page per tensor here
+    payload = replicas * slots * 4 * shard  # bytes of every slot of every shard
+    rec = runtime.recorder.last()
+    assert [r.step for r in rec] == [0, 1, 2]
+    assert pages == 8 and payload == 5136
+    # The known number, per step: every page of every shard is written out (and, from
+    # step 1 on, read in) exactly once by the update; moves seen independently through the
+    # pool's I/O completions, split at each boundary's wall time.
+    moves = runtime.page_moves.last()
+    bounds = [0.0] + [r.wall_time for r in rec]
+    for k, r in enumerate(rec):
+        mine = [m for m in moves if bounds[k] < m["wall_time"] <= bounds[k + 1]]
+        written = {(m["tensor"], m["page"]): m["bytes"] for m in mine if m["direction"] == "h2n"}
+        read = {(m["tensor"], m["page"]): m["bytes"] for m in mine if m["direction"] == "n2h"}
+        assert len(written) == pages and sum(written.values()) == payload
+        assert r.pages["h2n_pages"] >= pages and r.pages["h2n_bytes"] >= payload
+        if k:
+            assert len(read) == pages and sum(read.values()) == payload
+        assert r.pages["d2h_pages"] == 0 and r.pages["h2d_pages"] == 0
+    # Exactly: the counters of all records plus the moves after the last boundary equal
+    # every completed move. (A repeat is a stale read-ahead of the first sub-group landing
+    # after its write-behind, the same page moved again; reported, not miscounted.)
+    time.sleep(0.5)  # let any read-ahead still in flight complete
+    tail = store.step_boundary(99)
+    for d in ("h2n", "n2h"):
+        seen = [m for m in runtime.page_moves.last() if m["direction"] == d]
+        assert sum(r.pages[f"{d}_pages"] for r in rec) + getattr(tail, f"{d}_pages") == len(seen)
+        assert sum(r.pages[f"{d}_bytes"] for r in rec) + getattr(tail, f"{d}_bytes") == sum(
+            m["bytes"] for m in seen
+        )
+    for r in rec[1:]:
+        # Runtime-driven intervals: NVMe I/O (comm) against the host update (compute).
+        assert r.timing["comm_seconds"] > 0
+        assert 0.0 <= r.timing["overlap_ratio"] <= 1.0
+    # Tier bytes equal the pool's own accounting (whole pages).
+    usage = store.pool.usage()
+    last = rec[-1]
+    assert last.tiers["nvme"].used_bytes == usage["nvme"].bytes_by_kind["optimizer"]
+    assert last.tiers["nvme"].used_bytes == pages * PAGE
+    assert last.tiers["host"].optimizer_bytes == usage["host"].bytes_by_kind.get("optimizer", 0)
+    # Collective bytes from the flat buffers: all-reduce of the padded flat gradient and
+    # all-gather of the shard, per replica.
+    padded = sum(b.padded_size(2) for b in layout.buckets)
+    assert last.collectives["all_reduce_bytes"] == 4 * padded * replicas
+    assert last.collectives["all_gather_bytes"] == 4 * shard * replicas
+    assert last.collectives["reduce_scatter_bytes"] == 0
+    assert (last.stage, last.fallback_mirrored, last.config_version) == (1, False, 0)
+    strategy.close()

@@ -1,0 +1,215 @@
+"""Local multi-worker launcher: N worker processes on 127.0.0.1 with the right ``TF_CONFIG``.
+
+``zero-runtime launch --nproc 2 script.py [args]`` starts ``script.py`` N times, each with
+a ``TF_CONFIG`` that names the same N-worker cluster on loopback ports and its own task
+index (TensorFlow's MultiWorkerMirroredStrategy reads it), streams every worker's output
+prefixed by its rank, and, when one worker fails, stops all the others and exits with the
+failed worker's status. This is the single-machine counterpart of a cluster scheduler;
+the cluster format is TensorFlow's (``tf.distribute.cluster_resolver.TFConfigClusterResolver``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import IO
+
+#: Seconds a worker gets to exit after SIGTERM before it is killed.
+TERMINATE_GRACE_SECONDS = 10.0
+
+
+class WorkerState(enum.Enum):
+    """Lifecycle of one launched worker: RUNNING -> EXITED (any status) or STOPPED (by us)."""
+
+    RUNNING = "running"
+    EXITED = "exited"
+    STOPPED = "stopped"
+
+
+@dataclasses.dataclass
+class Worker:
+    """One worker process.
+
+    Attributes:
+        rank: the task index in the cluster (0 is the chief).
+        process: the ``subprocess.Popen`` object.
+        state: its lifecycle state.
+        returncode: exit status once it ended (negative: killed by that signal).
+    """
+
+    rank: int
+    process: subprocess.Popen
+    state: WorkerState = WorkerState.RUNNING
+    returncode: int | None = None
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct TCP ports free on ``host`` right now (bound, then released).
+
+    Raises:
+        ValueError: ``n`` < 1.
+    """
+    if n < 1:
+        raise ValueError(f"need at least one port, got n={n}")
+    sockets = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def tf_config(ports: Sequence[int], rank: int, host: str = "127.0.0.1") -> str:
+    """The ``TF_CONFIG`` JSON for worker ``rank`` of a cluster on ``host:ports``.
+
+    Args:
+        ports: one TCP port per worker, in rank order.
+        rank: this worker's task index, ``0 <= rank < len(ports)``.
+        host: the address every worker listens on (default loopback).
+
+    Raises:
+        ValueError: ``rank`` out of range.
+    """
+    if not 0 <= rank < len(ports):
+        raise ValueError(f"rank {rank} out of range for {len(ports)} workers")
+    cluster = {"worker": [f"{host}:{p}" for p in ports]}
+    return json.dumps({"cluster": cluster, "task": {"type": "worker", "index": rank}})
+
+
+def launch(
+    nproc: int,
+    command: Sequence[str],
+    port_base: int | None = None,
+    out: IO[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> int:
+    """Run ``command`` as ``nproc`` workers of one cluster; return the job's exit status.
+
+    Args:
+        nproc: number of worker processes (int >= 1).
+        command: the program and its arguments, e.g. ``[sys.executable, "train.py"]``.
+        port_base: worker ``r`` listens on ``port_base + r``; None picks free ports.
+        out: where the rank-prefixed output goes (default ``sys.stdout``).
+        env: base environment for the workers (default ``os.environ``); each worker also
+            gets ``TF_CONFIG``, ``ZERO_RUNTIME_RANK`` and ``ZERO_RUNTIME_WORLD_SIZE``.
+
+    Returns:
+        0 when every worker exited 0; otherwise the status of the first worker that
+        failed (the others are stopped: SIGTERM, then SIGKILL after
+        ``TERMINATE_GRACE_SECONDS``). A worker killed by signal S gives ``128 + S``.
+
+    Raises:
+        ValueError: ``nproc`` < 1, an empty command, or a port range outside 1..65535.
+    """
+    if nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    if not command:
+        raise ValueError("no command to launch")
+    if port_base is None:
+        ports = free_ports(nproc)
+    else:
+        if not 1 <= port_base <= 65535 - (nproc - 1):
+            raise ValueError(f"--port-base {port_base} leaves no room for {nproc} ports")
+        ports = [port_base + r for r in range(nproc)]
+    out = out or sys.stdout
+    base_env = dict(os.environ if env is None else env)
+    lock = threading.Lock()
+    workers: list[Worker] = []
+    pumps: list[threading.Thread] = []
+    for rank in range(nproc):
+        worker_env = dict(
+            base_env,
+            TF_CONFIG=tf_config(ports, rank),
+            ZERO_RUNTIME_RANK=str(rank),
+            ZERO_RUNTIME_WORLD_SIZE=str(nproc),
+            PYTHONUNBUFFERED="1",
+        )
+        proc = subprocess.Popen(
+            list(command),
+            env=worker_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            start_new_session=True,  # its own process group: we stop the whole group
+        )
+        workers.append(Worker(rank, proc))
+        pump = threading.Thread(target=_pump, args=(proc.stdout, rank, out, lock), daemon=True)
+        pump.start()
+        pumps.append(pump)
+    status = _supervise(workers, out, lock)
+    for pump in pumps:
+        pump.join(timeout=5)
+    return status
+
+
+def _pump(stream: IO[str], rank: int, out: IO[str], lock: threading.Lock) -> None:
+    for line in stream:
+        with lock:
+            out.write(f"[rank {rank}] {line}" if line.endswith("\n") else f"[rank {rank}] {line}\n")
+            out.flush()
+
+
+def _supervise(workers: list[Worker], out: IO[str], lock: threading.Lock) -> int:
+    """Wait for the workers; on the first failure stop the rest. Returns the job status."""
+    try:
+        while any(w.state is WorkerState.RUNNING for w in workers):
+            for w in workers:
+                if w.state is not WorkerState.RUNNING:
+                    continue
+                code = w.process.poll()
+                if code is None:
+                    continue
+                w.state, w.returncode = WorkerState.EXITED, code
+                if code != 0:
+                    with lock:
+                        out.write(
+                            f"[launcher] rank {w.rank} exited with status {_status(code)}; "
+                            "stopping the other workers\n"
+                        )
+                        out.flush()
+                    _stop_all(workers)
+                    return _status(code)
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        _stop_all(workers)
+        return 128 + signal.SIGINT
+    return 0
+
+
+def _stop_all(workers: list[Worker]) -> None:
+    running = [w for w in workers if w.state is WorkerState.RUNNING]
+    for w in running:
+        _signal_group(w.process, signal.SIGTERM)
+    deadline = time.monotonic() + TERMINATE_GRACE_SECONDS
+    for w in running:
+        try:
+            w.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(w.process, signal.SIGKILL)
+            w.process.wait()
+        w.state, w.returncode = WorkerState.STOPPED, w.process.returncode
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _status(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode

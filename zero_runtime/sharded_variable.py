@@ -1,0 +1,331 @@
+"""ShardedVariable: one logical Keras variable whose storage is split across replicas.
+
+Vocabulary (used by :mod:`zero_runtime.stage3` and the stage-3 optimizer path):
+
+- *logical value*: the variable as the model sees it, ``shape`` (e.g. ``(D, C)``).
+- *moved value*: the logical value with ``shard_dim`` moved to axis 0, ``(D, *rest)``.
+- *shard*: replica ``r``'s rows ``[r * R, (r + 1) * R)`` of the moved value, zero-padded
+  to ``R = ceil(D / N)`` rows, flattened: float32 ``[R * prod(rest)]`` (ZeRO-3, parameter
+  partitioning, Rajbhandari et al., SC20, section 5.3). It lives as pages of the paged
+  pool on the tier ``offload_param`` selects ('none' -> device, 'cpu' -> host,
+  'nvme' -> NVMe), one pool tensor per replica.
+- *gathered buffer*: the all-gathered, padded moved value ``(N * R, *rest)``, a pool
+  tensor of kind 'param' on the device tier while the variable is GATHERED.
+
+Lifecycle per replica (:class:`ShardState`), one method per transition, each guarded:
+
+====================  ============================================  ==================
+state                 counts toward memory                          left by
+====================  ============================================  ==================
+SHARDED               the shard (its tier)                          ``begin_gather``
+GATHERING             the shard; the collective's buffers (TF)      ``finish_gather``
+GATHERED              the shard + the gathered buffer (device)      ``release``
+RELEASED              the shard (gathered buffer freed)             ``begin_gather``,
+                                                                    ``write_shard``
+====================  ============================================  ==================
+
+``write_shard`` (the optimizer's update) is legal only in SHARDED or RELEASED and leaves
+SHARDED. Whether a shard's pages are offloaded or in flight is the pool's state
+(:class:`zero_runtime.memory.PageState`), not duplicated here.
+
+Outside a training step the variable reads like any Keras variable: ``numpy()``,
+``model.get_weights()`` and saving gather on demand from all replicas' shards through
+the host (no collective); ``assign`` (``set_weights``, loading) scatters into the shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import threading
+
+import numpy as np
+import tensorflow as tf
+from keras.src.backend.common.stateless_scope import get_stateless_scope, in_stateless_scope
+from keras.src.backend.tensorflow.core import Variable as _KerasTFVariable
+
+from zero_runtime.memory import PagedBufferPool
+
+#: Tier of a shard's pages for each ``offload_param`` value.
+PARAM_TIER = {"none": "device", "cpu": "host", "nvme": "nvme"}
+
+
+class ShardState(enum.Enum):
+    """Per-replica lifecycle of a :class:`ShardedVariable` (see the module table)."""
+
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+    RELEASED = "released"
+
+
+class ShardStateError(RuntimeError):
+    """A lifecycle transition was requested from a state that does not allow it."""
+
+
+@dataclasses.dataclass
+class _ReplicaShard:
+    """One replica's record: its state and the pool tensors it owns (one owner)."""
+
+    shard_id: str
+    gathered_id: str
+    state: ShardState = ShardState.SHARDED
+
+
+class ShardedVariable(_KerasTFVariable):
+    """A Keras variable stored as per-replica shards in a paged pool (ZeRO stage 3).
+
+    Args:
+        value: the initial logical value, array-like of ``shape`` (float32).
+        pool: the :class:`~zero_runtime.memory.PagedBufferPool` holding the pages.
+        num_shards: N, the number of replicas (int >= 1).
+        tier: 'device', 'host' or 'nvme': where the shards' pages are placed.
+        name: the variable's name (no '/'); ``path`` is set to ``path`` if given.
+        path: the Keras path of the variable this one replaces (for saving/reading).
+        shard_dim: the axis split across replicas (default 0; negative counts from the
+            end). A scalar variable is treated as shape ``(1,)``.
+        persistent: True for a parameter below ``persistence_threshold``: it is still
+            stored as shards, but once gathered in a step it stays gathered until the
+            optimizer updates it (DeepSpeed's persistent parameters).
+        trainable: Keras's flag (default True).
+
+    Raises:
+        ValueError: a non-float32 value, ``num_shards`` < 1, or a bad ``shard_dim``.
+    """
+
+    def __init__(
+        self,
+        value,
+        *,
+        pool: PagedBufferPool,
+        num_shards: int,
+        tier: str,
+        name: str,
+        path: str | None = None,
+        shard_dim: int = 0,
+        persistent: bool = False,
+        trainable: bool = True,
+    ) -> None:
+        value = np.asarray(value)
+        if value.dtype != np.float32:
+            raise ValueError(
+                f"ShardedVariable {name!r}: only float32 is supported, got {value.dtype}"
+            )
+        if num_shards < 1:
+            raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+        shape = tuple(int(d) for d in value.shape)
+        ndim = max(1, len(shape))
+        if not -ndim <= shard_dim < ndim:
+            raise ValueError(f"shard_dim={shard_dim} out of range for shape {shape}")
+        self.pool = pool
+        self.num_shards = int(num_shards)
+        self.tier = tier
+        self.shard_dim = shard_dim % ndim
+        self.persistent = bool(persistent)
+        self._logical_shape = shape
+        moved = _moved_shape(shape, self.shard_dim)  # (D, *rest)
+        self.rows = -(-moved[0] // self.num_shards)  # R = ceil(D / N)
+        self.row_elements = math.prod(moved[1:])
+        self.shard_elements = self.rows * self.row_elements  # [R * prod(rest)]
+        self._moved_shape = moved
+        self._lock = threading.Lock()
+        uid = f"{(path or name).replace('/', '.')}#{id(self):x}"
+        self._replicas = [
+            _ReplicaShard(f"p/{uid}/r{r}", f"g/{uid}/r{r}") for r in range(self.num_shards)
+        ]
+        for rec in self._replicas:
+            pool.allocate(rec.shard_id, (self.shard_elements,), np.float32, "param", tier)
+        super().__init__(
+            initializer=lambda shape, dtype=None: value,
+            shape=shape,
+            dtype="float32",
+            trainable=trainable,
+            name=name,
+        )
+        if path is not None:
+            self._path = path
+
+    # -- Keras variable interface --------------------------------------------------------
+    def _initialize(self, value) -> None:
+        if callable(value):
+            value = value()
+        self._write_logical(np.asarray(value, np.float32))
+        self._value = None
+
+    def _initialize_with_initializer(self, initializer) -> None:
+        self._initialize(lambda: initializer(self._shape, dtype=self._dtype))
+
+    @property
+    def value(self):
+        """The logical value: inside a stateless call the value given to it; otherwise a
+        gather on demand of every replica's shard (a ``tf.numpy_function`` when traced)."""
+        if in_stateless_scope():
+            current = get_stateless_scope().get_current_value(self)
+            if current is not None:
+                return self._maybe_autocast(current)
+        if tf.inside_function():
+            out = tf.numpy_function(self.gather_on_demand, [], tf.float32, stateful=True)
+            out.set_shape(self._logical_shape)
+            return self._maybe_autocast(out)
+        return self._maybe_autocast(tf.constant(self.gather_on_demand()))
+
+    def _direct_assign(self, value) -> None:
+        if tf.inside_function():
+            raise RuntimeError(
+                f"ShardedVariable {self.path!r} cannot be assigned inside a traced function; "
+                "the stage-3 optimizer updates shards with write_shard"
+            )
+        self._write_logical(np.asarray(value, np.float32).reshape(self._logical_shape))
+
+    @property
+    def handle(self):
+        """Not available: a sharded variable has no single TensorFlow resource."""
+        raise AttributeError(f"ShardedVariable {self.path!r} has no resource handle")
+
+    # -- geometry ------------------------------------------------------------------------
+    @property
+    def padded_rows(self) -> int:
+        """``N * R``: rows of the gathered (padded, moved) value."""
+        return self.num_shards * self.rows
+
+    def state(self, replica: int) -> ShardState:
+        """The lifecycle state of ``replica``'s copy."""
+        return self._replicas[replica].state
+
+    def shard_id(self, replica: int) -> str:
+        """The pool tensor id of ``replica``'s shard."""
+        return self._replicas[replica].shard_id
+
+    def shards_from_logical(self, value: np.ndarray) -> np.ndarray:
+        """Split a logical value into shards: float32 ``[N, shard_elements]``."""
+        value = np.asarray(value, np.float32)
+        if self._logical_shape:
+            moved = np.moveaxis(value.reshape(self._logical_shape), self.shard_dim, 0)
+        else:
+            moved = value.reshape(1)
+        padded = np.zeros((self.padded_rows, *self._moved_shape[1:]), np.float32)
+        padded[: self._moved_shape[0]] = moved
+        return padded.reshape(self.num_shards, self.shard_elements)
+
+    def logical_from_shards(self, shards: np.ndarray) -> np.ndarray:
+        """Reassemble ``[N, shard_elements]`` (or the flat gathered buffer) into the value."""
+        padded = np.asarray(shards, np.float32).reshape(self.padded_rows, *self._moved_shape[1:])
+        moved = padded[: self._moved_shape[0]]
+        if not self._logical_shape:
+            return moved.reshape(())
+        return np.ascontiguousarray(np.moveaxis(moved, 0, self.shard_dim))
+
+    # -- shards --------------------------------------------------------------------------
+    def read_shard(self, replica: int) -> np.ndarray:
+        """A copy of ``replica``'s shard, float32 ``[shard_elements]`` (pages it in)."""
+        sid = self._replicas[replica].shard_id
+        if self.tier == "device":
+            out = self.pool.acquire(sid, "device")
+            try:
+                return np.array(out.numpy(), np.float32)
+            finally:
+                self.pool.release(sid)
+        out = self.pool.acquire(sid, "host")
+        try:
+            return np.array(out, np.float32, copy=True)
+        finally:
+            self.pool.release(sid)
+
+    def write_shard(self, replica: int, shard: np.ndarray) -> None:
+        """Store ``replica``'s updated shard (SHARDED or RELEASED -> SHARDED).
+
+        Raises:
+            ShardStateError: the replica's copy is GATHERING or GATHERED (a gathered
+                buffer would go stale); ``release`` it first.
+        """
+        rec = self._replicas[replica]
+        with self._lock:
+            self._expect(rec, (ShardState.SHARDED, ShardState.RELEASED), "write_shard")
+            self.pool.write(rec.shard_id, np.asarray(shard, np.float32).reshape(-1))
+            rec.state = ShardState.SHARDED
+
+    # -- transitions ---------------------------------------------------------------------
+    def begin_gather(self, replica: int) -> None:
+        """SHARDED or RELEASED -> GATHERING (the shard was read for the all-gather)."""
+        rec = self._replicas[replica]
+        with self._lock:
+            self._expect(rec, (ShardState.SHARDED, ShardState.RELEASED), "begin_gather")
+            rec.state = ShardState.GATHERING
+
+    def finish_gather(self, replica: int, gathered: np.ndarray) -> None:
+        """GATHERING -> GATHERED: store the all-gathered padded buffer on the device tier.
+
+        Args:
+            replica: the replica id.
+            gathered: float32, ``N * shard_elements`` elements (the all-gather output).
+
+        Raises:
+            ShardStateError: not GATHERING.
+            PoolOutOfMemoryError: the device tier cannot hold the gathered buffer.
+        """
+        rec = self._replicas[replica]
+        with self._lock:
+            self._expect(rec, (ShardState.GATHERING,), "finish_gather")
+            shape = (self.padded_rows, *self._moved_shape[1:])
+            self.pool.allocate(rec.gathered_id, shape, np.float32, "param", "device")
+            self.pool.write(rec.gathered_id, np.asarray(gathered, np.float32).reshape(shape))
+            rec.state = ShardState.GATHERED
+
+    def gathered_value(self, replica: int) -> np.ndarray:
+        """The logical value read from ``replica``'s gathered buffer (must be GATHERED)."""
+        rec = self._replicas[replica]
+        self._expect(rec, (ShardState.GATHERED,), "gathered_value")
+        return self.logical_from_shards(self.pool.read(rec.gathered_id))
+
+    def release(self, replica: int) -> None:
+        """GATHERED -> RELEASED: free the gathered buffer's device pages."""
+        rec = self._replicas[replica]
+        with self._lock:
+            self._expect(rec, (ShardState.GATHERED,), "release")
+            self.pool.free(rec.gathered_id)
+            rec.state = ShardState.RELEASED
+
+    def gather_on_demand(self) -> np.ndarray:
+        """The logical value assembled from every replica's shard on the host (outside a
+        step: ``numpy()``, ``get_weights()``, saving). No state changes."""
+        shards = np.stack([self.read_shard(r) for r in range(self.num_shards)])
+        return self.logical_from_shards(shards)
+
+    def free(self) -> None:
+        """Free every page this variable owns (shards and gathered buffers)."""
+        for rec in self._replicas:
+            if rec.state is ShardState.GATHERED:
+                self.pool.free(rec.gathered_id)
+            if rec.shard_id in self.pool.tensor_ids():
+                self.pool.free(rec.shard_id)
+
+    # -- helpers -------------------------------------------------------------------------
+    def _write_logical(self, value: np.ndarray) -> None:
+        shards = self.shards_from_logical(value)
+        for r, rec in enumerate(self._replicas):
+            with self._lock:
+                self._expect(rec, (ShardState.SHARDED, ShardState.RELEASED), "assign")
+                self.pool.write(rec.shard_id, shards[r])
+
+    def _expect(self, rec: _ReplicaShard, allowed: tuple[ShardState, ...], what: str) -> None:
+        if rec.state not in allowed:
+            raise ShardStateError(
+                f"{what} on {getattr(self, '_path', '?')!r} ({rec.shard_id}) needs state "
+                f"{'/'.join(s.name for s in allowed)}, but it is {rec.state.name}"
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"<ShardedVariable path={getattr(self, '_path', '?')} shape={self._logical_shape} "
+            f"shards={self.num_shards}x{self.shard_elements} tier={self.tier}"
+            f"{' persistent' if self.persistent else ''}>"
+        )
+
+
+def _moved_shape(shape: tuple[int, ...], shard_dim: int) -> tuple[int, ...]:
+    if not shape:
+        return (1,)
+    dims = list(shape)
+    d = dims.pop(shard_dim)
+    return (d, *dims)

@@ -1,0 +1,17 @@
+"""ZeRO stage 3: per-block execution over sharded parameters (see :mod:`.engine`).
+
+Public API::
+
+    with strategy.scope():                       # ZeroInfinityStrategy(stage=3, ...)
+        model = build_model()                    # a keras.Sequential, unchanged
+        sharded = zero_runtime.stage3.ShardedModel(model)   # or strategy.shard_model(model)
+        sharded.compile(optimizer="adam", loss=...)
+    sharded.fit(dataset)                         # Keras fit, the stage-3 train step
+
+``ShardedModel.train_step`` also runs inside ``strategy.run`` for custom loops.
+"""
+
+from zero_runtime.stage3.engine import BlockPlan, Stage3Engine
+from zero_runtime.stage3.model import ShardedModel
+
+__all__ = ["BlockPlan", "ShardedModel", "Stage3Engine"]

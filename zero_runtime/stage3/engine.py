@@ -1,0 +1,639 @@
+"""Per-block execution of a model whose parameters are sharded (ZeRO stage 3).
+
+The model runs as a sequence of *blocks*: the layers of a ``keras.Sequential`` (a
+functional model's top-level layers, which must form a chain). Every trainable weight
+is replaced by a :class:`~zero_runtime.sharded_variable.ShardedVariable` whose shards live
+in one paged pool. In a training step, on each replica (TF_NOTES section 5, the
+``tf.custom_gradient`` path):
+
+- forward, block i: its shards are read from the pool (paged in from host/NVMe), one
+  all-gather per block (:func:`zero_runtime.comm.all_gather_flat`) assembles the full
+  parameters into gathered buffers on the pool's device tier, the layer runs through
+  ``layer.stateless_call`` with those values, and the buffers are released unless the
+  plan keeps them (``max_reuse_distance``). Only the block's input is kept for backward.
+- backward, block i: the parameters are gathered again (unless kept), the block's
+  forward is recomputed from its saved input under a tape, and the parameter gradients
+  are reduce-scattered at once (one collective per block), leaving the replica only the
+  reduced gradient of its own shards (ZeRO, Rajbhandari et al., SC20, section 5.3).
+
+The schedule is static (:class:`BlockPlan`): uses in the order F0..F(L-1), B(L-1)..B0;
+the order actually traced in the first step is recorded and checked against it, and it
+drives prefetch: when a use starts, the shards of the next uses that gather, up to
+``prefetch_bucket_size`` elements, are prefetched by the pool (NVMe -> host).
+Parameters with fewer than ``persistence_threshold`` elements are *persistent*: gathered
+once per step and kept until the optimizer updates them. At most
+``max_live_parameters`` non-persistent elements are gathered at once per replica.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import threading
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from zero_runtime import comm
+from zero_runtime.config import ZeroConfig
+from zero_runtime.memory import PagedBufferPool
+from zero_runtime.sharded_variable import PARAM_TIER, ShardedVariable, ShardState
+
+log = logging.getLogger(__name__)
+
+FWD, BWD = "fwd", "bwd"
+SLACK_PAGES = 8  # pages added to default tier budgets (rounding, transient placement)
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """One unit of execution.
+
+    Attributes:
+        index: position in the model.
+        layer: the Keras layer (its trainable weights are ShardedVariables).
+        variables: the layer's trainable variables, in ``layer.trainable_variables`` order.
+        elements: non-persistent parameter elements (what is gathered and released).
+        persistent_elements: elements of its persistent parameters.
+    """
+
+    index: int
+    layer: keras.layers.Layer
+    variables: tuple[ShardedVariable, ...]
+    elements: int
+    persistent_elements: int
+
+    @property
+    def shard_elements(self) -> int:
+        """Elements of one replica's shards of all the block's variables."""
+        return sum(v.shard_elements for v in self.variables)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockPlan:
+    """The static schedule of one training step.
+
+    Attributes:
+        uses: ``(phase, block)`` per use, phase 'fwd' or 'bwd', in execution order.
+        keep: per use, True when the block's non-persistent parameters stay gathered
+            after it (reused within ``max_reuse_distance`` elements, within
+            ``max_live_parameters``).
+        gathers: per use, True when the use gathers (its block was not kept).
+    """
+
+    uses: tuple[tuple[str, int], ...]
+    keep: tuple[bool, ...]
+    gathers: tuple[bool, ...]
+
+    @classmethod
+    def make(cls, elements: dict[int, int], max_reuse_distance: int, max_live: int) -> BlockPlan:
+        """Plan F0..F(L-1), B(L-1)..B0 for the blocks in ``elements`` (block index ->
+        non-persistent elements; blocks without parameters are left out).
+
+        A use keeps its block gathered when the elements of other blocks used before
+        the block's next use (the reuse distance) are <= ``max_reuse_distance`` and the
+        live elements stay <= ``max_live``.
+
+        Raises:
+            ValueError: a single block has more than ``max_live`` elements.
+        """
+        ids = sorted(elements)
+        for i, e in elements.items():
+            if e > max_live:
+                raise ValueError(
+                    f"block {i} has {e} parameter elements, more than max_live_parameters="
+                    f"{max_live}; raise max_live_parameters or split the block"
+                )
+        uses = [(FWD, i) for i in ids] + [(BWD, i) for i in reversed(ids)]
+        keep, gathers, live = [], [], set()
+        for k, (_, b) in enumerate(uses):
+            gathers.append(b not in live)
+            live.add(b)
+            nxt = next((j for j in range(k + 1, len(uses)) if uses[j][1] == b), None)
+            if nxt is None:
+                keep.append(False)
+                live.discard(b)
+                continue
+            distance = sum(elements[uses[j][1]] for j in range(k + 1, nxt))
+            peak = max(
+                [sum(elements[x] for x in live | {uses[j][1]}) for j in range(k + 1, nxt)]
+                or [sum(elements[x] for x in live)]
+            )
+            ok = distance <= max_reuse_distance and peak <= max_live
+            keep.append(ok)
+            if not ok:
+                live.discard(b)
+        return cls(tuple(uses), tuple(keep), tuple(gathers))
+
+
+class Stage3Engine:
+    """Shards a model's parameters and runs it block by block (ZeRO stage 3).
+
+    Args:
+        model: a built ``keras.Sequential`` (or functional model whose top-level layers
+            form a chain). Its trainable weights are replaced, in place, by
+            :class:`ShardedVariable` objects; the original variables are dropped.
+        strategy: the :class:`~zero_runtime.strategy.ZeroInfinityStrategy` (stage 3).
+
+    Attributes:
+        pool: the paged pool holding shards (tier from ``offload_param``) and gathered
+            buffers (device tier).
+        blocks: the :class:`Block` list.
+        plan: the :class:`BlockPlan`.
+        recorded_order: the ``(phase, block)`` uses traced in the first step.
+        device_peaks: the pool's device-tier peak bytes of every finished step.
+
+    Raises:
+        ValueError: an unbuilt model, a non-chain functional model, a weight shared by
+            two blocks, a non-float32 weight, or a block above ``max_live_parameters``.
+        NotImplementedError: a block with non-trainable state that its call updates
+            (e.g. BatchNormalization) or dropout (recomputation would redraw the masks).
+    """
+
+    def __init__(self, model: keras.Model, strategy) -> None:
+        if not model.built:
+            raise ValueError(f"model {model.name!r} must be built before sharding")
+        config: ZeroConfig = strategy.config
+        self.config = config
+        self.strategy = strategy
+        self.num_shards = strategy.num_replicas_in_sync
+        self.devices = tuple(strategy.extended.worker_devices)
+        layers = _chain_layers(model)
+        self.tier = PARAM_TIER[config.offload_param]
+        self.pool = self._make_pool(layers, config)
+        seen: set[int] = set()
+        blocks = []
+        for i, layer in enumerate(layers):
+            _check_supported(layer)
+            new_vars = []
+            for v in list(layer.trainable_variables):
+                if id(v) in seen:
+                    raise ValueError(f"weight {v.path!r} is shared by two blocks")
+                seen.add(id(v))
+                size = math.prod(v.shape)
+                sv = ShardedVariable(
+                    np.asarray(v.numpy(), np.float32),
+                    pool=self.pool,
+                    num_shards=self.num_shards,
+                    tier=self.tier,
+                    name=v.name,
+                    path=v.path,
+                    persistent=size < config.persistence_threshold,
+                )
+                _replace_variable(layer, v, sv)
+                new_vars.append(sv)
+            elements = sum(math.prod(v.shape) for v in new_vars if not v.persistent)
+            persistent = sum(math.prod(v.shape) for v in new_vars if v.persistent)
+            blocks.append(Block(i, layer, tuple(new_vars), elements, persistent))
+        self.blocks = tuple(blocks)
+        self.plan = BlockPlan.make(
+            {b.index: b.elements for b in blocks if b.variables},
+            config.max_reuse_distance,
+            config.max_live_parameters,
+        )
+        impl = getattr(strategy, "reduce_scatter_impl", None)
+        if impl is None and not any("gpu" in d.lower() for d in self.devices):
+            # Measured: the all_to_all reduce-scatter times out in this backward (blocks
+            # with 3-D activations) on CPU; the all-reduce + slice path does not. Each
+            # replica then holds one block's reduced gradient transiently (see docs).
+            impl = "all_reduce"
+        self.group = comm.CollectiveGroup.create(
+            self.devices,
+            impl,
+            timeout_seconds=config.collective_timeout_seconds,
+        )
+        self.recorded_order: list[tuple[str, int]] = []
+        self._order_frozen = False
+        self._lock = threading.Lock()
+        self._live = [0] * self.num_shards  # gathered non-persistent elements per replica
+        self.peak_live = [0] * self.num_shards
+        self.device_peaks: list[int] = []
+        self._steps_done: dict[int, int] = {}
+        self._grad_pieces: dict[tuple[int, int], list[tf.Tensor]] = {}
+        self._prev_release: dict[int, tf.Tensor] = {}  # trace-time: last backward release
+        self.pool.set_access_order(
+            [
+                v.shard_id(r)
+                for _, b in self.plan.uses
+                for v in blocks[b].variables
+                for r in range(self.num_shards)
+            ]
+        )
+
+    # -- construction helpers ------------------------------------------------------------
+    def _make_pool(self, layers: list, config: ZeroConfig) -> PagedBufferPool:
+        page = config.page_size_bytes
+        n = self.num_shards
+
+        def pages(elements: int) -> int:
+            return max(1, -(-4 * elements // page))
+
+        per_block_shard_pages, per_block_gathered_pages = [], []
+        for layer in layers:
+            shard_pages = gathered = 0
+            for v in layer.trainable_variables:
+                shape = tuple(v.shape) or (1,)
+                rows = -(-shape[0] // n)
+                rest = math.prod(shape[1:])
+                shard_pages += n * pages(rows * rest)
+                gathered += n * pages(n * rows * rest)
+            per_block_shard_pages.append(shard_pages)
+            per_block_gathered_pages.append(gathered)
+        all_shards = sum(per_block_shard_pages)
+        all_gathered = sum(per_block_gathered_pages)
+        device = config.device_budget_bytes
+        if device is None:
+            device_pages = all_gathered + SLACK_PAGES + (all_shards if self.tier == "device" else 0)
+            device = device_pages * page
+        host = config.host_budget_bytes
+        if host is None:
+            if self.tier == "nvme":  # a window: the two largest blocks' shards + prefetch
+                window = sorted(per_block_shard_pages)[-2:]
+                host = (sum(window) + pages(config.prefetch_bucket_size) * 0 + SLACK_PAGES) * page
+                host = max(host, (sum(window) + SLACK_PAGES) * page)
+            else:
+                host = (all_shards + SLACK_PAGES) * page
+        return PagedBufferPool(
+            host_budget_bytes=host,
+            page_size_bytes=page,
+            device_budget_bytes=device,
+            nvme_path=str(config.nvme_path) if self.tier == "nvme" else None,
+            nvme_budget_bytes=config.nvme_budget_bytes if self.tier == "nvme" else None,
+        )
+
+    @property
+    def variables(self) -> list[ShardedVariable]:
+        """Every sharded variable, block by block."""
+        return [v for b in self.blocks for v in b.variables]
+
+    # -- the step (replica context) --------------------------------------------------------
+    def forward_backward(self, x, loss_fn, training: bool = True):
+        """Run forward and backward on this replica; return ``(y_pred, loss, grads)``.
+
+        Args:
+            x: the replica's input batch.
+            loss_fn: ``y_pred -> scalar loss`` (runs under the tape).
+            training: passed to layers whose ``call`` takes ``training``.
+
+        Returns:
+            ``y_pred``, the loss, and ``{id(variable): float32 [shard_elements]}``: the
+            replica's reduced (summed over replicas) gradient shard of every variable.
+
+        Raises:
+            RuntimeError: outside replica context or with a non-static replica id.
+        """
+        replica = _replica_id()
+        anchor = tf.zeros([], tf.float32)
+        with tf.GradientTape() as tape:
+            tape.watch(anchor)
+            h = x
+            for block in self.blocks:
+                h = self._block(block, h, anchor, replica, training)
+            y_pred = h
+            loss = loss_fn(y_pred)
+        self._prev_release.pop(replica, None)
+        d_anchor = tape.gradient(loss, anchor)
+        grads = {}
+        for block in self.blocks:
+            if not block.variables:
+                continue
+            pieces = self._grad_pieces.pop((replica, block.index))
+            for v, g in zip(block.variables, pieces):
+                with tf.control_dependencies([d_anchor]):
+                    grads[id(v)] = tf.identity(g)
+        return y_pred, loss, grads
+
+    def forward(self, x, training: bool = False):
+        """Forward only, block by block on this replica (gather, run, release)."""
+        replica = _replica_id()
+        h = x
+        for block in self.blocks:
+            if not block.variables:
+                h = self._call(block, [], h, training)
+                continue
+            values = self._materialize(block, replica, None, _dep(h), gather_all=True)
+            h = self._call(block, values, h, training)
+            done = _host_call(
+                functools.partial(self._release_all, block.index, replica), [_dep(h)], tf.float32
+            )
+            h = h + tf.cast(done, h.dtype)  # done == 0.0: a data dependency on the release
+        return h
+
+    def _block(self, block: Block, x, anchor, replica: int, training: bool):
+        if not block.variables:  # nothing to gather: an ordinary op under the outer tape
+            return self._call(block, [], x, training)
+        fwd_use = self.plan.uses.index((FWD, block.index))
+        bwd_use = self.plan.uses.index((BWD, block.index))
+        float_x = x.dtype.is_floating
+
+        @tf.custom_gradient
+        def run(x, anchor):
+            values = self._materialize(block, replica, fwd_use, _dep(x))
+            y = self._call(block, values, x, training)
+            y = self._after_use(block, replica, fwd_use, y, values)
+
+            def grad(dy):
+                values2 = self._materialize(block, replica, bwd_use, _dep(dy))
+                with tf.GradientTape() as t:
+                    t.watch(values2)
+                    if float_x:
+                        t.watch(x)
+                    y2 = self._call(block, values2, x, training)
+                sources = list(values2) + ([x] if float_x else [])
+                gs = t.gradient(y2, sources, output_gradients=dy)
+                gs = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in gs]
+                gparams = [
+                    g if g is not None else tf.zeros(v.shape, tf.float32)
+                    for g, v in zip(gs[: len(values2)], block.variables)
+                ]
+                pieces = self._reduce_scatter(block, gparams)
+                # values2 too: an embedding's gradient does not read the table, and the
+                # host call that finished the gather must still run (see _host_call).
+                done = self._release_after(block, replica, bwd_use, pieces + list(values2))
+                d_anchor = tf.zeros_like(anchor) + done  # depends on the release (0.0)
+                # The optimizer reads the pieces + 0.0: a data dependency on the release.
+                self._grad_pieces[(replica, block.index)] = [p + done for p in pieces]
+                # dx waits for the release of the block whose backward ran before this
+                # one: the next gather (which depends on dx) overlaps this block's
+                # backward but never a third block (at most two blocks gathered).
+                prev = self._prev_release.get(replica)
+                dx = None
+                if float_x:
+                    dx = gs[-1] if prev is None else gs[-1] + tf.cast(prev, gs[-1].dtype)
+                self._prev_release[replica] = done
+                return dx, d_anchor
+
+            return y, grad
+
+        return run(x, anchor)
+
+    def _call(self, block: Block, values: list, x, training: bool):
+        layer = block.layer
+        non_trainable = [v.value for v in layer.non_trainable_variables]
+        kwargs = {"training": training} if getattr(layer, "_call_has_training_arg", False) else {}
+        y, _ = layer.stateless_call(list(values), non_trainable, x, **kwargs)
+        return y
+
+    def _after_use(self, block: Block, replica: int, use: int, y, values: list):
+        done = self._release_after(block, replica, use, [y, *values])
+        return y + tf.cast(done, y.dtype)  # done == 0.0: orders the release before later uses
+
+    def _release_after(self, block: Block, replica: int, use: int, after: list):
+        deps = [_dep(t) for t in after]
+        done = _host_call(functools.partial(self._release, use, replica), deps, tf.float32)
+        done.set_shape([])
+        return done
+
+    # -- gather (graph side) -------------------------------------------------------------
+    def _materialize(self, block: Block, replica: int, use: int | None, dep, gather_all=False):
+        """Full values of the block's variables on this replica (list of float32 tensors)."""
+        if use is None or gather_all:
+            need = [i for i, v in enumerate(block.variables) if not v.persistent or use is None]
+        else:
+            gathers = self.plan.gathers[use]
+            phase = self.plan.uses[use][0]
+            need = [
+                i
+                for i, v in enumerate(block.variables)
+                if (not v.persistent and gathers) or (v.persistent and phase == FWD)
+            ]
+        shapes = [tuple(v.shape) for v in block.variables]
+        if need:
+            n_elems = sum(block.variables[i].shard_elements for i in need)
+            shard = _host_call(
+                functools.partial(self._fetch, block.index, use, replica, tuple(need)),
+                [dep],
+                tf.float32,
+                name="zero3_fetch_shards",
+            )
+            shard.set_shape([n_elems])
+            full = comm.all_gather_flat(shard, self.group)  # (N * n_elems,)
+            full.set_shape([self.num_shards * n_elems])
+            inputs = [full]
+            fn = functools.partial(self._finish, block.index, replica, tuple(need))
+        else:
+            inputs = [dep]
+            fn = functools.partial(self._read, block.index, replica)
+        values = _host_call(fn, inputs, [tf.float32] * len(block.variables), name="zero3_gathered")
+        values = list(values)
+        for t, s in zip(values, shapes):
+            t.set_shape(s)
+        return values
+
+    def _reduce_scatter(self, block: Block, grads: list) -> list[tf.Tensor]:
+        """Reduce-scatter the block's full gradients; return this replica's pieces."""
+        n = self.num_shards
+        cols = []
+        for g, v in zip(grads, block.variables):
+            g = tf.cast(g, tf.float32)
+            if v.shape:
+                g = tf.experimental.numpy.moveaxis(g, v.shard_dim, 0) if v.shard_dim else g
+                g = tf.reshape(g, [v._moved_shape[0], -1])  # (D, prod(rest))
+            else:
+                g = tf.reshape(g, [1, 1])
+            pad = v.padded_rows - v._moved_shape[0]
+            if pad:
+                g = tf.pad(g, [[0, pad], [0, 0]])
+            cols.append(tf.reshape(g, [n, v.shard_elements]))  # (N, R * prod(rest))
+        flat = tf.reshape(tf.concat(cols, axis=1), [-1])  # (N * E,)
+        shard = comm.reduce_scatter_sum_flat(flat, self.group)  # (E,)
+        return list(tf.split(shard, [v.shard_elements for v in block.variables]))
+
+    # -- host callbacks --------------------------------------------------------------------
+    def _record(self, use: int | None, replica: int) -> None:
+        """Record replica 0's uses during the first step (the observed access order)."""
+        if use is None or replica != 0:
+            return
+        with self._lock:
+            if not self._order_frozen:
+                self.recorded_order.append(self.plan.uses[use])
+
+    def _prefetch_after(self, use: int, replica: int) -> None:
+        if self.tier != "nvme" or self.config.prefetch_bucket_size == 0:
+            return
+        order = self.recorded_order if len(self.recorded_order) == len(self.plan.uses) else None
+        uses = order or list(self.plan.uses)
+        budget = self.config.prefetch_bucket_size
+        ids = []
+        for k in range(use + 1, len(uses)):
+            if not self.plan.gathers[k]:
+                continue
+            block = self.blocks[uses[k][1]]
+            if block.shard_elements > budget:
+                break
+            budget -= block.shard_elements
+            ids += [v.shard_id(replica) for v in block.variables]
+        if ids:
+            self.pool.prefetch(ids)
+
+    def _fetch(
+        self, b: int, use: int | None, replica: int, need: tuple[int, ...], *_
+    ) -> np.ndarray:
+        block = self.blocks[b]
+        self._record(use, replica)
+        if use is not None:
+            self._prefetch_after(use, replica)
+        parts = []
+        for i in need:
+            v = block.variables[i]
+            v.begin_gather(replica)
+            parts.append(v.read_shard(replica))
+        return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+    def _finish(self, b: int, replica: int, need: tuple[int, ...], full: np.ndarray) -> list:
+        block = self.blocks[b]
+        rows = full.reshape(self.num_shards, -1)  # (N, E)
+        off = 0
+        added = 0
+        for i in need:
+            v = block.variables[i]
+            v.finish_gather(replica, rows[:, off : off + v.shard_elements])
+            off += v.shard_elements
+            if not v.persistent:
+                added += math.prod(v.shape)
+        with self._lock:
+            self._live[replica] += added
+            self.peak_live[replica] = max(self.peak_live[replica], self._live[replica])
+            if self._live[replica] > self.config.max_live_parameters:
+                raise RuntimeError(
+                    f"replica {replica}: {self._live[replica]} gathered parameter elements "
+                    f"exceed max_live_parameters={self.config.max_live_parameters}"
+                )
+        return self._read(b, replica)
+
+    def _read(self, b: int, replica: int, *_) -> list:
+        return [v.gathered_value(replica) for v in self.blocks[b].variables]
+
+    def _release(self, use: int, replica: int, *_) -> np.int64:
+        if self.plan.keep[use]:
+            return np.float32(0.0)
+        block = self.blocks[self.plan.uses[use][1]]
+        freed = 0
+        for v in block.variables:
+            if not v.persistent and v.state(replica) is ShardState.GATHERED:
+                v.release(replica)
+                freed += math.prod(v.shape)
+        with self._lock:
+            self._live[replica] -= freed
+        return np.float32(0.0)
+
+    def _release_all(self, b: int, replica: int, *_) -> np.int64:
+        for v in self.blocks[b].variables:
+            if v.state(replica) is ShardState.GATHERED:
+                v.release(replica)
+                if not v.persistent:
+                    with self._lock:
+                        self._live[replica] -= math.prod(v.shape)
+        return np.float32(0.0)
+
+    # -- optimizer side --------------------------------------------------------------------
+    def release_persistent(self, replica: int) -> None:
+        """Release the replica's persistent gathered copies (before their shards change)."""
+        for v in self.variables:
+            if v.state(replica) is ShardState.GATHERED:
+                v.release(replica)
+
+    def end_step(self, replica: int, step: int) -> None:
+        """Called once per replica after its update; the last one closes the pool's step
+        (records the device-tier peak in :attr:`device_peaks`, resets the counters)."""
+        with self._lock:
+            done = self._steps_done.get(step, 0) + 1
+            if done < self.num_shards:
+                self._steps_done[step] = done
+                return
+            self._steps_done.pop(step, None)
+        self._order_frozen = True
+        self.device_peaks.append(self.pool.usage()["device"].peak_bytes)
+        self.pool.step_boundary(step)
+
+    def close(self) -> None:
+        """Close the pool (removes its NVMe file). The model's weights are lost."""
+        self.pool.close()
+
+
+def _chain_layers(model: keras.Model) -> list:
+    layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
+    if isinstance(model, keras.Sequential):
+        return layers
+    # A functional model: top-level layers must form a chain (each consumes the previous).
+    try:
+        inputs = model.inputs
+        h = inputs[0] if len(inputs) == 1 else None
+        for layer in layers:
+            if h is None or layer._inbound_nodes[0].input_tensors[0] is not h:  # noqa: SLF001
+                raise ValueError
+            h = layer.output
+    except (ValueError, AttributeError, IndexError) as exc:
+        raise ValueError(
+            f"model {model.name!r}: stage 3 runs a keras.Sequential or a functional model "
+            "whose top-level layers form a single chain"
+        ) from exc
+    return layers
+
+
+def _check_supported(layer: keras.layers.Layer) -> None:
+    for sub in layer._flatten_layers(include_self=True):  # noqa: SLF001
+        if isinstance(sub, keras.layers.BatchNormalization):
+            raise NotImplementedError(
+                f"stage 3: {sub.name!r} (BatchNormalization) updates state in call"
+            )
+        if isinstance(sub, keras.layers.Dropout) and sub.rate > 0:
+            raise NotImplementedError(
+                f"stage 3: {sub.name!r} has dropout {sub.rate}: the recomputed forward "
+                "would draw different masks"
+            )
+        if getattr(sub, "dropout", 0) and isinstance(sub, keras.layers.MultiHeadAttention):
+            raise NotImplementedError(f"stage 3: {sub.name!r} has attention dropout")
+    for v in layer.trainable_variables:
+        if np.dtype(v.dtype) != np.float32:
+            raise ValueError(f"stage 3 supports float32 weights; {v.path!r} is {v.dtype}")
+
+
+def _replace_variable(layer: keras.layers.Layer, old, new) -> None:
+    """Point every reference to ``old`` in ``layer`` and its sublayers at ``new``.
+
+    Keras layers hold their weights as attributes (``Dense._kernel``) and in their
+    trackers' lists (``_trainable_variables``); both are rewritten in place, by identity.
+    """
+    for sub in layer._flatten_layers(include_self=True):  # noqa: SLF001
+        for name, value in list(vars(sub).items()):
+            if value is old:
+                object.__setattr__(sub, name, new)
+            elif isinstance(value, list):
+                for j, item in enumerate(value):
+                    if item is old:
+                        value[j] = new
+
+
+def _dep(t: tf.Tensor) -> tf.Tensor:
+    """One element of ``t`` (flattened): a cheap data dependency for a host call."""
+    return tf.reshape(t, [-1])[:1]
+
+
+def _host_call(fn, inputs: list, tout, name: str = "zero3_host"):
+    """``tf.numpy_function`` ordered by data dependencies only.
+
+    Stateless on purpose: TensorFlow's automatic control dependencies run *stateful*
+    ops in program order, and the replicas of a MirroredStrategy step are traced one
+    after the other into one graph, so a stateful host call of replica 1 would wait for
+    every stateful op of replica 0, including the all-gathers that wait for replica 1
+    (a deadlock, seen as a collective timeout). Each call takes a data-dependent input
+    (``_dep``), so it is neither constant-folded nor merged, and runs when its inputs
+    exist. A call made for its side effect must feed a value that is used (Grappler
+    prunes control dependencies on stateless ops): the releases return 0.0, added to
+    the block's output.
+    """
+    return tf.numpy_function(fn, inputs, tout, stateful=False, name=name)
+
+
+def _replica_id() -> int:
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None:
+        raise RuntimeError("stage-3 steps run in replica context (strategy.run / fit)")
+    rid = tf.get_static_value(ctx.replica_id_in_sync_group)
+    if rid is None:
+        raise RuntimeError("stage 3 needs a static replica id")
+    return int(rid)

@@ -1,0 +1,114 @@
+"""ShardedModel: a Keras model that trains a user's model under ZeRO stage 3 with ``fit``.
+
+The user's model code is unchanged: it is built as usual inside ``strategy.scope()`` and
+wrapped once, ``sharded = strategy.shard_model(model)`` (or ``ShardedModel(model)``).
+The wrapper is an ordinary ``keras.Model`` subclass whose ``train_step`` is the stage-3
+step of :class:`~zero_runtime.stage3.engine.Stage3Engine`; nothing in Keras is patched.
+The wrapped model's trainable weights become ShardedVariables in place, so
+``model.get_weights()`` / ``sharded.get_weights()`` and saving gather on demand.
+
+Custom loops call ``strategy.run(sharded.train_step, args=(batch,))`` inside a
+``tf.function`` after ``sharded.compile(optimizer=..., loss=...)`` and
+``sharded.optimizer.build(sharded.trainable_variables)``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras.src import tree
+from keras.src.losses import loss as loss_module
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from zero_runtime.stage3.engine import Stage3Engine
+
+
+class ShardedModel(keras.Model):
+    """Trains ``model`` block by block with sharded parameters (ZeRO stage 3).
+
+    Args:
+        model: a built ``keras.Sequential`` (or a functional chain), created inside the
+            strategy's scope.
+        strategy: the stage-3 :class:`~zero_runtime.strategy.ZeroInfinityStrategy`;
+            default: the current strategy (``tf.distribute.get_strategy()``).
+
+    Attributes:
+        inner: the wrapped model (its weights are now ShardedVariables).
+        engine: the :class:`Stage3Engine`.
+
+    Raises:
+        ValueError: not a stage-3 ZeroInfinityStrategy; see also :class:`Stage3Engine`.
+
+    Compile with a partitioned optimizer (``"adam"``, ``"adamw"``, ``"sgd"`` inside the
+    scope) and any Keras loss; metrics work as in Keras. Not implemented at stage 3:
+    gradient clipping, accumulation, EMA, layers that update state in ``call``
+    (BatchNormalization) and dropout.
+    """
+
+    def __init__(self, model: keras.Model, strategy=None, **kwargs) -> None:
+        strategy = strategy or tf.distribute.get_strategy()
+        config = getattr(strategy, "config", None)
+        if config is None or config.stage != 3:
+            raise ValueError("ShardedModel needs a ZeroInfinityStrategy with stage=3")
+        super().__init__(name=kwargs.pop("name", f"{model.name}_zero3"), **kwargs)
+        self.engine = Stage3Engine(model, strategy)
+        self.inner = model
+
+    def call(self, inputs, training: bool | None = None):
+        """Forward pass. In replica context with several replicas, block by block with
+        gathers; otherwise the wrapped model (its weights gather on demand)."""
+        ctx = tf.distribute.get_replica_context()
+        if ctx is not None and ctx.num_replicas_in_sync > 1 and tf.inside_function():
+            return self.engine.forward(inputs, training=bool(training))
+        return self.inner(inputs, training=training)
+
+    def train_step(self, data):
+        """One stage-3 step on this replica's batch: forward/backward per block, the
+        gradient shards' update, Keras's loss tracker and metrics (as Keras's train_step)."""
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        opt = self.optimizer
+        if not opt.built:
+            with tf.init_scope():
+                opt.build(self.trainable_variables)
+
+        def loss_fn(y_pred):
+            loss = self._compute_loss(
+                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+            )
+            self._loss_tracker.update_state(
+                loss_module.unscale_loss_for_distribution(loss),
+                sample_weight=tf.shape(next(i for i in tree.flatten(x) if i is not None))[0],
+            )
+            return loss
+
+        y_pred, _, grads = self.engine.forward_backward(x, loss_fn, training=True)
+        done = opt.apply_shard_gradients(grads)
+        replica = int(
+            tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group)
+        )
+        with tf.control_dependencies([done]):
+            end = tf.numpy_function(
+                functools.partial(_end_step, self.engine, replica),
+                [done],
+                tf.int64,
+                stateful=True,
+            )
+        with tf.control_dependencies([end]):
+            y_pred = tf.identity(y_pred)
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def get_config(self) -> dict:
+        """Not serialisable as a wrapper: save ``sharded.inner`` (its weights gather)."""
+        raise NotImplementedError("save the wrapped model (ShardedModel.inner) instead")
+
+    def close(self) -> None:
+        """Release the engine's pool (NVMe file included)."""
+        self.engine.close()
+
+
+def _end_step(engine: Stage3Engine, replica: int, step: np.ndarray) -> np.int64:
+    engine.end_step(replica, int(step))
+    return np.int64(step)
