@@ -379,12 +379,22 @@ export function oomRecentSeries(postmortem) {
  * @returns {Array<{tier, predicted, measured, ratio}>} null where unknown
  */
 export function predictedVsMeasured(estimate, tiers) {
+  // The estimator predicts model states only (ZeRO, SC20, section 3.1), so the measured
+  // side is the tier's param + grad + optimizer bytes, not its whole use (activations and
+  // framework buffers are "other"); used_bytes stands in when no split was recorded.
   const perProcess = estimate?.per_process ?? {};
   const last = tiers ? tiers.steps.length - 1 : -1;
   return TIERS.map((tier) => {
     const p = perProcess[`${tier}_bytes`];
     const predicted = typeof p === 'number' ? p : null;
-    const measured = last >= 0 ? (tiers.values[tier]?.used_bytes?.[last] ?? null) : null;
+    const values = last >= 0 ? (tiers.values[tier] ?? {}) : {};
+    const parts = ['param_bytes', 'grad_bytes', 'optimizer_bytes'].map((c) => values[c]?.[last]);
+    let measured = null;
+    if (parts.some((v) => typeof v === 'number')) {
+      measured = parts.reduce((sum, v) => sum + (typeof v === 'number' ? v : 0), 0);
+    } else if (last >= 0) {
+      measured = values.used_bytes?.[last] ?? null;
+    }
     const ratio = predicted && measured !== null ? measured / predicted : null;
     return { tier, predicted, measured, ratio };
   });

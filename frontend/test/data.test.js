@@ -66,7 +66,21 @@ test('configLabel prefers a description, then key old → new', () => {
   assert.equal(configLabel({ x: 1 }), '{"x":1}');
 });
 
-test('predictedVsMeasured compares per_process with the last step', () => {
+test('predictedVsMeasured compares model states (param + grad + optimizer) at the last step', () => {
+  const tiers = tiersAnswer([0, 1], {
+    device: { used_bytes: [1, 500], param_bytes: [1, 100], grad_bytes: [1, 20], optimizer_bytes: [0, 0] },
+    host: { used_bytes: [1, 300], param_bytes: [0, 0], grad_bytes: [null, null], optimizer_bytes: [1, 200] },
+    nvme: { used_bytes: [0, 0], param_bytes: [null, null], grad_bytes: [null, null], optimizer_bytes: [null, null] },
+  });
+  const rows = predictedVsMeasured({ per_process: { device_bytes: 100, host_bytes: 100, nvme_bytes: 0 } }, tiers);
+  assert.deepEqual(rows, [
+    { tier: 'device', predicted: 100, measured: 120, ratio: 1.2 },
+    { tier: 'host', predicted: 100, measured: 200, ratio: 2 },
+    { tier: 'nvme', predicted: 0, measured: 0, ratio: null },
+  ]);
+});
+
+test('predictedVsMeasured falls back to used bytes without a holder split', () => {
   const tiers = tiersAnswer([0, 1], {
     device: { used_bytes: [1, 150] },
     host: { used_bytes: [1, 50] },

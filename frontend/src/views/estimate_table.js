@@ -1,5 +1,5 @@
 // View: predicted (memory_hierarchy/estimate, per_process) versus measured (the last
-// step's used_bytes) bytes per tier, as a table with a bar per figure.
+// step's param + grad + optimizer bytes) model-state bytes per tier, with a bar per figure.
 
 import { predictedVsMeasured } from '../data.js';
 import { formatBytes, formatPercent } from '../format.js';
@@ -30,7 +30,7 @@ export function renderEstimate(table, estimate, tiers, runInfo) {
   const rows = predictedVsMeasured(estimate, tiers);
   const max = Math.max(0, ...rows.flatMap((r) => [r.predicted ?? 0, r.measured ?? 0]));
   const head = el('tr');
-  for (const text of ['tier', 'predicted', 'measured', 'measured / predicted']) {
+  for (const text of ['tier', 'predicted model states', 'measured model states', 'measured / predicted']) {
     head.append(el('th', null, text));
   }
   table.append(head);
