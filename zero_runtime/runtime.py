@@ -75,6 +75,9 @@ class ZeroRuntime:
         self.state = RuntimeState.OPEN
         self._writer = SummaryWriter(logdir) if logdir else None
         self._optimizers: list[Any] = []
+        # Stage 3 (zero_runtime.stage3): engines whose paged pool is the tier accounting.
+        self._stage3_engines: list[Any] = []
+        self._stage3_rows: list[dict[str, Any]] = []  # placement rows of the last record
         self._pending: dict[int, int] = {}  # step -> local replicas done
         self._lock = threading.Lock()
         self._last_boundary = time.time()
@@ -124,6 +127,22 @@ class ZeroRuntime:
         self._observe_store(optimizer.zero_state.store)
         if self._writer is not None:
             self._writer.json(metadata.TAG_ESTIMATE, 0, self.estimate(optimizer))
+
+    def register_stage3_engine(self, engine: Any) -> None:
+        """Track a :class:`~zero_runtime.stage3.Stage3Engine` (called by the engine).
+
+        From then on the tiers record, the page counters, the placement rows and the
+        device-budget check come from the engine's paged pool
+        (:mod:`zero_runtime.stage3.telemetry`), and an applied ``device_budget_bytes``
+        change resizes the pool's device tier (``engine.apply_config``). Its pool's NVMe
+        I/O is observed like an optimizer store's.
+        """
+        with self._lock:
+            self._stage3_engines.append(engine)
+        self._observe_store(engine)
+
+    def _live_stage3_engines(self) -> list[Any]:
+        return [e for e in self._stage3_engines if not e.pool.closed]
 
     def estimate(self, optimizer: Any) -> dict[str, Any]:
         """The ZeRO estimator's prediction of model-state bytes for one optimizer's variables.
@@ -227,6 +246,8 @@ class ZeroRuntime:
         if outcome.status is control.Status.APPLIED:
             self.config = self.control.config
             self.config_version = self.control.version
+            for engine in self._live_stage3_engines():  # e.g. the device tier's capacity
+                engine.apply_config(self.config)
             log.info(
                 "live tuning: applied version %d at step %d: %s",
                 outcome.version,
@@ -335,11 +356,14 @@ class ZeroRuntime:
         )
         self._reset_framework_peak()
         pages = self._page_counters(step)
+        tiers = {"device": device, "host": host, "nvme": nvme}
+        if self._live_stage3_engines():
+            tiers = self._stage3_collect(step, tiers, pages)
         trace = getattr(self, "_trace", None)
         return StepStats(
             step=step,
             wall_time=now,
-            tiers={"device": device, "host": host, "nvme": nvme},
+            tiers=tiers,
             readings=readings,
             timing=self._timing(step_seconds, pages, trace),
             pages=pages,
@@ -349,6 +373,23 @@ class ZeroRuntime:
             fallback_mirrored=self.fallback_mirrored,
             profiled=trace is not None,
         )
+
+    def _stage3_collect(
+        self, step: int, tiers: dict[str, TierStats], pages: dict[str, float]
+    ) -> dict[str, TierStats]:
+        """Close the stage-3 pools' step: their page counters are added to ``pages``,
+        their placement rows kept for :meth:`placement`, and the tiers rebuilt from their
+        accounting (:func:`zero_runtime.stage3.telemetry.stage3_tiers`)."""
+        from zero_runtime.stage3.telemetry import stage3_tiers
+
+        engines = self._live_stage3_engines()
+        records = [e.close_step(step) for e in engines]
+        for record in records:
+            for name, value in zip(metadata.PAGE_COLUMNS, record.counters.as_row()):
+                pages[name] = pages.get(name, 0.0) + value
+        opt_tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[self.config.offload_optimizer]
+        self._stage3_rows = [row for e in engines for row in e.placement_rows(opt_tier)]
+        return stage3_tiers(tiers, records, float(self.grad_bytes()))
 
     def _reset_framework_peak(self) -> None:
         import tensorflow as tf
@@ -405,12 +446,15 @@ class ZeroRuntime:
         Returns:
             ``{"variables": [{"name", "shape", "dtype", "bytes", "partitioning",
             "shard_bytes_per_replica", "param_tier", "grad_tier", "optimizer_tier"}]}``
-            with bytes as ints.
+            with bytes as ints. Stage-3 variables come from the engines' pools as of the
+            last step record (``Stage3Engine.placement_rows``).
         """
         rows = []
         opt_tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[self.config.offload_optimizer]
         for opt in self._optimizers:
             zs = opt.zero_state
+            if zs.stage >= 3:  # rows from the stage-3 engines' pools (below)
+                continue
             layout = zs.layout
             n = layout.num_shards
             if zs.stage >= 2:
@@ -431,6 +475,7 @@ class ZeroRuntime:
                         "optimizer_tier": opt_tier,
                     }
                 )
+        rows.extend(self._stage3_rows)
         return {"variables": rows}
 
     # -- telemetry: intervals, collectives (issue #7) ------------------------------------
@@ -526,9 +571,13 @@ class ZeroRuntime:
     # -- out of memory (issue #10) -------------------------------------------------------
     def device_used_bytes(self) -> float:
         """Device-tier bytes in use: the framework's reading, else the runtime's accounting
-        (parameters, gradients and device optimizer states of the local replicas)."""
+        (parameters, gradients and device optimizer states of the local replicas). At
+        stage 3, the stage-3 pools' device pages (the pool enforces the budget itself)."""
         from zero_runtime.devices import framework_memory_bytes
 
+        engines = self._live_stage3_engines()
+        if engines:  # stage 3: the device tier is the pool's, which enforces the budget
+            return float(sum(e.pool.usage()["device"].used_bytes for e in engines))
         current, _ = framework_memory_bytes(self.device)
         if math.isfinite(current):
             return current

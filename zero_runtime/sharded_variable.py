@@ -19,7 +19,10 @@ state                 counts toward memory                          left by
 ====================  ============================================  ==================
 SHARDED               the shard (its tier)                          ``begin_gather``
 GATHERING             the shard; the collective's buffers (TF)      ``finish_gather``
-GATHERED              the shard + the gathered buffer (device)      ``release``
+GATHERED              the shard + the gathered buffer (device; the  ``release``
+                      pool may move its pages to the host under
+                      device pressure, ``gathered_value`` brings
+                      them back)
 RELEASED              the shard (gathered buffer freed)             ``begin_gather``,
                                                                     ``write_shard``
 ====================  ============================================  ==================
@@ -273,10 +276,19 @@ class ShardedVariable(_KerasTFVariable):
             rec.state = ShardState.GATHERED
 
     def gathered_value(self, replica: int) -> np.ndarray:
-        """The logical value read from ``replica``'s gathered buffer (must be GATHERED)."""
+        """The logical value read from ``replica``'s gathered buffer (must be GATHERED).
+
+        The buffer is acquired on the device tier: pages the pool moved down to the host
+        under device pressure (a kept block, a lowered ``device_budget_bytes``) come back
+        first (``h2d`` page moves).
+        """
         rec = self._replicas[replica]
         self._expect(rec, (ShardState.GATHERED,), "gathered_value")
-        return self.logical_from_shards(self.pool.read(rec.gathered_id))
+        out = self.pool.acquire(rec.gathered_id, "device")
+        try:
+            return self.logical_from_shards(out.numpy())
+        finally:
+            self.pool.release(rec.gathered_id)
 
     def release(self, replica: int) -> None:
         """GATHERED -> RELEASED: free the gathered buffer's device pages."""

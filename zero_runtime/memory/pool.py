@@ -621,6 +621,46 @@ class PagedBufferPool:
         with self._cond:
             self._policy.set_order(tensor_ids)
 
+    def set_device_budget(self, capacity_bytes: int) -> int:
+        """Change the device tier's capacity (e.g. a live ``device_budget_bytes`` change).
+
+        Growing takes effect at once. Shrinking first moves the excess pages down to the
+        host, by the eviction policy (reuse distance with an access order, else least
+        recently used), counted as ``d2h`` moves and ``evictions``; the host makes room
+        further down as usual.
+
+        Args:
+            capacity_bytes: the new budget (bytes), rounded down to whole pages; >= one
+                page (the tier cannot be disabled or enabled after construction).
+
+        Returns:
+            The number of pages moved down.
+
+        Raises:
+            ValueError: a budget below one page, or a pool built without a device tier.
+            PoolOutOfMemoryError: shrinking needs more pages to move than are unpinned on
+                the device (nothing is changed), or the host cannot take them.
+        """
+        ps = self._page_size
+        new = _check_int("capacity_bytes", capacity_bytes, ps) // ps
+        with self._cond:
+            self._check_open()
+            self._check_tier("device", ("device",))
+            excess = self._device.used - new
+            victims = self._victims("device", excess, set(), None) if excess > 0 else []
+            if len(victims) < excess:
+                reason = (
+                    f"cannot shrink the device tier to {new} page slots: {self._device.used} "
+                    f"are in use and only {len(victims)} can move down (the rest are pinned)"
+                )
+                raise PoolOutOfMemoryError(self._snapshot(excess * ps, "", "device", reason))
+            self._device.resize(new)
+            if victims:
+                self._settle(victims, "host", set(), advisory=False, down_only=True)
+                self._counters.add("evictions", len(victims))
+            self._cond.notify_all()
+            return len(victims)
+
     def synchronize(self) -> None:
         """Wait until queued prefetches and all NVMe I/O have finished."""
         with self._cond:

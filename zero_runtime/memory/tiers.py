@@ -80,6 +80,14 @@ class SlotTier:
         """Start a new peak window at the current use."""
         self.peak = self.used
 
+    def resize(self, n_slots: int) -> None:
+        """Set the number of slots (the budget) to ``n_slots`` >= 0.
+
+        Slots in use beyond the new count stay valid; the caller first moves pages out
+        until ``used <= n_slots`` (``PagedBufferPool.set_device_budget`` does).
+        """
+        self.n_slots = int(n_slots)
+
 
 class DeviceTier(SlotTier):
     """The device tier: pages as TensorFlow ``uint8`` tensors on the accelerator.
@@ -105,12 +113,7 @@ class DeviceTier(SlotTier):
         gpus = tf.config.list_physical_devices("GPU")
         self.is_standin: bool = not gpus
         self.device_name: str = "/GPU:0" if gpus else "/CPU:0"
-        self.description: str = (
-            f"device (CPU stand-in): TensorFlow tensors on /CPU:0, {self.capacity_bytes} "
-            f"bytes budget enforced by the pool; no GPU on this host"
-            if self.is_standin
-            else f"device: TensorFlow tensors on {self.device_name}, {self.capacity_bytes} bytes"
-        )
+        self.description: str = self._describe()
         self._pages: list = [None] * self.n_slots  # slot -> tf.Tensor uint8 [payload]
 
     def put(self, slot: int, data: np.ndarray) -> None:
@@ -118,6 +121,22 @@ class DeviceTier(SlotTier):
         with self._tf.device(self.device_name):
             # Copy first: on CPU, tf.constant may alias an aligned numpy buffer.
             self._pages[slot] = self._tf.identity(self._tf.constant(np.array(data, copy=True)))
+
+    def resize(self, n_slots: int) -> None:
+        """Change the budget to ``n_slots`` pages (the page list only grows: slot indices
+        handed out before a shrink stay addressable)."""
+        super().resize(n_slots)
+        if n_slots > len(self._pages):
+            self._pages.extend([None] * (n_slots - len(self._pages)))
+        self.description = self._describe()
+
+    def _describe(self) -> str:
+        if self.is_standin:
+            return (
+                f"device (CPU stand-in): TensorFlow tensors on /CPU:0, {self.capacity_bytes} "
+                f"bytes budget enforced by the pool; no GPU on this host"
+            )
+        return f"device: TensorFlow tensors on {self.device_name}, {self.capacity_bytes} bytes"
 
     def get(self, slot: int):  # -> tf.Tensor
         """Return the page tensor in ``slot`` (1-D uint8, the page's payload)."""

@@ -35,17 +35,35 @@ import threading
 
 import keras
 import numpy as np
+import psutil
 import tensorflow as tf
 
 from zero_runtime import comm
 from zero_runtime.config import ZeroConfig
-from zero_runtime.memory import PagedBufferPool
+from zero_runtime.memory import PageCounters, PagedBufferPool, PoolOutOfMemoryError, TierUsage
 from zero_runtime.sharded_variable import PARAM_TIER, ShardedVariable, ShardState
 
 log = logging.getLogger(__name__)
 
 FWD, BWD = "fwd", "bwd"
 SLACK_PAGES = 8  # pages added to default tier budgets (rounding, transient placement)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolStep:
+    """The stage-3 pool at the end of one step (see :meth:`Stage3Engine.close_step`).
+
+    Attributes:
+        step: the 0-based step.
+        usage: ``{"device"|"host"|"nvme": TierUsage}``, bytes; ``peak_bytes`` is the
+            step's peak.
+        counters: the step's page moves (d2h/h2d/h2n/n2h pages and bytes), evictions,
+            prefetch hits/misses, stall and I/O seconds.
+    """
+
+    step: int
+    usage: dict[str, TierUsage]
+    counters: PageCounters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +163,10 @@ class Stage3Engine:
         plan: the :class:`BlockPlan`.
         recorded_order: the ``(phase, block)`` uses traced in the first step.
         device_peaks: the pool's device-tier peak bytes of every finished step.
+        default_device_budget: the device tier's capacity (bytes) when
+            ``device_budget_bytes`` is None: every gathered buffer + slack (+ the shards
+            with ``offload_param='none'``).
+        last_step: the :class:`PoolStep` of the last closed step (None before).
 
     Raises:
         ValueError: an unbuilt model, a non-chain functional model, a weight shared by
@@ -222,6 +244,10 @@ class Stage3Engine:
                 for r in range(self.num_shards)
             ]
         )
+        self.last_step: PoolStep | None = None
+        runtime = getattr(strategy, "runtime", None)
+        if runtime is not None and hasattr(runtime, "register_stage3_engine"):
+            runtime.register_stage3_engine(self)  # tiers, pages, placement from this pool
 
     # -- construction helpers ------------------------------------------------------------
     def _make_pool(self, layers: list, config: ZeroConfig) -> PagedBufferPool:
@@ -255,7 +281,13 @@ class Stage3Engine:
                 host = (sum(window) + pages(config.prefetch_bucket_size) * 0 + SLACK_PAGES) * page
                 host = max(host, (sum(window) + SLACK_PAGES) * page)
             else:
-                host = (all_shards + SLACK_PAGES) * page
+                # The shards + room for gathered buffers the pool moves down under device
+                # pressure (a device budget below them, given or lowered live), capped so
+                # the reservation stays within half of the memory available now.
+                base = all_shards + SLACK_PAGES
+                room = psutil.virtual_memory().available // 2 // page - base
+                host = (base + max(0, min(all_gathered, room))) * page
+        self.default_device_budget = device
         return PagedBufferPool(
             host_budget_bytes=host,
             page_size_bytes=page,
@@ -538,16 +570,96 @@ class Stage3Engine:
 
     def end_step(self, replica: int, step: int) -> None:
         """Called once per replica after its update; the last one closes the pool's step
-        (records the device-tier peak in :attr:`device_peaks`, resets the counters)."""
+        (:meth:`close_step`), unless the runtime's step record already did."""
         with self._lock:
             done = self._steps_done.get(step, 0) + 1
             if done < self.num_shards:
                 self._steps_done[step] = done
                 return
             self._steps_done.pop(step, None)
-        self._order_frozen = True
-        self.device_peaks.append(self.pool.usage()["device"].peak_bytes)
-        self.pool.step_boundary(step)
+        self.close_step(step)
+
+    def close_step(self, step: int) -> PoolStep:
+        """Close step ``step`` of the pool once; later calls for it return the same record.
+
+        Takes the pool's usage (the step's peak included) before its
+        ``step_boundary`` resets the counters and peaks, and appends the device-tier peak
+        to :attr:`device_peaks`. Called by the runtime's step record (telemetry, which
+        runs after the optimizer's update and before :meth:`end_step`) and by
+        :meth:`end_step` for steps without a record.
+
+        Returns:
+            The :class:`PoolStep` (usage in bytes per tier, the step's page counters).
+        """
+        with self._lock:
+            last = self.last_step
+            if last is not None and last.step == step:
+                return last
+            usage = self.pool.usage()
+            record = PoolStep(step, usage, self.pool.step_boundary(step))
+            self.device_peaks.append(usage["device"].peak_bytes)
+            self._order_frozen = True
+            self.last_step = record
+            return record
+
+    def apply_config(self, config: ZeroConfig) -> None:
+        """Follow a live config change (called by the runtime after an applied control
+        request, at a step boundary).
+
+        ``device_budget_bytes`` becomes the pool's device-tier capacity (None: the
+        :attr:`default_device_budget`); shrinking moves pages down to the host
+        (``PagedBufferPool.set_device_budget``). ``prefetch_bucket_size`` applies from
+        the next prefetch. The traced plan's keys (``persistence_threshold``,
+        ``max_live_parameters``, ``max_reuse_distance``) do not change a running job.
+
+        A budget the pool cannot shrink to now (pinned pages) is logged and left as it
+        was; a budget below one block's gathered pages fails at that block's next gather
+        with ``PoolOutOfMemoryError``.
+        """
+        budget = config.device_budget_bytes
+        budget = self.default_device_budget if budget is None else budget
+        page = self.pool.page_size
+        if budget // page != self.pool.device_tier.capacity_bytes // page:
+            try:
+                moved = self.pool.set_device_budget(budget)
+            except PoolOutOfMemoryError as exc:
+                log.warning("stage 3: device budget %d not applied: %s", budget, exc)
+            else:
+                log.info("stage 3: device tier capacity %d bytes (%d pages moved)", budget, moved)
+        self.config = dataclasses.replace(
+            self.config, prefetch_bucket_size=config.prefetch_bucket_size
+        )
+
+    def placement_rows(self, optimizer_tier: str) -> list[dict]:
+        """One placement row per sharded variable (``memory_hierarchy/placement``).
+
+        ``param_tier`` is where replica 0's shard pages are now, by the pool's page table
+        (tiers joined with '+' when its pages are split); gradients are reduced to a shard
+        that the step holds on the device.
+        """
+        rows = []
+        for v in self.variables:
+            tiers = sorted(
+                {p.tier for p in self.pool.describe(v.shard_id(0)).pages if p.tier},
+                key=("device", "host", "nvme").index,
+            )
+            text = f"sharded 1/{self.num_shards} along dim {v.shard_dim} (ZeRO-3)"
+            if v.persistent:
+                text += "; persistent: gathered once per step"
+            rows.append(
+                {
+                    "name": v.path,
+                    "shape": list(v.shape),
+                    "dtype": "float32",
+                    "bytes": 4 * math.prod(v.shape),
+                    "partitioning": text,
+                    "shard_bytes_per_replica": 4 * v.shard_elements,
+                    "param_tier": "+".join(tiers) or v.tier,
+                    "grad_tier": "device",
+                    "optimizer_tier": optimizer_tier,
+                }
+            )
+        return rows
 
     def close(self) -> None:
         """Close the pool (removes its NVMe file). The model's weights are lost."""

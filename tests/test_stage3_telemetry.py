@@ -1,0 +1,142 @@
+"""Stage-3 telemetry comes from the stage-3 engine's paged pool (zero_runtime.stage3.telemetry).
+
+A short stage-3 ``fit`` (2 CPU replicas, an MLP of four Dense blocks, parameter shards on
+the host, a device budget of 16 pages, every block kept gathered from its forward to its
+backward) with a logdir; the event files are read back with TensorBoard's
+EventAccumulator and compared with what the pool reported at each step boundary.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import keras
+import numpy as np
+import tensorflow as tf
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.util import tensor_util
+
+import zero_runtime
+from tb_plugin import metadata
+
+PAGE = 65536  # bytes per page
+STEPS = 6
+BATCH = 16  # global batch per step
+DEVICE_PAGES = 16  # device budget (pages): below the 28 pages of all gathered buffers
+
+
+def _model() -> keras.Model:
+    """Four Dense blocks: kernels (64,256) (256,256) (256,256) (256,10), float32."""
+    keras.utils.set_random_seed(1)
+    return keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(256, activation="relu"),
+            keras.layers.Dense(256, activation="relu"),
+            keras.layers.Dense(256, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
+
+
+def _dataset(steps: int) -> tf.data.Dataset:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((steps * BATCH, 64)).astype("float32")  # [N, 64]
+    y = rng.integers(0, 10, size=(steps * BATCH,)).astype("int32")  # [N]
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+
+
+def _read(run: str) -> EventAccumulator:
+    acc = EventAccumulator(run, size_guidance={"tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def _rows(acc: EventAccumulator, tag: str) -> dict[int, np.ndarray]:
+    return {e.step: tensor_util.make_ndarray(e.tensor_proto) for e in acc.Tensors(tag)}
+
+
+def test_stage3_tiers_pages_and_placement_come_from_the_pool(tmp_path):
+    run = str(tmp_path / "run")
+    config = {
+        "stage": 3,
+        "offload_param": "cpu",
+        "offload_optimizer": "cpu",
+        "page_size_bytes": PAGE,
+        "persistence_threshold": 300,  # biases persistent, kernels sharded
+        "device_budget_bytes": DEVICE_PAGES * PAGE,
+        "collective_timeout_seconds": 30,
+    }
+    strategy = zero_runtime.ZeroInfinityStrategy(config, logdir=run)
+    with strategy.scope():
+        model = _model()
+        sharded = strategy.shard_model(model)
+        sharded.compile(
+            optimizer="adam",
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    engine = sharded.engine
+    reported = []  # the pool's record of each step, as the runtime saw it
+
+    class PoolRecord(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            reported.append(engine.last_step)
+
+    sharded.fit(_dataset(STEPS), epochs=1, verbose=0, shuffle=False, callbacks=[PoolRecord()])
+    strategy.runtime.flush()
+    num_params = sum(math.prod(v.shape) for v in engine.variables)
+    n = engine.num_shards
+    shard_elements = sum(v.shard_elements for v in engine.variables)
+    sharded.close()
+    strategy.close()
+
+    acc = _read(run)
+    tiers = _rows(acc, metadata.TAG_TIERS)
+    pages = _rows(acc, metadata.TAG_PAGES)
+    assert sorted(tiers) == list(range(STEPS)) == [r.step for r in reported]
+    col = {c: i for i, c in enumerate(metadata.TIER_COLUMNS)}
+    row = {t: i for i, t in enumerate(metadata.TIERS)}
+    pcol = {c: i for i, c in enumerate(metadata.PAGE_COLUMNS)}
+    grad = 4.0 * shard_elements * n  # reduced gradient shards of the local replicas
+    replicated = 4.0 * num_params * n  # what the runtime counted before (wrong at stage 3)
+    moved = []
+    for rec in reported:
+        t = tiers[rec.step]
+        dev, host = t[row["device"]], t[row["host"]]
+        usage = rec.usage
+        # Device: the pool's pages at the boundary, its step peak, its capacity.
+        assert dev[col["param_bytes"]] == usage["device"].bytes_by_kind["param"]
+        assert dev[col["param_bytes"]] != replicated
+        assert dev[col["grad_bytes"]] == grad
+        assert dev[col["capacity_bytes"]] == DEVICE_PAGES * PAGE == usage["device"].capacity_bytes
+        assert dev[col["peak_bytes"]] == usage["device"].peak_bytes + grad
+        assert 0 < usage["device"].peak_bytes <= DEVICE_PAGES * PAGE
+        assert dev[col["used_bytes"]] == usage["device"].used_bytes + grad
+        # Host: the shards (one page at least per variable and replica) are host pages.
+        assert host[col["param_bytes"]] == usage["host"].bytes_by_kind["param"]
+        assert host[col["param_bytes"]] >= 4 * shard_elements * n
+        assert host[col["optimizer_bytes"]] > 0  # Adam's m, v on the host
+        p = pages[rec.step]
+        assert p[pcol["d2h_pages"]] == rec.counters.d2h_pages
+        assert p[pcol["h2d_pages"]] == rec.counters.h2d_pages
+        moved.append(p[pcol["d2h_pages"]] + p[pcol["h2d_pages"]])
+    print(f"pages moved per step (d2h + h2d): {moved}; device peaks {engine.device_peaks}")
+    # 28 pages of gathered buffers kept from forward to backward do not fit in 16.
+    assert all(m > 0 for m in moved)
+
+    placements = [
+        json.loads(tensor_util.make_ndarray(e.tensor_proto).item())
+        for e in acc.Tensors(metadata.TAG_PLACEMENT)
+    ]
+    rows = placements[-1]["variables"]
+    assert len(rows) == 8  # 4 kernels + 4 biases, each once (no stage-1/2 rows)
+    for r in rows:
+        assert r["partitioning"].startswith(f"sharded 1/{n} along dim 0 (ZeRO-3)")
+        assert r["param_tier"] == "host" and r["grad_tier"] == "device"
+        assert r["optimizer_tier"] == "host"
+        assert r["bytes"] == 4 * math.prod(r["shape"])
+        assert r["shard_bytes_per_replica"] == 4 * math.ceil(r["shape"][0] / n) * math.prod(
+            r["shape"][1:]
+        )
+    assert sum("persistent" in r["partitioning"] for r in rows) == 4  # the biases

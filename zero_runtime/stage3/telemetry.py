@@ -1,0 +1,95 @@
+"""Stage-3 tier accounting: the tiers record built from the stage-3 pool's page table.
+
+At stage 3 no parameter is replicated: a replica holds its shards (on the tier
+``offload_param`` selects) and, while a block runs, gathered buffers on the device tier.
+Both are pages of the engine's :class:`~zero_runtime.memory.PagedBufferPool`, so the
+runtime's ``memory_hierarchy/tiers`` record takes them from the pool's accounting
+(:class:`~zero_runtime.stage3.engine.PoolStep`) instead of counting the model as
+replicated (``Psi * 4 * replicas``). Everything here is bytes.
+
+Per tier (``T`` = the pool's pages on the tier at the step boundary, ``P`` = its peak
+during the step, ``base`` = the partitioned optimizer's own record of the tier):
+
+- device: ``param`` = T's 'param' pages (gathered buffers still held; shards with
+  ``offload_param='none'``); ``grad`` = the reduced gradient shards the step hands to the
+  optimizer, ``4 * shard_size`` per local replica (ZeRO, SC20, section 5.3), held by
+  TensorFlow; ``optimizer`` = base's device optimizer states + T's 'optimizer' pages;
+  ``other`` = T's other kinds; ``used`` = their sum; ``peak`` = P + grad + optimizer;
+  ``capacity`` = the pool's device capacity (``device_budget_bytes``, or the engine's
+  default). Activations held by TensorFlow are not in the pool and not counted.
+- host and nvme: base's optimizer states and scratch + T's pages ('param' = the shards
+  and gathered buffers the pool moved down); peak = base's peak + P; capacity = base's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from zero_runtime.telemetry import TierStats
+
+#: Pool page kinds counted as parameters / optimizer states; the rest is "other".
+_PARAM_KINDS = ("param",)
+_OPTIMIZER_KINDS = ("optimizer",)
+
+
+def stage3_tiers(
+    base: Mapping[str, TierStats], records: Sequence, grad_device_bytes: float
+) -> dict[str, TierStats]:
+    """The tiers record of a stage-3 step.
+
+    Args:
+        base: the runtime's record for ``"device"``, ``"host"``, ``"nvme"`` from the
+            optimizers' stores (its device parameter and gradient figures are ignored).
+        records: the step's :class:`~zero_runtime.stage3.engine.PoolStep` of each
+            stage-3 engine in the process.
+        grad_device_bytes: bytes of reduced gradient shards of the local replicas.
+
+    Returns:
+        ``{"device"|"host"|"nvme": TierStats}`` (bytes; NaN where unknown).
+    """
+    out = {}
+    for name in ("device", "host", "nvme"):
+        b = base[name]
+        used = peak = param = optimizer = other = 0.0
+        capacity = 0.0
+        for r in records:
+            u = r.usage[name]
+            used += u.used_bytes
+            peak += u.peak_bytes
+            capacity += u.capacity_bytes if u.capacity_bytes is not None else math.inf
+            for kind, nbytes in u.bytes_by_kind.items():
+                if kind in _PARAM_KINDS:
+                    param += nbytes
+                elif kind in _OPTIMIZER_KINDS:
+                    optimizer += nbytes
+                else:
+                    other += nbytes
+        base_opt = _finite(b.optimizer_bytes)
+        if name == "device":
+            grad = float(grad_device_bytes)
+            out[name] = TierStats(
+                used_bytes=used + grad + base_opt,
+                capacity_bytes=capacity if math.isfinite(capacity) else math.nan,
+                peak_bytes=peak + grad + base_opt,
+                param_bytes=param,
+                grad_bytes=grad,
+                optimizer_bytes=base_opt + optimizer,
+                other_bytes=other,
+            )
+        else:
+            base_other = _finite(b.other_bytes)
+            out[name] = TierStats(
+                used_bytes=_finite(b.used_bytes) + used,
+                capacity_bytes=b.capacity_bytes,
+                peak_bytes=_finite(b.peak_bytes) + peak,
+                param_bytes=param,
+                grad_bytes=0.0,
+                optimizer_bytes=base_opt + optimizer,
+                other_bytes=base_other + other,
+            )
+    return out
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else 0.0
