@@ -7,7 +7,8 @@ tab's live-tuning panel the test first submits an out-of-bounds value (refused, 
 written), then ``telemetry_every_n_steps`` 1 -> 3 and ``device_budget_bytes`` unset ->
 1 GiB; the panel reports the request applied at step N, and the job's own event files
 show the change from step N on: a tiers record only every third step, with the new
-device capacity. (Page moves changing direction needs ZeRO-3, which this job does not run.)
+device capacity. A second test runs the job at ZeRO stage 3 and lowers, then raises, the
+device budget from the tab: page moves appear while it is low and stop when it is raised.
 """
 
 from __future__ import annotations
@@ -150,6 +151,93 @@ def _drive_the_tab(browser, tensorboard_server, logdir, stop, job, job_log) -> N
             c for c in console if c.startswith(("error", "pageerror")) and "status of 400" not in c
         ]
         assert errors == []
+    finally:
+        page.context.close()
+
+
+def test_the_device_budget_set_in_the_tab_moves_pages_in_a_stage3_job(
+    browser, tensorboard_server, plugin_client, tmp_path
+):
+    """Issue #9's effect: lower the budget from the tab, pages move; raise it, they stop."""
+    require_built_frontend()
+    logdir = tmp_path / "logs"
+    logdir.mkdir()
+    stop = tmp_path / "stop"
+    job_log = tmp_path / "job.log"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(REPO))
+    with open(job_log, "wb") as log:
+        job = subprocess.Popen(
+            [sys.executable, str(JOB), "--logdir", str(logdir), "--run", RUN, "--stage3"]
+            + ["--stop-file", str(stop)],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    try:
+        low_step, high_step = _set_budget_twice(browser, tensorboard_server, logdir, job, job_log)
+        stop.touch()
+        assert job.wait(timeout=120) == 0, job_log.read_text()[-3000:]
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait(timeout=30)
+    body = plugin_client(str(logdir)).get(
+        "/data/plugin/memory_hierarchy/series",
+        query_string={"run": RUN, "tag": metadata.TAG_PAGES, "points": "0"},
+    )
+    assert body.status_code == 200, body.get_data(as_text=True)
+    series = body.get_json()
+    moves = {
+        step: (h2d or 0) + (d2h or 0)
+        for step, h2d, d2h in zip(
+            series["steps"], series["values"]["h2d_pages"], series["values"]["d2h_pages"]
+        )
+    }
+    before = [m for s, m in moves.items() if s < low_step]
+    low = [m for s, m in moves.items() if low_step <= s < high_step]
+    after = [m for s, m in moves.items() if s > high_step]  # the raise step itself may move
+    assert before and low and after, moves
+    # All gathered blocks fit the default budget: no page moves; at 1 MiB they spill to the
+    # host and come back every step; at 4 MiB they fit again.
+    assert max(before) == 0, moves
+    assert min(low) > 0, moves
+    assert sum(after) / len(after) < sum(low) / len(low), moves
+
+
+def _set_budget_twice(browser, tensorboard_server, logdir, job, job_log) -> tuple[int, int]:
+    """Lower device_budget_bytes to 1 MiB, then raise it to 4 MiB, from the panel."""
+    server = tensorboard_server(
+        str(logdir), load_fast=True, reload_interval=1, extra_args=("--memory_hierarchy_tuning",)
+    )
+    deadline = time.monotonic() + LOAD_TIMEOUT_MS / 1000
+    while "tuning_job: step 10" not in job_log.read_text(errors="replace"):
+        assert job.poll() is None, job_log.read_text()[-3000:]
+        assert time.monotonic() < deadline, job_log.read_text()[-3000:]
+        time.sleep(0.25)
+    page, frame, _console = open_view(browser, server)
+    try:
+        panel = frame.locator(f'section.mh-run[data-run="{RUN}"] .mh-tuning')
+        budget = panel.locator('tr[data-key="device_budget_bytes"]')
+        expect(panel).to_have_attribute("data-enabled", "true", timeout=LOAD_TIMEOUT_MS)
+        state = panel.locator(".mh-tuning-state")
+        steps = []
+        for version, text, value in ((1, "1 MiB", 2**20), (2, "4 MiB", 4 * 2**20)):
+            budget.locator("input").fill(text)
+            panel.locator("button.mh-tuning-submit").click()
+            expect(state).to_have_attribute("data-version", str(version), timeout=LIVE_TIMEOUT_MS)
+            expect(state).to_have_attribute("data-state", "applied", timeout=LIVE_TIMEOUT_MS)
+            expect(budget).to_have_attribute("data-value", str(value), timeout=LIVE_TIMEOUT_MS)
+            step = int(state.get_attribute("data-step"))
+            steps.append(step)
+            deadline = time.monotonic() + LIVE_TIMEOUT_MS / 1000
+            while read_readout_step(frame) < step + 6:  # let a few steps run at this budget
+                assert time.monotonic() < deadline, "the job stopped recording steps"
+                assert job.poll() is None, job_log.read_text()[-3000:]
+                time.sleep(0.5)
+        return steps[0], steps[1]
     finally:
         page.context.close()
 

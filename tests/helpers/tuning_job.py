@@ -31,19 +31,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop-file", required=True, help="stop after the step that sees it")
     p.add_argument("--max-steps", type=int, default=5000, help="steps at most")
     p.add_argument("--step-sleep", type=float, default=0.05, help="seconds slept per step")
+    p.add_argument(
+        "--stage3",
+        action="store_true",
+        help="ZeRO stage 3: four Dense blocks, parameter shards on the host, 64 KiB pages, "
+        "blocks kept gathered on the device while the device budget allows",
+    )
     args = p.parse_args(argv)
 
+    if args.stage3:
+        config = zero_runtime.ZeroConfig(
+            stage=3,
+            offload_param="cpu",
+            offload_optimizer="cpu",
+            page_size_bytes=65536,
+            persistence_threshold=300,  # biases persistent, kernels sharded
+            max_reuse_distance=10**9,  # keep every block gathered from forward to backward
+            collective_timeout_seconds=30,
+        )
+    else:
+        config = zero_runtime.ZeroConfig(stage=1, offload_optimizer="cpu")
     strategy = zero_runtime.ZeroInfinityStrategy(
-        zero_runtime.ZeroConfig(stage=1, offload_optimizer="cpu"),
-        logdir=os.path.join(args.logdir, args.run),
-        num_cpu_replicas=2,
+        config, logdir=os.path.join(args.logdir, args.run), num_cpu_replicas=2
     )
     import keras
     import numpy as np
     import tensorflow as tf
 
+    features = 64 if args.stage3 else 32
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((256, 32)).astype("float32")  # [N, features]
+    x = rng.standard_normal((256, features)).astype("float32")  # [N, features]
     y = rng.integers(0, 10, size=(256,)).astype("int32")  # [N]
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16, drop_remainder=True).repeat()
 
@@ -58,9 +75,22 @@ def main(argv: list[str] | None = None) -> int:
                 self.model.stop_training = True
 
     with strategy.scope():
-        model = keras.Sequential(
-            [keras.Input((32,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)]
-        )
+        if args.stage3:
+            model = strategy.shard_model(
+                keras.Sequential(
+                    [keras.Input((features,))]
+                    + [keras.layers.Dense(256, activation="relu") for _ in range(3)]
+                    + [keras.layers.Dense(10)]
+                )
+            )
+        else:
+            model = keras.Sequential(
+                [
+                    keras.Input((features,)),
+                    keras.layers.Dense(64, activation="relu"),
+                    keras.layers.Dense(10),
+                ]
+            )
         model.compile(
             optimizer="adam",
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -68,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     history = model.fit(
         data, steps_per_epoch=args.max_steps, epochs=1, verbose=0, callbacks=[StopWhenAsked()]
     )
+    if args.stage3:
+        model.close()  # the stage-3 engine's paged pool
     strategy.close()
     print(
         f"tuning_job: done: {strategy.runtime.steps_recorded} steps recorded, "
