@@ -28,6 +28,9 @@ import time  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+if __package__ in (None, ""):  # run as a script (e.g. by `zero-runtime launch`): find `demo`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 from zero_runtime.cli import positive_int  # noqa: E402  (no TensorFlow import)
 
 DEFAULT_LOGDIR = str(Path(__file__).resolve().parent.parent / "logs" / "demo")

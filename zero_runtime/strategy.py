@@ -88,6 +88,33 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
             configured (create the strategy before running any TensorFlow op).
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> ZeroInfinityStrategy:
+        """Pick the concrete strategy: multi-worker when ``TF_CONFIG`` names a cluster.
+
+        ``ZeroInfinityStrategy(...)`` returns a
+        :class:`zero_runtime.multiworker.MultiWorkerZeroInfinityStrategy` (a subclass, over
+        ``MultiWorkerMirroredStrategy``) when ``TF_CONFIG`` lists more than one
+        chief/worker task, else an instance of this class (``MirroredStrategy`` over the
+        local replicas). See docs/multiworker.md.
+        """
+        if cls is ZeroInfinityStrategy:
+            from zero_runtime import multiworker
+
+            if multiworker.cluster_from_env() is not None:
+                cls = multiworker.MultiWorkerZeroInfinityStrategy
+        return super().__new__(cls)
+
+    def _init_distribute_base(self, config: ZeroConfig, num_cpu_replicas: int) -> DeviceInfo:
+        """Initialise the ``tf.distribute`` base over the local replicas; return them."""
+        del config
+        info = local_devices(num_cpu_replicas)
+        tf.distribute.MirroredStrategy.__init__(self, devices=list(info.devices))
+        return info
+
+    def _runtime_logdir(self, logdir: str | None) -> str | None:
+        """The runtime's summary directory for the run directory ``logdir``."""
+        return logdir
+
     def __init__(
         self,
         config: ZeroConfig | Mapping[str, Any] | None = None,
@@ -122,14 +149,13 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
             )
         self._initial_config = config
         self.reduce_scatter_impl = reduce_scatter_impl
-        self.device_info: DeviceInfo = local_devices(num_cpu_replicas)
         self._collective_key_base = next(_COLLECTIVE_KEY_BASES)
-        super().__init__(devices=list(self.device_info.devices))
+        self.device_info: DeviceInfo = self._init_distribute_base(config, num_cpu_replicas)
         self.runtime = ZeroRuntime(
             config,
             self.device_info,
             self.num_replicas_in_sync,
-            logdir,
+            self._runtime_logdir(logdir),
             fallback_mirrored=config.stage == 0,
         )
         atexit.register(_close_runtime, weakref.ref(self.runtime))

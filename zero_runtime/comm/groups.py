@@ -118,5 +118,13 @@ class CollectiveGroup:
             return next(counter)
 
     def token(self, replica: int):
-        """The ordering token's handle for ``replica`` (a resource tensor)."""
-        return self.tokens[replica].handle
+        """The ordering token's handle for ``replica`` (a resource tensor).
+
+        Args:
+            replica: the replica id in the sync group. Under MultiWorkerMirroredStrategy
+                ids are global (``rank * local_replicas + local index``,
+                ``CollectiveAllReduceExtended._get_replica_id_in_sync_group``) and the
+                group holds only this worker's devices, so the token is
+                ``tokens[replica % len(devices)]`` (the identity in one process).
+        """
+        return self.tokens[replica % len(self.tokens)].handle

@@ -1,0 +1,240 @@
+"""Multi-worker ZeroInfinityStrategy: two real worker processes on 127.0.0.1.
+
+Parity: stages 1 and 2 (optimizer states on the host) across 2 workers x 1 replica give
+the same per-step losses and final weights as one process with 2 replicas, on the same
+global batch and seed. Failure: a worker killed, or stalled, mid-step ends the other
+within the collective timeout with an error naming the rank that failed.
+Each TF process needs ~5 s to start; every job is shared by one set of assertions.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from helpers import mw_job
+
+import zero_runtime
+from zero_runtime import launch, multiworker
+
+JOB = os.path.join(os.path.dirname(__file__), "helpers", "mw_job.py")
+TIMEOUT_S = 10.0  # collective_timeout_seconds of the failure jobs
+JOB_DEADLINE_S = 240  # a job that is not done by then has hung
+
+
+def _launch_job(out_dir: str, stage: int, logdir: str | None, result: dict) -> None:
+    args = [sys.executable, JOB, out_dir, "--stage", str(stage)]
+    if logdir:
+        args += ["--logdir", logdir]
+    text = io.StringIO()
+    result["status"] = launch.launch(2, args, out=text)
+    result["output"] = text.getvalue()
+
+
+@pytest.fixture(scope="module")
+def mw_runs(tmp_path_factory):
+    """Stage 1 and stage 2 jobs, 2 workers each, launched at once; {stage: (records, ...)}."""
+    root = tmp_path_factory.mktemp("mw")
+    results: dict[int, dict] = {1: {}, 2: {}}
+    threads = []
+    for stage in (1, 2):
+        out = root / f"stage{stage}"
+        out.mkdir()
+        logdir = str(root / "logs") if stage == 2 else None
+        t = threading.Thread(target=_launch_job, args=(str(out), stage, logdir, results[stage]))
+        t.start()
+        threads.append(t)
+    for t in threads:
+        t.join(JOB_DEADLINE_S)
+    runs = {}
+    for stage in (1, 2):
+        res = results[stage]
+        assert res.get("status") == 0, res.get("output", "job did not finish")[-3000:]
+        records = [
+            json.loads((root / f"stage{stage}" / f"rank{r}.json").read_text()) for r in (0, 1)
+        ]
+        runs[stage] = records
+    runs["logdir"] = str(root / "logs")
+    return runs
+
+
+@pytest.fixture(scope="module")
+def reference_runs(tmp_path_factory):
+    """The same training in this process: one strategy over 2 local replicas per stage."""
+    out = str(tmp_path_factory.mktemp("ref"))
+    runs = {}
+    for stage in (1, 2):
+        strategy = zero_runtime.ZeroInfinityStrategy(
+            {
+                "stage": stage,
+                "offload_optimizer": "cpu",
+                "collective_timeout_seconds": TIMEOUT_S,
+                "reduce_bucket_size": 200,
+            },
+            num_cpu_replicas=2,
+        )
+        runs[stage] = mw_job.fit_record(strategy, mw_job.STEPS, out)
+        strategy.close()
+    return runs
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_two_workers_match_one_process_with_two_replicas(stage, mw_runs, reference_runs):
+    ref = reference_runs[stage]
+    assert ref["strategy"] == "ZeroInfinityStrategy" and ref["local_replicas"] == 2
+    for rank, rec in enumerate(mw_runs[stage]):
+        assert rec["rank"] == rank
+        assert rec["strategy"] == "MultiWorkerZeroInfinityStrategy"
+        assert (rec["num_replicas_in_sync"], rec["local_replicas"]) == (2, 1)
+        assert rec["optimizer"] == "zero_runtime.optim.partitioned"
+        assert len(rec["losses"]) == mw_job.STEPS
+        np.testing.assert_allclose(rec["losses"], ref["losses"], rtol=0, atol=1e-6)
+        for got, want in zip(rec["weights"], ref["weights"], strict=True):
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+        # one step boundary per optimizer step, counted over this worker's one replica
+        assert rec["steps_recorded"] == mw_job.STEPS
+    assert ref["losses"][-1] < ref["losses"][0]  # it trained
+
+
+def test_each_worker_writes_its_own_run_and_the_chief_the_cluster(mw_runs):
+    logdir = mw_runs["logdir"]
+    assert sorted(os.listdir(logdir)) == ["cluster.json", "worker_0", "worker_1"]
+    cluster = json.loads(open(os.path.join(logdir, "cluster.json")).read())
+    assert cluster["num_workers"] == 2 and cluster["num_replicas_in_sync"] == 2
+    assert cluster["runs"] == ["worker_0", "worker_1"]
+    for r in (0, 1):
+        files = os.listdir(os.path.join(logdir, f"worker_{r}"))
+        assert any(f.startswith("events.out.tfevents") for f in files), files
+
+
+def _start_pair(out_dir: str, extra: list[str]) -> tuple[list[subprocess.Popen], list[int]]:
+    ports = launch.free_ports(2)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, JOB, out_dir, "--timeout", str(TIMEOUT_S), *extra],
+            env=dict(os.environ, TF_CONFIG=launch.tf_config(ports, r), PYTHONUNBUFFERED="1"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    return procs, ports
+
+
+def _survivor_result(procs, ports, out_dir) -> tuple[str, float, int]:
+    """Wait for rank 0; return its output, seconds from rank 1 leaving to rank 0's exit,
+    and its status. Rank 1 is killed afterwards if it still runs (the stall case)."""
+    try:
+        output, _ = procs[0].communicate(timeout=JOB_DEADLINE_S)
+        exited = time.time()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    left = json.loads(open(os.path.join(out_dir, "left.json")).read())
+    assert left["rank"] == 1 and left["step"] == 3
+    return output, exited - left["time"], procs[0].returncode
+
+
+@pytest.mark.parametrize("mode", ["killed", "stalled"])
+def test_a_failed_worker_ends_the_job_within_the_timeout_naming_its_rank(mode, tmp_path):
+    extra = ["--stage", "2", "--steps", "8", "--die-at", "3"]
+    if mode == "stalled":
+        extra.append("--stall")
+    procs, ports = _start_pair(str(tmp_path), extra)
+    output, seconds, status = _survivor_result(procs, ports, str(tmp_path))
+    assert status == 1, output[-3000:]
+    line = f"zero_runtime: worker rank 1 (127.0.0.1:{ports[1]})"
+    assert line in output, output[-3000:]
+    assert "worker rank 0 stops" in output
+    assert not os.path.exists(tmp_path / "rank0.json")  # it did not finish training
+    # + 5 s: the survivor's traceback and exit on 2 shared cores
+    assert seconds < TIMEOUT_S + 5.0, seconds
+    if mode == "stalled":
+        assert "did not join a collective within 10 s" in output
+        assert seconds > TIMEOUT_S - 1.0  # it waited for the timeout, no longer
+    print(f"{mode}: rank 0 stopped {seconds:.1f} s after rank 1 left")
+
+
+def test_cluster_from_env_reads_tf_config():
+    assert multiworker.cluster_from_env({}) is None
+    single = {"TF_CONFIG": launch.tf_config([7001], 0)}
+    assert multiworker.cluster_from_env(single) is None
+    info = multiworker.cluster_from_env({"TF_CONFIG": launch.tf_config([7001, 7002], 1)})
+    assert info == multiworker.ClusterInfo(("127.0.0.1:7001", "127.0.0.1:7002"), 1)
+    assert not info.is_chief and info.num_workers == 2
+    chief = {
+        "cluster": {"chief": ["h:1"], "worker": ["h:2", "h:3"]},
+        "task": {"type": "worker", "index": 1},
+    }
+    assert multiworker.cluster_from_env({"TF_CONFIG": json.dumps(chief)}).rank == 2
+    with pytest.raises(ValueError, match="not valid JSON"):
+        multiworker.cluster_from_env({"TF_CONFIG": "{"})
+    bad = {"cluster": {"worker": ["h:1", "h:2"]}, "task": {"type": "worker", "index": 5}}
+    with pytest.raises(ValueError, match="not a chief/worker"):
+        multiworker.cluster_from_env({"TF_CONFIG": json.dumps(bad)})
+
+
+def test_without_tf_config_the_strategy_is_single_process(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    strategy = zero_runtime.ZeroInfinityStrategy({"stage": 1}, num_cpu_replicas=2)
+    assert type(strategy) is zero_runtime.ZeroInfinityStrategy
+    assert strategy.num_replicas_in_sync == 2
+    strategy.close()
+
+
+def test_describe_failure_names_the_peer():
+    import tensorflow as tf
+
+    info = multiworker.ClusterInfo(("127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.1:7003"), 0)
+    gone = tf.errors.UnavailableError(
+        None,
+        None,
+        "Error: tasks are unhealthy (stopped sending heartbeats):\n/job:worker/replica:0/task:2\n",
+    )
+    assert multiworker.describe_failure(gone, info) == (
+        "worker rank 2 (127.0.0.1:7003) stopped sending heartbeats (exited, crashed or "
+        "frozen); worker rank 0 stops (UnavailableError)"
+    )
+    stalled = tf.errors.DeadlineExceededError(None, None, "Collective has timed out")
+    assert multiworker.describe_failure(stalled, info, 10.0) == (
+        "one of worker ranks [1, 2] did not join a collective within 10 s (stalled, or ran "
+        "out of data); worker rank 0 stops (DeadlineExceededError)"
+    )
+    assert multiworker.describe_failure(ValueError("x"), info) is None
+
+
+def test_multi_worker_rejects_what_it_does_not_implement(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", launch.tf_config([7001, 7002], 0))
+    with pytest.raises(NotImplementedError, match="offload_optimizer 'cpu' or 'nvme'"):
+        zero_runtime.ZeroInfinityStrategy({"stage": 1, "offload_optimizer": "none"})
+
+
+def test_uneven_data_across_workers_is_a_clear_error_not_a_hang(tmp_path):
+    """Rank 1 reads 2 batches fewer than rank 0 (its own data, auto-sharding off)."""
+    start = time.monotonic()
+    procs, _ = _start_pair(str(tmp_path), ["--stage", "2", "--steps", "6", "--uneven"])
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=JOB_DEADLINE_S)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    elapsed = time.monotonic() - start
+    assert [p.returncode for p in procs] == [1, 1], outputs
+    # the worker that ran out of data says why; its peer then sees it leave
+    assert "zero_runtime: the workers issued different collectives (uneven data" in outputs[1]
+    assert "zero_runtime: worker rank 1 (127.0.0.1:" in outputs[0]
+    assert elapsed < 60 + TIMEOUT_S, elapsed  # start-up (~15 s on 2 shared cores) + timeout
+    print(f"uneven: both workers stopped {elapsed:.1f} s after launch")
