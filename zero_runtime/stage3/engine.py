@@ -707,8 +707,11 @@ def _check_supported(layer: keras.layers.Layer) -> None:
 def _replace_variable(layer: keras.layers.Layer, old, new) -> None:
     """Point every reference to ``old`` in ``layer`` and its sublayers at ``new``.
 
-    Keras layers hold their weights as attributes (``Dense._kernel``) and in their
-    trackers' lists (``_trainable_variables``); both are rewritten in place, by identity.
+    Keras layers hold their weights as attributes (``Dense._kernel``), in their trackers'
+    lists (``_trainable_variables``) and, under TensorFlow, in TensorFlow's checkpoint
+    dependency records (a ``TrackedDict`` of names and a list of ``TrackableReference``
+    pairs). All are rewritten in place, by identity, so that nothing keeps the replicated
+    original alive once the sharded variable replaces it.
     """
     for sub in layer._flatten_layers(include_self=True):  # noqa: SLF001
         for name, value in list(vars(sub).items()):
@@ -718,6 +721,12 @@ def _replace_variable(layer: keras.layers.Layer, old, new) -> None:
                 for j, item in enumerate(value):
                     if item is old:
                         value[j] = new
+                    elif getattr(item, "ref", None) is old and hasattr(item, "name"):
+                        value[j] = type(item)(item.name, new)  # TrackableReference(name, ref)
+            elif isinstance(value, dict):  # includes Keras's TrackedDict
+                for key, item in list(value.items()):
+                    if item is old:
+                        value[key] = new
 
 
 def _dep(t: tf.Tensor) -> tf.Tensor:
