@@ -4,11 +4,46 @@ from __future__ import annotations
 
 import collections
 import threading
+from typing import Generic, TypeVar
 
 from zero_runtime.telemetry.stats import StepStats
 
+T = TypeVar("T")
 
-class FlightRecorder:
+
+class _Ring(Generic[T]):
+    """A thread-safe bounded ring buffer; the oldest item is dropped when full.
+
+    Args:
+        capacity: items kept (>= 1).
+
+    Raises:
+        ValueError: ``capacity`` < 1 (the message names the concrete class).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"{type(self).__name__} capacity must be >= 1, got {capacity}")
+        self._ring: collections.deque[T] = collections.deque(maxlen=capacity)
+        self._lock = threading.Lock()
+
+    def append(self, item: T) -> None:
+        """Record one item (drops the oldest when full)."""
+        with self._lock:
+            self._ring.append(item)
+
+    def last(self, n: int | None = None) -> list[T]:
+        """The most recent ``n`` items (all when None), oldest first."""
+        with self._lock:
+            records = list(self._ring)
+        return records if n is None else records[-n:]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._ring)
+
+
+class FlightRecorder(_Ring[StepStats]):
     """A bounded ring buffer of the most recent :class:`StepStats`.
 
     Args:
@@ -19,28 +54,10 @@ class FlightRecorder:
     """
 
     def __init__(self, capacity: int = 256) -> None:
-        if capacity < 1:
-            raise ValueError(f"FlightRecorder capacity must be >= 1, got {capacity}")
-        self._ring: collections.deque[StepStats] = collections.deque(maxlen=capacity)
-        self._lock = threading.Lock()
-
-    def append(self, stats: StepStats) -> None:
-        """Record one step (drops the oldest when full)."""
-        with self._lock:
-            self._ring.append(stats)
-
-    def last(self, n: int | None = None) -> list[StepStats]:
-        """The most recent ``n`` records (all when None), oldest first."""
-        with self._lock:
-            records = list(self._ring)
-        return records if n is None else records[-n:]
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._ring)
+        super().__init__(capacity)
 
 
-class PageMoveRecorder:
+class PageMoveRecorder(_Ring[dict]):
     """A ring buffer of the most recent page moves the runtime observed.
 
     Each move is a dict ``{"wall_time": s since epoch, "direction": "h2n" | "n2h" | ...,
@@ -55,22 +72,4 @@ class PageMoveRecorder:
     """
 
     def __init__(self, capacity: int = 1024) -> None:
-        if capacity < 1:
-            raise ValueError(f"PageMoveRecorder capacity must be >= 1, got {capacity}")
-        self._ring: collections.deque[dict] = collections.deque(maxlen=capacity)
-        self._lock = threading.Lock()
-
-    def append(self, move: dict) -> None:
-        """Record one move (drops the oldest when full)."""
-        with self._lock:
-            self._ring.append(move)
-
-    def last(self, n: int | None = None) -> list[dict]:
-        """The most recent ``n`` moves (all when None), oldest first."""
-        with self._lock:
-            records = list(self._ring)
-        return records if n is None else records[-n:]
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._ring)
+        super().__init__(capacity)
