@@ -13,6 +13,7 @@ device budget from the tab: page moves appear while it is low and stop when it i
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -47,10 +48,8 @@ def read_readout_step(frame) -> int:
     return int(step) if step else -1
 
 
-def test_a_setting_changed_in_the_tab_takes_effect_in_the_running_job(
-    browser, tensorboard_server, plugin_client, tmp_path
-):
-    require_built_frontend()
+def _start_job(tmp_path: Path, *extra: str):
+    """Start tests/helpers/tuning_job.py; returns (logdir, stop file, process, log path)."""
     logdir = tmp_path / "logs"
     logdir.mkdir()
     stop = tmp_path / "stop"
@@ -58,7 +57,7 @@ def test_a_setting_changed_in_the_tab_takes_effect_in_the_running_job(
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(REPO))
     with open(job_log, "wb") as log:
         job = subprocess.Popen(
-            [sys.executable, str(JOB), "--logdir", str(logdir), "--run", RUN]
+            [sys.executable, str(JOB), "--logdir", str(logdir), "--run", RUN, *extra]
             + ["--stop-file", str(stop)],
             cwd=REPO,
             env=env,
@@ -67,14 +66,29 @@ def test_a_setting_changed_in_the_tab_takes_effect_in_the_running_job(
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
+    return logdir, stop, job, job_log
+
+
+@contextlib.contextmanager
+def _stopped_at_exit(job: subprocess.Popen, stop: Path, job_log: Path):
+    """Run the body; then ask the job to stop and require a clean exit (kill it on error)."""
     try:
-        _drive_the_tab(browser, tensorboard_server, logdir, stop, job, job_log)
+        yield
         stop.touch()
         assert job.wait(timeout=120) == 0, job_log.read_text()[-3000:]
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
             job.wait(timeout=30)
+
+
+def test_a_setting_changed_in_the_tab_takes_effect_in_the_running_job(
+    browser, tensorboard_server, plugin_client, tmp_path
+):
+    require_built_frontend()
+    logdir, stop, job, job_log = _start_job(tmp_path)
+    with _stopped_at_exit(job, stop, job_log):
+        _drive_the_tab(browser, tensorboard_server, logdir, stop, job, job_log)
     assert "tuning_job: done" in job_log.read_text()
     _assert_the_job_changed(plugin_client(str(logdir)))
 
@@ -160,30 +174,9 @@ def test_the_device_budget_set_in_the_tab_moves_pages_in_a_stage3_job(
 ):
     """Issue #9's effect: lower the budget from the tab, pages move; raise it, they stop."""
     require_built_frontend()
-    logdir = tmp_path / "logs"
-    logdir.mkdir()
-    stop = tmp_path / "stop"
-    job_log = tmp_path / "job.log"
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(REPO))
-    with open(job_log, "wb") as log:
-        job = subprocess.Popen(
-            [sys.executable, str(JOB), "--logdir", str(logdir), "--run", RUN, "--stage3"]
-            + ["--stop-file", str(stop)],
-            cwd=REPO,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-    try:
+    logdir, stop, job, job_log = _start_job(tmp_path, "--stage3")
+    with _stopped_at_exit(job, stop, job_log):
         low_step, high_step = _set_budget_twice(browser, tensorboard_server, logdir, job, job_log)
-        stop.touch()
-        assert job.wait(timeout=120) == 0, job_log.read_text()[-3000:]
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait(timeout=30)
     body = plugin_client(str(logdir)).get(
         "/data/plugin/memory_hierarchy/series",
         query_string={"run": RUN, "tag": metadata.TAG_PAGES, "points": "0"},
