@@ -47,6 +47,7 @@ EXPECTED_DEFAULTS = {
     "telemetry_every_n_steps": 1,
     "mirrored_fallback_bytes": 0,
     "collective_timeout_seconds": 60.0,
+    "embedding_row_paging_threshold": 10_000_000,  # issue #6 item 3 (row-paged tables)
 }
 
 

@@ -213,10 +213,42 @@ def test_describe_failure_names_the_peer():
     assert multiworker.describe_failure(ValueError("x"), info) is None
 
 
-def test_multi_worker_rejects_what_it_does_not_implement(monkeypatch):
-    monkeypatch.setenv("TF_CONFIG", launch.tf_config([7001, 7002], 0))
-    with pytest.raises(NotImplementedError, match="offload_optimizer 'cpu' or 'nvme'"):
-        zero_runtime.ZeroInfinityStrategy({"stage": 1, "offload_optimizer": "none"})
+def test_a_worker_pool_holds_only_its_replicas_shards():
+    """Stage 3 on worker rank 1 of 2: only replica 1's shard is in the pool; reading the
+    value outside a step asks the cross-worker gather for the other rows (here a stand-in
+    for ``comm.gather_local_shards``, which tests/test_multiworker_stage3.py runs for real)."""
+    from zero_runtime.memory import PagedBufferPool
+    from zero_runtime.sharded_variable import ShardedVariable
+
+    value = np.arange(15, dtype=np.float32).reshape(5, 3)  # 5 rows -> 3 per shard, padded
+    pool = PagedBufferPool(host_budget_bytes=1 << 20, page_size_bytes=65536)
+    with pytest.raises(ValueError, match="gather_remote is required"):
+        ShardedVariable(value, pool=pool, num_shards=2, tier="host", name="w", local_replicas=[1])
+    asked = []
+
+    def gather(local: dict) -> np.ndarray:  # what every worker would contribute
+        asked.append(sorted(local))
+        rows = np.zeros((2, 9), np.float32)
+        rows[0] = value[:3].reshape(-1)  # replica 0's shard, from the other worker
+        rows[1] = local[1]
+        return rows
+
+    v = ShardedVariable(
+        value,
+        pool=pool,
+        num_shards=2,
+        tier="host",
+        name="w",
+        local_replicas=[1],
+        gather_remote=gather,
+    )
+    assert [t.rsplit("/", 1)[1] for t in pool.tensor_ids()] == ["r1"]
+    np.testing.assert_array_equal(v.read_shard(1), [9, 10, 11, 12, 13, 14, 0, 0, 0])
+    np.testing.assert_array_equal(v.numpy(), value)
+    assert asked == [[1]]
+    v.free()
+    assert pool.tensor_ids() == []
+    pool.close()
 
 
 def test_uneven_data_across_workers_is_a_clear_error_not_a_hang(tmp_path):

@@ -1,6 +1,8 @@
 """ZeRO stage 3 (per-block gather, sharded parameters) with Keras fit.
 
-Parity: stage 3 x offload_param none / cpu / nvme against MirroredStrategy with Keras's
+Parity: stage 3 x offload_param none / cpu / nvme (optimizer states on the host), and
+offload_param cpu + device optimizer states, nvme + NVMe optimizer states, against
+MirroredStrategy with Keras's
 own Adam given dense gradients (tests/helpers/reference_optimizers.py), on a GPT-style
 keras.Sequential (embedding, causal self-attention + MLP block with layer norms, final
 layer norm, dense head), 20 steps, bound 1e-5 relative. Memory: the pool's measured
@@ -99,12 +101,15 @@ def _fit_stage3(config: dict, optimizer=None, make_model=_model, ds=None):
     return strategy, model, sharded, losses
 
 
-@pytest.mark.parametrize("offload_param", ["none", "cpu", "nvme"])
-def test_stage3_parity_with_mirrored(offload_param, reference, tmp_path):
+@pytest.mark.parametrize(
+    ("offload_param", "offload_optimizer"),
+    [("none", "cpu"), ("cpu", "cpu"), ("nvme", "cpu"), ("cpu", "none"), ("nvme", "nvme")],
+)
+def test_stage3_parity_with_mirrored(offload_param, offload_optimizer, reference, tmp_path):
     config = {
         "stage": 3,
         "offload_param": offload_param,
-        "offload_optimizer": "cpu",
+        "offload_optimizer": offload_optimizer,
         "nvme_path": str(tmp_path),
         "page_size_bytes": PAGE,
         "collective_timeout_seconds": 20,
@@ -121,6 +126,8 @@ def test_stage3_parity_with_mirrored(offload_param, reference, tmp_path):
     assert all(v.state(r) is not ShardState.GATHERED for v in variables for r in (0, 1))
     # The access order observed in the first step is the plan's gather order.
     assert engine.recorded_order == [u for u, g in zip(engine.plan.uses, engine.plan.gathers) if g]
+    store = sharded.optimizer.zero_state.store  # optimizer-state shards on their tier
+    assert store.tier == {"none": "device", "cpu": "host", "nvme": "nvme"}[offload_optimizer]
     if offload_param == "nvme":
         assert engine.pool.nvme_file is not None
         assert engine.pool.usage()["nvme"].used_bytes > 0
@@ -134,7 +141,10 @@ def test_stage3_parity_with_mirrored(offload_param, reference, tmp_path):
         float(np.max(np.abs(w - r) / np.maximum(np.abs(r), ATOL / RTOL)))
         for w, r in zip(weights, ref_weights)
     )
-    print(f"stage 3 offload_param={offload_param}: max rel weight diff {worst:.3g}")
+    print(
+        f"stage 3 offload_param={offload_param} offload_optimizer={offload_optimizer}: "
+        f"max rel weight diff {worst:.3g}"
+    )
     for w, r in zip(weights, ref_weights):
         np.testing.assert_allclose(w, r, rtol=RTOL, atol=ATOL)
 

@@ -244,10 +244,15 @@ def test_keras_sparse_adam_is_not_dense_adam():
     assert np.all(sparse_var.numpy()[0] < 0.69)
 
 
-def test_unimplemented_stage_is_a_clear_error():
-    with pytest.raises(NotImplementedError, match=r"stage=3 .*implemented \(stage, offload"):
-        # stage 3 is implemented with host optimizer states only (tests/test_stage3.py)
-        zero_runtime.ZeroInfinityStrategy({"stage": 3, "offload_optimizer": "none"})
+def test_every_stage_and_optimizer_tier_is_implemented():
+    # stage 3 with device / NVMe optimizer states too (parity: tests/test_stage3.py)
+    from zero_runtime.strategy import IMPLEMENTED
+
+    tiers = ("none", "cpu", "nvme")
+    assert IMPLEMENTED == {(0, "none")} | {(s, o) for s in (1, 2, 3) for o in tiers}
+    strategy = zero_runtime.ZeroInfinityStrategy({"stage": 3, "offload_optimizer": "none"})
+    assert strategy.config.offload_optimizer == "none"
+    strategy.close()
 
 
 def test_estimate_event_matches_what_the_runtime_holds(zero_run):

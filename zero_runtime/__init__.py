@@ -29,4 +29,8 @@ def __getattr__(name: str) -> Any:
         from zero_runtime.strategy import ZeroInfinityStrategy
 
         return ZeroInfinityStrategy
+    if name == "checkpoint":  # sharded checkpoints (imports TensorFlow): docs/checkpoint.md
+        import importlib
+
+        return importlib.import_module("zero_runtime.checkpoint")
     raise AttributeError(f"module 'zero_runtime' has no attribute {name!r}")

@@ -384,6 +384,47 @@ register(
 
 
 # --------------------------------------------------------------------------------------
+# export
+# --------------------------------------------------------------------------------------
+
+
+def _export_add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "checkpoint",
+        metavar="CKPT_DIR",
+        help="a checkpoint root (its 'latest' is used) or one checkpoint directory",
+    )
+    p.add_argument(
+        "--out",
+        required=True,
+        help="output: FILE.keras (Keras archive) or a directory (TensorFlow SavedModel)",
+    )
+    p.add_argument("--tag", default=None, help="a checkpoint tag under the root")
+
+
+def _export_run(args: argparse.Namespace) -> int:
+    """Consolidate a sharded checkpoint into a plain Keras model / SavedModel."""
+    from zero_runtime.checkpoint import CheckpointError, export  # imports TensorFlow
+
+    try:
+        out = export(args.checkpoint, args.out, tag=args.tag)
+    except CheckpointError as exc:
+        raise UsageError(str(exc)) from None
+    print(f"{PROG} export: wrote {out}")
+    return 0
+
+
+register(
+    Command(
+        name="export",
+        help="consolidate a sharded checkpoint into a .keras file or a SavedModel",
+        add_arguments=_export_add_arguments,
+        run=_export_run,
+    )
+)
+
+
+# --------------------------------------------------------------------------------------
 # main
 # --------------------------------------------------------------------------------------
 

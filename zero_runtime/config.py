@@ -149,6 +149,7 @@ _SPECS: Mapping[str, _Spec] = MappingProxyType(
         "telemetry_every_n_steps": _Spec("int", "steps", 1, None),
         "mirrored_fallback_bytes": _Spec("int", "bytes", 0, None),
         "collective_timeout_seconds": _Spec("float", "seconds", 0.0, None),
+        "embedding_row_paging_threshold": _Spec("int", "elements", 1, _COUNT_MAX),
     }
 )
 
@@ -301,6 +302,11 @@ class ZeroConfig:
         collective_timeout_seconds: a collective that does not finish within this many
             seconds fails, float > 0 (finite). Default 60.0. Ints are accepted and stored
             as float.
+        embedding_row_paging_threshold: at stage 3, a ``keras.layers.Embedding`` whose
+            table has at least this many elements is row-paged (only the rows a step looks
+            up move; hot rows stay on the device tier, cold ones on the offload tier; lazy
+            sparse updates, see zero_runtime/stage3/embedding.py), elements, int >= 1.
+            Default 10_000_000 (a 40 MB float32 table; smaller tables are gathered whole).
 
     Raises:
         ZeroConfigError: on construction, for a value of the wrong type (bool is never an
@@ -330,6 +336,7 @@ class ZeroConfig:
     telemetry_every_n_steps: int = 1
     mirrored_fallback_bytes: int = 0
     collective_timeout_seconds: float = 60.0
+    embedding_row_paging_threshold: int = 10_000_000
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -129,6 +129,40 @@ class ControlChannel:
         _write_json_atomic(os.path.join(self.run_dir, ACK_FILE), outcome.to_dict())
         return outcome
 
+    def adopt(self, decision: Mapping[str, Any], step: int) -> ControlOutcome:
+        """Take a decision made by another channel (the chief's, across workers).
+
+        Multi-worker live tuning: the chief polls its own run's request file and every
+        worker adopts its decision at the same step boundary, so the workers never run
+        with different configs. An applied decision's changes replace :attr:`config` and
+        :attr:`version` (validated against this worker's config); a rejected or ignored
+        one is recorded as it is. The acknowledgement is written to this worker's run.
+
+        Args:
+            decision: ``ControlOutcome.to_dict()`` of the chief's outcome.
+            step: the step about to start (the decision's own step on the chief).
+
+        Returns:
+            This worker's outcome (same version, status, changes and reason).
+
+        Raises:
+            ZeroConfigError: an applied decision whose values this worker cannot take
+                (it would otherwise diverge from the chief).
+        """
+        status = Status(decision["status"])
+        version = int(decision["version"])
+        changes = {k: dict(v) for k, v in (decision.get("changes") or {}).items()}
+        if status is Status.APPLIED:
+            if changes:  # an applied request may change nothing (values already in effect)
+                updates = {k: v["new"] for k, v in changes.items()}
+                self.config = validate_tunable_update(self.config, updates)
+            self.version = version
+            self._last_decided_version = max(self._last_decided_version, version)
+        outcome = self._outcome(version, status, step, decision.get("reason"), changes)
+        self.history.append(outcome)
+        _write_json_atomic(os.path.join(self.run_dir, ACK_FILE), outcome.to_dict())
+        return outcome
+
     def _decide(self, step: int, size: int) -> ControlOutcome:
         if size > MAX_REQUEST_BYTES:
             return self._outcome(

@@ -36,6 +36,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from zero_runtime import comm, control
 from zero_runtime.config import ZeroConfig
 from zero_runtime.devices import DeviceInfo
 from zero_runtime.strategy import ZeroInfinityStrategy
@@ -48,6 +49,10 @@ REPLICA_TASK_TYPES = ("chief", "worker")
 
 #: Name of the file the chief writes in the run's log directory (the cluster's members).
 CLUSTER_FILE = "cluster.json"
+
+#: Capacity of the chief's broadcast live-tuning decision, bytes (an outcome's JSON is a few
+#: hundred bytes: version, status, the changed tunable keys' old/new values, a reason).
+CONTROL_MAX_BYTES = 4096
 
 #: TensorFlow error types that mean "a peer is gone or did not join in time".
 PEER_FAILURE_ERRORS = (
@@ -174,6 +179,16 @@ def describe_failure(
     return f"{who} {why}; worker rank {cluster.rank} stops ({type(exc).__name__})"
 
 
+def _encode_outcome(outcome: control.ControlOutcome) -> bytes:
+    """The outcome's JSON, its reason shortened when it would not fit the broadcast."""
+    record = outcome.to_dict()
+    text = json.dumps(record).encode()
+    if len(text) > CONTROL_MAX_BYTES and record.get("reason"):
+        record["reason"] = record["reason"][: CONTROL_MAX_BYTES // 4] + " [...]"
+        text = json.dumps(record).encode()
+    return text
+
+
 # TF's words when two workers issue different collectives under the same instance key.
 _MISMATCH = re.compile(r"Collective instance \d+ expected|Shape mismatch in the collective")
 
@@ -244,26 +259,62 @@ class MultiWorkerZeroInfinityStrategy(
       logged and ignored); with GPUs, each worker's GPUs. ``num_replicas_in_sync`` counts
       the replicas of all workers; ``device_info`` only this worker's.
     - collectives time out after ``config.collective_timeout_seconds``.
-    - implemented: stage 0, and stages 1-2 with ``offload_optimizer`` 'cpu' or 'nvme'
-      without gradient accumulation (device-tier optimizer states and stage 3 are
-      single-process only in this version).
+    - implemented: everything the single-process strategy implements (stages 0-3, every
+      ``offload_optimizer`` / ``offload_param`` tier, gradient accumulation at stages
+      1-2), parity-tested against one process with the same global replica count
+      (tests/test_multiworker.py, tests/test_multiworker_stage3.py). Per-replica state
+      (device optimizer slots, accumulators, ordering tokens, stage-3 shards) is held only
+      for this worker's replicas, :attr:`local_replica_ids`.
     - ``logdir``: this worker's summaries go to ``<logdir>/worker_<rank>``.
 
     Attributes:
         cluster: the :class:`ClusterInfo` (rank, addresses).
 
     Raises:
-        NotImplementedError: a configuration not implemented across workers.
+        NotImplementedError: a configuration not implemented at all (see
+            ``ZeroInfinityStrategy``).
     """
 
     cluster: ClusterInfo
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """As ``ZeroInfinityStrategy(...)``; then live tuning is made cluster-wide: at every
+        step boundary the chief decides on its own run's control request and every worker
+        adopts the decision at the same step (:meth:`_sync_control`)."""
+        super().__init__(*args, **kwargs)
+        self._control_group = comm.WorkerGroup.create(
+            self.extended.worker_devices[0],
+            self.cluster.num_workers,
+            self.config.collective_timeout_seconds,
+        )
+        self.runtime.control_sync = self._sync_control
+
+    def _sync_control(self, channel: control.ControlChannel, next_step: int):
+        """The step boundary's control decision, the same on every worker.
+
+        The chief (rank 0) polls its run's request file (``<logdir>/worker_0``, the run the
+        view's tuning panel writes to); its outcome (or nothing) is broadcast
+        (:func:`zero_runtime.comm.broadcast_bytes`, one small all-reduce per step
+        boundary) and the other workers adopt it (``ControlChannel.adopt``). Requests
+        written to another worker's run are not read.
+
+        Returns:
+            This worker's :class:`~zero_runtime.control.ControlOutcome`, or None.
+        """
+        outcome = channel.poll(next_step) if self.cluster.is_chief else None
+        payload = None
+        if self.cluster.is_chief:
+            payload = _encode_outcome(outcome) if outcome else b""
+        received = comm.broadcast_bytes(payload, self._control_group, CONTROL_MAX_BYTES)
+        if self.cluster.is_chief or not received:
+            return outcome
+        return channel.adopt(json.loads(received), next_step)
 
     def _init_distribute_base(self, config: ZeroConfig, num_cpu_replicas: int) -> DeviceInfo:
         cluster = cluster_from_env()
         if cluster is None:  # pragma: no cover - __new__ only picks this class with one
             raise RuntimeError("TF_CONFIG names no multi-worker cluster")
         self.cluster = cluster
-        _check_implemented(config)
         if num_cpu_replicas != 1 and not tf.config.list_physical_devices("GPU"):
             log.warning(
                 "multi-worker on CPU: one replica per worker; num_cpu_replicas=%d ignored",
@@ -280,6 +331,12 @@ class MultiWorkerZeroInfinityStrategy(
         install_failure_hook(cluster, config.collective_timeout_seconds)
         description = "device (GPU)" if on_gpu else "device (CPU stand-in)"
         return DeviceInfo(tuple(self.extended.worker_devices), not on_gpu, description)
+
+    @property
+    def local_replica_ids(self) -> tuple[int, ...]:
+        """This worker's replica ids in the sync group: ``rank * local + i``."""
+        local = len(self.extended.worker_devices)
+        return tuple(self.cluster.rank * local + i for i in range(local))
 
     def _runtime_logdir(self, logdir: str | None) -> str | None:
         _STRATEGIES.add(self)
@@ -324,18 +381,3 @@ class MultiWorkerZeroInfinityStrategy(
             if ranks == {0}:
                 axis = None
         return super().reduce(reduce_op, value, axis=axis)
-
-
-def _check_implemented(config: ZeroConfig) -> None:
-    if config.stage == 0:
-        return
-    if config.stage >= 3 or config.offload_optimizer not in ("cpu", "nvme"):
-        raise NotImplementedError(
-            f"multi-worker training implements stage 0, and stages 1-2 with "
-            f"offload_optimizer 'cpu' or 'nvme'; got stage={config.stage}, "
-            f"offload_optimizer={config.offload_optimizer!r}"
-        )
-    if config.gradient_accumulation_steps > 1:
-        raise NotImplementedError(
-            "multi-worker training does not implement gradient_accumulation_steps > 1 yet"
-        )

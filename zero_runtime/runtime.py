@@ -56,7 +56,16 @@ class ZeroRuntime:
         num_replicas: replicas in sync (the data-parallel degree N_d).
         logdir: the run's TensorBoard directory, or None for no summaries.
         fallback_mirrored: True when the strategy runs as plain mirrored data parallelism.
+
+    Attributes:
+        control_sync: None (one process: this runtime's channel decides), or
+            ``(channel, next_step) -> ControlOutcome | None`` that replaces
+            ``channel.poll`` at the step boundary: multi-worker, the chief decides and
+            every worker adopts its decision at the same step (set by
+            ``MultiWorkerZeroInfinityStrategy``).
     """
+
+    control_sync: Any = None
 
     def __init__(
         self,
@@ -240,7 +249,10 @@ class ZeroRuntime:
         """
         if self.control is None:
             return
-        outcome = self.control.poll(next_step)
+        if self.control_sync is not None:
+            outcome = self.control_sync(self.control, next_step)
+        else:
+            outcome = self.control.poll(next_step)
         if outcome is None:
             return
         if outcome.status is control.Status.APPLIED:

@@ -42,6 +42,7 @@ import dataclasses
 import enum
 import math
 import threading
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -92,9 +93,17 @@ class ShardedVariable(_KerasTFVariable):
             stored as shards, but once gathered in a step it stays gathered until the
             optimizer updates it (DeepSpeed's persistent parameters).
         trainable: Keras's flag (default True).
+        local_replicas: the replica ids whose shards this process holds (default: all
+            ``range(num_shards)``, one process). Under ``MultiWorkerMirroredStrategy`` a
+            worker holds only its own replicas' shards (ids ``rank * local + i``).
+        gather_remote: with ``local_replicas`` a subset, the collective that assembles
+            every replica's shard outside a step: ``{replica: float32 [shard_elements]}``
+            of the local replicas -> float32 ``[num_shards, shard_elements]`` (every
+            worker calls it; :func:`zero_runtime.comm.gather_local_shards`).
 
     Raises:
-        ValueError: a non-float32 value, ``num_shards`` < 1, or a bad ``shard_dim``.
+        ValueError: a non-float32 value, ``num_shards`` < 1, a bad ``shard_dim``, or
+            ``local_replicas`` out of range / a subset without ``gather_remote``.
     """
 
     def __init__(
@@ -109,6 +118,8 @@ class ShardedVariable(_KerasTFVariable):
         shard_dim: int = 0,
         persistent: bool = False,
         trainable: bool = True,
+        local_replicas: Sequence[int] | None = None,
+        gather_remote: Callable[[dict[int, np.ndarray]], np.ndarray] | None = None,
     ) -> None:
         value = np.asarray(value)
         if value.dtype != np.float32:
@@ -123,6 +134,13 @@ class ShardedVariable(_KerasTFVariable):
             raise ValueError(f"shard_dim={shard_dim} out of range for shape {shape}")
         self.pool = pool
         self.num_shards = int(num_shards)
+        local = tuple(range(self.num_shards) if local_replicas is None else local_replicas)
+        if not local or any(not 0 <= r < self.num_shards for r in local):
+            raise ValueError(f"local_replicas {local} not in [0, {self.num_shards})")
+        if len(local) < self.num_shards and gather_remote is None:
+            raise ValueError("local_replicas is a subset: gather_remote is required")
+        self.local_replicas = local
+        self._gather_remote = gather_remote
         self.tier = tier
         self.shard_dim = shard_dim % ndim
         self.persistent = bool(persistent)
@@ -137,7 +155,8 @@ class ShardedVariable(_KerasTFVariable):
         self._replicas = [
             _ReplicaShard(f"p/{uid}/r{r}", f"g/{uid}/r{r}") for r in range(self.num_shards)
         ]
-        for rec in self._replicas:
+        for r in self.local_replicas:  # a worker allocates only its own replicas' shards
+            rec = self._replicas[r]
             pool.allocate(rec.shard_id, (self.shard_elements,), np.float32, "param", tier)
         super().__init__(
             initializer=lambda shape, dtype=None: value,
@@ -168,10 +187,21 @@ class ShardedVariable(_KerasTFVariable):
             if current is not None:
                 return self._maybe_autocast(current)
         if tf.inside_function():
-            out = tf.numpy_function(self.gather_on_demand, [], tf.float32, stateful=True)
+            fn = self.gather_on_demand
+            if len(self.local_replicas) < self.num_shards:
+                fn = self._remote_read_in_graph  # traced (Keras's symbolic build), never run
+            out = tf.numpy_function(fn, [], tf.float32, stateful=True)
             out.set_shape(self._logical_shape)
             return self._maybe_autocast(out)
         return self._maybe_autocast(tf.constant(self.gather_on_demand()))
+
+    def _remote_read_in_graph(self) -> np.ndarray:
+        # A collective issued from a host callback inside a running graph could deadlock
+        # the step; with shards on other workers the value is read eagerly between steps.
+        raise RuntimeError(
+            f"ShardedVariable {self.path!r}: with shards on other workers the value is "
+            "gathered eagerly between steps (get_weights, numpy), not inside a tf.function"
+        )
 
     def _direct_assign(self, value) -> None:
         if tf.inside_function():
@@ -300,7 +330,11 @@ class ShardedVariable(_KerasTFVariable):
 
     def gather_on_demand(self) -> np.ndarray:
         """The logical value assembled from every replica's shard on the host (outside a
-        step: ``numpy()``, ``get_weights()``, saving). No state changes."""
+        step: ``numpy()``, ``get_weights()``, saving). No state changes. With shards on
+        other workers, ``gather_remote`` all-gathers them (every worker must call this)."""
+        if len(self.local_replicas) < self.num_shards:
+            shards = self._gather_remote({r: self.read_shard(r) for r in self.local_replicas})
+            return self.logical_from_shards(shards)
         shards = np.stack([self.read_shard(r) for r in range(self.num_shards)])
         return self.logical_from_shards(shards)
 
@@ -315,7 +349,8 @@ class ShardedVariable(_KerasTFVariable):
     # -- helpers -------------------------------------------------------------------------
     def _write_logical(self, value: np.ndarray) -> None:
         shards = self.shards_from_logical(value)
-        for r, rec in enumerate(self._replicas):
+        for r in self.local_replicas:
+            rec = self._replicas[r]
             with self._lock:
                 self._expect(rec, (ShardState.SHARDED, ShardState.RELEASED), "assign")
                 self.pool.write(rec.shard_id, shards[r])

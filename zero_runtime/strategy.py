@@ -52,7 +52,7 @@ _COLLECTIVE_KEY_BASES = itertools.count(start=100_000, step=100_000)
 IMPLEMENTED = (
     {(0, "none")}
     | {(s, o) for s in (1, 2) for o in ("none", "cpu", "nvme")}
-    | {(3, "cpu")}  # stage 3: tested with host optimizer states (tests/test_stage3.py)
+    | {(3, o) for o in ("none", "cpu", "nvme")}  # stage 3: tests/test_stage3.py
 )
 
 #: (stage, offload_param) pairs of stage 3 this version implements (parity-tested in
@@ -176,6 +176,15 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
         """
         return self.config.stage >= 1
 
+    @property
+    def local_replica_ids(self) -> tuple[int, ...]:
+        """Replica ids (in the sync group) that run in this process, in local device order.
+
+        One process: ``0 .. local - 1``. Multi-worker (TensorFlow's numbering,
+        ``CollectiveAllReduceExtended``): ``rank * local + i``.
+        """
+        return tuple(range(len(self.extended.worker_devices)))
+
     def scope(self) -> contextlib.AbstractContextManager:
         """The strategy's scope; inside it, Keras optimizer names resolve to partitioned ones.
 
@@ -201,8 +210,29 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
         """
         return self.runtime.write_postmortem(exc)
 
+    def zero_init(self) -> contextlib.AbstractContextManager:
+        """Stage 3: build a model without materialising it (partitioned construction,
+        DeepSpeed's ``zero.Init``). At stages 0-2: ``scope()``.
+
+        Variables created inside are deferred (no value, nothing on any device);
+        :meth:`shard_model` then creates each one directly as its shards in the pool on
+        the ``offload_param`` tier, one variable at a time. Same seeds give the same
+        weights as a replicated build. See :mod:`zero_runtime.stage3.construction`.
+
+        Returns:
+            A :class:`zero_runtime.stage3.construction.PartitionedConstruction` (also
+            enters ``scope()``).
+        """
+        from zero_runtime.stage3.construction import PartitionedConstruction
+
+        return PartitionedConstruction(self)
+
     def shard_model(self, model: keras.Model) -> keras.Model:
         """Stage 3: wrap a built model for block-by-block training with sharded parameters.
+
+        The model may be built inside ``scope()`` (replicated, then sharded and the
+        originals freed) or inside :meth:`zero_init` (each deferred variable initialized
+        straight into its shards); this may be called inside either.
 
         Returns:
             A :class:`zero_runtime.stage3.ShardedModel` (a ``keras.Model``; compile and
@@ -212,9 +242,47 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
             ValueError: the strategy is not at stage 3 (see ``ShardedModel``).
         """
         from zero_runtime.stage3 import ShardedModel
+        from zero_runtime.stage3.construction import suspended
 
-        with self.scope():
+        with self.scope(), suspended():
             return ShardedModel(model, self)
+
+    def save_checkpoint(
+        self,
+        directory: str,
+        model: keras.Model,
+        tag: str | None = None,
+        client_state: dict | None = None,
+        max_to_keep: int | None = 3,
+    ) -> Any:
+        """Save a sharded checkpoint of ``model`` and its optimizer (DeepSpeed's name).
+
+        Every worker calls it at the same step; each writes its replicas' shards, the chief
+        the index, and ``<directory>/latest`` moves only once the checkpoint is complete.
+        See :class:`zero_runtime.checkpoint.CheckpointManager` and docs/checkpoint.md.
+
+        Returns:
+            A :class:`zero_runtime.checkpoint.SaveResult` (path, tag, step, bytes, seconds).
+        """
+        from zero_runtime.checkpoint import CheckpointManager
+
+        manager = CheckpointManager(directory, model, self, max_to_keep=max_to_keep)
+        return manager.save(tag=tag, client_state=client_state)
+
+    def load_checkpoint(self, directory: str, model: keras.Model, tag: str | None = None) -> Any:
+        """Restore a sharded checkpoint (``latest`` by default) onto ``model``, on any
+        number of replicas (re-partitioned from the index; DeepSpeed's name).
+
+        Returns:
+            A :class:`zero_runtime.checkpoint.RestoreResult` (step, client_state, ...).
+
+        Raises:
+            zero_runtime.checkpoint.CheckpointError: a missing, corrupt or incompatible
+                checkpoint (see :meth:`zero_runtime.checkpoint.CheckpointManager.restore`).
+        """
+        from zero_runtime.checkpoint import CheckpointManager
+
+        return CheckpointManager(directory, model, self).restore(tag)
 
     def close(self) -> None:
         """Flush and close the telemetry; the strategy must not run steps afterwards."""

@@ -29,9 +29,17 @@ GLOBAL_BATCH = 8
 
 
 def fit_record(
-    strategy, steps: int, out: str, die_at: int = -1, stall: bool = False, uneven: bool = False
+    strategy,
+    steps: int,
+    out: str,
+    die_at: int = -1,
+    stall: bool = False,
+    uneven: bool = False,
+    callbacks: list | None = None,
 ) -> dict:
     """Fit the small model for ``steps`` steps of GLOBAL_BATCH under ``strategy``.
+
+    ``callbacks``: more Keras callbacks for ``fit`` (e.g. a control request mid-job).
 
     Returns the record written to ``rank<R>.json`` (see the module docstring).
     """
@@ -73,7 +81,7 @@ def fit_record(
         def on_train_batch_end(self, batch, logs=None):
             losses.append(float(logs["loss"]))
 
-    model.fit(ds, epochs=1, shuffle=False, verbose=0, callbacks=[Record()])
+    model.fit(ds, epochs=1, shuffle=False, verbose=0, callbacks=[Record(), *(callbacks or [])])
     # Keras's logged loss is a running mean over the epoch: recover each step's loss.
     step_losses = [losses[0]] + [
         (i + 1) * losses[i] - i * losses[i - 1] for i in range(1, len(losses))

@@ -4,16 +4,21 @@ from zero_runtime.comm.buckets import reduce_buckets
 from zero_runtime.comm.collectives import (
     all_gather_flat,
     all_reduce_sum_flat,
+    broadcast_bytes,
+    gather_local_shards,
     reduce_scatter_sum_flat,
     shard_of,
 )
-from zero_runtime.comm.groups import REDUCE_SCATTER_IMPLS, CollectiveGroup
+from zero_runtime.comm.groups import REDUCE_SCATTER_IMPLS, CollectiveGroup, WorkerGroup
 
 __all__ = [
     "REDUCE_SCATTER_IMPLS",
     "CollectiveGroup",
+    "WorkerGroup",
     "all_gather_flat",
     "all_reduce_sum_flat",
+    "broadcast_bytes",
+    "gather_local_shards",
     "reduce_buckets",
     "reduce_scatter_sum_flat",
     "shard_of",

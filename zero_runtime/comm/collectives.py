@@ -13,10 +13,13 @@ Stateless functions only; the keys and ordering tokens of the raw collectives li
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import gen_collective_ops
 
-from zero_runtime.comm.groups import CollectiveGroup
+from zero_runtime.comm.groups import CollectiveGroup, WorkerGroup
 
 
 def all_reduce_sum_flat(flat: tf.Tensor, group: CollectiveGroup | None = None) -> tf.Tensor:
@@ -123,6 +126,95 @@ def all_gather_flat(shard: tf.Tensor, group: CollectiveGroup | None = None) -> t
     if group is not None and ctx.num_replicas_in_sync > 1:
         return gen_collective_ops.collective_gather_v2(shard, **_raw_args(ctx, group))
     return ctx.all_gather(tf.identity(shard), axis=0)
+
+
+def gather_local_shards(local: Mapping[int, np.ndarray], group: WorkerGroup) -> np.ndarray:
+    """Every replica's shard on every worker, from host code between steps (eager).
+
+    The multi-worker counterpart of reading all shards from one process's pool: with
+    ``MultiWorkerMirroredStrategy`` a worker holds only its local replicas' shards, so
+    ``ShardedVariable.gather_on_demand`` (``get_weights``, saving) all-gathers them: one
+    eager ``CollectiveGatherV2`` over the workers (no ``tf.function``, so nothing is traced
+    per variable shape). Every worker must call it, in the same order (as every
+    collective).
+
+    Args:
+        local: ``{replica id in sync: float32 [E]}`` for exactly this worker's replicas
+            (ids ``rank * local + i``, consecutive), E the same on every replica.
+        group: the :class:`~zero_runtime.comm.groups.WorkerGroup` of the workers (one
+            device each; TensorFlow orders the group's members by task, i.e. by rank).
+
+    Returns:
+        float32 ``[N, E]``, row r = replica r's shard, identical on every worker.
+
+    Raises:
+        RuntimeError: called inside a ``tf.function`` (it runs eagerly, between steps).
+        tf.errors.DeadlineExceededError: a worker did not join within the group's timeout.
+    """
+    if tf.inside_function():
+        raise RuntimeError("gather_local_shards runs eagerly, outside strategy.run")
+    rows = np.stack([np.asarray(local[r], np.float32) for r in sorted(local)])  # (local, E)
+    if group.group_size == 1:
+        return rows
+    with tf.device(group.device):
+        out = gen_collective_ops.collective_gather_v2(
+            tf.constant(rows),
+            group_size=group.group_size,
+            group_key=group.group_key,
+            instance_key=group.next_instance_key(),
+            ordering_token=[],
+            timeout_seconds=group.timeout_seconds,
+        )
+    return out.numpy()  # (N, E): the workers' rows in rank order
+
+
+def broadcast_bytes(payload: bytes | None, group: WorkerGroup, max_bytes: int) -> bytes:
+    """The root's bytes on every worker: an eager sum all-reduce where only the root
+    contributes (the others pass None).
+
+    Issued from host code (eager), also from a host callback inside a running step (the
+    runtime's step boundary; measured to complete there under MultiWorkerMirroredStrategy,
+    since the step's own collectives use other group keys). Every worker must call it the
+    same number of times, in the same order.
+
+    Layout on the wire: float32 ``[1 + max_bytes]``, element 0 the payload's length and
+    element 1 + i its byte i (exact: a float32 holds integers up to 2**24, and all but one
+    contribution are 0). Cost: one all-reduce of ``4 * (1 + max_bytes)`` bytes.
+
+    Args:
+        payload: the root's bytes (``len <= max_bytes``), or None on every other worker.
+        group: the :class:`~zero_runtime.comm.groups.WorkerGroup` of the workers.
+        max_bytes: the fixed payload capacity, bytes (the same on every worker).
+
+    Returns:
+        The root's payload (``b""`` when it sent an empty one).
+
+    Raises:
+        ValueError: ``payload`` longer than ``max_bytes``.
+        tf.errors.DeadlineExceededError: a worker did not join within the group's timeout.
+    """
+    buf = np.zeros(1 + max_bytes, np.float32)
+    if payload is not None:
+        if len(payload) > max_bytes:
+            raise ValueError(f"payload of {len(payload)} bytes exceeds max_bytes={max_bytes}")
+        buf[0] = len(payload)
+        buf[1 : 1 + len(payload)] = np.frombuffer(payload, np.uint8)
+    if group.group_size == 1:
+        out = buf
+    else:
+        with tf.device(group.device):
+            out = gen_collective_ops.collective_reduce_v2(
+                tf.constant(buf),
+                group_size=group.group_size,
+                group_key=group.group_key,
+                instance_key=group.next_instance_key(),
+                ordering_token=[],
+                merge_op="Add",
+                final_op="Id",
+                timeout_seconds=group.timeout_seconds,
+            ).numpy()
+    length = int(out[0])
+    return bytes(out[1 : 1 + length].astype(np.uint8))
 
 
 def _raw_args(ctx: tf.distribute.ReplicaContext, group: CollectiveGroup) -> dict:

@@ -128,3 +128,45 @@ class CollectiveGroup:
                 ``tokens[replica % len(devices)]`` (the identity in one process).
         """
         return self.tokens[replica % len(self.tokens)].handle
+
+
+@dataclasses.dataclass
+class WorkerGroup:
+    """One device per worker, for eager collectives issued between or inside steps from
+    host code: the chief's live-tuning decision (:func:`~.collectives.broadcast_bytes`) and
+    stage-3 reads of sharded variables (:func:`~.collectives.gather_local_shards`).
+
+    Create it on every worker in the same order (the group key comes from the same
+    process-wide sequence as :class:`CollectiveGroup`'s), and make the same calls on every
+    worker in the same order: the i-th call of each worker gets instance key i.
+
+    Attributes:
+        group_key: the group's key (int32), unique in the process.
+        device: this worker's device taking part (e.g. its first replica's).
+        group_size: number of workers (one device each).
+        timeout_seconds: a call that does not complete in this many seconds fails with
+            ``DeadlineExceededError`` (float > 0).
+    """
+
+    group_key: int
+    device: str
+    group_size: int
+    timeout_seconds: float
+    _counter: itertools.count = dataclasses.field(default_factory=lambda: itertools.count(1))
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    @classmethod
+    def create(cls, device: str, group_size: int, timeout_seconds: float) -> WorkerGroup:
+        """A group over ``group_size`` workers with a fresh group key.
+
+        Raises:
+            ValueError: ``group_size`` < 1 or a non-positive timeout.
+        """
+        if group_size < 1 or not timeout_seconds > 0:
+            raise ValueError(f"bad group_size={group_size} / timeout={timeout_seconds}")
+        return cls(next(_GROUP_KEYS), device, int(group_size), float(timeout_seconds))
+
+    def next_instance_key(self) -> int:
+        """The next instance key (1, 2, ...), the same sequence on every worker."""
+        with self._lock:
+            return next(self._counter)

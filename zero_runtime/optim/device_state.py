@@ -52,10 +52,13 @@ class DeviceOptimizerState:
     def slots(self, replica: int) -> dict[str, tf.Variable]:
         """Slot name -> float32 ``[shard_size]`` variable of ``replica``.
 
-        Raises:
-            IndexError: no such local replica.
+        Args:
+            replica: the replica id in the sync group. Under MultiWorkerMirroredStrategy
+                ids are global (``rank * local + i``) and this store holds the worker's
+                local replicas only, so the record is ``replica % len(devices)`` (the
+                identity in one process; as ``CollectiveGroup.token``).
         """
-        return self._slots[replica]
+        return self._slots[replica % len(self._slots)]
 
     @property
     def state_bytes(self) -> int:

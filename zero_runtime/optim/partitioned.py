@@ -192,11 +192,18 @@ class _PartitionedUpdate:
         _BaseOptimizer.build(self, variables)
         with tf.init_scope():
             devices = tuple(strategy.extended.worker_devices)
-            layout = layout_from_sharded(self._trainable_variables, strategy.num_replicas_in_sync)
+            layout = layout_from_sharded(self._zero3_variables, strategy.num_replicas_in_sync)
             store = self._zero_make_store(config, layout, devices)
             self._zero = ZeroOptimizerState(config, 3, layout, store, None, devices, (), runtime)
             if runtime is not None:
                 runtime.register_optimizer(self)
+
+    @property
+    def _zero3_variables(self) -> list:
+        """Stage 3: the ShardedVariables this optimizer updates densely (row-paged
+        embedding tables, ``row_paged``, update their touched rows themselves:
+        zero_runtime/stage3/embedding.py)."""
+        return [v for v in self._trainable_variables if not getattr(v, "row_paged", False)]
 
     def _var_key(self, variable):
         if isinstance(variable, ShardedVariable):
@@ -232,7 +239,7 @@ class _PartitionedUpdate:
             )
         zs = self._zero
         replica = _replica_id()
-        order = self._trainable_variables
+        order = self._zero3_variables
         grad_shard = tf.concat([grads[id(v)] for v in order], axis=0)  # (shard_size,)
         lr = self._zero_learning_rate()
         scalars = self._zero_scalars(lr)
@@ -272,12 +279,12 @@ class _PartitionedUpdate:
         layout = self._zero.layout
         return tuple(
             (b.shard_offset, b.shard_offset + b.piece_size)
-            for b, v in zip(layout.buckets, self._trainable_variables)
+            for b, v in zip(layout.buckets, self._zero3_variables)
             if self.weight_decay and self._use_weight_decay(v)
         )
 
     def _zero3_read(self, wd, lr, replica: int, decay: bool) -> np.ndarray:
-        param = np.concatenate([v.read_shard(replica) for v in self._trainable_variables])
+        param = np.concatenate([v.read_shard(replica) for v in self._zero3_variables])
         if decay and self.weight_decay:
             wd, lr = np.float32(wd), np.float32(lr)
             for s, e in self._zero3_decay_ranges():  # Keras: v - v * wd * lr
@@ -286,7 +293,7 @@ class _PartitionedUpdate:
 
     def _zero3_write(self, step, param: np.ndarray, replica: int) -> np.int64:
         off = 0
-        for v in self._trainable_variables:
+        for v in self._zero3_variables:
             if v.state(replica) is ShardState.GATHERED:  # persistent copies go stale
                 v.release(replica)
             v.write_shard(replica, param[off : off + v.shard_elements])
@@ -382,7 +389,7 @@ class _PartitionedUpdate:
         by_pos = self._zero_by_pos(grads, trainable_variables)
         active = tuple(g is not None for g in by_pos)
         replica = _replica_id()
-        acc = zs.accumulators[replica]
+        acc = zs.accumulators[replica % len(zs.accumulators)]  # global id -> local record
         is_update = tf.equal((self._iterations + 1) % n_acc, 0)
         if zs.stage >= 2:
             shard = self._zero_reduce(self._zero_bucket_flats(by_pos), by_pos)

@@ -42,6 +42,8 @@ from zero_runtime import comm
 from zero_runtime.config import ZeroConfig
 from zero_runtime.memory import PageCounters, PagedBufferPool, PoolOutOfMemoryError, TierUsage
 from zero_runtime.sharded_variable import PARAM_TIER, ShardedVariable, ShardState
+from zero_runtime.stage3 import construction
+from zero_runtime.stage3.embedding import RowPagedEmbedding, row_paging_applies
 
 log = logging.getLogger(__name__)
 
@@ -183,13 +185,42 @@ class Stage3Engine:
         self.strategy = strategy
         self.num_shards = strategy.num_replicas_in_sync
         self.devices = tuple(strategy.extended.worker_devices)
+        # The replicas of this process (all of them in one process; a worker's own under
+        # MultiWorkerMirroredStrategy): their shards are the only ones this pool holds.
+        self.local_replicas = tuple(
+            getattr(strategy, "local_replica_ids", range(len(self.devices)))
+        )
         layers = _chain_layers(model)
         self.tier = PARAM_TIER[config.offload_param]
         self.pool = self._make_pool(layers, config)
         seen: set[int] = set()
+        remote = len(self.local_replicas) < self.num_shards  # shards on other workers
+        # Multi-worker: the group of the eager all-gather that reads a variable outside a
+        # step (created here, in the same order on every worker, like every group key).
+        self._worker_group = (
+            comm.WorkerGroup.create(
+                self.devices[0],
+                self.num_shards // len(self.local_replicas),
+                config.collective_timeout_seconds,
+            )
+            if remote
+            else None
+        )
         blocks = []
+        # Embedding tables of >= embedding_row_paging_threshold elements: row-paged, only
+        # the batch's rows move (zero_runtime/stage3/embedding.py); block without gathers.
+        self.row_paged: dict[int, RowPagedEmbedding] = {}
         for i, layer in enumerate(layers):
             _check_supported(layer)
+            if row_paging_applies(layer, config):
+                if remote:
+                    raise NotImplementedError("row-paged embeddings need a single process")
+                old = layer.embeddings
+                self.row_paged[i] = RowPagedEmbedding(layer, self.pool, self.num_shards, config)
+                _replace_variable(layer, old, self.row_paged[i].table)
+                seen.add(id(old))
+                blocks.append(Block(i, layer, (), 0, 0))
+                continue
             new_vars = []
             for v in list(layer.trainable_variables):
                 if id(v) in seen:
@@ -197,13 +228,17 @@ class Stage3Engine:
                 seen.add(id(v))
                 size = math.prod(v.shape)
                 sv = ShardedVariable(
-                    np.asarray(v.numpy(), np.float32),
+                    # A deferred variable (strategy.zero_init) is initialized here, on
+                    # the host, one at a time: construction.consume.
+                    np.asarray(construction.consume(v), np.float32),
                     pool=self.pool,
                     num_shards=self.num_shards,
                     tier=self.tier,
                     name=v.name,
                     path=v.path,
                     persistent=size < config.persistence_threshold,
+                    local_replicas=self.local_replicas,
+                    gather_remote=self._gather_remote if remote else None,
                 )
                 _replace_variable(layer, v, sv)
                 new_vars.append(sv)
@@ -241,7 +276,7 @@ class Stage3Engine:
                 v.shard_id(r)
                 for _, b in self.plan.uses
                 for v in blocks[b].variables
-                for r in range(self.num_shards)
+                for r in self.local_replicas
             ]
         )
         self.last_step: PoolStep | None = None
@@ -253,6 +288,7 @@ class Stage3Engine:
     def _make_pool(self, layers: list, config: ZeroConfig) -> PagedBufferPool:
         page = config.page_size_bytes
         n = self.num_shards
+        local = len(self.local_replicas)  # replicas whose shards and buffers this pool holds
 
         def pages(elements: int) -> int:
             return max(1, -(-4 * elements // page))
@@ -264,8 +300,8 @@ class Stage3Engine:
                 shape = tuple(v.shape) or (1,)
                 rows = -(-shape[0] // n)
                 rest = math.prod(shape[1:])
-                shard_pages += n * pages(rows * rest)
-                gathered += n * pages(n * rows * rest)
+                shard_pages += local * pages(rows * rest)
+                gathered += local * pages(n * rows * rest)
             per_block_shard_pages.append(shard_pages)
             per_block_gathered_pages.append(gathered)
         all_shards = sum(per_block_shard_pages)
@@ -295,6 +331,10 @@ class Stage3Engine:
             nvme_path=str(config.nvme_path) if self.tier == "nvme" else None,
             nvme_budget_bytes=config.nvme_budget_bytes if self.tier == "nvme" else None,
         )
+
+    def _gather_remote(self, local: dict[int, np.ndarray]) -> np.ndarray:
+        """Every replica's shard of one variable, from every worker (outside a step)."""
+        return comm.gather_local_shards(local, self._worker_group)
 
     @property
     def variables(self) -> list[ShardedVariable]:
@@ -343,6 +383,9 @@ class Stage3Engine:
         replica = _replica_id()
         h = x
         for block in self.blocks:
+            if block.index in self.row_paged:
+                h = self.row_paged[block.index].forward(h, replica)
+                continue
             if not block.variables:
                 h = self._call(block, [], h, training)
                 continue
@@ -351,10 +394,13 @@ class Stage3Engine:
             done = _host_call(
                 functools.partial(self._release_all, block.index, replica), [_dep(h)], tf.float32
             )
+            done.set_shape([])  # a scalar: keeps h's static rank (Keras losses need it)
             h = h + tf.cast(done, h.dtype)  # done == 0.0: a data dependency on the release
         return h
 
     def _block(self, block: Block, x, anchor, replica: int, training: bool):
+        if block.index in self.row_paged:  # only the batch's rows move
+            return self.row_paged[block.index].block(x, anchor, replica)
         if not block.variables:  # nothing to gather: an ordinary op under the outer tape
             return self._call(block, [], x, training)
         fwd_use = self.plan.uses.index((FWD, block.index))
@@ -573,7 +619,7 @@ class Stage3Engine:
         (:meth:`close_step`), unless the runtime's step record already did."""
         with self._lock:
             done = self._steps_done.get(step, 0) + 1
-            if done < self.num_shards:
+            if done < len(self.local_replicas):
                 self._steps_done[step] = done
                 return
             self._steps_done.pop(step, None)
@@ -640,7 +686,11 @@ class Stage3Engine:
         rows = []
         for v in self.variables:
             tiers = sorted(
-                {p.tier for p in self.pool.describe(v.shard_id(0)).pages if p.tier},
+                {
+                    p.tier
+                    for p in self.pool.describe(v.shard_id(self.local_replicas[0])).pages
+                    if p.tier
+                },
                 key=("device", "host", "nvme").index,
             )
             text = f"sharded 1/{self.num_shards} along dim {v.shard_dim} (ZeRO-3)"

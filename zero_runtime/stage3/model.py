@@ -85,10 +85,17 @@ class ShardedModel(keras.Model):
             return loss
 
         y_pred, _, grads = self.engine.forward_backward(x, loss_fn, training=True)
-        done = opt.apply_shard_gradients(grads)
         replica = int(
             tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group)
         )
+        # Row-paged embeddings update their touched rows first (their scalars read the
+        # iteration before the dense update increments it); the dense update follows.
+        sparse = [e.apply_update(opt, replica) for e in self.engine.row_paged.values()]
+        sparse = [t for t in sparse if t is not None]
+        if sparse:
+            with tf.control_dependencies(sparse):
+                grads = {k: tf.identity(g) for k, g in grads.items()}
+        done = opt.apply_shard_gradients(grads)
         with tf.control_dependencies([done]):
             end = tf.numpy_function(
                 functools.partial(_end_step, self.engine, replica),

@@ -1,0 +1,195 @@
+"""Every ZeRO stage and offload mode across workers: one process runs several configs.
+
+Multi-worker when ``TF_CONFIG`` names a cluster (``zero_runtime.launch`` sets it), else
+single-process over ``--replicas`` local CPU replicas. For each config name (see
+:data:`CONFIGS`) the process builds a fresh strategy, trains, closes it, and writes
+``<out>/<name>_rank<R>.json``: per-step losses (Keras's, averaged over all replicas), the
+final weights (gathered across workers) and the replica counts. Running several configs
+in one process pays TensorFlow's start-up (~5 s per process) once.
+
+    python tests/helpers/mw_stage3_job.py OUT --configs s3_param_cpu,s1_opt_none
+
+Stage-3 configs train :func:`stage3_record`'s small GPT (``demo.model``); stage-1/2
+configs train ``mw_job.fit_record``'s two-Dense model.
+"""
+
+# isort: skip_file  (the environment must be set before TensorFlow is imported)
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+STEPS = 5
+GLOBAL_BATCH = 8
+PAGE = 65536  # page_size_bytes of the stage-3 configs
+TUNE_AT = 2  # 's2_tuning': the batch before which rank 0 writes the control request
+TUNED = {"prefetch_bucket_size": 12345, "telemetry_every_n_steps": 2}
+
+#: Config name -> ZeroConfig keys (besides the timeout). 's3_*' are stage 3 (GPT model).
+CONFIGS: dict[str, dict] = {
+    "s3_param_none": {"stage": 3, "offload_param": "none", "offload_optimizer": "cpu"},
+    "s3_param_cpu": {"stage": 3, "offload_param": "cpu", "offload_optimizer": "cpu"},
+    "s3_param_nvme": {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme"},
+    "s3_opt_none": {"stage": 3, "offload_param": "cpu", "offload_optimizer": "none"},
+    "s3_all_device": {"stage": 3, "offload_param": "none", "offload_optimizer": "none"},
+    "s1_opt_none": {"stage": 1, "offload_optimizer": "none", "reduce_bucket_size": 200},
+    "s2_opt_none": {"stage": 2, "offload_optimizer": "none", "reduce_bucket_size": 200},
+    "s1_accum": {
+        "stage": 1,
+        "offload_optimizer": "cpu",
+        "gradient_accumulation_steps": 2,
+        "reduce_bucket_size": 200,
+    },
+    # live tuning: rank 0 (the chief) writes a request into its run before step TUNE_AT
+    "s2_tuning": {"stage": 2, "offload_optimizer": "cpu", "reduce_bucket_size": 200},
+    "s2_accum_opt_none": {
+        "stage": 2,
+        "offload_optimizer": "none",
+        "gradient_accumulation_steps": 2,
+        "reduce_bucket_size": 200,
+    },
+}
+
+
+def make_config(name: str, nvme_dir: str, timeout: float) -> dict:
+    """The full config dict of ``name`` (NVMe files under ``nvme_dir``)."""
+    config = dict(CONFIGS[name], collective_timeout_seconds=timeout)
+    if config["stage"] == 3:
+        config.update(page_size_bytes=PAGE, persistence_threshold=100)
+    if "nvme" in (config.get("offload_param"), config.get("offload_optimizer")):
+        config["nvme_path"] = nvme_dir
+    return config
+
+
+def _step_losses(running: list[float]) -> list[float]:
+    """Each step's loss from Keras's running epoch mean."""
+    return [running[0]] + [
+        (i + 1) * running[i] - i * running[i - 1] for i in range(1, len(running))
+    ]
+
+
+def stage3_record(strategy, steps: int = STEPS) -> dict:
+    """Fit the small GPT under a stage-3 ``strategy`` for ``steps`` global batches of 8.
+
+    Returns ``{"losses": [...], "weights": [...], "num_replicas_in_sync", "local_replicas",
+    "strategy"}``; the weights are ``model.get_weights()`` (gathered across workers).
+    """
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from demo.model import GPTConfig, build_gpt
+
+    cfg = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=2, d_ff=32)
+    rng = np.random.RandomState(5)
+    tokens = np.zeros((steps * GLOBAL_BATCH, cfg.seq_len + 1), np.int64)
+    tokens[:, 0] = rng.randint(0, cfg.vocab_size, size=steps * GLOBAL_BATCH)
+    for i in range(cfg.seq_len):
+        tokens[:, i + 1] = (5 * tokens[:, i] + 3) % cfg.vocab_size
+    x, y = tokens[:, :-1].astype("int32"), tokens[:, 1:].astype("int32")
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+    with strategy.scope():
+        model = build_gpt(cfg, seed=3)
+        sharded = strategy.shard_model(model)
+        sharded.compile(
+            optimizer="adam",
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    running: list[float] = []
+    cb = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda b, logs: running.append(float(logs["loss"]))
+    )
+    sharded.fit(ds, epochs=1, shuffle=False, verbose=0, callbacks=[cb])
+    weights = model.get_weights()
+    record = {
+        "num_replicas_in_sync": strategy.num_replicas_in_sync,
+        "local_replicas": len(strategy.device_info.devices),
+        "strategy": type(strategy).__name__,
+        "losses": _step_losses(running),
+        "weights": [w.tolist() for w in weights],
+        "shard_tiers": sorted({v.tier for v in sharded.engine.variables}),
+        "optimizer_tier": sharded.optimizer.zero_state.store.tier,
+        "local_replica_ids": list(sharded.engine.local_replicas),
+        "variables": len(sharded.engine.variables),
+        # pool tensors of parameter shards ("p/<var>/r<replica>"): this process's only
+        "shard_tensors": sorted(
+            int(t.rsplit("/r", 1)[1])
+            for t in sharded.engine.pool.tensor_ids()
+            if t.startswith("p/")
+        ),
+    }
+    sharded.close()
+    return record
+
+
+def tuning_record(strategy, logdir: str) -> dict:
+    """Fit ``mw_job``'s model; before batch TUNE_AT the chief's run gets a control request
+    (``control.write_request``, what the view's tuning panel calls). Returns the losses,
+    every worker's control decisions and the tuned keys' final values."""
+    import keras
+
+    from zero_runtime import control
+
+    rank = getattr(getattr(strategy, "cluster", None), "rank", 0)
+    run_dir = os.path.join(logdir, "worker_0") if hasattr(strategy, "cluster") else logdir
+
+    class Request(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == TUNE_AT and rank == 0:
+                control.write_request(run_dir, TUNED)
+
+    from helpers import mw_job
+
+    record = mw_job.fit_record(strategy, mw_job.STEPS, logdir, callbacks=[Request()])
+    record["decisions"] = [o.to_dict() for o in strategy.runtime.control.history]
+    record["tuned"] = {k: getattr(strategy.config, k) for k in TUNED}
+    return record
+
+
+def run(name: str, out: str, replicas: int, timeout: float) -> dict:
+    """Train config ``name`` under a fresh strategy; return its record (also written)."""
+    import zero_runtime
+    from helpers import mw_job
+
+    nvme_dir = os.path.join(out, "nvme")
+    os.makedirs(nvme_dir, exist_ok=True)
+    config = make_config(name, nvme_dir, timeout)
+    logdir = os.path.join(out, f"logs_{name}") if name.endswith("tuning") else None
+    strategy = zero_runtime.ZeroInfinityStrategy(config, num_cpu_replicas=replicas, logdir=logdir)
+    if config["stage"] == 3:
+        record = stage3_record(strategy)
+    elif logdir is not None:
+        record = tuning_record(strategy, logdir)
+    else:
+        record = mw_job.fit_record(strategy, mw_job.STEPS, out)
+    record["fallback_mirrored"] = strategy.runtime.fallback_mirrored
+    strategy.close()
+    rank = getattr(getattr(strategy, "cluster", None), "rank", 0)
+    record.update(rank=rank, config=name)
+    with open(os.path.join(out, f"{name}_rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+    return record
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--configs", required=True, help="comma-separated names of CONFIGS")
+    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=30.0)
+    args = p.parse_args()
+    tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path[:0] = [tests_dir, os.path.dirname(tests_dir)]  # helpers, and demo from the repo
+    for name in args.configs.split(","):
+        record = run(name, args.out, args.replicas, args.timeout)
+        print(f"rank {record['rank']} {name} done: losses {record['losses']}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,319 @@
+"""Sharded checkpoints (zero_runtime.checkpoint): round trips at stages 1-3 on every
+optimizer tier, re-partitioning onto 1 and 4 replicas in a fresh process, consolidated
+export loaded without zero_runtime, ZeroBackupAndRestore resume, errors, retention.
+
+The pytest process has 2 logical CPUs (root conftest.py); 1 and 4 replicas run in one
+subprocess (tests/helpers/checkpoint_job.py) that configures 4 logical CPUs. The 2-worker
+crash-mid-save test is in test_checkpoint_multiworker.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tracemalloc
+import zipfile
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import checkpoint_job as job
+
+import zero_runtime
+from zero_runtime import cli
+from zero_runtime.checkpoint import (
+    CheckpointCorruptError,
+    CheckpointManager,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    ZeroBackupAndRestore,
+    read_index,
+)
+
+JOB = os.path.join(os.path.dirname(__file__), "helpers", "checkpoint_job.py")
+SAVED_AT = 3  # steps trained before the checkpoint
+NEXT = 3  # steps compared after it
+#: (stage, offload_optimizer) of the round trips; stage 3 keeps parameters on the host.
+CASES = [(1, "cpu"), (1, "none"), (2, "nvme"), (3, "cpu")]
+
+
+def _strategy(stage: int, offload: str, nvme: str, **extra):
+    cfg = job.config(stage, offload, nvme, **extra)
+    if stage == 3:
+        cfg["offload_param"] = "cpu"
+    return zero_runtime.ZeroInfinityStrategy(cfg)
+
+
+def _close(strategy, model) -> None:
+    if hasattr(model, "close"):
+        model.close()
+    strategy.close()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Per case: a model trained SAVED_AT steps on 2 replicas, checkpointed, then NEXT more
+    steps (the uninterrupted run's losses). {case: dict(root, losses, nvme, weights)}."""
+    out = {}
+    for stage, offload in CASES:
+        base = tmp_path_factory.mktemp(f"s{stage}{offload}")
+        nvme = str(base / "nvme")
+        os.makedirs(nvme)
+        strategy = _strategy(stage, offload, nvme)
+        model = job.build(strategy)
+        job.train(model, 0, SAVED_AT)
+        saved_weights = [w.copy() for w in model.get_weights()]
+        result = CheckpointManager(str(base / "ckpt"), model, strategy).save()
+        losses = job.train(model, SAVED_AT, NEXT)
+        out[(stage, offload)] = {
+            "root": str(base / "ckpt"),
+            "result": result,
+            "losses": losses,
+            "nvme": nvme,
+            "weights": saved_weights,
+            "model": model,
+            "strategy": strategy,
+        }
+    yield out
+    for rec in out.values():
+        _close(rec["strategy"], rec["model"])
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"stage{c[0]}-{c[1]}")
+def test_restore_on_two_replicas_continues_bitwise(case, saved):
+    rec = saved[case]
+    stage, offload = case
+    strategy = _strategy(stage, offload, rec["nvme"])
+    model = job.build(strategy, seed=99)  # a different init: everything must come from disk
+    info = CheckpointManager(rec["root"], model, strategy).restore()
+    assert (info.tag, info.step, info.saved_replicas, info.replicas) == (
+        f"step{SAVED_AT:08d}",
+        SAVED_AT,
+        2,
+        2,
+    )
+    for got, want in zip(model.get_weights(), rec["weights"], strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert int(model.optimizer.iterations.numpy()) == SAVED_AT
+    losses = job.train(model, SAVED_AT, NEXT)
+    assert losses == rec["losses"]  # same replicas: bitwise
+    _close(strategy, model)
+
+
+def test_index_records_partition_files_and_checksums(saved):
+    rec = saved[(2, "nvme")]
+    index = read_index(rec["result"].path)
+    assert index.step == SAVED_AT and index.world["num_replicas"] == 2
+    assert index.world["stage"] == 2 and index.optimizer["tier"] == "nvme"
+    assert index.optimizer["slots"] == ["momentum", "velocity"]
+    part = index.partition
+    assert part["kind"] == "flat" and part["num_shards"] == 2 and len(part["buckets"]) > 1
+    # 3 Dense layers: 6*12+12 + 12*12+12 + 12*4+4 parameters, padded per bucket to 2 shards
+    total = 6 * 12 + 12 + 12 * 12 + 12 + 12 * 4 + 4
+    assert sum(b["size"] for b in part["buckets"]) == total
+    assert part["shard_size"] * 2 == total + sum(part["padding"])
+    names = sorted(index.files)
+    assert names == ["replica_00000.bin", "replica_00001.bin", "replicated.bin"]
+    # each replica file: the parameter shard + 2 slot shards, float32
+    assert index.files["replica_00000.bin"].bytes == 3 * 4 * part["shard_size"]
+    assert all(len(f.sha256) == 64 for f in index.files.values())
+    kernel = index.tensor("param/0")
+    assert kernel.shape == (6, 12) and kernel.dtype == "float32"
+    assert sum(s.count for s in kernel.segments) == 72
+    assert {s.file for s in kernel.segments} <= {"replica_00000.bin", "replica_00001.bin"}
+    assert [t.name for t in index.group("optimizer_var")][:1] == ["optimizer_var/0"]
+    stage3 = read_index(saved[(3, "cpu")]["result"].path)
+    assert stage3.partition["kind"] == "rows" and stage3.world["offload_param"] == "cpu"
+    # the index is the only description: the reader rebuilds each tensor from segments
+    assert rec["result"].bytes_written == sum(f.bytes for f in index.files.values())
+
+
+def test_reshard_from_two_replicas_to_one_and_four(saved, tmp_path):
+    """Done-when of issue #11: saved at 2 replicas, restored at 1 and at 4, the next steps'
+    losses equal the uninterrupted run's within 1e-6 relative (stages 1, 2 and 3)."""
+    specs = [(1, "cpu"), (2, "nvme"), (3, "cpu")]
+    out = tmp_path / "reshard.json"
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    args = [sys.executable, JOB, "restore", str(out), "--replicas", "1,4", "--nvme", str(nvme)]
+    args += ["--first-step", str(SAVED_AT), "--steps", str(NEXT)]
+    for stage, offload in specs:
+        args += ["--spec", f"{stage}:{offload}:{saved[(stage, offload)]['root']}"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    for stage, offload in specs:
+        want = saved[(stage, offload)]["losses"]
+        for n in (1, 4):
+            got = results[f"{stage}:{offload}:{n}"]
+            assert (got["replicas"], got["saved_replicas"], got["step"]) == (n, 2, SAVED_AT)
+            assert got["iterations"] == SAVED_AT + NEXT
+            np.testing.assert_allclose(got["losses"], want, rtol=1e-6, atol=0)
+
+
+def test_export_keras_and_savedmodel_predict_like_the_trained_model(saved, tmp_path):
+    rec = saved[(1, "cpu")]
+    strategy = _strategy(1, "cpu", rec["nvme"])
+    model = job.build(strategy, seed=99)
+    CheckpointManager(rec["root"], model, strategy).restore()
+    x = job.data()[0][:16]
+    want = model.predict(x, verbose=0)
+    _close(strategy, model)
+    keras_file = str(tmp_path / "model.keras")
+    saved_model = str(tmp_path / "savedmodel")
+    assert cli.main(["export", rec["root"], "--out", keras_file]) == 0  # model from the index
+    assert cli.main(["export", rec["root"], "--out", saved_model]) == 0
+    with zipfile.ZipFile(keras_file) as z:
+        assert "zero_runtime" not in z.read("config.json").decode()
+    # Loaded where zero_runtime cannot be imported.
+    code = (
+        "import sys, json, numpy as np; sys.modules['zero_runtime'] = None\n"
+        "import keras, tensorflow as tf\n"
+        f"x = np.load({str(tmp_path / 'x.npy')!r})\n"
+        f"a = keras.models.load_model({keras_file!r}).predict(x, verbose=0)\n"
+        f"served = tf.saved_model.load({saved_model!r})\n"
+        "b = served.serve(tf.constant(x)).numpy()\n"
+        f"np.save({str(tmp_path / 'a.npy')!r}, a); np.save({str(tmp_path / 'b.npy')!r}, b)\n"
+    )
+    np.save(tmp_path / "x.npy", x)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd="/"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    np.testing.assert_allclose(np.load(tmp_path / "a.npy"), want, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(np.load(tmp_path / "b.npy"), want, rtol=0, atol=1e-6)
+
+
+def test_export_cli_errors_name_the_bad_path(tmp_path, capsys):
+    missing = str(tmp_path / "nope")
+    assert cli.main(["export", missing, "--out", str(tmp_path / "m.keras")]) == 2
+    assert missing in capsys.readouterr().err
+
+
+def _fit_epochs(model, epochs, callbacks=()):
+    x, y = job.data()
+    return model.fit(
+        x[: 4 * job.GLOBAL_BATCH],  # 4 steps per epoch
+        y[: 4 * job.GLOBAL_BATCH],
+        batch_size=job.GLOBAL_BATCH,
+        epochs=epochs,
+        verbose=0,
+        shuffle=False,
+        callbacks=list(callbacks),
+    )
+
+
+def test_backup_and_restore_resumes_an_interrupted_fit(tmp_path):
+    strategy = _strategy(2, "cpu", str(tmp_path))
+    reference = job.build(strategy)
+    _fit_epochs(reference, 4)
+    want = reference.get_weights()
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 2:
+                raise RuntimeError("interrupted at epoch 2")
+
+    backup = str(tmp_path / "backup")
+    model = job.build(strategy)
+    with pytest.raises(RuntimeError, match="interrupted at epoch 2"):
+        _fit_epochs(model, 4, [ZeroBackupAndRestore(backup), Interrupt()])
+    assert sorted(os.listdir(backup)) == ["latest", "step00000008"]  # epochs 0-1 done
+    resumed = job.build(strategy, seed=99)  # a new model: the state comes from the backup
+    callback = ZeroBackupAndRestore(backup)
+    history = _fit_epochs(resumed, 4, [callback])
+    assert callback.restored_epoch == 2 and len(history.history["loss"]) == 2
+    for got, w in zip(resumed.get_weights(), want, strict=True):
+        np.testing.assert_allclose(got, w, rtol=0, atol=1e-7)
+    assert not os.path.exists(backup)  # deleted after a completed fit
+    _close(strategy, reference)
+
+
+def test_errors_name_the_bad_value(saved, tmp_path):
+    rec = saved[(1, "cpu")]
+    strategy = _strategy(1, "cpu", rec["nvme"])
+    model = job.build(strategy, seed=99)
+    before = [w.copy() for w in model.get_weights()]
+    missing = str(tmp_path / "does_not_exist")
+    with pytest.raises(CheckpointNotFoundError, match="does_not_exist"):
+        CheckpointManager(missing, model, strategy).restore()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CheckpointNotFoundError, match="latest"):
+        CheckpointManager(str(empty), model, strategy).restore()
+    with pytest.raises(CheckpointNotFoundError, match="'step99'"):
+        CheckpointManager(rec["root"], model, strategy).restore("step99")
+    # A flipped byte in one shard file: checksum mismatch naming the file; nothing assigned.
+    bad = tmp_path / "bad"
+    shutil.copytree(rec["root"], bad)
+    shard = bad / rec["result"].tag / "replica_00001.bin"
+    data = bytearray(shard.read_bytes())
+    data[5] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorruptError, match="checksum mismatch.*replica_00001.bin"):
+        CheckpointManager(str(bad), model, strategy).restore()
+    shard.unlink()
+    with pytest.raises(CheckpointCorruptError, match="replica_00001.bin' is missing"):
+        CheckpointManager(str(bad), model, strategy).restore()
+    for got, want in zip(model.get_weights(), before, strict=True):
+        np.testing.assert_array_equal(got, want)
+    _close(strategy, model)
+    # A model of another shape: the message names the variable and both shapes.
+    strategy = _strategy(1, "cpu", rec["nvme"])
+    with strategy.scope():
+        other = keras.Sequential(
+            [keras.Input((job.FEATURES,)), keras.layers.Dense(13), keras.layers.Dense(13)]
+            + [keras.layers.Dense(job.CLASSES)]
+        )
+        other.compile(optimizer="adam", loss="mse")
+    with pytest.raises(CheckpointMismatchError, match=r"kernel.*\(6, 13\).*\(6, 12\)"):
+        CheckpointManager(rec["root"], other, strategy).restore()
+    strategy.close()
+
+
+def test_repeated_saves_keep_max_to_keep_and_do_not_grow(tmp_path):
+    strategy = _strategy(2, "nvme", str(tmp_path))
+    model = job.build(strategy)
+    job.train(model, 0, 1)
+    root = tmp_path / "ckpt"
+    manager = CheckpointManager(str(root), model, strategy, max_to_keep=3)
+    for i in range(3):
+        manager.save(tag=f"warm{i}")
+    tracemalloc.start()
+    first = tracemalloc.get_traced_memory()[0]
+    for i in range(20):
+        manager.save(tag=f"t{i:02d}")
+    grown = tracemalloc.get_traced_memory()[0] - first
+    tracemalloc.stop()
+    assert sorted(os.listdir(root)) == ["latest", "t17", "t18", "t19"]
+    assert manager.latest == "t19" and manager.checkpoints() == ["t17", "t18", "t19"]
+    assert grown < 256 * 1024, grown  # bytes of Python objects kept over 20 saves
+    assert manager.last_save.bytes_written > 0 and manager.last_save.seconds > 0
+    # a save that died before publishing is ignored by readers and removed by the next save
+    (root / ".tmp-t20-deadbeef").mkdir()
+    assert manager.checkpoints() == ["t17", "t18", "t19"]
+    manager.save(tag="t20")
+    assert sorted(os.listdir(root)) == ["latest", "t18", "t19", "t20"]
+    # the same tag again replaces it
+    manager.save(tag="t20")
+    assert manager.checkpoints() == ["t18", "t19", "t20"]
+    _close(strategy, model)
+    assert tf.config.list_logical_devices("CPU")  # the session's devices are untouched
+
+
+def test_strategy_methods_delegate(tmp_path):
+    strategy = _strategy(1, "cpu", str(tmp_path))
+    model = job.build(strategy)
+    job.train(model, 0, 2)
+    result = strategy.save_checkpoint(str(tmp_path / "c"), model, client_state={"epoch": 7})
+    want = model.get_weights()
+    fresh = job.build(strategy, seed=99)
+    info = strategy.load_checkpoint(str(tmp_path / "c"), fresh)
+    assert info.tag == result.tag == "step00000002" and info.client_state == {"epoch": 7}
+    for got, w in zip(fresh.get_weights(), want, strict=True):
+        np.testing.assert_array_equal(got, w)
+    _close(strategy, model)

@@ -1,0 +1,279 @@
+"""Restore: read a sharded checkpoint through its index and re-partition it onto the
+current number of replicas.
+
+The reader never assumes the saving job's partition: it rebuilds each tensor's canonical
+value from the index's segments (any ``num_shards``, any bucket layout, stages 0-3) and
+the current :class:`~zero_runtime.checkpoint.state.TrainingState` cuts it into the
+current replicas' shards (``partition.build_shard``). This process holds one tensor (one
+slot of all parameters, for optimizer states) on the host at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import time
+
+import numpy as np
+
+from zero_runtime.checkpoint import index as ix
+from zero_runtime.checkpoint.errors import (
+    CheckpointCorruptError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+)
+from zero_runtime.checkpoint.partition import build_shard
+from zero_runtime.checkpoint.state import TrainingState
+from zero_runtime.checkpoint.stores import write_slot_shard
+
+_READ_CHUNK = 16 << 20  # bytes per read when hashing
+
+
+def resolve(path: str, tag: str | None = None) -> str:
+    """The checkpoint directory for a root (+ tag or ``latest``) or a checkpoint directory.
+
+    Args:
+        path: a checkpoint root (holding ``latest`` and tag directories) or one
+            checkpoint directory (holding ``index.json``).
+        tag: a tag under the root; default: the one ``latest`` names (or ``path`` itself
+            when it is a checkpoint directory).
+
+    Raises:
+        CheckpointNotFoundError: ``path`` does not exist, the tag does not, or the root
+            has no ``latest`` pointer (nothing was published there yet).
+    """
+    if not os.path.isdir(path):
+        raise CheckpointNotFoundError(f"checkpoint directory {path!r} does not exist")
+    if tag is None:
+        if os.path.isfile(os.path.join(path, ix.INDEX_FILE)):
+            return path
+        try:
+            with open(os.path.join(path, ix.LATEST_FILE), encoding="utf-8") as f:
+                tag = f.read().strip()
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(
+                f"no checkpoint in {path!r}: no {ix.LATEST_FILE!r} pointer (nothing published)"
+            ) from None
+    target = os.path.join(path, tag)
+    if not os.path.isfile(os.path.join(target, ix.INDEX_FILE)):
+        raise CheckpointNotFoundError(f"checkpoint {tag!r} not found under {path!r}")
+    return target
+
+
+class CheckpointReader:
+    """Reads tensors of one published checkpoint directory.
+
+    Args:
+        checkpoint_dir: a checkpoint directory (use :func:`resolve` for a root).
+
+    Attributes:
+        path: the directory.
+        index: its :class:`~zero_runtime.checkpoint.index.CheckpointIndex`.
+
+    Raises:
+        CheckpointCorruptError: the index is missing or invalid.
+    """
+
+    def __init__(self, checkpoint_dir: str) -> None:
+        self.path = checkpoint_dir
+        self.index = ix.read_index(checkpoint_dir)
+        self._verified: set[str] = set()
+
+    def verify(self, names: list[str] | None = None) -> None:
+        """Check that the shard files exist with their recorded sizes and SHA-256.
+
+        Args:
+            names: file names to check; default all files of the index.
+
+        Raises:
+            CheckpointCorruptError: a file is missing, or its size or checksum differs
+                (the message names the file and both values).
+        """
+        for name in names if names is not None else sorted(self.index.files):
+            if name in self._verified:
+                continue
+            rec = self.index.files[name]
+            path = os.path.join(self.path, name)
+            try:
+                size = os.path.getsize(path)
+            except OSError:
+                raise CheckpointCorruptError(
+                    f"checkpoint {self.index.tag!r}: shard file {name!r} is missing "
+                    f"(written by rank {rec.rank})"
+                ) from None
+            if size != rec.bytes:
+                raise CheckpointCorruptError(
+                    f"checkpoint {self.index.tag!r}: shard file {name!r} has {size} bytes, "
+                    f"the index records {rec.bytes}"
+                )
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                while chunk := f.read(_READ_CHUNK):
+                    h.update(chunk)
+            if h.hexdigest() != rec.sha256:
+                raise CheckpointCorruptError(
+                    f"checkpoint {self.index.tag!r}: checksum mismatch in shard file {name!r}: "
+                    f"sha256 {h.hexdigest()} != recorded {rec.sha256}"
+                )
+            self._verified.add(name)
+
+    def canonical(self, name: str) -> np.ndarray:
+        """Tensor ``name``'s elements in canonical order, 1-D, stored dtype (verified).
+
+        Raises:
+            KeyError: no such tensor.
+            CheckpointCorruptError: a segment outside its file or the tensor, or
+                elements covered twice / not at all.
+        """
+        rec = self.index.tensor(name)
+        self.verify(sorted({s.file for s in rec.segments}))
+        dtype = np.dtype(rec.stored_dtype)
+        out = np.empty(rec.size, dtype)
+        covered = 0
+        handles: dict[str, object] = {}
+        try:
+            for s in rec.segments:
+                if s.start < 0 or s.count < 0 or s.start + s.count > rec.size:
+                    raise CheckpointCorruptError(
+                        f"tensor {name!r}: segment [{s.start}, {s.start + s.count}) outside "
+                        f"its {rec.size} elements"
+                    )
+                f = handles.get(s.file)
+                if f is None:
+                    f = handles[s.file] = open(os.path.join(self.path, s.file), "rb")
+                f.seek(s.offset)
+                data = np.fromfile(f, dtype, s.count)
+                if data.size != s.count:
+                    raise CheckpointCorruptError(
+                        f"tensor {name!r}: file {s.file!r} ends before byte "
+                        f"{s.offset + s.count * dtype.itemsize}"
+                    )
+                out[s.start : s.start + s.count] = data
+                covered += s.count
+        finally:
+            for f in handles.values():
+                f.close()
+        if covered != rec.size:
+            raise CheckpointCorruptError(
+                f"tensor {name!r}: segments cover {covered} of {rec.size} elements"
+            )
+        return out
+
+    def read(self, name: str) -> np.ndarray:
+        """Tensor ``name``'s logical value (its shape, its saved dtype)."""
+        rec = self.index.tensor(name)
+        flat = self.canonical(name)
+        shape = rec.shape
+        if not shape:
+            return flat.reshape(()).astype(rec.dtype)
+        d = rec.shard_dim
+        moved = (shape[d], *shape[:d], *shape[d + 1 :])
+        value = np.moveaxis(flat.reshape(moved), 0, d)
+        return np.ascontiguousarray(value).astype(np.dtype(rec.dtype), copy=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreResult:
+    """What a restore did.
+
+    Attributes:
+        path: the checkpoint directory read.
+        tag: its tag.
+        step: the optimizer step counter restored.
+        saved_replicas: replicas of the saving job; ``replicas``: of this one.
+        bytes_read: bytes of shard files verified and read on this worker.
+        seconds: wall time of the restore, seconds.
+        client_state: the data given to ``save``.
+    """
+
+    path: str
+    tag: str
+    step: int
+    saved_replicas: int
+    replicas: int
+    bytes_read: int
+    seconds: float
+    client_state: dict
+
+
+def check_compatible(state: TrainingState, index: ix.CheckpointIndex) -> None:
+    """Raise :class:`CheckpointMismatchError` naming the first variable, slot or count of
+    the checkpoint that does not fit ``state``."""
+    params = index.group("param")
+    if len(params) != len(state.params):
+        raise CheckpointMismatchError(
+            f"checkpoint {index.tag!r} has {len(params)} trainable parameters, the model has "
+            f"{len(state.params)}"
+        )
+    for i, (rec, v) in enumerate(zip(params, state.params)):
+        shape = tuple(int(d) for d in v.shape)
+        if rec.shape != shape:
+            raise CheckpointMismatchError(
+                f"variable {getattr(v, 'path', '?')!r} (parameter #{i}): model shape {shape} "
+                f"!= checkpoint shape {rec.shape} (saved as {rec.path!r})"
+            )
+    saved_slots = list(index.optimizer.get("slots") or [])
+    if saved_slots != list(state.slots):
+        raise CheckpointMismatchError(
+            f"optimizer states differ: checkpoint {index.tag!r} holds slots {saved_slots} "
+            f"({index.optimizer.get('class')}), the optimizer has {list(state.slots)} "
+            f"({type(state.optimizer).__name__ if state.optimizer is not None else None})"
+        )
+    for prefix in ("model_var", "optimizer_var"):
+        saved = index.group(prefix)
+        current = [(n, v) for n, v in state.replicated if n.startswith(prefix + "/")]
+        if len(saved) != len(current):
+            raise CheckpointMismatchError(
+                f"checkpoint {index.tag!r} has {len(saved)} {prefix.replace('_', ' ')}s, the "
+                f"model/optimizer has {len(current)}"
+            )
+        for rec, (_, v) in zip(saved, current):
+            shape = tuple(int(d) for d in v.shape)
+            if rec.shape != shape:
+                raise CheckpointMismatchError(
+                    f"variable {getattr(v, 'path', '?')!r}: model shape {shape} != checkpoint "
+                    f"shape {rec.shape} (saved as {rec.path!r})"
+                )
+
+
+def restore(state: TrainingState, reader: CheckpointReader) -> RestoreResult:
+    """Load ``reader``'s checkpoint into ``state``'s variables and optimizer shards.
+
+    Every shard file is verified (size, SHA-256) before any variable changes. Parameters
+    are assigned whole (replicated variables on every local replica; ShardedVariables
+    scatter to their shards); each optimizer slot is cut into this worker's replicas'
+    shards of the current layout and written to its tier.
+
+    Raises:
+        CheckpointMismatchError: see :func:`check_compatible`.
+        CheckpointCorruptError: a missing or altered shard file.
+    """
+    start = time.perf_counter()
+    index = reader.index
+    check_compatible(state, index)
+    reader.verify()
+    for i, v in enumerate(state.params):
+        v.assign(reader.read(f"param/{i}"))
+    sizes = state.sizes
+    for slot in state.slots:
+        flats = {
+            i: reader.canonical(f"slot/{slot}/{i}").astype(np.float32, copy=False)
+            for i in range(len(state.params))
+        }
+        for local, replica in enumerate(state.local_replicas):
+            shard = build_shard(state.layout, replica, flats, sizes)
+            write_slot_shard(state.store, replica, local, slot, shard)
+        del flats
+    for name, v in state.replicated:
+        v.assign(reader.read(name))
+    return RestoreResult(
+        path=reader.path,
+        tag=index.tag,
+        step=index.step,
+        saved_replicas=int(index.world.get("num_replicas", 0)),
+        replicas=state.layout.num_shards,
+        bytes_read=index.total_bytes(),
+        seconds=time.perf_counter() - start,
+        client_state=dict(index.client_state),
+    )
