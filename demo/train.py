@@ -8,6 +8,11 @@ everything ZeRO-related is the strategy wrapped around it here::
     python -m demo.train --logdir logs/demo --steps 300
     tensorboard --logdir logs/demo --samples_per_plugin=memory_hierarchy=0
 
+With ``--checkpoint-dir DIR`` it saves sharded checkpoints (``zero_runtime.checkpoint``)
+every ``--checkpoint-every`` steps and after the last; ``--resume`` restores the newest
+one first and trains the remaining steps of ``--steps`` on the batches an uninterrupted
+run would have seen next.
+
 Exit status: 0 on success, 1 on out of memory (the post-mortem's path on stderr), 2 on bad
 arguments or an invalid config (message on stderr).
 """
@@ -65,6 +70,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override one ZeroConfig key (JSON value), e.g. --set stage=1; repeatable",
     )
+    p.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        metavar="DIR",
+        help="save sharded checkpoints under DIR (every --checkpoint-every steps and at the end)",
+    )
+    p.add_argument(
+        "--checkpoint-every", type=positive_int, default=100, help="steps between checkpoints"
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="restore the newest checkpoint in --checkpoint-dir, then train the remaining steps",
+    )
     return p
 
 
@@ -104,6 +123,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"demo.train: error: {exc}", file=sys.stderr)
         return 2
 
+    if args.resume and not args.checkpoint_dir:
+        print("demo.train: error: --resume needs --checkpoint-dir", file=sys.stderr)
+        return 2
     if args.batch_size % args.replicas:
         print(
             f"demo.train: error: --batch-size {args.batch_size} must be a multiple of "
@@ -146,25 +168,69 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
     print(f"demo.train: writing Memory Hierarchy summaries to {run_dir}", flush=True)
+    manager, done, callbacks = None, 0, []
+    if args.checkpoint_dir:
+        manager, done = _restore(args, gpt, strategy)
+        callbacks.append(_checkpoint_callback(manager, args.checkpoint_every, done, args.steps))
+    remaining = args.steps - done
+    if remaining <= 0:
+        strategy.close()
+        print(f"demo.train: done: the checkpoint is at step {done} >= --steps", flush=True)
+        return 0
     start = time.time()
     try:
         history = gpt.fit(
-            train,
-            steps_per_epoch=args.steps,
+            train.skip(done),  # the batches an uninterrupted run sees after step `done`
+            steps_per_epoch=remaining,
             epochs=1,
             shuffle=False,
             verbose=2,
+            callbacks=callbacks,
         )
     except (MemoryError, tf.errors.ResourceExhaustedError) as exc:  # out of memory: exit 1
         return _out_of_memory(strategy, exc)
     strategy.close()
     losses = history.history["loss"]
     print(
-        f"demo.train: done: {args.steps} steps in {time.time() - start:.1f} s, "
+        f"demo.train: done: {remaining} steps in {time.time() - start:.1f} s, "
         f"final loss {losses[-1]:.3f}, {strategy.runtime.steps_recorded} steps recorded",
         flush=True,
     )
     return 0
+
+
+def _restore(args, gpt, strategy):
+    """The job's CheckpointManager (``--checkpoint-dir``, 3 kept) and the step it resumes
+    at: the newest checkpoint's with ``--resume`` (0 when the directory has none yet)."""
+    from zero_runtime.checkpoint import CheckpointManager
+
+    manager = CheckpointManager(args.checkpoint_dir, gpt, strategy, max_to_keep=3)
+    if not args.resume:
+        return manager, 0
+    if manager.latest is None:
+        print(f"demo.train: no checkpoint in {args.checkpoint_dir}: starting at step 0")
+        return manager, 0
+    info = manager.restore()
+    print(
+        f"demo.train: resumed from {info.path} at step {info.step} (saved on "
+        f"{info.saved_replicas} replicas, restored on {info.replicas})",
+        flush=True,
+    )
+    return manager, info.step
+
+
+def _checkpoint_callback(manager, every: int, first_step: int, last_step: int):
+    """A Keras callback saving a checkpoint (tag ``step<N>``) after every step N that is a
+    multiple of ``every`` and after ``last_step``; batch ``b`` of this fit is step
+    ``first_step + b + 1``."""
+    import keras
+
+    def on_train_batch_end(batch, logs=None):
+        step = first_step + batch + 1
+        if step % every == 0 or step == last_step:
+            manager.save()
+
+    return keras.callbacks.LambdaCallback(on_train_batch_end=on_train_batch_end)
 
 
 def _out_of_memory(strategy, exc: BaseException) -> int:

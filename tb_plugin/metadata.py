@@ -115,6 +115,7 @@ TAG_CONFIG_EVENT = "memory_hierarchy/config_event"  # json, per live-tuning even
 TAG_OOM = "memory_hierarchy/oom"  # json, the post-mortem of an out-of-memory failure
 TAG_COLLECTIVES = "memory_hierarchy/collectives"  # vector COLLECTIVE_COLUMNS, every record
 TAG_STEP_INFO = "memory_hierarchy/step_info"  # vector STEP_INFO_COLUMNS, every record
+TAG_CHECKPOINT = "memory_hierarchy/checkpoint"  # json, per checkpoint save or restore
 
 KIND_MATRIX = "matrix"
 KIND_VECTOR = "vector"
@@ -144,6 +145,7 @@ LAYOUTS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...]]
     TAG_ESTIMATE: (KIND_JSON, (), (), ()),
     TAG_CONFIG_EVENT: (KIND_JSON, (), (), ()),
     TAG_OOM: (KIND_JSON, (), (), ()),
+    TAG_CHECKPOINT: (KIND_JSON, (), (), ()),
     TAG_COLLECTIVES: (
         KIND_VECTOR,
         (),

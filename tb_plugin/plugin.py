@@ -719,11 +719,16 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
             ``{"run", "enabled", "flag", "keys": [{"key", "unit", "min", "max",
             "description", "value", "recorded", "since_step", "version"}],
             "config_version",
-            "request": tuning.request_state(...), "run_dir_error"}``: ``enabled`` is whether
+            "request": tuning.request_state(...), "run_dir_error", "tuning_run",
+            "tuning_note"}``: ``enabled`` is whether
             this TensorBoard may write requests; ``value`` the value in effect (null when
             the run never recorded it); ``config_version`` the version of the newest
             applied request (0: as started); ``run_dir_error`` says why the run's
             directory cannot be read (null normally; the request state is then "none").
+            ``tuning_run`` is the run ``POST /tune`` writes to: ``run`` itself, or for a
+            non-chief worker of a multi-worker job the chief's run
+            (:func:`tuning.job_chief_run`), whose request and decision ``request`` then
+            shows (the job's); ``tuning_note`` says so (null for an ordinary run).
 
         Raises:
             NotFoundError: the run has no memory_hierarchy data.
@@ -742,6 +747,16 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
             run_dir_error = str(exc)
         values = tuning.current_values(config if isinstance(config, dict) else None, events, ack)
         keys = [{**spec, **values[spec["key"]]} for spec in tuning.tunable_keys()]
+        # A non-chief worker: the job's request and decision live in the chief's run.
+        chief = None if run_dir_error else tuning.job_chief_run(self._logdir, run)
+        note = None
+        if chief is not None:
+            note = tuning.redirect_note(run, chief)
+            try:
+                chief_dir = self._run_dir(ctx, experiment, chief)
+                request, ack = tuning.read_request(chief_dir), control.read_ack(chief_dir)
+            except (errors.InvalidArgumentError, errors.NotFoundError):
+                note += " This TensorBoard does not list that run, so it cannot tune the job."
         return {
             "run": run,
             "enabled": self._tuning_enabled,
@@ -750,6 +765,8 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
             "config_version": max((v["version"] for v in values.values()), default=0),
             "request": tuning.request_state(request, ack),
             "run_dir_error": run_dir_error,
+            "tuning_run": chief or run,
+            "tuning_note": note,
         }
 
     @wrappers.Request.application
@@ -783,17 +800,34 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
             updates: checked key -> int (see :func:`tuning.parse_tune_body`).
 
         Returns:
-            ``{"run", "version", "updates", "request"}``: the version written, the updates
+            ``{"run", "version", "updates", "request", "tuning_run", "redirected",
+            "tuning_note"}``: the version written, the updates
             the request file now holds (a pending earlier request's are merged in) and
             its state (``"pending"`` until the job's next step boundary).
+            ``tuning_run`` is the run written to: ``run``, or for a non-chief worker of a
+            multi-worker job the chief's run (:func:`tuning.job_chief_run`: tuning
+            applies to the whole job and only the chief reads requests), in which case
+            ``redirected`` is true and ``tuning_note`` says so (else null).
 
         Raises:
             TuningDisabledError: TensorBoard runs without ``--memory_hierarchy_tuning``.
             InvalidArgumentError: the run's directory is not inside the logdir.
             NotFoundError: not a run of this logdir.
+            ChiefRunMissingError: a non-chief worker's run whose chief run this
+                TensorBoard does not list (409; nothing written).
         """
         self._require_tuning()
         run_dir = self._run_dir(ctx, experiment, run)
+        chief = tuning.job_chief_run(self._logdir, run)
+        if chief is not None:
+            try:
+                run_dir = self._run_dir(ctx, experiment, chief)
+            except (errors.InvalidArgumentError, errors.NotFoundError) as exc:
+                raise tuning.ChiefRunMissingError(
+                    f"{run[:80]!r} is a worker of a multi-worker job whose live tuning is "
+                    f"decided by the chief's run {chief[:80]!r}, which cannot be written "
+                    f"here ({exc}); nothing was written"
+                ) from exc
         with self._tune_lock:
             version = control.write_request(run_dir, updates)
             written = tuning.read_request(run_dir)
@@ -803,6 +837,9 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
             "version": version,
             "updates": (written or {}).get("updates", updates),
             "request": tuning.request_state(written, ack),
+            "tuning_run": chief or run,
+            "redirected": chief is not None,
+            "tuning_note": tuning.redirect_note(run, chief) if chief else None,
         }
 
     @wrappers.Request.application
@@ -814,7 +851,8 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
         the header ``X-Memory-Hierarchy-Tuning: 1`` (403, so a cross-site form cannot post
         it); a Content-Type other than ``application/json`` (415); a body over
         ``tuning.MAX_BODY_BYTES`` (413); a body :func:`tuning.parse_tune_body` refuses
-        or a run outside the logdir (400); an unknown run (404).
+        or a run outside the logdir (400); an unknown run (404); a non-chief worker's
+        run whose chief run is not listed (409). A worker's run is written to its chief's.
         """
         if request.method != "POST":
             raise tuning.MethodNotAllowedError("/tune accepts only POST", allow="POST")

@@ -14,6 +14,10 @@ summary. This module holds what the plugin needs to take part safely, with no HT
   (pending / applied at step N / rejected with reason / ignored).
 - :func:`current_values`: the tunable values in effect, from run_info's config plus the
   applied config events.
+- :func:`job_chief_run`: for a non-chief worker's run of a multi-worker job
+  (``<job>/worker_<k>``, k >= 1), the chief's run (``<job>/worker_0``): live tuning applies
+  to the whole job, and only the chief reads requests (docs/multiworker.md), so the
+  plugin writes a request for any worker's run into the chief's.
 
 Only files are used, so TensorBoard and the job may run on different machines that share
 the log directory. TensorBoard writes only when started with ``--memory_hierarchy_tuning``
@@ -25,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -38,6 +43,12 @@ MAX_BODY_BYTES = 4 * 1024  # largest POST /tune body read, bytes; larger is refu
 HEADER_NAME = "X-Memory-Hierarchy-Tuning"  # required on POST /tune; a form cannot set it
 HEADER_VALUE = "1"
 CONTENT_TYPE = "application/json"  # the only accepted POST /tune Content-Type
+#: The file a multi-worker job's chief writes in the job's log directory (the parent of its
+#: ``worker_<rank>`` runs): ``zero_runtime.multiworker.CLUSTER_FILE``, not imported from
+#: there because that module imports TensorFlow.
+CLUSTER_FILE = "cluster.json"
+CHIEF_RUN = "worker_0"  # the chief's run directory name inside the job's log directory
+_WORKER_RUN = re.compile(r"worker_([0-9]+)")
 
 # Request states shown by the view.
 STATE_NONE = "none"  # no request was ever written for the run
@@ -64,6 +75,16 @@ class MethodNotAllowedError(errors.PublicError):
     def __init__(self, details: str, allow: str) -> None:
         super().__init__(details)
         self.headers = [("Allow", allow)]
+
+
+class ChiefRunMissingError(errors.PublicError):
+    """POST /tune for a non-chief worker's run whose chief run this TensorBoard does not
+    list (HTTP 409): the request cannot reach the job, so nothing is written."""
+
+    http_code = 409
+
+    def __init__(self, details: str) -> None:
+        super().__init__(details)
 
 
 class PayloadTooLargeError(errors.PublicError):
@@ -342,3 +363,50 @@ def current_values(
                     "version": version,
                 }
     return values
+
+
+def job_chief_run(logdir: str, run: str) -> str | None:
+    """The chief's run of the multi-worker job ``run`` belongs to, when ``run`` is another
+    worker's; None for the chief's own run and for any run not of a multi-worker job.
+
+    A multi-worker job writes one run per worker, ``<job>/worker_<rank>``, and its chief
+    (rank 0) writes ``<logdir>/<job>/cluster.json`` whose ``runs`` lists them
+    (``zero_runtime.multiworker``). Only the chief reads control requests; it decides for
+    every worker at the same step boundary. So a run counts as a non-chief worker's run
+    when its last path component is ``worker_<k>`` with k >= 1 and its parent directory
+    holds a ``cluster.json`` whose ``runs`` lists both it and ``worker_0``.
+
+    Args:
+        logdir: TensorBoard's ``--logdir`` (a local path; anything else gives None).
+        run: a run name (``"job/worker_1"``; ``"worker_1"`` for a job written straight
+            into the logdir).
+
+    Returns:
+        The chief's run name (``"job/worker_0"`` / ``"worker_0"``), or None.
+    """
+    if not logdir or "://" in logdir or "\0" in run or os.path.isabs(run):
+        return None
+    if any(part == ".." for part in run.replace("\\", "/").split("/")):
+        return None
+    parent, _, base = run.rpartition("/")
+    match = _WORKER_RUN.fullmatch(base)
+    if match is None or int(match.group(1)) == 0:
+        return None
+    try:
+        with open(os.path.join(logdir, parent, CLUSTER_FILE), encoding="utf-8") as fh:
+            cluster = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    runs = cluster.get("runs") if isinstance(cluster, dict) else None
+    if not isinstance(runs, list) or base not in runs or CHIEF_RUN not in runs:
+        return None
+    return f"{parent}/{CHIEF_RUN}" if parent else CHIEF_RUN
+
+
+def redirect_note(run: str, chief: str) -> str:
+    """The text the view shows for a worker run whose tuning goes to the chief's run."""
+    return (
+        f"{run!r} is a worker of a multi-worker job: live tuning applies to the whole job. "
+        f"Requests are written to the chief's run {chief!r}, which decides for every "
+        "worker at the same step boundary."
+    )

@@ -1,6 +1,9 @@
 """Sharded checkpoints (zero_runtime.checkpoint): round trips at stages 1-3 on every
 optimizer tier, re-partitioning onto 1 and 4 replicas in a fresh process, consolidated
-export loaded without zero_runtime, ZeroBackupAndRestore resume, errors, retention.
+export loaded without zero_runtime, ZeroBackupAndRestore resume, errors, retention and
+no growth over repeated saves/restores (NVMe files, pool tiers, heap), stage-3 row-paged
+embedding tables with their lazy (touched pages only) optimizer states, 2 -> 1 replicas,
+and the ``memory_hierarchy/checkpoint`` summaries.
 
 The pytest process has 2 logical CPUs (root conftest.py); 1 and 4 replicas run in one
 subprocess (tests/helpers/checkpoint_job.py) that configures 4 logical CPUs. The 2-worker
@@ -9,6 +12,7 @@ crash-mid-save test is in test_checkpoint_multiworker.py.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -22,8 +26,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from helpers import checkpoint_job as job
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.util import tensor_util
 
 import zero_runtime
+from tb_plugin import metadata
 from zero_runtime import cli
 from zero_runtime.checkpoint import (
     CheckpointCorruptError,
@@ -275,23 +282,49 @@ def test_errors_name_the_bad_value(saved, tmp_path):
     strategy.close()
 
 
+def _disk(path) -> tuple[int, int, int]:
+    """(files, bytes by size, bytes allocated on disk) under ``path``."""
+    files = size = blocks = 0
+    for dirpath, _, names in os.walk(path):
+        for name in names:
+            st = os.stat(os.path.join(dirpath, name))
+            files, size, blocks = files + 1, size + st.st_size, blocks + 512 * st.st_blocks
+    return files, size, blocks
+
+
 def test_repeated_saves_keep_max_to_keep_and_do_not_grow(tmp_path):
-    strategy = _strategy(2, "nvme", str(tmp_path))
+    """20 saves and 20 restores with NVMe optimizer states: the NVMe directory (files,
+    bytes), the pool's tiers and the Python heap end where they started."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    strategy = _strategy(2, "nvme", str(nvme))
     model = job.build(strategy)
     job.train(model, 0, 1)
+    store = model.optimizer.zero_state.store
     root = tmp_path / "ckpt"
     manager = CheckpointManager(str(root), model, strategy, max_to_keep=3)
     for i in range(3):
         manager.save(tag=f"warm{i}")
+    manager.restore()
+    disk, usage = _disk(nvme), store.usage()
+    assert disk[0] == 1 and disk[1] > 0  # the pool's slab file
+    assert usage["nvme"][0] > 0  # the states are on NVMe
+    momentum = store.slot_values("momentum")
     tracemalloc.start()
+    gc.collect()  # count objects kept alive, not garbage awaiting the cycle collector
     first = tracemalloc.get_traced_memory()[0]
     for i in range(20):
         manager.save(tag=f"t{i:02d}")
+        manager.restore()
+    gc.collect()
     grown = tracemalloc.get_traced_memory()[0] - first
     tracemalloc.stop()
+    assert _disk(nvme) == disk and store.usage() == usage
+    np.testing.assert_array_equal(store.slot_values("momentum"), momentum)
     assert sorted(os.listdir(root)) == ["latest", "t17", "t18", "t19"]
     assert manager.latest == "t19" and manager.checkpoints() == ["t17", "t18", "t19"]
-    assert grown < 256 * 1024, grown  # bytes of Python objects kept over 20 saves
+    assert manager.last_restore.tag == "t19"
+    assert grown < 256 * 1024, grown  # bytes of Python objects kept over 20 saves + restores
     assert manager.last_save.bytes_written > 0 and manager.last_save.seconds > 0
     # a save that died before publishing is ignored by readers and removed by the next save
     (root / ".tmp-t20-deadbeef").mkdir()
@@ -305,8 +338,92 @@ def test_repeated_saves_keep_max_to_keep_and_do_not_grow(tmp_path):
     assert tf.config.list_logical_devices("CPU")  # the session's devices are untouched
 
 
-def test_strategy_methods_delegate(tmp_path):
-    strategy = _strategy(1, "cpu", str(tmp_path))
+@pytest.fixture(scope="module")
+def embedding_saved(tmp_path_factory):
+    """A stage-3 model with a row-paged table (lazy Adam) trained SAVED_AT steps on 2
+    replicas, saved, then NEXT more steps. {root, result, losses, weights, states}."""
+    base = tmp_path_factory.mktemp("emb")
+    strategy = zero_runtime.ZeroInfinityStrategy(job.embedding_config("cpu"))
+    model = job.build_embedding(strategy)
+    job.train(model, 0, SAVED_AT, job.embedding_data)
+    (embedding,) = model.engine.row_paged.values()
+    rec = {
+        "root": str(base / "ckpt"),
+        "weights": [w.copy() for w in model.get_weights()],
+        "states": {s: embedding.state_rows(s) for s in ("momentum", "velocity")},
+        "pages": [embedding.state_pages(r) for r in (0, 1)],
+    }
+    rec["result"] = CheckpointManager(rec["root"], model, strategy).save()
+    rec["losses"] = job.train(model, SAVED_AT, NEXT, job.embedding_data)
+    _close(strategy, model)
+    return rec
+
+
+def test_row_paged_embedding_index_records_the_pages_with_states(embedding_saved):
+    rec = embedding_saved
+    # ids in rows [0, 1500) and [4000, 4500): replica 0's pages 0-1, replica 1's page 0
+    assert rec["pages"] == [[0, 1], [0]]
+    index = read_index(rec["result"].path)
+    (table,) = index.partition["row_paged"]
+    assert table == {
+        "param": 0,
+        "shape": [job.VOCAB, job.WIDTH],
+        "rows_per_shard": 4000,
+        "rows_per_page": 1024,
+        "pages_per_shard": 4,
+        "state_pages": {"0": [0, 1], "1": [0]},
+        "state_rows": [[0, 2048], [4000, 5024]],
+    }
+    with open(os.path.join(rec["result"].path, "index.json")) as f:
+        assert json.load(f)["version"] == 2  # sparse tensors: an older reader refuses it
+    param, momentum = index.tensor("param/0"), index.tensor("slot/momentum/0")
+    assert param.shape == momentum.shape == (job.VOCAB, job.WIDTH) and not param.sparse
+    assert sum(s.count for s in param.segments) == job.VOCAB * job.WIDTH
+    assert momentum.sparse and sum(s.count for s in momentum.segments) == 3 * 1024 * job.WIDTH
+    # the dense part (Dense kernel and bias) keeps the flat layout of the optimizer
+    assert [t.shape for t in index.group("param")] == [(8000, 16), (64, 1), (1,)]
+    # replica files: dense shard groups + the table's 4000 rows + 2 slots x its state pages
+    shard = index.partition["shard_size"]
+    assert index.files["replica_00000.bin"].bytes == 4 * (3 * shard + 16 * (4000 + 2 * 2048))
+    assert index.files["replica_00001.bin"].bytes == 4 * (3 * shard + 16 * (4000 + 2 * 1024))
+    saved = rec["states"]["velocity"]
+    assert np.count_nonzero(saved[2048:4000]) == 0 and np.count_nonzero(saved[5024:]) == 0
+
+
+@pytest.mark.parametrize("replicas", [2, 1])
+def test_row_paged_embedding_restores_rows_and_lazy_states(embedding_saved, replicas):
+    """Restore on 2 replicas (bitwise) and on 1 (re-paged: 8 pages of one shard): the
+    table, the touched pages' states (untouched rows zero) and the next steps' losses."""
+    rec = embedding_saved
+    strategy = zero_runtime.ZeroInfinityStrategy(
+        job.embedding_config("cpu"), num_cpu_replicas=replicas
+    )
+    model = job.build_embedding(strategy, seed=99)
+    (embedding,) = model.engine.row_paged.values()
+    x = np.full((job.GLOBAL_BATCH, job.SEQ), 7900, np.int32)  # a page the checkpoint lacks
+    model.train_on_batch(x, np.zeros((job.GLOBAL_BATCH, 1), np.float32))
+    assert embedding.state_pages(replicas - 1) != []  # states that the restore must drop
+    info = CheckpointManager(rec["root"], model, strategy).restore()
+    assert (info.saved_replicas, info.replicas, info.step) == (2, replicas, SAVED_AT)
+    want_pages = [[0, 1], [0]] if replicas == 2 else [[0, 1, 3, 4]]  # rows 0-2047, 4000-5023
+    assert [embedding.state_pages(r) for r in range(replicas)] == want_pages
+    for slot, want in rec["states"].items():
+        np.testing.assert_array_equal(embedding.state_rows(slot), want)
+    for got, want in zip(model.get_weights(), rec["weights"], strict=True):
+        np.testing.assert_array_equal(got, want)
+    losses = job.train(model, SAVED_AT, NEXT, job.embedding_data)
+    if replicas == 2:
+        assert losses == rec["losses"]
+    np.testing.assert_allclose(losses, rec["losses"], rtol=1e-6, atol=0)
+    _close(strategy, model)
+
+
+def test_strategy_methods_delegate_and_record_checkpoint_summaries(tmp_path):
+    """save/load through the strategy; each writes a ``memory_hierarchy/checkpoint``
+    summary (bytes, seconds) into the run's event file."""
+    logdir = tmp_path / "run"
+    cfg = job.config(1, "cpu", str(tmp_path))
+    strategy = zero_runtime.ZeroInfinityStrategy(cfg, logdir=str(logdir))
     model = job.build(strategy)
     job.train(model, 0, 2)
     result = strategy.save_checkpoint(str(tmp_path / "c"), model, client_state={"epoch": 7})
@@ -317,3 +434,18 @@ def test_strategy_methods_delegate(tmp_path):
     for got, w in zip(fresh.get_weights(), want, strict=True):
         np.testing.assert_array_equal(got, w)
     _close(strategy, model)
+    acc = EventAccumulator(str(logdir), size_guidance={"tensors": 0})
+    acc.Reload()
+    events = [
+        (e.step, json.loads(tensor_util.make_ndarray(e.tensor_proto).item()))
+        for e in acc.Tensors(metadata.TAG_CHECKPOINT)
+    ]
+    assert [(step, ev["op"], ev["tag"]) for step, ev in events] == [
+        (2, "save", "step00000002"),
+        (2, "restore", "step00000002"),
+    ]
+    saved, restored = events[0][1], events[1][1]
+    assert saved["bytes"] == result.bytes_written > 0 and saved["seconds"] == result.seconds
+    assert restored["bytes"] == read_index(result.path).total_bytes() == info.bytes_read
+    assert restored["seconds"] == info.seconds > 0
+    assert (saved["replicas"], saved["rank"], restored["saved_replicas"]) == (2, 0, 2)

@@ -15,6 +15,11 @@ start-up is paid once), while the references run here.
 
 Live tuning across workers: a control request written to the chief's run mid-job is
 decided by the chief and applied by both workers at the same step boundary.
+
+Row-paged embeddings across workers (``s3_embedding``: a 20 000 x 16 table, SGD, the
+engine's default budgets): each worker holds only its own replica's row pages, and the
+losses and the gathered table (touched rows moved, untouched rows as initialised) equal
+one process's with two replicas (measured bitwise equal).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ CONFIGS = (
     "s3_all_device",  # parameter shards and optimizer states on the device tier
     "s3_param_cpu",  # both on the host
     "s3_param_nvme",  # both on NVMe
+    "s3_embedding",  # a row-paged embedding table (hot/cold rows), SGD
     "s1_opt_none",  # device-tier optimizer states (the step's graph)
     "s2_accum_opt_none",  # accumulation (tf.cond, raw collectives) + device states
     "s2_tuning",  # live tuning: the chief's decision, adopted by every worker
@@ -157,3 +163,29 @@ def test_live_tuning_is_decided_by_the_chief_and_applied_by_every_worker_at_one_
     for rec in runs["workers"]["s2_tuning"]:
         assert decisions(rec) == [ref_decision]
         assert rec["tuned"] == want
+
+
+def test_row_paged_embedding_across_workers_holds_own_rows_and_matches_one_process(runs):
+    """Each worker's pool holds only its own replica's row pages (10 of the table's 20);
+    the touched rows equal one process's (bitwise: the ids and gradients are combined with
+    the same collectives) and moved, the untouched rows are the initial ones; the table's
+    placement row is written per worker with its own pages' bytes per tier."""
+    ref = runs["reference"]["s3_embedding"]
+    touched = np.asarray(ref["touched"])
+    initial = np.asarray(ref["initial_table"], np.float32)
+    untouched = np.setdiff1d(np.arange(initial.shape[0]), touched)
+    ref_table = np.asarray(ref["weights"][0], np.float32)
+    assert ref["row_page_replicas"] == [0, 1] and ref["row_pages"] == 2 * ref["pages_per_shard"]
+    assert np.abs(ref_table[touched] - initial[touched]).max() > 1e-3  # the rows trained
+    for rank, rec in enumerate(runs["workers"]["s3_embedding"]):
+        assert rec["row_page_replicas"] == [rank]  # its own replica's row pages only
+        assert rec["row_pages"] == rec["pages_per_shard"] == 10
+        table = np.asarray(rec["weights"][0], np.float32)  # gathered across workers
+        np.testing.assert_array_equal(table[touched], ref_table[touched])
+        np.testing.assert_array_equal(table[untouched], initial[untouched])
+        assert sum(rec["h2d_pages"]) > 0  # cold row pages came up from the host
+        row = rec["placement_row"]
+        assert row["row_pages"] == 10 and row["rows_touched"] > 0
+        assert sum(row["tier_bytes"].values()) == 10 * 65536  # its 10 row pages, whole
+        # default budget: a row cache, not the whole table gathered (the rule before)
+        assert rec["device_capacity"] < 4 * 20_000 * 16

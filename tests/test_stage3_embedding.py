@@ -7,11 +7,17 @@ pages (1024 rows per page): only the row pages of each step's ids move, the devi
 plain MirroredStrategy model's (SGD, densified reference gradients: exact within 1e-6)
 and the untouched rows are unchanged. Lazy Adam is compared with a reference that applies
 Keras's Adam to the touched rows only (TF-Addons LazyAdam semantics).
+
+Without budgets in the config, the engine's default device tier holds a row cache, not the
+table (``embedding.row_paging_budget``): the same table then pages rows by default, and the
+table's row of ``memory_hierarchy/placement`` (bytes of its row pages per tier, rows and
+pages touched in the last step) is written to the run's event file.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 
 import keras
 import numpy as np
@@ -19,11 +25,15 @@ import pytest
 import tensorflow as tf
 from helpers.mirrored import Mirrored
 from helpers.reference_optimizers import DenseGradSGD
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.util import tensor_util
 
 import zero_runtime
+from tb_plugin import metadata
 from zero_runtime.optim import SGD
 from zero_runtime.sharded_variable import ShardedVariable
-from zero_runtime.stage3.embedding import RowPagedTable
+from zero_runtime.stage3 import engine as engine_module
+from zero_runtime.stage3.embedding import RowPagedTable, row_paging_budget
 
 VOCAB, WIDTH, SEQ = 200_000, 16, 8
 BATCH, STEPS = 16, 6  # global batch (8 ids x 8 positions per replica)
@@ -93,8 +103,8 @@ def reference(cpu_devices):
     return losses, model.get_weights(), model.evaluate(_ds(), verbose=0)
 
 
-def _stage3(config: dict, make_optimizer):
-    strategy = zero_runtime.ZeroInfinityStrategy(config)
+def _stage3(config: dict, make_optimizer, logdir: str | None = None):
+    strategy = zero_runtime.ZeroInfinityStrategy(config, logdir=logdir)
     with strategy.scope():
         model = _model()
         model.set_weights(_initial())
@@ -266,3 +276,66 @@ def test_threshold_selects_which_embeddings_are_row_paged():
     assert not row_paging_applies(dense, ZeroConfig(stage=3, embedding_row_paging_threshold=1))
     with pytest.raises(ZeroConfigError, match="embedding_row_paging_threshold=0"):
         ZeroConfig(embedding_row_paging_threshold=0)
+
+
+def test_default_budgets_page_rows_and_the_table_gets_a_placement_row(reference, tmp_path):
+    """No ``device_budget_bytes`` / ``host_budget_bytes``: the device tier's default is the
+    dense blocks' gathered pages + slack + a row cache (13 of 98 row pages per replica), far
+    below the 196-page table, so rows page in and out by default and training still
+    matches MirroredStrategy. The table's placement row is in the run's event file."""
+    config = _config("cpu", tmp_path)
+    del config["device_budget_bytes"]
+    run = str(tmp_path / "run")
+    strategy, model, sharded, losses, steps = _stage3(config, lambda: SGD(learning_rate=LR), run)
+    engine = sharded.engine
+    (emb,) = engine.row_paged.values()
+    weights = model.get_weights()
+    now = emb.placement_row()  # after the last step: nothing moved since its record
+    last = [emb.last_rows[r] for r in (0, 1)]
+    strategy.runtime.flush()
+    sharded.close()
+    strategy.close()
+
+    budget = row_paging_budget((VOCAB, WIDTH), PAGE, 2, 2)
+    assert (budget.pages_per_shard, budget.cache_pages) == (98, 2 * 13)
+    dense_gathered = 2 * 2  # kernel (128, 1) and bias (1,): one page each per replica
+    capacity = (budget.cache_pages + dense_gathered + engine_module.SLACK_PAGES) * PAGE
+    table_bytes = 2 * budget.pages_per_shard * PAGE
+    print(
+        f"default device budget {capacity} bytes vs table {table_bytes}; per step h2d/d2h "
+        f"{[(s.counters.h2d_pages, s.counters.d2h_pages) for s in steps]}; placement {now}"
+    )
+    assert engine.default_device_budget == capacity < table_bytes // 5
+    assert all(s.usage["device"].capacity_bytes == capacity for s in steps)
+    assert all(0 < s.usage["device"].peak_bytes <= capacity for s in steps)
+    assert all(s.counters.h2d_pages > 0 for s in steps)  # cold rows come up every step
+    assert sum(s.counters.d2h_pages for s in steps) > 0  # the cache is full: LRU rows go down
+    ref_losses, ref_weights, _ = reference
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    touched = np.unique(_data()[0])
+    np.testing.assert_allclose(weights[0][touched], ref_weights[0][touched], rtol=0, atol=1e-6)
+
+    acc = EventAccumulator(run, size_guidance={"tensors": 0})
+    acc.Reload()
+    placements = [
+        json.loads(tensor_util.make_ndarray(e.tensor_proto).item())
+        for e in acc.Tensors(metadata.TAG_PLACEMENT)
+    ]
+    table_rows = [r for r in placements[-1]["variables"] if r.get("row_paged")]
+    assert len(table_rows) == 1
+    row = table_rows[0]
+    assert row == now
+    assert row["name"] == model.layers[0].embeddings.path
+    assert row["shape"] == [VOCAB, WIDTH] and row["bytes"] == 4 * VOCAB * WIDTH
+    assert row["row_pages"] == 2 * 98 and row["rows_per_page"] == 1024
+    tier = row["tier_bytes"]
+    assert sum(tier.values()) == table_bytes  # every row page, on exactly one tier
+    assert 0 < tier["device"] <= capacity and tier["host"] > 0 and tier["nvme"] == 0
+    assert row["param_tier"] == "device+host" and row["optimizer_tier"] == "host"
+    assert row["optimizer_tier_bytes"] == {"device": 0, "host": 0, "nvme": 0}  # plain SGD
+    assert row["rows_touched"] == last[0].unique_rows > 0
+    assert row["own_rows_touched"] == last[0].owned_rows + last[1].owned_rows == row["rows_touched"]
+    assert row["pages_touched"] == last[0].pages + last[1].pages > 0
+    assert "row-paged 1/2 along dim 0" in row["partitioning"]
+    # The dense head keeps its ordinary rows beside the table's.
+    assert sum(not r.get("row_paged") for r in placements[-1]["variables"]) == 2

@@ -277,6 +277,21 @@ class ZeroRuntime:
             self._writer.json(metadata.TAG_CONFIG_EVENT, next_step, outcome.to_dict())
             self._writer.flush()
 
+    # -- checkpoints ---------------------------------------------------------------------
+    def record_checkpoint(self, record: dict[str, Any]) -> None:
+        """Write one checkpoint save or restore as a ``memory_hierarchy/checkpoint`` summary
+        (fields and units: docs/events.md), at step ``record["step"]`` (the optimizer step
+        saved or restored, int >= 0), and flush it. No-op without a log directory or
+        after :meth:`close`. Called by ``zero_runtime.checkpoint.CheckpointManager``.
+
+        Raises:
+            TypeError: ``record`` is not JSON-serialisable.
+        """
+        if self._writer is None or self.state is not RuntimeState.OPEN:
+            return
+        self._writer.json(metadata.TAG_CHECKPOINT, int(record["step"]), dict(record))
+        self._writer.flush()
+
     # -- accounting ----------------------------------------------------------------------
     def model_param_bytes(self) -> int:
         """Bytes of one replica's trainable variables tracked by the optimizers."""

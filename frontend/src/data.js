@@ -315,6 +315,19 @@ export function tuningStateText(request, nowSeconds) {
   }
 }
 
+/**
+ * What the panel says after POST /tune answered: the version written and, for a worker of a
+ * multi-worker job (`redirected`), that it went to the chief's run, which decides for the
+ * whole job.
+ * @param {object} answer POST /tune's answer {version, redirected, tuning_run}
+ */
+export function tuneWrittenText(answer) {
+  const where = answer?.redirected
+    ? ` to the chief\u2019s run ${answer.tuning_run} (it decides for every worker of the job)`
+    : '';
+  return `Request v${answer?.version} written${where}; waiting for the job.`;
+}
+
 // -- out-of-memory post-mortem -------------------------------------------------------------
 
 /**

@@ -11,9 +11,11 @@ As a process (a fresh TensorFlow that configures its own logical CPUs)::
 
 restores each ``CKPT`` on each replica count in turn, trains ``--steps`` steps and writes
 ``{"STAGE:OFFLOAD:REPLICAS": {"losses": [...], ...}}``.
-With ``multiworker`` instead of ``restore`` (under ``zero_runtime.launch``), trains
-``--first-step`` steps, saves (``step A``), writes the weights, trains one more step and
-saves again (``B``; rank ``--kill-rank`` SIGKILLs itself after its first shard file).
+With ``multiworker`` instead of ``restore`` (under ``zero_runtime.launch``), optionally
+first a stage-3 save / continue / restore phase (``--stage3-root``, :func:`_stage3_phase`),
+then (stage ``--stage``) trains ``--first-step`` steps, saves (``step A``), writes the
+weights, trains one more step and saves again (``B``; rank ``--kill-rank`` SIGKILLs
+itself after its first shard file).
 """
 
 # isort: skip_file  (the environment must be set before TensorFlow is imported)
@@ -81,10 +83,59 @@ def build(strategy, seed: int = 0):
     return model
 
 
-def train(model, first: int, steps: int) -> list[float]:
-    """Train on global batches ``first .. first + steps - 1``; each step's loss
-    (``train_on_batch`` resets the metrics, so its loss is that batch's)."""
-    x, y = data()
+#: Row-paged embedding model (stage 3): a (VOCAB, WIDTH) table above the threshold, 64 KiB
+#: pages of 1024 rows; at 2 replicas a shard is rows [0, 4000) / [4000, 8000), 4 pages.
+VOCAB, WIDTH, SEQ = 8000, 16, 4
+ROW_PAGING_THRESHOLD = 100_000  # elements; the table has 128_000
+#: The ids the embedding data uses: row pages 0-1 of replica 0's shard and page 0 of
+#: replica 1's (at 1 replica: pages 0, 1, 3 and 4 of 8); the other pages stay untouched.
+EMBEDDING_IDS = (0, 1500, 4000, 4500)
+
+
+def embedding_config(offload: str, nvme: str | None = None, **extra) -> dict:
+    """A stage-3 ZeroConfig with row paging for :func:`build_embedding`'s table."""
+    cfg = config(3, offload, nvme, offload_param="cpu", **extra)
+    cfg["embedding_row_paging_threshold"] = ROW_PAGING_THRESHOLD
+    return cfg
+
+
+def build_embedding(strategy, seed: int = 0):
+    """The compiled ShardedModel: Embedding(VOCAB, WIDTH) -> Flatten -> Dense(1), Adam
+    (lazy on the table's rows)."""
+    import keras
+
+    with strategy.scope():
+        keras.utils.set_random_seed(seed)
+        model = keras.Sequential(
+            [
+                keras.Input((SEQ,), dtype="int32"),
+                keras.layers.Embedding(VOCAB, WIDTH),
+                keras.layers.Flatten(),
+                keras.layers.Dense(1),
+            ]
+        )
+        model = strategy.shard_model(model)
+        model.compile(optimizer=keras.optimizers.get("adam"), loss="mse")
+    return model
+
+
+def embedding_data():
+    """``TOTAL_STEPS`` global batches of 8 x SEQ ids from :data:`EMBEDDING_IDS`' two
+    ranges, and float32 targets (8, 1)."""
+    import numpy as np
+
+    rng = np.random.RandomState(12)
+    n = TOTAL_STEPS * GLOBAL_BATCH
+    a, b, c, d = EMBEDDING_IDS
+    ids = np.where(rng.rand(n, SEQ) < 0.5, rng.randint(a, b, (n, SEQ)), rng.randint(c, d, (n, SEQ)))
+    return ids.astype("int32"), rng.randn(n, 1).astype("float32")
+
+
+def train(model, first: int, steps: int, dataset=None) -> list[float]:
+    """Train on global batches ``first .. first + steps - 1`` of ``dataset()`` (default
+    :func:`data`); each step's loss (``train_on_batch`` resets the metrics, so its loss is
+    that batch's)."""
+    x, y = (dataset or data)()
     losses = []
     for s in range(first, first + steps):
         sl = slice(s * GLOBAL_BATCH, (s + 1) * GLOBAL_BATCH)
@@ -122,10 +173,50 @@ def _restore_main(args) -> int:
     return 0
 
 
+def _stage3_phase(args) -> None:
+    """Stage 3 across the workers (``--stage3-root``): train ``--first-step`` steps, save
+    ``S3``, train ``--steps`` more (the uninterrupted run), then restore ``S3`` into a
+    fresh model under a fresh strategy and train the same steps again. Writes
+    ``<out>/rank<R>_stage3.json``. Parameters and optimizer states are on NVMe."""
+    import zero_runtime
+    from zero_runtime.checkpoint import CheckpointManager
+
+    cfg = config(3, "nvme", args.nvme, offload_param="nvme")
+    strategy = zero_runtime.ZeroInfinityStrategy(cfg, num_cpu_replicas=1)
+    rank = strategy.cluster.rank
+    model = build(strategy)
+    train(model, 0, args.first_step)
+    saved = CheckpointManager(args.stage3_root, model, strategy).save(tag="S3")
+    weights = model.get_weights()  # all-gathers the shards: every worker calls it
+    uninterrupted = train(model, args.first_step, args.steps)
+    record = {
+        "rank": rank,
+        "bytes_written": saved.bytes_written,
+        "weights": [w.tolist() for w in weights],
+        "uninterrupted": uninterrupted,
+        "local_replicas": list(strategy.local_replica_ids),
+    }
+    model.close()
+    strategy.close()
+    strategy = zero_runtime.ZeroInfinityStrategy(cfg, num_cpu_replicas=1)
+    model = build(strategy, seed=99)  # another init: everything must come from the files
+    info = CheckpointManager(args.stage3_root, model, strategy).restore()
+    record["restored_weights"] = [w.tolist() for w in model.get_weights()]
+    record["restored"] = train(model, args.first_step, args.steps)
+    record.update(step=info.step, saved_replicas=info.saved_replicas, replicas=info.replicas)
+    record["iterations"] = int(model.optimizer.iterations.numpy())
+    model.close()
+    strategy.close()
+    with open(os.path.join(args.out, f"rank{rank}_stage3.json"), "w") as f:
+        json.dump(record, f)
+
+
 def _multiworker_main(args) -> int:
     import zero_runtime
     from zero_runtime.checkpoint import CheckpointManager
 
+    if args.stage3_root:
+        _stage3_phase(args)
     strategy = zero_runtime.ZeroInfinityStrategy(
         config(args.stage, args.offload, args.nvme), num_cpu_replicas=1
     )
@@ -159,6 +250,7 @@ def main() -> int:
     p.add_argument("--first-step", type=int, default=3)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--kill-rank", type=int, default=-1, help="this rank dies saving B")
+    p.add_argument("--stage3-root", default=None, help="multiworker: first a stage-3 phase")
     args = p.parse_args()
     return _restore_main(args) if args.mode == "restore" else _multiworker_main(args)
 

@@ -9,8 +9,9 @@ in one process pays TensorFlow's start-up (~5 s per process) once.
 
     python tests/helpers/mw_stage3_job.py OUT --configs s3_param_cpu,s1_opt_none
 
-Stage-3 configs train :func:`stage3_record`'s small GPT (``demo.model``); stage-1/2
-configs train ``mw_job.fit_record``'s two-Dense model.
+Stage-3 configs train :func:`stage3_record`'s small GPT (``demo.model``), except
+``s3_embedding`` (:func:`embedding_record`: a row-paged Embedding -> Flatten -> Dense with
+SGD, default budgets); stage-1/2 configs train ``mw_job.fit_record``'s two-Dense model.
 """
 
 # isort: skip_file  (the environment must be set before TensorFlow is imported)
@@ -29,6 +30,9 @@ GLOBAL_BATCH = 8
 PAGE = 65536  # page_size_bytes of the stage-3 configs
 TUNE_AT = 2  # 's2_tuning': the batch before which rank 0 writes the control request
 TUNED = {"prefetch_bucket_size": 12345, "telemetry_every_n_steps": 2}
+# 's3_embedding': a 20_000 x 16 table (1024 rows per 64 KiB page: 10 row pages per shard of
+# 10_000 rows), 4 ids per example, ids 3/4 from 600 hot rows at the start of both shards.
+EMB_VOCAB, EMB_WIDTH, EMB_SEQ, EMB_LR = 20_000, 16, 4, 0.5
 
 #: Config name -> ZeroConfig keys (besides the timeout). 's3_*' are stage 3 (GPT model).
 CONFIGS: dict[str, dict] = {
@@ -37,6 +41,13 @@ CONFIGS: dict[str, dict] = {
     "s3_param_nvme": {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme"},
     "s3_opt_none": {"stage": 3, "offload_param": "cpu", "offload_optimizer": "none"},
     "s3_all_device": {"stage": 3, "offload_param": "none", "offload_optimizer": "none"},
+    # a row-paged table (threshold below its 320_000 elements), SGD, no budgets given
+    "s3_embedding": {
+        "stage": 3,
+        "offload_param": "cpu",
+        "offload_optimizer": "cpu",
+        "embedding_row_paging_threshold": 100_000,
+    },
     "s1_opt_none": {"stage": 1, "offload_optimizer": "none", "reduce_bucket_size": 200},
     "s2_opt_none": {"stage": 2, "offload_optimizer": "none", "reduce_bucket_size": 200},
     "s1_accum": {
@@ -127,6 +138,89 @@ def stage3_record(strategy, steps: int = STEPS) -> dict:
     return record
 
 
+def embedding_data(steps: int = STEPS) -> tuple:
+    """``(ids int32 (steps * 8, EMB_SEQ), y float32 (steps * 8, 1), initial weights)``."""
+    import numpy as np
+
+    rng = np.random.RandomState(11)
+    n = steps * GLOBAL_BATCH
+    hot = np.concatenate([np.arange(0, 300), np.arange(10_000, 10_300)])
+    ids = np.where(
+        rng.rand(n, EMB_SEQ) < 0.75,
+        rng.choice(hot, (n, EMB_SEQ)),
+        rng.randint(0, EMB_VOCAB, (n, EMB_SEQ)),
+    ).astype(np.int32)
+    ids[0, :2] = 7  # a duplicate id within one replica's batch
+    ids[GLOBAL_BATCH // 2, 0] = 7  # ... and the same id in the other replica's batch
+    y = rng.normal(size=(n, 1)).astype(np.float32)
+    initial = [
+        rng.uniform(-0.05, 0.05, (EMB_VOCAB, EMB_WIDTH)).astype(np.float32),
+        rng.uniform(-0.2, 0.2, (EMB_SEQ * EMB_WIDTH, 1)).astype(np.float32),
+        np.zeros(1, np.float32),
+    ]
+    return ids, y, initial
+
+
+def embedding_record(strategy, steps: int = STEPS) -> dict:
+    """Fit a row-paged ``Embedding -> Flatten -> Dense(1)`` with SGD (mse) under a stage-3
+    ``strategy`` with the engine's default budgets; returns losses, the gathered weights,
+    this process's row pages (replica ids and count per tier) and the pool's page moves."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from zero_runtime.optim import SGD
+
+    ids, y, initial = embedding_data(steps)
+    ds = tf.data.Dataset.from_tensor_slices((ids, y)).batch(GLOBAL_BATCH)
+    with strategy.scope():
+        model = keras.Sequential(
+            [
+                keras.Input((EMB_SEQ,), dtype="int32"),
+                keras.layers.Embedding(EMB_VOCAB, EMB_WIDTH),
+                keras.layers.Flatten(),
+                keras.layers.Dense(1),
+            ]
+        )
+        model.set_weights(initial)
+        sharded = strategy.shard_model(model)
+        sharded.compile(optimizer=SGD(learning_rate=EMB_LR), loss="mse")
+    running: list[float] = []
+    h2d: list[int] = []
+    cb = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda b, logs: (
+            running.append(float(logs["loss"])),
+            h2d.append(sharded.engine.last_step.counters.h2d_pages),
+        )
+    )
+    sharded.fit(ds, epochs=1, shuffle=False, verbose=0, callbacks=[cb])
+    weights = model.get_weights()  # the table gathered across workers
+    engine = sharded.engine
+    (emb,) = engine.row_paged.values()
+    (row,) = [r for r in engine.placement_rows("host") if r.get("row_paged")]
+    record = {
+        "num_replicas_in_sync": strategy.num_replicas_in_sync,
+        "local_replicas": len(strategy.device_info.devices),
+        "strategy": type(strategy).__name__,
+        "losses": _step_losses(running),
+        "weights": [w.tolist() for w in weights],
+        "touched": np.unique(ids).tolist(),
+        "initial_table": initial[0].tolist(),
+        "local_replica_ids": list(engine.local_replicas),
+        # row pages of this process's pool ("e/<table>/r<replica>/p<k>"): replica ids
+        "row_page_replicas": sorted(
+            {int(t.split("/")[2][1:]) for t in engine.pool.tensor_ids() if t[:2] == "e/"}
+        ),
+        "row_pages": sum(1 for t in engine.pool.tensor_ids() if t[:2] == "e/"),
+        "pages_per_shard": emb.table.pages_per_shard,
+        "device_capacity": engine.pool.usage()["device"].capacity_bytes,
+        "h2d_pages": h2d,
+        "placement_row": row,
+    }
+    sharded.close()
+    return record
+
+
 def tuning_record(strategy, logdir: str) -> dict:
     """Fit ``mw_job``'s model; before batch TUNE_AT the chief's run gets a control request
     (``control.write_request``, what the view's tuning panel calls). Returns the losses,
@@ -161,7 +255,9 @@ def run(name: str, out: str, replicas: int, timeout: float) -> dict:
     config = make_config(name, nvme_dir, timeout)
     logdir = os.path.join(out, f"logs_{name}") if name.endswith("tuning") else None
     strategy = zero_runtime.ZeroInfinityStrategy(config, num_cpu_replicas=replicas, logdir=logdir)
-    if config["stage"] == 3:
+    if name == "s3_embedding":
+        record = embedding_record(strategy)
+    elif config["stage"] == 3:
         record = stage3_record(strategy)
     elif logdir is not None:
         record = tuning_record(strategy, logdir)

@@ -11,9 +11,10 @@ Public API::
 
 ``strategy.save_checkpoint(dir, model)`` / ``strategy.load_checkpoint(dir, model)`` are
 the same through the strategy. Modules: :mod:`.index` (the JSON schema), :mod:`.state`
-(what is saved), :mod:`.partition` (shards <-> tensors), :mod:`.stores` (optimizer tiers),
-:mod:`.coordination` (workers agree), :mod:`.writer` (atomic save), :mod:`.reader`
-(verify, re-partition, restore), :mod:`.export`, :mod:`.manager`, :mod:`.callback`.
+(what is saved), :mod:`.partition` (shards <-> tensors), :mod:`.tables` (row-paged
+embedding tables and their lazy states), :mod:`.coordination` (workers agree),
+:mod:`.writer` (atomic save), :mod:`.reader` (verify, re-partition, restore),
+:mod:`.export`, :mod:`.manager`, :mod:`.callback`.
 See docs/checkpoint.md.
 """
 

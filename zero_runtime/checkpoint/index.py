@@ -37,7 +37,10 @@ from typing import Any
 from zero_runtime.checkpoint.errors import CheckpointCorruptError
 
 #: Schema version of ``index.json``; bump when a reader of the old version would misread.
-INDEX_VERSION = 1
+#: Version 2 adds sparse tensors (``sparse``: the segments cover some elements, the others
+#: are zero; the lazy optimizer states of row-paged embedding tables). An index without
+#: sparse tensors is written as version 1, which every reader reads.
+INDEX_VERSION = 2
 #: The ``format`` field of every index.
 INDEX_FORMAT = "zero_runtime.checkpoint"
 #: File names inside a checkpoint directory and its root.
@@ -77,6 +80,8 @@ class TensorRecord:
         stored_dtype: the dtype of the stored bytes (little-endian).
         shard_dim: the axis moved to the front for the canonical order.
         segments: where the elements are.
+        sparse: False: the segments cover every element exactly once. True: they cover
+            some elements at most once, and the others are zero (version 2).
     """
 
     name: str
@@ -86,6 +91,7 @@ class TensorRecord:
     stored_dtype: str
     shard_dim: int
     segments: tuple[Segment, ...]
+    sparse: bool = False
 
     @property
     def size(self) -> int:
@@ -151,7 +157,7 @@ class CheckpointIndex:
         """The JSON object written to ``index.json``."""
         return {
             "format": INDEX_FORMAT,
-            "version": INDEX_VERSION,
+            "version": 2 if any(t.sparse for t in self.tensors) else 1,
             "tag": self.tag,
             "step": self.step,
             "created": self.created,
@@ -167,6 +173,7 @@ class CheckpointIndex:
                     "stored_dtype": t.stored_dtype,
                     "shard_dim": t.shard_dim,
                     "segments": [dataclasses.asdict(s) for s in t.segments],
+                    **({"sparse": True} if t.sparse else {}),
                 }
                 for t in self.tensors
             ],
@@ -201,6 +208,7 @@ class CheckpointIndex:
                     stored_dtype=str(t["stored_dtype"]),
                     shard_dim=int(t["shard_dim"]),
                     segments=tuple(Segment(**s) for s in t["segments"]),
+                    sparse=bool(t.get("sparse", False)),
                 )
                 for t in obj["tensors"]
             )

@@ -101,6 +101,14 @@ class CheckpointManager:
             timeout_seconds=self.timeout_seconds,
         )
         self.last_save = result
+        self._record(
+            op="save",
+            tag=result.tag,
+            path=result.path,
+            step=result.step,
+            bytes=result.bytes_written,
+            seconds=result.seconds,
+        )
         return result
 
     def restore(self, tag: str | None = None) -> rd.RestoreResult:
@@ -116,7 +124,27 @@ class CheckpointManager:
         reader = rd.CheckpointReader(rd.resolve(self.directory, tag))
         result = rd.restore(self.state(), reader)
         self.last_restore = result
+        self._record(
+            op="restore",
+            tag=result.tag,
+            path=result.path,
+            step=result.step,
+            bytes=result.bytes_read,
+            seconds=result.seconds,
+            saved_replicas=result.saved_replicas,
+        )
         return result
+
+    def _record(self, **record: Any) -> None:
+        """Send a save/restore record to the strategy's runtime (a ``memory_hierarchy/
+        checkpoint`` summary in its run; nothing without a runtime or a log directory)."""
+        runtime = getattr(self.strategy, "runtime", None)
+        if runtime is None or not hasattr(runtime, "record_checkpoint"):
+            return
+        cluster = getattr(self.strategy, "cluster", None)
+        record["replicas"] = int(self.strategy.num_replicas_in_sync)
+        record["rank"] = cluster.rank if cluster is not None else 0
+        runtime.record_checkpoint(record)
 
     @property
     def latest(self) -> str | None:

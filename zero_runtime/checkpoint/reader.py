@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 from zero_runtime.checkpoint import index as ix
+from zero_runtime.checkpoint import tables as tb
 from zero_runtime.checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointMismatchError,
@@ -25,7 +26,6 @@ from zero_runtime.checkpoint.errors import (
 )
 from zero_runtime.checkpoint.partition import build_shard
 from zero_runtime.checkpoint.state import TrainingState
-from zero_runtime.checkpoint.stores import write_slot_shard
 
 _READ_CHUNK = 16 << 20  # bytes per read when hashing
 
@@ -121,15 +121,18 @@ class CheckpointReader:
     def canonical(self, name: str) -> np.ndarray:
         """Tensor ``name``'s elements in canonical order, 1-D, stored dtype (verified).
 
+        A sparse tensor (``TensorRecord.sparse``) is zero where no segment covers it.
+
         Raises:
             KeyError: no such tensor.
             CheckpointCorruptError: a segment outside its file or the tensor, or
-                elements covered twice / not at all.
+                elements covered twice / not at all (a dense tensor) / more than once in
+                total (a sparse one).
         """
         rec = self.index.tensor(name)
         self.verify(sorted({s.file for s in rec.segments}))
         dtype = np.dtype(rec.stored_dtype)
-        out = np.empty(rec.size, dtype)
+        out = np.zeros(rec.size, dtype) if rec.sparse else np.empty(rec.size, dtype)
         covered = 0
         handles: dict[str, object] = {}
         try:
@@ -154,7 +157,7 @@ class CheckpointReader:
         finally:
             for f in handles.values():
                 f.close()
-        if covered != rec.size:
+        if covered > rec.size or (covered != rec.size and not rec.sparse):
             raise CheckpointCorruptError(
                 f"tensor {name!r}: segments cover {covered} of {rec.size} elements"
             )
@@ -243,7 +246,9 @@ def restore(state: TrainingState, reader: CheckpointReader) -> RestoreResult:
     Every shard file is verified (size, SHA-256) before any variable changes. Parameters
     are assigned whole (replicated variables on every local replica; ShardedVariables
     scatter to their shards); each optimizer slot is cut into this worker's replicas'
-    shards of the current layout and written to its tier.
+    shards of the current layout and written to its tier (the stores' ``write_shard``).
+    A row-paged table's states go to the current row pages that hold saved rows
+    (:func:`~zero_runtime.checkpoint.tables.restore_states`); the others have none.
 
     Raises:
         CheckpointMismatchError: see :func:`check_compatible`.
@@ -258,13 +263,24 @@ def restore(state: TrainingState, reader: CheckpointReader) -> RestoreResult:
     sizes = state.sizes
     for slot in state.slots:
         flats = {
-            i: reader.canonical(f"slot/{slot}/{i}").astype(np.float32, copy=False)
-            for i in range(len(state.params))
+            j: reader.canonical(f"slot/{slot}/{i}").astype(np.float32, copy=False)
+            for j, i in enumerate(state.dense)
         }
-        for local, replica in enumerate(state.local_replicas):
+        for replica in state.local_replicas:
             shard = build_shard(state.layout, replica, flats, sizes)
-            write_slot_shard(state.store, replica, local, slot, shard)
+            state.store.write_shard(replica, slot, shard)
         del flats
+    for i, embedding in sorted(state.tables.items()):
+        vocab, width = (int(d) for d in embedding.table.shape)
+        covered = np.zeros(vocab, bool)  # rows whose states were saved
+        values = {}
+        for slot in state.slots:
+            name = f"slot/{slot}/{i}"
+            for seg in index.tensor(name).segments:
+                covered[seg.start // width : (seg.start + seg.count) // width] = True
+            values[slot] = reader.canonical(name).astype(np.float32).reshape(vocab, width)
+        tb.restore_states(embedding, state.local_replicas, values, covered)
+        del values
     for name, v in state.replicated:
         v.assign(reader.read(name))
     return RestoreResult(

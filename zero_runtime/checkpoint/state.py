@@ -11,6 +11,10 @@ its shard of the parameters and of every optimizer slot:
   and each replica saves its row shard.
 - ``slots``: the partitioned optimizer's per-element states (e.g. Adam's ``momentum``,
   ``velocity``), one shard per replica on the device, host or NVMe tier.
+- ``tables``: stage-3 row-paged embedding tables (``zero_runtime.stage3.embedding``).
+  They are parameters like the others but outside the optimizer's flat layout: each
+  replica saves its rows, and its *lazy* optimizer states only for the row pages that
+  have them (:meth:`RowPagedEmbedding.state_pages`); the rest are zero.
 - ``replicated``: model variables outside the layout (non-trainable weights) and the
   Keras optimizer variables (``iterations``: the step counter; the learning rate; the
   stock optimizer's slots when it runs unpartitioned). The chief saves these whole.
@@ -41,7 +45,11 @@ class TrainingState:
         model: the Keras model (a ``ShardedModel`` at stage 3).
         optimizer: its optimizer (built), or None for a model without one.
         strategy: the ``tf.distribute`` strategy (a ZeroInfinityStrategy, or any).
-        params: trainable variables in layout order.
+        params: trainable variables in the optimizer's order (row-paged tables included).
+        dense: positions in ``params`` of the variables the flat layout covers, in layout
+            order (all of them unless there are row-paged tables).
+        tables: position in ``params`` -> its
+            :class:`~zero_runtime.stage3.embedding.RowPagedEmbedding` (stage 3).
         layout: the flat layout the shards follow (``num_shards`` = replicas in sync).
         kind: 'flat' (stages 0-2) or 'rows' (stage 3 ShardedVariables).
         store: the optimizer-state store, or None (unpartitioned optimizer).
@@ -56,6 +64,8 @@ class TrainingState:
     optimizer: Any
     strategy: Any
     params: list
+    dense: tuple[int, ...]
+    tables: dict[int, Any]
     layout: FlatLayout
     kind: str
     store: Any
@@ -84,16 +94,26 @@ class TrainingState:
                 optimizer.build(model.trainable_variables)
         zero = getattr(optimizer, "_zero", None) if optimizer is not None else None
         n = strategy.num_replicas_in_sync
+        params = list(
+            optimizer._trainable_variables if zero is not None else model.trainable_variables
+        )
+        row_paged = {id(e.table): e for e in _row_paged_embeddings(model)}
+        tables = {i: row_paged[id(v)] for i, v in enumerate(params) if id(v) in row_paged}
+        dense = tuple(i for i in range(len(params)) if i not in tables)
         if zero is not None:
-            params = list(optimizer._trainable_variables)
             layout, store, slots = zero.layout, zero.store, tuple(zero.store.slot_names)
         else:
-            params = list(model.trainable_variables)
             store, slots = None, ()
-            if params and all(isinstance(v, ShardedVariable) for v in params):
-                layout = layout_from_sharded(params, n)
+            covered = [params[i] for i in dense]
+            if covered and all(isinstance(v, ShardedVariable) for v in covered):
+                layout = layout_from_sharded(covered, n)
             else:
-                layout = FlatLayout.from_variables(params, n)
+                layout = FlatLayout.from_variables(covered, n)
+        if len(layout.sizes) != len(dense):
+            raise ValueError(
+                f"the optimizer's layout has {len(layout.sizes)} tensors, the model "
+                f"{len(dense)} densely updated parameters"
+            )
         kind = "rows" if params and all(isinstance(v, ShardedVariable) for v in params) else "flat"
         in_layout = {id(_unwrap(v)) for v in params}
         replicated = []
@@ -113,6 +133,8 @@ class TrainingState:
             optimizer,
             strategy,
             params,
+            dense,
+            tables,
             layout,
             kind,
             store,
@@ -126,15 +148,16 @@ class TrainingState:
     # -- geometry ------------------------------------------------------------------------
     @property
     def sizes(self) -> list[int]:
-        """True element counts of the parameters, layout order."""
-        return [math.prod(tuple(v.shape)) for v in self.params]
+        """True element counts of the layout's parameters, layout order."""
+        return [math.prod(tuple(self.params[i].shape)) for i in self.dense]
 
     def shard_dim(self, i: int) -> int:
         """The canonical-order axis of parameter ``i`` (0 unless a ShardedVariable says)."""
         return int(getattr(self.params[i], "shard_dim", 0)) if self.kind == "rows" else 0
 
     def moved_flat(self, i: int, value: np.ndarray) -> np.ndarray:
-        """Parameter ``i``'s logical value in canonical (moved, C) order, 1-D."""
+        """Parameter ``i``'s (position in ``params``) logical value in canonical (moved,
+        C) order, 1-D."""
         value = np.asarray(value)
         if value.ndim == 0:
             return value.reshape(1)
@@ -146,12 +169,13 @@ class TrainingState:
         from zero_runtime.checkpoint.partition import build_shard
 
         if self.kind == "rows":
-            return np.concatenate([v.read_shard(replica) for v in self.params]).astype(
-                np.float32, copy=False
-            )
+            parts = [self.params[i].read_shard(replica) for i in self.dense]
+            if not parts:
+                return np.zeros(0, np.float32)
+            return np.concatenate(parts).astype(np.float32, copy=False)
         flats = {
-            i: self.moved_flat(i, np.asarray(_local_value(v, local), np.float32))
-            for i, v in enumerate(self.params)
+            j: self.moved_flat(i, np.asarray(_local_value(self.params[i], local), np.float32))
+            for j, i in enumerate(self.dense)
         }
         return build_shard(self.layout, replica, flats, self.sizes)
 
@@ -167,6 +191,12 @@ class TrainingState:
             return None
         config.pop("compile_config", None)  # the architecture only: no (partitioned) optimizer
         return config
+
+
+def _row_paged_embeddings(model) -> list:
+    """The stage-3 engine's row-paged embeddings of ``model`` (a ShardedModel), else []."""
+    engine = getattr(model, "engine", None)
+    return list(getattr(engine, "row_paged", {}).values())
 
 
 def _unwrap(v):

@@ -3,7 +3,8 @@
 Protocol (a checkpoint is visible only when complete; see docs/checkpoint.md):
 
 1. every worker writes its local replicas' shard files (``replica_<r>.bin``: the
-   parameter shard, then one ``[shard_size]`` float32 shard per optimizer slot) into
+   parameter shard, then one ``[shard_size]`` float32 shard per optimizer slot, then
+   each row-paged table's rows and touched state pages, :mod:`.tables`) into
    ``<root>/.tmp-<tag>-<nonce>/`` and fsyncs them; the chief also writes
    ``replicated.bin`` (non-partitioned variables and the optimizer's step counter);
 2. the chief gathers every worker's file records (size, SHA-256;
@@ -36,11 +37,11 @@ from typing import Any
 import numpy as np
 
 from zero_runtime.checkpoint import index as ix
+from zero_runtime.checkpoint import tables as tb
 from zero_runtime.checkpoint.coordination import coordinator_for
 from zero_runtime.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from zero_runtime.checkpoint.partition import replica_pieces
 from zero_runtime.checkpoint.state import TrainingState
-from zero_runtime.checkpoint.stores import read_slot_shard
 
 log = logging.getLogger(__name__)
 
@@ -126,10 +127,16 @@ def save(
     kill_after = int(os.environ.get(KILL_AFTER_FILES_ENV, "0") or 0)
     for local, replica in enumerate(state.local_replicas):
         arrays = [state.param_shard(replica, local)]
-        arrays += [read_slot_shard(state.store, replica, local, s) for s in state.slots]
+        arrays += [state.store.read_shard(replica, s) for s in state.slots]
+        row_pages = {}
+        for i, embedding in sorted(state.tables.items()):
+            extra, row_pages[str(i)] = tb.replica_arrays(embedding, replica, state.slots)
+            arrays += extra
         name = ix.replica_file(replica)
         nbytes, digest = _write_file(os.path.join(tmp, name), arrays)
         files[name] = {"bytes": nbytes, "sha256": digest, "rank": state.rank, "replica": replica}
+        if row_pages:  # which row pages had optimizer states (to the chief, for the index)
+            files[name]["row_pages"] = row_pages
         if kill_after and len(files) >= kill_after:
             log.warning("%s=%d: killing this process mid-save", KILL_AFTER_FILES_ENV, kill_after)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -153,7 +160,9 @@ def save(
     files[ix.REPLICATED_FILE] = {"bytes": nbytes, "sha256": digest, "rank": 0, "replica": None}
     written += nbytes
     files = coord.gather_files(nonce, files)
-    index = _make_index(state, tag, step, files, replicated_layout, client_state or {})
+    row_pages = {k: dict(v).pop("row_pages", {}) for k, v in files.items()}
+    files = {k: {f: x for f, x in v.items() if f != "row_pages"} for k, v in files.items()}
+    index = _make_index(state, tag, step, files, replicated_layout, client_state or {}, row_pages)
     _write_json_durably(os.path.join(tmp, ix.INDEX_FILE), index.to_json())
     _fsync_dir(tmp)
     _publish(root, tmp, final, tag, nonce)
@@ -172,6 +181,7 @@ def _make_index(
     files: dict[str, dict[str, Any]],
     replicated_layout: list,
     client_state: dict[str, Any],
+    row_pages: dict[str, dict[str, list[int]]],
 ) -> ix.CheckpointIndex:
     layout = state.layout
     n = layout.num_shards
@@ -179,23 +189,30 @@ def _make_index(
     if missing:
         raise CheckpointError(f"workers did not report shard files {missing}")
     sizes = state.sizes
-    by_var: list[list[tuple[int, Any]]] = [[] for _ in state.params]
+    by_var: list[list[tuple[int, Any]]] = [[] for _ in state.dense]  # layout order
     for r in range(n):
         for p in replica_pieces(layout, r, sizes):
             by_var[p.var].append((r, p))
-    tensors = []
+    dense = {pos: j for j, pos in enumerate(state.dense)}
     groups = ["param", *(f"slot/{s}" for s in state.slots)]
+    table_segments, row_paged = _table_segments(state, files, row_pages, len(groups))
+    tensors = []
     for g, group in enumerate(groups):
         for i, v in enumerate(state.params):
-            segments = tuple(
-                ix.Segment(
-                    ix.replica_file(r),
-                    4 * (g * layout.shard_size + p.shard_offset),
-                    p.start,
-                    p.count,
+            sparse = False
+            if i in state.tables:  # rows (dense), or the touched pages' states (sparse)
+                segments = table_segments[i][group]
+                sparse = g > 0
+            else:
+                segments = tuple(
+                    ix.Segment(
+                        ix.replica_file(r),
+                        4 * (g * layout.shard_size + p.shard_offset),
+                        p.start,
+                        p.count,
+                    )
+                    for r, p in by_var[dense[i]]
                 )
-                for r, p in by_var[i]
-            )
             tensors.append(
                 ix.TensorRecord(
                     name=f"{group}/{i}",
@@ -205,6 +222,7 @@ def _make_index(
                     stored_dtype="<f4",
                     shard_dim=state.shard_dim(i),
                     segments=segments,
+                    sparse=sparse,
                 )
             )
     for name, var, value, offset in replicated_layout:
@@ -237,6 +255,8 @@ def _make_index(
         "buckets": [dataclasses.asdict(b) for b in layout.buckets],
         "padding": [b.padded_size(n) - sum(sizes[b.var_start : b.var_end]) for b in layout.buckets],
     }
+    if row_paged:
+        partition["row_paged"] = row_paged
     opt = state.optimizer
     optimizer = {
         "class": f"{type(opt).__module__}.{type(opt).__qualname__}" if opt is not None else None,
@@ -256,6 +276,64 @@ def _make_index(
         model_config=state.model_config,
         client_state=client_state,
     )
+
+
+def _table_segments(
+    state: TrainingState,
+    files: dict[str, dict[str, Any]],
+    row_pages: dict[str, dict[str, list[int]]],
+    num_groups: int,
+) -> tuple[dict[int, dict[str, tuple[ix.Segment, ...]]], list[dict[str, Any]]]:
+    """Segments of the row-paged tables' tensors and their ``partition.row_paged`` records.
+
+    Returns:
+        ``({param position: {group: segments}}, [record per table])``.
+
+    Raises:
+        CheckpointError: a shard file's size is not what its contents add up to.
+    """
+    if not state.tables:
+        return {}, []
+    shard_bytes = 4 * state.layout.shard_size * num_groups
+    out: dict[int, dict[str, list[ix.Segment]]] = {
+        i: {"param": [], **{f"slot/{s}": [] for s in state.slots}} for i in state.tables
+    }
+    geometry = {i: tb.TableGeometry.of(e.table) for i, e in state.tables.items()}
+    pages_of: dict[int, dict[str, list[int]]] = {i: {} for i in state.tables}
+    for r in range(state.layout.num_shards):
+        name = ix.replica_file(r)
+        offset = shard_bytes
+        for i in sorted(state.tables):
+            pages = list(row_pages.get(name, {}).get(str(i), []))
+            pages_of[i][str(r)] = pages
+            rows, states, offset = tb.replica_segments(
+                geometry[i], r, pages, state.slots, name, offset
+            )
+            if rows.count:
+                out[i]["param"].append(rows)
+            for s in state.slots:
+                out[i][f"slot/{s}"] += states[s]
+        if files[name]["bytes"] != offset:
+            raise CheckpointError(
+                f"shard file {name!r} has {files[name]['bytes']} bytes, its contents add up "
+                f"to {offset}"
+            )
+    records = []
+    for i in sorted(state.tables):
+        geo = geometry[i]
+        first = out[i].get(f"slot/{state.slots[0]}", []) if state.slots else []
+        records.append(
+            {
+                "param": i,
+                "shape": [geo.vocab, geo.width],
+                "rows_per_shard": geo.rows,
+                "rows_per_page": geo.rows_per_page,
+                "pages_per_shard": geo.pages_per_shard,
+                "state_pages": pages_of[i],
+                "state_rows": tb.merged_rows(first, geo.width),
+            }
+        )
+    return {i: {g: tuple(v) for g, v in d.items()} for i, d in out.items()}, records
 
 
 def _publish(root: str, tmp: str, final: str, tag: str, nonce: str) -> None:

@@ -8,6 +8,7 @@ updates them with TensorFlow ops in the train step's graph. On this CPU-only mac
 
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
 
@@ -81,6 +82,36 @@ class DeviceOptimizerState:
             KeyError: unknown slot.
         """
         return self.layout.unshard([s[slot].numpy() for s in self._slots])
+
+    def read_shard(self, replica: int, slot: str) -> np.ndarray:
+        """A copy of one slot of ``replica``'s shard, float32 ``[layout.shard_size]``.
+
+        Args:
+            replica: the replica id (global under multi-worker; see :meth:`slots`).
+            slot: the slot name.
+
+        Raises:
+            KeyError: unknown slot name.
+        """
+        if slot not in self.slot_names:
+            raise KeyError(f"unknown optimizer slot {slot!r}; slots: {self.slot_names}")
+        return np.array(self.slots(replica)[slot].numpy(), np.float32, copy=True)
+
+    def write_shard(self, replica: int, slot: str, values: np.ndarray) -> None:
+        """Overwrite one slot of ``replica``'s shard with float32 ``[layout.shard_size]``.
+
+        Call outside a ``tf.function`` (an eager ``assign`` on the replica's device).
+
+        Raises:
+            ValueError: ``values`` of the wrong shape.
+            KeyError: unknown slot name.
+        """
+        from zero_runtime.optim.host_state import _checked_shard
+
+        values = _checked_shard(values, self.layout.shard_size, slot)
+        if slot not in self.slot_names:
+            raise KeyError(f"unknown optimizer slot {slot!r}; slots: {self.slot_names}")
+        self.slots(replica)[slot].assign(values)
 
     def close(self) -> None:
         """Nothing to release (the variables go with the object)."""

@@ -218,5 +218,56 @@ class HostOptimizerState:
             [self._shards[r].slots[slot] for r in range(self.layout.num_shards)]
         )
 
+    def read_shard(self, replica: int, slot: str) -> np.ndarray:
+        """A copy of one slot of ``replica``'s shard, float32 ``[layout.shard_size]``.
+
+        A shard never updated here reads as zeros (the optimizer's initial state) and is
+        not allocated by the read. Used by checkpoints (``zero_runtime.checkpoint``).
+
+        Raises:
+            ValueError: ``replica`` outside ``[0, layout.num_shards)``.
+            KeyError: unknown slot name.
+        """
+        if not 0 <= replica < self.layout.num_shards:
+            raise ValueError(f"replica {replica} out of range [0, {self.layout.num_shards})")
+        if slot not in self.slot_names:
+            raise KeyError(f"unknown optimizer slot {slot!r}; slots: {self.slot_names}")
+        with self._lock:
+            shard = self._shards.get(replica)
+        if shard is None:
+            return np.zeros(self.layout.shard_size, np.float32)
+        return np.array(shard.slots[slot], np.float32, copy=True)
+
+    def write_shard(self, replica: int, slot: str, values: np.ndarray) -> None:
+        """Overwrite one slot of ``replica``'s shard (allocating the shard if needed).
+
+        Args:
+            replica: the global replica id.
+            slot: the slot name (e.g. ``"momentum"``).
+            values: float32 ``[layout.shard_size]`` (padding elements included).
+
+        Raises:
+            ValueError: ``replica`` out of range or ``values`` of the wrong shape.
+            KeyError: unknown slot name.
+            RuntimeError: the shard is inside an update.
+        """
+        values = _checked_shard(values, self.layout.shard_size, slot)
+        if slot not in self.slot_names:
+            raise KeyError(f"unknown optimizer slot {slot!r}; slots: {self.slot_names}")
+        shard = self.shard(replica)
+        if shard.state is not ShardState.READY:
+            raise RuntimeError(f"shard {replica} is {shard.state.value}, expected ready")
+        shard.slots[slot][:] = values
+
     def close(self) -> None:
         """Nothing to release (numpy buffers are freed with the object)."""
+
+
+def _checked_shard(values: np.ndarray, shard_size: int, slot: str) -> np.ndarray:
+    """``values`` as float32 ``[shard_size]``; ValueError naming the slot otherwise."""
+    values = np.asarray(values, np.float32)
+    if values.shape != (shard_size,):
+        raise ValueError(
+            f"slot {slot!r} shard has shape {values.shape}, the store expects ({shard_size},)"
+        )
+    return values

@@ -261,6 +261,55 @@ class NvmeOptimizerState:
             shards.append(np.concatenate(parts))
         return self.layout.unshard(shards)
 
+    def read_shard(self, replica: int, slot: str) -> np.ndarray:
+        """A copy of one slot of ``replica``'s shard, float32 ``[layout.shard_size]``,
+        read from the pool where its pages are (``PagedBufferPool.read``: no page moves).
+
+        Sub-groups never updated read as zeros and are not allocated by the read.
+
+        Raises:
+            ValueError: ``replica`` outside ``[0, layout.num_shards)``.
+            KeyError: unknown slot name.
+            zero_runtime.memory.PagingError: an NVMe read failed.
+        """
+        if slot not in self.slot_names:
+            raise KeyError(f"unknown optimizer slot {slot!r}; slots: {self.slot_names}")
+        allocated = self._record(replica).allocated
+        out = np.zeros(self.layout.shard_size, np.float32)
+        for j in sorted(allocated):
+            s, e = self.subgroup_range(j)
+            out[s:e] = self.pool.read(self.tensor_id(replica, j, slot))
+        return out
+
+    def write_shard(self, replica: int, slot: str, values: np.ndarray) -> None:
+        """Overwrite one slot of ``replica``'s shard, sub-group by sub-group.
+
+        Every sub-group is allocated if needed, written, and moved to NVMe (as at the end
+        of :meth:`update`), so the host holds no more pages afterwards than before.
+
+        Args:
+            replica: the global replica id.
+            slot: the slot name.
+            values: float32 ``[layout.shard_size]``.
+
+        Raises:
+            ValueError: ``replica`` out of range or ``values`` of the wrong shape.
+            KeyError: unknown slot name.
+            zero_runtime.memory.PagingError: an NVMe write failed (``NvmeFullError``).
+        """
+        from zero_runtime.optim.host_state import _checked_shard
+
+        values = _checked_shard(values, self.layout.shard_size, slot)
+        if slot not in self.slot_names:
+            raise KeyError(f"unknown optimizer slot {slot!r}; slots: {self.slot_names}")
+        rec = self._record(replica)
+        for j in range(self.num_subgroups):
+            self._ensure_allocated(rec, replica, j)
+            s, e = self.subgroup_range(j)
+            tid = self.tensor_id(replica, j, slot)
+            self.pool.write(tid, values[s:e])
+            self.pool.evict([tid], "nvme")
+
     def step_boundary(self, step: int):
         """Close the pool's step; returns its ``PageCounters``."""
         return self.pool.step_boundary(step)

@@ -41,6 +41,20 @@ A step on replica ``r`` (the layer is one block of the engine's chain):
    Adam is **lazy Adam** (TF-Addons ``LazyAdam``; DeepSpeed's sparse gradients): ``m``,
    ``v`` and the row change only for touched rows, the bias correction uses the global
    step. AdamW's decoupled decay applies to touched rows only.
+
+Across workers (``MultiWorkerMirroredStrategy``) the same three steps run unchanged: the
+all-gather of ids and the two all-reduces are the strategy's collectives, which span
+every replica of every worker, and replica ``r`` only ever touches its own rows. So a
+worker allocates the row pages of its local replicas only (``local_replicas``); reading
+the table between steps (``get_weights``, saving) gathers the other workers' shards with
+``gather_remote`` (:func:`zero_runtime.comm.gather_local_shards`), as
+:class:`~zero_runtime.sharded_variable.ShardedVariable` does.
+
+Default budgets (:func:`row_paging_budget`): when ``device_budget_bytes`` is not given, the
+stage-3 engine reserves for a row-paged table a *row cache* on the device tier (not the
+table): ``max(ROW_CACHE_MIN_PAGES, ceil(pages_per_shard / ROW_CACHE_DIVISOR))`` row pages
+per local replica, at most the whole shard; the table's row pages count on their own
+tier, and ``MAX_ROW_STATE_SLOTS`` optimizer-state pages per row page on the state tier.
 """
 
 from __future__ import annotations
@@ -66,9 +80,71 @@ from zero_runtime.sharded_variable import (
     _moved_shape,
     _ReplicaShard,
 )
+from zero_runtime.stage3 import construction
 
 #: Tier of the row optimizer-state pages for each ``offload_optimizer`` value.
 STATE_TIER = {"none": "device", "cpu": "host", "nvme": "nvme"}
+
+#: Default device row cache of a table: 1/ROW_CACHE_DIVISOR of a shard's row pages (per
+#: local replica). Skewed (power-law) ids concentrate most lookups on few rows; a cache of
+#: 1/8 of the table keeps those hot without reserving the table (see docs/zero_stages.md).
+ROW_CACHE_DIVISOR = 8
+#: ... and at least this many row pages per local replica (one page being read while the
+#: previous one is still the most recently used).
+ROW_CACHE_MIN_PAGES = 2
+#: Optimizer-state pages reserved per row page: the largest slot count of the partitioned
+#: optimizers (Adam/AdamW: momentum, velocity; SGD: 0 or 1).
+MAX_ROW_STATE_SLOTS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class RowPagingBudget:
+    """Pages a row-paged table needs in one process's pool (the engine's default budgets).
+
+    Attributes:
+        rows_per_page: rows of one row page (``page_size // (4 * C)``, at least 1).
+        pages_per_shard: row pages of one replica's shard, ``ceil(R / rows_per_page)``.
+        shard_pages: row pages of the local replicas' shards (on the ``offload_param``
+            tier): ``local * pages_per_shard``.
+        cache_pages: the default device row cache, ``local * min(pages_per_shard,
+            max(ROW_CACHE_MIN_PAGES, ceil(pages_per_shard / ROW_CACHE_DIVISOR)))``.
+        state_pages: optimizer-state pages at most (every row page touched),
+            ``MAX_ROW_STATE_SLOTS * shard_pages``, on the ``offload_optimizer`` tier.
+    """
+
+    rows_per_page: int
+    pages_per_shard: int
+    shard_pages: int
+    cache_pages: int
+    state_pages: int
+
+
+def row_paging_budget(
+    shape: tuple[int, int], page_size: int, num_shards: int, local: int
+) -> RowPagingBudget:
+    """The pages of a row-paged table of ``shape`` ``(V, C)`` (float32) in one pool.
+
+    Args:
+        shape: the table's logical shape ``(V, C)``.
+        page_size: the pool's page size, bytes.
+        num_shards: N, replicas in sync.
+        local: replicas whose shards this process holds (N in one process).
+
+    Returns:
+        The :class:`RowPagingBudget` (page counts).
+    """
+    vocab, width = int(shape[0]), int(shape[1])
+    rows = -(-vocab // num_shards)  # R
+    per_page = max(1, page_size // (4 * width))
+    per_shard = -(-rows // per_page)
+    cache = min(per_shard, max(ROW_CACHE_MIN_PAGES, -(-per_shard // ROW_CACHE_DIVISOR)))
+    return RowPagingBudget(
+        per_page,
+        per_shard,
+        local * per_shard,
+        local * cache,
+        MAX_ROW_STATE_SLOTS * local * per_shard,
+    )
 
 
 def row_paging_applies(layer: keras.layers.Layer, config: ZeroConfig) -> bool:
@@ -103,6 +179,11 @@ class RowPagedTable(ShardedVariable):
         num_shards: N, replicas (int >= 1).
         tier: 'device', 'host' or 'nvme': where the row pages start.
         name: the variable's name; ``path``: the Keras path of the variable replaced.
+        local_replicas: replica ids whose row pages this process holds (default: all;
+            under ``MultiWorkerMirroredStrategy`` a worker's own, ``rank * local + i``).
+        gather_remote: with ``local_replicas`` a subset, the collective assembling every
+            replica's shard between steps, ``{replica: float32 [R * C]}`` -> float32
+            ``[N, R * C]`` (:func:`zero_runtime.comm.gather_local_shards`).
 
     Attributes:
         row_paged: True (the partitioned optimizer leaves these to
@@ -111,7 +192,8 @@ class RowPagedTable(ShardedVariable):
         pages_per_shard: ``ceil(R / rows_per_page)``.
 
     Raises:
-        ValueError: not float32 2-D, ``num_shards`` < 1, or a row larger than a page.
+        ValueError: not float32 2-D, ``num_shards`` < 1, a row larger than a page, or
+            ``local_replicas`` out of range / a subset without ``gather_remote``.
     """
 
     row_paged = True
@@ -125,6 +207,8 @@ class RowPagedTable(ShardedVariable):
         tier: str,
         name: str,
         path: str | None = None,
+        local_replicas: tuple[int, ...] | None = None,
+        gather_remote=None,
     ) -> None:
         value = np.asarray(value)
         if value.dtype != np.float32 or value.ndim != 2:
@@ -144,14 +228,19 @@ class RowPagedTable(ShardedVariable):
         self.rows = -(-vocab // self.num_shards)  # R
         self.row_elements = width  # C
         self.shard_elements = self.rows * width
-        self.local_replicas = tuple(range(self.num_shards))  # one process holds all
-        self._gather_remote = None
+        local = tuple(range(self.num_shards) if local_replicas is None else local_replicas)
+        if not local or any(not 0 <= r < self.num_shards for r in local):
+            raise ValueError(f"local_replicas {local} not in [0, {self.num_shards})")
+        if len(local) < self.num_shards and gather_remote is None:
+            raise ValueError("local_replicas is a subset: gather_remote is required")
+        self.local_replicas = local  # a worker holds its own replicas' row pages only
+        self._gather_remote = gather_remote
         self.rows_per_page = max(1, pool.page_size // (4 * width))
         self.pages_per_shard = -(-self.rows // self.rows_per_page)
         self._lock = threading.Lock()
         self._uid = f"{(path or name).replace('/', '.')}#{id(self):x}"
         self._replicas = [_ReplicaShard(f"e/{self._uid}/r{r}", "") for r in range(self.num_shards)]
-        for r in range(self.num_shards):
+        for r in self.local_replicas:
             for k in range(self.pages_per_shard):
                 shape = (self.page_rows(k), width)  # (rows, C)
                 pool.allocate(self.page_id(r, k), shape, np.float32, "param", tier)
@@ -202,7 +291,12 @@ class RowPagedTable(ShardedVariable):
 
     def gather_on_demand(self) -> np.ndarray:
         """The whole table, float32 ``(V, C)``, read from every replica's row pages where
-        they are (outside a step: ``numpy()``, ``get_weights()``, saving; no page moves)."""
+        they are (outside a step: ``numpy()``, ``get_weights()``, saving; no page moves).
+        With shards on other workers, ``gather_remote`` all-gathers them (every worker
+        must call this, in the same order)."""
+        if len(self.local_replicas) < self.num_shards:
+            local = {r: self.read_shard(r) for r in self.local_replicas}
+            return self.logical_from_shards(self._gather_remote(local))
         shards = np.stack([self.read_shard(r) for r in range(self.num_shards)])
         return self.logical_from_shards(shards)
 
@@ -223,7 +317,7 @@ class RowPagedTable(ShardedVariable):
 
     def _write_logical(self, value: np.ndarray) -> None:
         shards = self.shards_from_logical(value)
-        for r in range(self.num_shards):
+        for r in self.local_replicas:
             self.write_shard(r, shards[r])
 
     def __repr__(self) -> str:
@@ -259,6 +353,9 @@ class RowPagedEmbedding:
         pool: the engine's pool.
         num_shards: N, replicas.
         config: the active ZeroConfig (``offload_param``, ``offload_optimizer``).
+        local_replicas: replica ids this process holds (default all; see
+            :class:`RowPagedTable`).
+        gather_remote: the cross-worker shard gather (required with a subset).
 
     Attributes:
         layer: the layer; its ``embeddings`` is replaced by :attr:`table` by the engine.
@@ -268,19 +365,28 @@ class RowPagedEmbedding:
     """
 
     def __init__(
-        self, layer: keras.layers.Layer, pool: PagedBufferPool, num_shards: int, config: ZeroConfig
+        self,
+        layer: keras.layers.Layer,
+        pool: PagedBufferPool,
+        num_shards: int,
+        config: ZeroConfig,
+        local_replicas: tuple[int, ...] | None = None,
+        gather_remote=None,
     ) -> None:
         old = layer.embeddings
         self.layer = layer
         self.pool = pool
         self.num_shards = num_shards
         self.table = RowPagedTable(
-            np.asarray(old.numpy(), np.float32),
+            # A deferred table (strategy.zero_init) is initialized here, on the host.
+            np.asarray(construction.consume(old), np.float32),
             pool=pool,
             num_shards=num_shards,
             tier=PARAM_TIER[config.offload_param],
             name=old.name,
             path=old.path,
+            local_replicas=local_replicas,
+            gather_remote=gather_remote,
         )
         state_tier = STATE_TIER[config.offload_optimizer]
         self.state_tier = "host" if state_tier == "nvme" and pool.nvme_file is None else state_tier
@@ -472,10 +578,11 @@ class RowPagedEmbedding:
 
     def state_rows(self, slot: str) -> np.ndarray:
         """The optimizer slot over the whole table, float32 ``(V, C)`` (zeros for row
-        pages never touched); for tests and checkpoints, outside a step."""
+        pages never touched, and for other workers' replicas); for tests and
+        checkpoints, outside a step."""
         t = self.table
         out = np.zeros((t.num_shards * t.rows, t.row_elements), np.float32)
-        for r in range(t.num_shards):
+        for r in t.local_replicas:
             for k in range(t.pages_per_shard):
                 sid = t.state_id(r, k, slot)
                 if sid in self._allocated:
@@ -486,3 +593,108 @@ class RowPagedEmbedding:
     def touched_state_pages(self) -> int:
         """Optimizer-state pages allocated so far (row pages touched at least once x slots)."""
         return len(self._allocated)
+
+    # -- row optimizer states by page (checkpoints: zero_runtime/checkpoint) ----------------
+    def state_pages(self, replica: int) -> list[int]:
+        """Row pages of ``replica``'s shard that have optimizer states (touched at least
+        once), ascending; the other pages' states are zero and not allocated."""
+        t = self.table
+        with self._alloc_lock:
+            allocated = set(self._allocated)
+        prefixes = [(k, t.state_id(replica, k, "")) for k in range(t.pages_per_shard)]
+        return [k for k, pre in prefixes if any(sid.startswith(pre) for sid in allocated)]
+
+    def read_state_page(self, replica: int, page: int, slot: str) -> np.ndarray:
+        """A copy of slot ``slot`` of row page ``page`` of ``replica``, float32
+        ``(page_rows(page), C)``; zeros (nothing allocated) when the page has no states."""
+        t = self.table
+        sid = t.state_id(replica, page, slot)
+        if sid not in self._allocated:
+            return np.zeros((t.page_rows(page), t.row_elements), np.float32)
+        return self.pool.read(sid)
+
+    def write_state_page(self, replica: int, page: int, slot: str, rows: np.ndarray) -> None:
+        """Set slot ``slot`` of row page ``page`` of ``replica`` to ``rows``, float32
+        ``(page_rows(page), C)``, allocating the state page on :attr:`state_tier` first
+        (outside a step).
+
+        Raises:
+            ValueError: ``rows`` of another shape.
+        """
+        self._state_page(replica, page, slot)  # allocates (zeroed) on first use
+        self.pool.write(self.table.state_id(replica, page, slot), rows)
+
+    def clear_states(self, replica: int) -> int:
+        """Free every optimizer-state page of ``replica`` (its rows' states become zero,
+        as before the first step); returns the pages freed. Outside a step."""
+        prefix = self.table.state_id(replica, 0, "").rsplit("/p", 1)[0] + "/p"
+        with self._alloc_lock:
+            doomed = sorted(sid for sid in self._allocated if sid.startswith(prefix))
+            for sid in doomed:
+                self.pool.free(sid)
+                self._allocated.discard(sid)
+        return len(doomed)
+
+    def placement_row(self) -> dict:
+        """The table's row of ``memory_hierarchy/placement`` (docs/events.md).
+
+        The fields of every placement row, plus (bytes are whole pages, as the tiers
+        record counts them; this process's replicas only):
+
+        - ``tier_bytes``: ``{"device", "host", "nvme"}`` bytes of its row pages per tier,
+          by the pool's page table now (a page in flight counts on its source tier);
+        - ``optimizer_tier_bytes``: the same for its row optimizer-state pages;
+        - ``rows_touched``: unique ids of the last step (all replicas, ``|U|``);
+          ``own_rows_touched``: those in this process's shards;
+          ``pages_touched``: this process's row pages acquired by the last lookup;
+        - ``row_pages``: this process's row pages; ``rows_per_page``.
+
+        ``param_tier`` names the tiers holding any of its row pages, joined with '+';
+        ``optimizer_tier`` is :attr:`state_tier` (where its row states are allocated).
+        """
+        t = self.table
+        order = ("device", "host", "nvme")
+        page = self.pool.page_size
+        params = dict.fromkeys(order, 0)
+        states = dict.fromkeys(order, 0)
+        for r in t.local_replicas:
+            for pid in t.page_ids(r):
+                for info in self.pool.describe(pid).pages:
+                    if info.tier:
+                        params[info.tier] += page
+        with self._alloc_lock:  # a copy: another replica's update may allocate meanwhile
+            allocated = sorted(self._allocated)
+        for sid in allocated:
+            try:
+                pages_of = self.pool.describe(sid).pages
+            except KeyError:  # freed since (clear_states)
+                continue
+            for info in pages_of:
+                if info.tier:
+                    states[info.tier] += page
+        stats = [self.last_rows[r] for r in t.local_replicas]
+        rows, pages = stats[0].unique_rows, sum(s.pages for s in stats)
+        text = (
+            f"row-paged 1/{t.num_shards} along dim 0: {t.pages_per_shard} pages of "
+            f"{t.rows_per_page} rows per shard (ZeRO-3 hot/cold rows); last step "
+            f"{rows} rows, {pages} pages touched"
+        )
+        return {
+            "name": t.path,
+            "shape": list(t.shape),
+            "dtype": "float32",
+            "bytes": 4 * math.prod(t.shape),
+            "partitioning": text,
+            "shard_bytes_per_replica": 4 * t.shard_elements,
+            "param_tier": "+".join(k for k in order if params[k]) or t.tier,
+            "grad_tier": "device",
+            "optimizer_tier": self.state_tier,
+            "row_paged": True,
+            "tier_bytes": params,
+            "optimizer_tier_bytes": states,
+            "rows_touched": rows,
+            "own_rows_touched": sum(s.owned_rows for s in stats),
+            "pages_touched": pages,
+            "row_pages": len(t.local_replicas) * t.pages_per_shard,
+            "rows_per_page": t.rows_per_page,
+        }

@@ -43,7 +43,12 @@ from zero_runtime.config import ZeroConfig
 from zero_runtime.memory import PageCounters, PagedBufferPool, PoolOutOfMemoryError, TierUsage
 from zero_runtime.sharded_variable import PARAM_TIER, ShardedVariable, ShardState
 from zero_runtime.stage3 import construction
-from zero_runtime.stage3.embedding import RowPagedEmbedding, row_paging_applies
+from zero_runtime.stage3.embedding import (
+    STATE_TIER,
+    RowPagedEmbedding,
+    row_paging_applies,
+    row_paging_budget,
+)
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +172,8 @@ class Stage3Engine:
         device_peaks: the pool's device-tier peak bytes of every finished step.
         default_device_budget: the device tier's capacity (bytes) when
             ``device_budget_bytes`` is None: every gathered buffer + slack (+ the shards
-            with ``offload_param='none'``).
+            with ``offload_param='none'``); a row-paged table counts its row cache, not
+            the table (``embedding.row_paging_budget``, docs/zero_stages.md).
         last_step: the :class:`PoolStep` of the last closed step (None before).
 
     Raises:
@@ -213,10 +219,15 @@ class Stage3Engine:
         for i, layer in enumerate(layers):
             _check_supported(layer)
             if row_paging_applies(layer, config):
-                if remote:
-                    raise NotImplementedError("row-paged embeddings need a single process")
                 old = layer.embeddings
-                self.row_paged[i] = RowPagedEmbedding(layer, self.pool, self.num_shards, config)
+                self.row_paged[i] = RowPagedEmbedding(
+                    layer,
+                    self.pool,
+                    self.num_shards,
+                    config,
+                    local_replicas=self.local_replicas,
+                    gather_remote=self._gather_remote if remote else None,
+                )
                 _replace_variable(layer, old, self.row_paged[i].table)
                 seen.add(id(old))
                 blocks.append(Block(i, layer, (), 0, 0))
@@ -294,7 +305,20 @@ class Stage3Engine:
             return max(1, -(-4 * elements // page))
 
         per_block_shard_pages, per_block_gathered_pages = [], []
+        window_pages = []  # per block, what an NVMe-tier step holds on the host at once
+        state_tier = STATE_TIER[config.offload_optimizer]
+        state_tier = "host" if state_tier == "nvme" and self.tier != "nvme" else state_tier
+        row_states = dict.fromkeys(("device", "host", "nvme"), 0)  # row optimizer pages
         for layer in layers:
+            if row_paging_applies(layer, config):
+                # A row-paged table is never gathered whole: its row pages on their tier,
+                # a row cache on the device, its row states (embedding.row_paging_budget).
+                b = row_paging_budget(tuple(layer.embeddings.shape), page, n, local)
+                per_block_shard_pages.append(b.shard_pages)
+                per_block_gathered_pages.append(b.cache_pages)
+                window_pages.append(b.cache_pages)
+                row_states[state_tier] += b.state_pages
+                continue
             shard_pages = gathered = 0
             for v in layer.trainable_variables:
                 shape = tuple(v.shape) or (1,)
@@ -304,23 +328,27 @@ class Stage3Engine:
                 gathered += local * pages(n * rows * rest)
             per_block_shard_pages.append(shard_pages)
             per_block_gathered_pages.append(gathered)
+            window_pages.append(shard_pages)
         all_shards = sum(per_block_shard_pages)
         all_gathered = sum(per_block_gathered_pages)
         device = config.device_budget_bytes
         if device is None:
             device_pages = all_gathered + SLACK_PAGES + (all_shards if self.tier == "device" else 0)
-            device = device_pages * page
+            device = (device_pages + row_states["device"]) * page
         host = config.host_budget_bytes
         if host is None:
-            if self.tier == "nvme":  # a window: the two largest blocks' shards + prefetch
-                window = sorted(per_block_shard_pages)[-2:]
-                host = (sum(window) + pages(config.prefetch_bucket_size) * 0 + SLACK_PAGES) * page
-                host = max(host, (sum(window) + SLACK_PAGES) * page)
+            if self.tier == "nvme":
+                # A window: the two largest blocks' shards (the block in use and the one
+                # prefetched next) + slack. prefetch_bucket_size is not added: a deeper
+                # prefetch competes for this window (the pool evicts LRU host pages to
+                # NVMe) instead of growing the default host reservation.
+                window = sorted(window_pages)[-2:]
+                host = (sum(window) + SLACK_PAGES + row_states["host"]) * page
             else:
                 # The shards + room for gathered buffers the pool moves down under device
                 # pressure (a device budget below them, given or lowered live), capped so
                 # the reservation stays within half of the memory available now.
-                base = all_shards + SLACK_PAGES
+                base = all_shards + SLACK_PAGES + row_states["host"]
                 room = psutil.virtual_memory().available // 2 // page - base
                 host = (base + max(0, min(all_gathered, room))) * page
         self.default_device_budget = device
@@ -677,7 +705,8 @@ class Stage3Engine:
         )
 
     def placement_rows(self, optimizer_tier: str) -> list[dict]:
-        """One placement row per sharded variable (``memory_hierarchy/placement``).
+        """One placement row per sharded variable (``memory_hierarchy/placement``), and
+        one per row-paged table (:meth:`RowPagedEmbedding.placement_row`).
 
         ``param_tier`` is where replica 0's shard pages are now, by the pool's page table
         (tiers joined with '+' when its pages are split); gradients are reduced to a shard
@@ -709,6 +738,8 @@ class Stage3Engine:
                     "optimizer_tier": optimizer_tier,
                 }
             )
+        # One row per row-paged table: its row pages' bytes per tier, rows/pages touched.
+        rows.extend(e.placement_row() for e in self.row_paged.values())
         return rows
 
     def close(self) -> None:

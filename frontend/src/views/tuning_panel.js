@@ -2,10 +2,18 @@
 // its value in effect, bounds and unit, an input for a new value when this TensorBoard
 // allows tuning, and the state of the latest request (pending, applied at step N, rejected
 // with its reason). Builds DOM from data; the controller supplies `submit`.
+// A worker's run of a multi-worker job is tuned through its chief's run (the server writes
+// there; GET /tuning's `tuning_note` says so and is shown above the table).
 // The inputs are built once per key list and kept across refreshes, so polling never
 // clobbers what a user is typing.
 
-import { formatConfigValue, groupDigits, parseTunableInput, tuningStateText } from '../data.js';
+import {
+  formatConfigValue,
+  groupDigits,
+  parseTunableInput,
+  tuneWrittenText,
+  tuningStateText,
+} from '../data.js';
 import { formatBytes } from '../format.js';
 import { el } from './run_panel.js';
 
@@ -25,6 +33,8 @@ export class TuningPanel {
     this.keysKey = '';
     this.rows = new Map(); // key -> {row, value, since, input, spec}
     this.note = el('p', 'mh-tuning-note');
+    this.job = el('p', 'mh-tuning-job'); // a worker's run: tuning goes to the chief's run
+    this.job.hidden = true;
     this.state = el('p', 'mh-tuning-state');
     this.table = el('table', 'mh-tuning-table');
     this.form = el('form', 'mh-tuning-form');
@@ -37,7 +47,7 @@ export class TuningPanel {
       event.preventDefault();
       this.onSubmit();
     });
-    this.body.replaceChildren(this.note, this.state, this.form);
+    this.body.replaceChildren(this.note, this.job, this.state, this.form);
     this.answer = null;
     this.written = null; // the version this panel wrote and the job has not decided on
   }
@@ -114,6 +124,9 @@ export class TuningPanel {
     if (answer.run_dir_error) {
       this.note.textContent += ` The run directory cannot be read: ${answer.run_dir_error}`;
     }
+    this.job.textContent = answer.tuning_note ?? '';
+    this.job.hidden = !answer.tuning_note;
+    this.job.dataset.tuningRun = answer.tuning_run ?? '';
     for (const spec of answer.keys) {
       const parts = this.rows.get(spec.key);
       if (!parts) continue;
@@ -164,7 +177,7 @@ export class TuningPanel {
     try {
       const answer = await this.submit(updates);
       for (const parts of this.rows.values()) if (parts.input) parts.input.value = '';
-      this.say(`Request v${answer.version} written; waiting for the job.`);
+      this.say(tuneWrittenText(answer));
       this.written = answer.version;
       if (this.answer) this.update({ ...this.answer, request: answer.request });
     } catch (err) {
