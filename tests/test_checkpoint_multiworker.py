@@ -11,7 +11,8 @@ stage-3 phase: parameters and optimizer states on NVMe, each worker holding only
 replica's shards, save ``S3``, continue (the uninterrupted run), then restore ``S3`` on
 the 2 workers into a fresh model; this process then restores it on 1 replica (resharding
 2 -> 1). The next steps' losses equal the uninterrupted run's (2 workers: bitwise; 1
-replica: within 1e-6 relative).
+replica: within 1e-6 relative). Then a stage-3 model with a row-paged embedding table
+(lazy Adam) trains on both workers and saves; it restores here on 1 replica.
 """
 
 from __future__ import annotations
@@ -48,12 +49,21 @@ def job_run(tmp_path_factory) -> dict:
     args = [sys.executable, JOB, "multiworker", str(out), str(root), "--kill-rank", "0"]
     args += ["--first-step", str(SAVED_AT), "--steps", str(NEXT)]
     args += ["--stage3-root", str(root3), "--nvme", str(nvme)]
+    args += ["--embedding-root", str(base / "ckpt_emb")]
     text = io.StringIO()
     start = time.monotonic()
     status = launch.launch(2, args, out=text)
     seconds = time.monotonic() - start
     print(f"2-worker checkpoint job: {seconds:.1f} s")
-    return dict(status=status, log=text.getvalue(), out=out, root=root, root3=root3, nvme=nvme)
+    return dict(
+        status=status,
+        log=text.getvalue(),
+        out=out,
+        root=root,
+        root3=root3,
+        nvme=nvme,
+        root_emb=base / "ckpt_emb",
+    )
 
 
 def test_stage3_two_workers_save_and_restore_on_two_workers_and_one_replica(job_run):
@@ -96,6 +106,40 @@ def test_stage3_two_workers_save_and_restore_on_two_workers_and_one_replica(job_
     np.testing.assert_allclose(losses, want, rtol=1e-6, atol=0)
     worst = float(np.max(np.abs(np.subtract(losses, want)) / np.abs(want)))
     print(f"stage 3, 2 workers -> 1 replica: max relative loss difference {worst:.3g}")
+    model.close()
+    strategy.close()
+
+
+def test_row_paged_table_saved_by_two_workers_restores_on_one_replica(job_run):
+    """Each worker saves its replica's rows and the row pages it has states for (it
+    reports them to the chief through the coordination service); restored here on 1
+    replica the states equal both workers' row for row and the losses continue."""
+    out = job_run["out"]
+    assert os.path.exists(out / "rank1_embedding.json"), job_run["log"][-3000:]
+    recs = [json.loads((out / f"rank{r}_embedding.json").read_text()) for r in (0, 1)]
+    assert [rec["pages"] for rec in recs] == [{"0": [0, 1]}, {"1": [0]}]
+    index = read_index(str(job_run["root_emb"] / "E"))
+    (table,) = index.partition["row_paged"]
+    assert table["state_pages"] == {"0": [0, 1], "1": [0]}
+    assert table["state_rows"] == [[0, 2048], [4000, 5024]]
+    assert {n: f.rank for n, f in index.files.items()} == {
+        "replica_00000.bin": 0,
+        "replica_00001.bin": 1,
+        "replicated.bin": 0,
+    }
+    want = recs[0]["uninterrupted"]
+    assert want == recs[1]["uninterrupted"]
+    strategy = zero_runtime.ZeroInfinityStrategy(job.embedding_config("cpu"), num_cpu_replicas=1)
+    model = job.build_embedding(strategy, seed=99)
+    info = CheckpointManager(str(job_run["root_emb"]), model, strategy).restore()
+    assert (info.saved_replicas, info.replicas) == (2, 1)
+    (embedding,) = model.engine.row_paged.values()
+    assert embedding.state_pages(0) == [0, 1, 3, 4]  # rows 0-2047 and 4000-5023, re-paged
+    for slot in ("momentum", "velocity"):  # each worker's rows (zeros elsewhere) add up
+        saved = sum(np.load(out / f"rank{r}_embedding_{slot}.npy") for r in (0, 1))
+        np.testing.assert_array_equal(embedding.state_rows(slot), saved)
+    losses = job.train(model, SAVED_AT, NEXT, job.embedding_data)
+    np.testing.assert_allclose(losses, want, rtol=1e-6, atol=0)
     model.close()
     strategy.close()
 

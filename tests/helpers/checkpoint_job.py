@@ -12,10 +12,11 @@ As a process (a fresh TensorFlow that configures its own logical CPUs)::
 restores each ``CKPT`` on each replica count in turn, trains ``--steps`` steps and writes
 ``{"STAGE:OFFLOAD:REPLICAS": {"losses": [...], ...}}``.
 With ``multiworker`` instead of ``restore`` (under ``zero_runtime.launch``), optionally
-first a stage-3 save / continue / restore phase (``--stage3-root``, :func:`_stage3_phase`),
-then (stage ``--stage``) trains ``--first-step`` steps, saves (``step A``), writes the
-weights, trains one more step and saves again (``B``; rank ``--kill-rank`` SIGKILLs
-itself after its first shard file).
+first a stage-3 save / continue / restore phase (``--stage3-root``, :func:`_stage3_phase`)
+and a row-paged embedding save / continue phase (``--embedding-root``), then (stage
+``--stage``) trains ``--first-step`` steps, saves (``step A``), writes the weights,
+trains one more step and saves again (``B``; rank ``--kill-rank`` SIGKILLs itself after
+its first shard file).
 """
 
 # isort: skip_file  (the environment must be set before TensorFlow is imported)
@@ -211,12 +212,46 @@ def _stage3_phase(args) -> None:
         json.dump(record, f)
 
 
+def _embedding_phase(args) -> None:
+    """A row-paged table across the workers (``--embedding-root``): train
+    ``--first-step`` steps, save ``E`` (each worker its own replica's rows and touched
+    state pages), train ``--steps`` more. Writes ``<out>/rank<R>_embedding.json`` (the
+    losses, this worker's pages with states) and ``rank<R>_embedding_<slot>.npy`` (the
+    slot over the table: this worker's rows, zeros elsewhere)."""
+    import numpy as np
+
+    import zero_runtime
+    from zero_runtime.checkpoint import CheckpointManager
+
+    strategy = zero_runtime.ZeroInfinityStrategy(embedding_config("cpu"), num_cpu_replicas=1)
+    rank = strategy.cluster.rank
+    model = build_embedding(strategy)
+    train(model, 0, args.first_step, embedding_data)
+    (embedding,) = model.engine.row_paged.values()
+    CheckpointManager(args.embedding_root, model, strategy).save(tag="E")
+    for slot in ("momentum", "velocity"):
+        np.save(
+            os.path.join(args.out, f"rank{rank}_embedding_{slot}.npy"), embedding.state_rows(slot)
+        )
+    record = {
+        "rank": rank,
+        "pages": {str(r): embedding.state_pages(r) for r in embedding.table.local_replicas},
+        "uninterrupted": train(model, args.first_step, args.steps, embedding_data),
+    }
+    model.close()
+    strategy.close()
+    with open(os.path.join(args.out, f"rank{rank}_embedding.json"), "w") as f:
+        json.dump(record, f)
+
+
 def _multiworker_main(args) -> int:
     import zero_runtime
     from zero_runtime.checkpoint import CheckpointManager
 
     if args.stage3_root:
         _stage3_phase(args)
+    if args.embedding_root:
+        _embedding_phase(args)
     strategy = zero_runtime.ZeroInfinityStrategy(
         config(args.stage, args.offload, args.nvme), num_cpu_replicas=1
     )
@@ -251,6 +286,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--kill-rank", type=int, default=-1, help="this rank dies saving B")
     p.add_argument("--stage3-root", default=None, help="multiworker: first a stage-3 phase")
+    p.add_argument("--embedding-root", default=None, help="multiworker: a row-paged phase")
     args = p.parse_args()
     return _restore_main(args) if args.mode == "restore" else _multiworker_main(args)
 
