@@ -287,6 +287,51 @@ def _format_arg(request: wrappers.Request) -> str | None:
     return raw
 
 
+def _run_path_arg(request: wrappers.Request) -> str:
+    """The ?run of a route that names a run's directory: required, bounded, and a relative
+    path inside the logdir (no absolute path, ``..`` part, backslash or NUL), else
+    InvalidArgumentError (400). The same rule as :func:`tb_plugin.tuning.resolve_run_dir`.
+    """
+    run = _required_arg(request, "run")
+    if (
+        "\0" in run
+        or "\\" in run
+        or os.path.isabs(run)
+        or any(part == ".." for part in run.split("/"))
+    ):
+        raise errors.InvalidArgumentError(f"run {run[:80]!r} is not a path inside the logdir")
+    return run
+
+
+# Fields of a memory_hierarchy/checkpoint record served by /checkpoints (docs/events.md).
+_CHECKPOINT_FIELDS = (
+    "op",
+    "tag",
+    "path",
+    "bytes",
+    "seconds",
+    "replicas",
+    "rank",
+    "saved_replicas",
+)
+
+
+def _rate(amount: Any, seconds: Any) -> float | None:
+    """``amount / seconds`` (per second), or None unless both are finite numbers, s > 0."""
+    numbers = (int, float)
+    if (
+        not isinstance(amount, numbers)
+        or not isinstance(seconds, numbers)
+        or isinstance(amount, bool)
+        or isinstance(seconds, bool)
+        or not math.isfinite(amount)
+        or not math.isfinite(seconds)
+        or seconds <= 0
+    ):
+        return None
+    return float(amount) / float(seconds)
+
+
 @dataclass(frozen=True)
 class SeriesData:
     """Every stored step of one matrix or vector tag, decoded (a cache entry)."""
@@ -378,6 +423,7 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
             "/tuning": self.tuning_route,
             "/tune": self.tune_route,
             "/oom": self.oom_route,
+            "/checkpoints": self.checkpoints_route,
             "/*": self.static_route,
         }
 
@@ -918,6 +964,67 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
         ctx = plugin_util.context(request.environ)
         experiment = plugin_util.experiment_id(request.environ)
         return http_util.Respond(request, self.oom_impl(ctx, experiment, run), "application/json")
+
+    # -- /checkpoints -------------------------------------------------------------------------
+    def checkpoints_impl(self, ctx: Any, experiment: str, run: str) -> dict[str, Any]:
+        """A run's checkpoint saves and restores (the ``memory_hierarchy/checkpoint`` tag).
+
+        Args:
+            ctx: the request context.
+            experiment: the experiment id.
+            run: the run name.
+
+        Returns:
+            ``{"run", "checkpoints": [{"step", "wall_time", "op", "tag", "path", "bytes",
+            "seconds", "bytes_per_second", "replicas", "rank", "saved_replicas"}]}``
+            sorted by step (records of one step in the order written). Fields as the
+            runtime wrote them (docs/events.md; a field it did not write is null):
+            ``bytes`` (save: shard bytes this worker wrote; restore: bytes verified and
+            read), ``seconds`` (wall time of the operation on this worker, s),
+            ``saved_replicas`` (restore only). ``bytes_per_second`` is
+            ``bytes / seconds`` (write bandwidth of a save, read bandwidth of a restore,
+            bytes/s), null when either is missing, not a number or ``seconds <= 0``.
+            A run without checkpoint records answers an empty list.
+
+        Raises:
+            NotFoundError: the run has no memory_hierarchy data.
+            DataContractError: a record that is not a UTF-8 JSON object.
+        """
+        listing = self._listing(ctx, experiment)
+        if run not in listing:
+            raise errors.NotFoundError(f"no memory_hierarchy run {run[:80]!r} in this logdir")
+        if metadata.TAG_CHECKPOINT not in listing[run]:
+            return {"run": run, "checkpoints": []}
+        rows = []
+        for event in self.json_impl(ctx, experiment, run, metadata.TAG_CHECKPOINT)["events"]:
+            value = event["value"]
+            if not isinstance(value, dict):
+                raise DataContractError(
+                    f"run {run!r}, tag {metadata.TAG_CHECKPOINT!r}, step {event['step']}: "
+                    "record is not a JSON object"
+                )
+            row = {key: value.get(key) for key in _CHECKPOINT_FIELDS}
+            row["step"], row["wall_time"] = event["step"], event["wall_time"]
+            row["bytes_per_second"] = _rate(row["bytes"], row["seconds"])
+            rows.append(row)
+        rows.sort(key=lambda r: r["step"])  # stable: one step's save before its restore
+        return {"run": run, "checkpoints": rows}
+
+    @wrappers.Request.application
+    @_json_errors
+    def checkpoints_route(self, request: wrappers.Request) -> wrappers.Response:
+        """GET /checkpoints?run=R: see :meth:`checkpoints_impl`.
+
+        400 for a missing, empty or over-long run, or one that is not a relative path
+        inside the logdir (absolute, ``..``, a backslash or a NUL: :func:`_run_path_arg`);
+        404 for a run without memory_hierarchy data.
+        """
+        run = _run_path_arg(request)
+        ctx = plugin_util.context(request.environ)
+        experiment = plugin_util.experiment_id(request.environ)
+        return http_util.Respond(
+            request, self.checkpoints_impl(ctx, experiment, run), "application/json"
+        )
 
     # -- static assets ------------------------------------------------------------------------
     def static_impl(self, name: str) -> tuple[bytes, str]:

@@ -544,3 +544,65 @@ def test_tuning_panel_is_read_only_and_says_how_to_enable_when_the_flag_is_off(v
     expect(telemetry.locator(".mh-tuning-bounds")).to_have_text("1 … 1,000,000 (steps)")
     expect(telemetry.locator(".mh-tuning-current")).to_have_text("not recorded")
     expect(panel.locator(".mh-tuning-state")).to_have_text("No live-tuning request yet.")
+
+
+# What the Checkpoints table of a panel shows, row by row.
+READ_CHECKPOINTS = """
+(rows) => rows.map((r) => ({
+  step: r.dataset.step,
+  op: r.dataset.op,
+  bytes: r.dataset.bytes ?? null,
+  mbPerSecond: r.dataset.mbPerSecond ?? null,
+  cells: [...r.querySelectorAll('td')].map((td) => td.textContent),
+}))
+"""
+
+
+def test_checkpoints_table_and_step_time_markers_in_every_selected_run(views_page):
+    page, frame, console, _server = views_page
+    expect(frame.locator("section.mh-overlay")).to_be_visible()  # both runs selected
+    rows = frame.locator(f'{ALPHA} .mh-section[data-view="checkpoints"] tr.mh-checkpoint')
+    expect(rows).to_have_count(2)
+    assert rows.evaluate_all(READ_CHECKPOINTS) == [
+        {
+            "step": "15",
+            "op": "save",
+            "bytes": str(48 * 2**20),
+            "mbPerSecond": "201.326592",  # 48 MiB / 0.25 s in 10^6 B/s
+            "cells": ["15", "save", "step00000015", "48 MiB", "250 ms", "201.3"],
+        },
+        {
+            "step": "35",
+            "op": "save",
+            "bytes": str(48 * 2**20),
+            "mbPerSecond": "100.663296",
+            "cells": ["35", "save", "step00000035", "48 MiB", "500 ms", "100.7"],
+        },
+    ]
+    # A marker on both step-time charts (breakdown, overlap ratio) at each checkpoint step.
+    timing = frame.locator(f'{ALPHA} .mh-section[data-view="timing"]')
+    for step in (15, 35):
+        expect(timing.locator(f'.mh-marker-checkpoint[data-step="{step}"]')).to_have_count(2)
+    marker = timing.locator('.mh-marker[data-kind="checkpoint"][data-step="15"]').first
+    assert marker.get_attribute("title") == "step 15: checkpoint save step00000015 (48 MiB)"
+    assert marker.bounding_box()["height"] > 80  # a line across the 180-px chart's plot
+    # The config markers stay on the step-time charts too; the tier charts get no
+    # checkpoint markers.
+    expect(timing.locator('.mh-marker[data-step="10"]:not([data-kind])')).to_have_count(2)
+    expect(
+        frame.locator(f'{ALPHA} .mh-section[data-view="tiers"] .mh-marker-checkpoint')
+    ).to_have_count(0)
+    # The other selected run: its own records; an HTML tag is shown as text.
+    beta_rows = frame.locator(f'{BETA} .mh-section[data-view="checkpoints"] tr.mh-checkpoint')
+    expect(beta_rows).to_have_count(2)
+    cells = beta_rows.evaluate_all(READ_CHECKPOINTS)
+    assert [c["cells"] for c in cells] == [
+        ["25", "save", synthetic.HTML_CHECKPOINT_TAG, "12 MiB", "125 ms", "100.7"],
+        ["45", "restore", "step00000045", "12 MiB", "62.5 ms", "201.3"],
+    ]
+    beta_timing = frame.locator(f'{BETA} .mh-section[data-view="timing"]')
+    for step in (25, 45):
+        expect(beta_timing.locator(f'.mh-marker-checkpoint[data-step="{step}"]')).to_have_count(1)
+    assert frame.locator(f"{BETA} .mh-checkpoints b").count() == 0
+    assert plugin_frame(page).evaluate("window.__xss") is None
+    assert [c for c in console if c.startswith(("error", "pageerror"))] == []

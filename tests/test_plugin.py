@@ -98,6 +98,7 @@ def test_runs_lists_each_run_with_its_tags(client):
             metadata.TAG_RUN_INFO: entry("json", 0),
             metadata.TAG_PLACEMENT: entry("json", 0),
             metadata.TAG_CONFIG_EVENT: entry("json", synthetic.CONFIG_EVENT_STEPS[run][-1]),
+            metadata.TAG_CHECKPOINT: entry("json", max(synthetic.CHECKPOINT_OPS[run])),
         }
         if run == synthetic.RUN_STANDIN:
             want[metadata.TAG_PAGES] = entry("vector", last)

@@ -256,6 +256,55 @@ export function configMarkers(answer) {
     .map(({ step, label }) => ({ step, label }));
 }
 
+// -- checkpoints ------------------------------------------------------------------------
+
+// 1 MB = 10^6 bytes: bandwidths are shown in decimal megabytes per second (MB/s).
+export const BYTES_PER_MB = 1e6;
+
+/**
+ * The rows of the Checkpoints table from a GET /checkpoints answer, in step order:
+ * `mbPerSecond` is the server's `bytes_per_second` (write bandwidth of a save, read
+ * bandwidth of a restore) in MB/s (10^6 bytes/s), null when it was not measurable.
+ * @param {{checkpoints?: object[]}|null} answer
+ * @returns {Array<{step: number, op: string, tag: string, path: string|null,
+ *   bytes: number|null, seconds: number|null, mbPerSecond: number|null}>}
+ */
+export function checkpointRows(answer) {
+  const num = (v) => (typeof v === 'number' && Number.isFinite(v) ? v : null);
+  return (answer?.checkpoints ?? []).map((c) => {
+    const rate = num(c.bytes_per_second);
+    return {
+      step: c.step,
+      op: String(c.op ?? ''),
+      tag: String(c.tag ?? ''),
+      path: c.path === null || c.path === undefined ? null : String(c.path),
+      bytes: num(c.bytes),
+      seconds: num(c.seconds),
+      mbPerSecond: rate === null ? null : rate / BYTES_PER_MB,
+    };
+  });
+}
+
+/**
+ * Chart markers (kind 'checkpoint') at the steps of a run's checkpoint saves and
+ * restores; the records of one step share one marker, labelled
+ * "save step00000015 (48 MiB), restore …".
+ * @param {{checkpoints?: object[]}|null} answer a GET /checkpoints answer
+ * @returns {Array<{step: number, label: string, kind: 'checkpoint'}>}
+ */
+export function checkpointMarkers(answer) {
+  const byStep = new Map();
+  for (const row of checkpointRows(answer)) {
+    const text = `${row.op} ${row.tag} (${formatBytes(row.bytes)})`;
+    byStep.set(row.step, [...(byStep.get(row.step) ?? []), text]);
+  }
+  return [...byStep].map(([step, texts]) => ({
+    step,
+    label: `checkpoint ${texts.join(', ')}`,
+    kind: 'checkpoint',
+  }));
+}
+
 // -- live tuning ------------------------------------------------------------------------
 
 const BYTE_SUFFIXES = { b: 1, kib: 2 ** 10, mib: 2 ** 20, gib: 2 ** 30, tib: 2 ** 40, pib: 2 ** 50 };

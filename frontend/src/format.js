@@ -63,6 +63,16 @@ export function formatCount(count) {
   return Number.isInteger(count) ? String(count) : trim(count);
 }
 
+/**
+ * A bandwidth in MB/s (10^6 bytes per second) with one decimal: 201.326592 -> "201.3".
+ * @param {number|null|undefined} mbPerSecond
+ * @returns {string} "—" when not measured.
+ */
+export function formatMbPerSecond(mbPerSecond) {
+  if (mbPerSecond === null || mbPerSecond === undefined || Number.isNaN(mbPerSecond)) return '—';
+  return mbPerSecond.toFixed(1);
+}
+
 function trim(value) {
   const abs = Math.abs(value);
   const digits = abs >= 100 ? 0 : abs >= 10 ? 1 : 2;

@@ -3,11 +3,12 @@
 // This module is the controller: it asks the model for data and hands it to the views.
 
 import uPlotCss from 'uplot/dist/uPlot.min.css';
-import { configEvents, configMarkers } from './data.js';
+import { checkpointMarkers, configEvents, configMarkers } from './data.js';
 import {
   CHART_POINTS,
   FULL_POINTS,
   Model,
+  TAG_CHECKPOINT,
   TAG_CONFIG_EVENT,
   TAG_ESTIMATE,
   TAG_OOM,
@@ -19,6 +20,7 @@ import {
   TAG_TIMING,
 } from './model.js';
 import viewCss from './style.css';
+import { renderCheckpoints } from './views/checkpoint_table.js';
 import { renderConfigList } from './views/config_list.js';
 import { renderEstimate } from './views/estimate_table.js';
 import { clearWidthCache } from './views/chart.js';
@@ -220,23 +222,34 @@ class App {
     return this.model.oom(entry.run, info.max_step);
   }
 
+  /** A run's checkpoint saves and restores (GET /checkpoints) if it recorded any, else null. */
+  fetchCheckpoints(entry) {
+    const info = entry.tags[TAG_CHECKPOINT];
+    if (!info) return Promise.resolve(null);
+    if (info.error) return Promise.reject(new Error(info.error));
+    return this.model.checkpoints(entry.run, info.max_step);
+  }
+
   /**
-   * Round 2 of a run's refresh: estimate, page moves, step time, placement, the OOM
-   * post-mortem and the live-tuning panel (read at every poll: its request state lives in
-   * files, not in the event stream).
+   * Round 2 of a run's refresh: estimate, page moves, step time (with checkpoint markers),
+   * checkpoints, placement, the OOM post-mortem and the live-tuning panel (read at every
+   * poll: its request state lives in files, not in the event stream).
    */
   async refreshOthers(entry, view, token) {
     const stale = () => token !== view.token || !this.selected.has(entry.run);
     const { parts } = view;
     const failed = (err) => ({ error: err });
-    const [pages, timing, placement, estimateAnswer, oomAnswer, tuningAnswer] = await Promise.all([
+    const answers = await Promise.all([
       this.fetchTag(entry, TAG_PAGES, 'series').catch(failed),
       this.fetchTag(entry, TAG_TIMING, 'series').catch(failed),
       this.fetchTag(entry, TAG_PLACEMENT, 'json').catch(failed),
       this.fetchTag(entry, TAG_ESTIMATE, 'json').catch(() => null),
       this.fetchOom(entry).catch(() => null),
       this.model.tuning(entry.run).catch(failed),
+      this.fetchCheckpoints(entry).catch(failed),
     ]);
+    const [pages, timing, placement, estimateAnswer, oomAnswer, tuningAnswer, checkpoints] =
+      answers;
     if (stale()) return;
     if (tuningAnswer?.error) view.tuning.update(null, tuningAnswer.error.message);
     else view.tuning.update(tuningAnswer);
@@ -251,7 +264,17 @@ class App {
       renderEstimate(parts.estimate, estimate, view.tiers, view.runInfo);
     }
     this.drawSeriesView(view, 'pages', pages, force);
-    this.drawSeriesView(view, 'timing', timing, force);
+    // The step-time charts also mark the run's checkpoint saves and restores.
+    const newCheckpoints = view.shown.checkpoints !== checkpoints;
+    if (force || newCheckpoints) {
+      const error = checkpoints?.error?.message ?? null;
+      renderCheckpoints(parts.checkpointsBody, error ? null : checkpoints, error);
+    }
+    const timingMarkers = [
+      ...(view.markers ?? []),
+      ...(checkpoints?.error ? [] : checkpointMarkers(checkpoints)),
+    ];
+    this.drawSeriesView(view, 'timing', timing, force || newCheckpoints, timingMarkers);
     if (view.shown.placement !== placement) {
       view.placement.update(placement?.error ? null : placement);
       const ok = placement && !placement.error;
@@ -263,22 +286,22 @@ class App {
           : [],
       );
     }
-    Object.assign(view.shown, { pages, timing, placement, estimateAnswer });
+    Object.assign(view.shown, { pages, timing, placement, estimateAnswer, checkpoints });
     view.changed = false;
   }
 
-  drawSeriesView(view, name, answer, force) {
+  drawSeriesView(view, name, answer, force, markers = view.markers ?? []) {
     if (!force && view.shown[name] === answer) return;
     const target = name === 'pages' ? view.pages : view.timing;
     const tag = name === 'pages' ? TAG_PAGES : TAG_TIMING;
     if (answer?.error) {
-      target.update(null, view.markers ?? []);
+      target.update(null, markers);
       target.body.firstChild.textContent = `Could not load: ${answer.error.message}`;
       target.body.firstChild.classList.add('mh-error');
       renderExports(view.parts.exports[name], []);
       return;
     }
-    target.update(answer, view.markers ?? []);
+    target.update(answer, markers);
     renderExports(view.parts.exports[name], answer ? this.seriesLinks(view.run, tag, name) : []);
   }
 

@@ -12,6 +12,7 @@ export const TAG_PLACEMENT = 'memory_hierarchy/placement';
 export const TAG_ESTIMATE = 'memory_hierarchy/estimate';
 export const TAG_CONFIG_EVENT = 'memory_hierarchy/config_event';
 export const TAG_OOM = 'memory_hierarchy/oom';
+export const TAG_CHECKPOINT = 'memory_hierarchy/checkpoint';
 
 // The header POST /tune requires (a cross-site form cannot set it; see docs/http_api.md).
 export const TUNING_HEADER = 'X-Memory-Hierarchy-Tuning';
@@ -115,6 +116,11 @@ export class Model {
   /** The latest out-of-memory post-mortem of a run (see /oom); cached by max_step. */
   oom(run, maxStep) {
     return this.cached('./oom', run, TAG_OOM, maxStep);
+  }
+
+  /** A run's checkpoint saves and restores (see /checkpoints); cached by max_step. */
+  checkpoints(run, maxStep) {
+    return this.cached('./checkpoints', run, TAG_CHECKPOINT, maxStep);
   }
 
   /** A run's tunable keys, values in effect and request state (GET /tuning; not cached). */

@@ -36,6 +36,10 @@ OOM_FILE = "memory_hierarchy_oom.json"
 # A holder name that is also HTML: the OOM view must show it as text.
 HTML_HOLDER = "<img src=x onerror=window.__xss=3>/activations"
 OOM_RECENT_STEPS = 8  # steps in the post-mortem's flight-recorder window
+# Checkpoint saves and restores (memory_hierarchy/checkpoint) of each run: step -> op.
+CHECKPOINT_OPS = {RUN_STANDIN: {15: "save", 35: "save"}, RUN_HTML_NAME: {25: "save", 45: "restore"}}
+# A checkpoint tag that is also HTML (the beta run's save): the view must show it as text.
+HTML_CHECKPOINT_TAG = "<b>ckpt</b>"
 
 
 def wall_time(step: int) -> float:
@@ -303,12 +307,39 @@ def oom_postmortem(run: str) -> dict | None:
     }
 
 
+def checkpoint(run: str, step: int) -> dict | None:
+    """The ``memory_hierarchy/checkpoint`` record of ``run`` at ``step`` (None: none), with
+    the fields ``zero_runtime.checkpoint.CheckpointManager`` writes (docs/events.md):
+    alpha saves 48 MiB in 0.25 s (step 15) and 0.5 s (step 35); beta saves 12 MiB in
+    0.125 s (step 25, tag :data:`HTML_CHECKPOINT_TAG`) and restores 12 MiB in 0.0625 s
+    (step 45, saved on 2 replicas)."""
+    op = CHECKPOINT_OPS.get(run, {}).get(step)
+    if op is None:
+        return None
+    alpha = run == RUN_STANDIN
+    tag = f"step{step:08d}" if alpha else HTML_CHECKPOINT_TAG if op == "save" else "step00000045"
+    record = {
+        "op": op,
+        "tag": tag,
+        "path": f"/ckpt/{run[:4]}/{tag}",
+        "step": step,
+        "bytes": 48 * MIB if alpha else 12 * MIB,
+        "seconds": (0.25 if step == 15 else 0.5) if alpha else 0.125 if op == "save" else 0.0625,
+        "replicas": 2,
+        "rank": 0,
+    }
+    if op == "restore":
+        record["saved_replicas"] = 2
+    return record
+
+
 def write_run(logdir: str, run: str, steps: range) -> None:
     """Append ``steps`` of ``run`` to ``logdir/run``.
 
     run_info, placement and estimate at step 0; tiers, readings, pages (stand-in run
     only) and timing at every step; config events at :data:`CONFIG_EVENT_STEPS`; the
-    stand-in run's out-of-memory post-mortem at :data:`OOM_STEP` (tag and file).
+    stand-in run's out-of-memory post-mortem at :data:`OOM_STEP` (tag and file);
+    checkpoint records at :data:`CHECKPOINT_OPS` (:func:`checkpoint`).
     """
     writer = SummaryWriter(os.path.join(logdir, run))
     try:
@@ -330,6 +361,9 @@ def write_run(logdir: str, run: str, steps: range) -> None:
                 writer.json(
                     metadata.TAG_CONFIG_EVENT, step, config_event(run, step), wall_time=wall
                 )
+            ckpt = checkpoint(run, step)
+            if ckpt is not None:
+                writer.json(metadata.TAG_CHECKPOINT, step, ckpt, wall_time=wall)
             postmortem = oom_postmortem(run) if step == OOM_STEP else None
             if postmortem is not None:
                 writer.json(metadata.TAG_OOM, step, postmortem, wall_time=wall)

@@ -39,9 +39,10 @@ export function clearWidthCache() {
 }
 
 /**
- * uPlot plugin: vertical markers at steps (config changes), as DOM elements over the plot
- * (`.mh-marker[data-step]`, title = the change), redrawn with the chart.
- * @param {() => Array<{step: number, label: string}>} getMarkers
+ * uPlot plugin: vertical markers at steps (config changes, checkpoints), as DOM elements
+ * over the plot (`.mh-marker[data-step]`, title = the change; a marker with a `kind` also
+ * gets `data-kind` and the class `mh-marker-<kind>`), redrawn with the chart.
+ * @param {() => Array<{step: number, label: string, kind?: string}>} getMarkers
  */
 function markersPlugin(getMarkers) {
   let layer = null;
@@ -61,6 +62,10 @@ function markersPlugin(getMarkers) {
           const line = document.createElement('div');
           line.className = 'mh-marker';
           line.dataset.step = String(marker.step);
+          if (marker.kind) {
+            line.dataset.kind = marker.kind;
+            line.classList.add(`mh-marker-${marker.kind}`);
+          }
           line.title = `step ${marker.step}: ${marker.label}`;
           line.style.left = `${left}px`;
           const tag = document.createElement('span');
@@ -82,7 +87,7 @@ function markersPlugin(getMarkers) {
  *   series: [{label, values, stroke, fill?, dash?, width?, scale? ('y'), show?,
  *             legend?: (idx) => string}],
  *   scales: {y: {unit: 'bytes'|'seconds'|'count'|'ratio', max?: number, side?: 1}},
- *   markers: [{step, label}],
+ *   markers: [{step, label, kind?}],
  * }
  */
 export class Chart {

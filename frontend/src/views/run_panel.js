@@ -63,6 +63,10 @@ export function createRunPanel(run) {
   const timingBody = el('div', 'mh-view-body');
   timing.element.append(timingBody);
 
+  const checkpoints = section('checkpoints', 'Checkpoints');
+  const checkpointsBody = el('div', 'mh-view-body');
+  checkpoints.element.append(checkpointsBody);
+
   const config = section('config', 'Config changes');
   const configList = el('ul', 'mh-config-list');
   config.element.append(configList);
@@ -88,6 +92,7 @@ export function createRunPanel(run) {
     tiers.element,
     pages.element,
     timing.element,
+    checkpoints.element,
     config.element,
     tuning.element,
     placement.element,
@@ -107,6 +112,7 @@ export function createRunPanel(run) {
     },
     pagesBody,
     timingBody,
+    checkpointsBody,
     configList,
     oomSection: oom.element,
     oomBody,
