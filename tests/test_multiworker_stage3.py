@@ -9,7 +9,8 @@ shards and optimizer states both on the device, both on the host, both on NVMe (
 worker its own slab file); stage 1 with device-tier optimizer states; stage 2 with
 gradient accumulation and device-tier states. (Measured identical too, not run here:
 stage 3 param none / nvme with host states, param cpu with device states, stage 2 with
-device states, stage 1 accumulation with host states; ``mw_stage3_job.CONFIGS``.) All
+device states, stage 1 accumulation with host states, stage 3 accumulation ``s3_accum``
+(losses and weights bitwise equal); ``mw_stage3_job.CONFIGS``.) All
 configs run one after the other in one pair of worker processes (TensorFlow's ~5 s
 start-up is paid once), while the references run here.
 

@@ -217,3 +217,62 @@ def test_uncaught_tensorflow_oom_writes_postmortem_through_excepthook(tmp_path):
     failed = report["failed_request"]
     assert failed["error_type"] == "ResourceExhaustedError" and failed["tier"] == "device"
     assert failed["bytes"] == 4 << 40  # parsed from "shape[1099511627776] and type float"
+
+
+STAGE3_GATHER_OOM = """
+import json, sys
+import keras, numpy as np, tensorflow as tf
+import zero_runtime
+strategy = zero_runtime.ZeroInfinityStrategy(
+    {"stage": 3, "offload_param": "cpu", "offload_optimizer": "cpu", "page_size_bytes": 65536,
+     "persistence_threshold": 0, "device_budget_bytes": 65536,
+     "collective_timeout_seconds": 30},
+    logdir=sys.argv[1],
+)
+with strategy.scope():
+    # Block 0's kernel gathered: 128 x 256 float32 = 128 KiB = 2 pages per replica, over the
+    # device tier's 1 page (its shards, 1 page per replica, are on the host).
+    model = keras.Sequential([keras.Input((128,)), keras.layers.Dense(256), keras.layers.Dense(4)])
+    sharded = strategy.shard_model(model)
+    sharded.compile(optimizer="adam", loss="mse")
+x = np.ones((8, 128), np.float32)
+try:
+    sharded.fit(x, np.ones((8, 4), np.float32), batch_size=8, epochs=1, verbose=0)
+except tf.errors.ResourceExhaustedError as exc:
+    print(json.dumps({"type": type(exc).__name__, "message": str(exc)}))
+    sys.exit(3)
+"""
+
+
+def test_pool_oom_inside_a_stage3_gather_writes_postmortem(tmp_path):
+    """A stage-3 block whose gathered parameters exceed the device budget: the pool's OOM
+    inside the gather (a host callback of Keras's train step) writes the post-mortem, JSON
+    and summary, before the ResourceExhaustedError reaches fit's caller."""
+    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="false", TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run(
+        [sys.executable, "-c", STAGE3_GATHER_OOM, str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    caught = json.loads(proc.stdout.strip().splitlines()[-1])
+    path = tmp_path / oom.OOM_FILENAME
+    assert f"post-mortem: {path}" in caught["message"]  # the message says where it is
+    report = json.loads(path.read_text())
+    failed = report["failed_request"]
+    assert failed["tier"] == "device" and failed["error_type"] == "PoolOutOfMemoryError"
+    assert failed["bytes"] > 0 and failed["tensor"]  # the gathered buffer it could not place
+    device = report["tiers"]["device"]
+    assert device["capacity_bytes"] == 65536
+    assert device["used_bytes"] + failed["bytes"] > device["capacity_bytes"]
+    assert report["advice"]  # which setting would have made it fit
+    # The same report as a summary in the run's event file.
+    acc = EventAccumulator(str(tmp_path), size_guidance={"tensors": 0})
+    acc.Reload()
+    events = acc.Tensors("memory_hierarchy/oom")
+    assert len(events) == 1
+    summary = json.loads(tensor_util.make_ndarray(events[0].tensor_proto).item())
+    assert summary["failed_request"] == failed

@@ -41,6 +41,13 @@ CONFIGS: dict[str, dict] = {
     "s3_param_nvme": {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme"},
     "s3_opt_none": {"stage": 3, "offload_param": "cpu", "offload_optimizer": "none"},
     "s3_all_device": {"stage": 3, "offload_param": "none", "offload_optimizer": "none"},
+    # accumulation on gradient shards (zero_runtime/stage3/accumulation.py), host states
+    "s3_accum": {
+        "stage": 3,
+        "offload_param": "cpu",
+        "offload_optimizer": "cpu",
+        "gradient_accumulation_steps": 2,
+    },
     # a row-paged table (threshold below its 320_000 elements), SGD, no budgets given
     "s3_embedding": {
         "stage": 3,

@@ -182,13 +182,14 @@ class _PartitionedUpdate:
         """Stage 3: the variables are ShardedVariables; the optimizer shard of a replica is
         its shards of every variable (:func:`~zero_runtime.optim.layout.layout_from_sharded`).
 
+        Gradient accumulation and clipping at stage 3 are done by the train step
+        (:mod:`zero_runtime.stage3.accumulation`, :mod:`zero_runtime.stage3.clipping`).
+
         Raises:
-            NotImplementedError: gradient accumulation or EMA (not implemented at stage 3).
+            NotImplementedError: EMA (not implemented at stage 3).
         """
-        if config.gradient_accumulation_steps > 1 or self.use_ema:
-            raise NotImplementedError(
-                "stage 3 does not implement gradient_accumulation_steps > 1 or use_ema yet"
-            )
+        if self.use_ema:
+            raise NotImplementedError("stage 3 does not implement use_ema yet")
         _BaseOptimizer.build(self, variables)
         with tf.init_scope():
             devices = tuple(strategy.extended.worker_devices)
@@ -210,7 +211,7 @@ class _PartitionedUpdate:
             return id(variable)  # Keras's TF key reads .value, which would gather
         return super()._var_key(variable)
 
-    def apply_shard_gradients(self, grads: dict[int, tf.Tensor]) -> tf.Tensor:
+    def apply_shard_gradients(self, grads: dict[int, tf.Tensor], count: bool = True) -> tf.Tensor:
         """Stage 3: update this replica's parameter shards with its reduced gradient shards.
 
         Runs in replica context (inside the stage-3 train step). The parameters stay
@@ -220,23 +221,19 @@ class _PartitionedUpdate:
         decoupled weight decay behave as Keras's (same operation order); the iteration
         counter is Keras's.
 
+        Clipping is not done here: the stage-3 train step clips the reduced shards
+        first (:func:`zero_runtime.stage3.clipping.clip_shards`).
+
         Args:
             grads: ``{id(variable): float32 [shard_elements]}``, the replica's reduced
                 (summed over replicas) gradient shard of every trainable variable.
+            count: increment ``iterations`` here (default True). False inside
+                ``tf.cond`` (gradient accumulation), where the caller increments it after
+                the cond (a mirrored variable's update is a ``merge_call``).
 
         Returns:
-            An int64 scalar that exists once the shards are written back.
-
-        Raises:
-            NotImplementedError: clipping (``clipnorm``, ``global_clipnorm``,
-                ``clipvalue``): Keras clips each replica's full gradient, which no
-                stage-3 replica holds.
+            An int64 scalar, the optimizer step, that exists once the shards are written.
         """
-        if self.clipnorm or self.global_clipnorm or self.clipvalue:
-            raise NotImplementedError(
-                "gradient clipping is not implemented at stage 3 (no replica holds a full "
-                "gradient); remove clipnorm/global_clipnorm/clipvalue"
-            )
         zs = self._zero
         replica = _replica_id()
         order = self._zero3_variables
@@ -271,6 +268,8 @@ class _PartitionedUpdate:
                 stateful=True,
                 name="zero3_host_update",
             )
+        if not count:
+            return done
         with tf.control_dependencies([done]):
             self._iterations.assign_add(1)
             return tf.identity(done)

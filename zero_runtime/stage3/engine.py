@@ -276,6 +276,8 @@ class Stage3Engine:
         self.recorded_order: list[tuple[str, int]] = []
         self._order_frozen = False
         self._lock = threading.Lock()
+        self._oom_lock = threading.Lock()  # one post-mortem for the replicas' gather OOMs
+        self._oom_written: tuple[str | None, dict] | None = None  # (path, report)
         self._live = [0] * self.num_shards  # gathered non-persistent elements per replica
         self.peak_live = [0] * self.num_shards
         self.device_peaks: list[int] = []
@@ -510,7 +512,9 @@ class Stage3Engine:
         if need:
             n_elems = sum(block.variables[i].shard_elements for i in need)
             shard = _host_call(
-                functools.partial(self._fetch, block.index, use, replica, tuple(need)),
+                self._oom_guard(
+                    functools.partial(self._fetch, block.index, use, replica, tuple(need))
+                ),
                 [dep],
                 tf.float32,
                 name="zero3_fetch_shards",
@@ -519,7 +523,7 @@ class Stage3Engine:
             full = comm.all_gather_flat(shard, self.group)  # (N * n_elems,)
             full.set_shape([self.num_shards * n_elems])
             inputs = [full]
-            fn = functools.partial(self._finish, block.index, replica, tuple(need))
+            fn = self._oom_guard(functools.partial(self._finish, block.index, replica, tuple(need)))
         else:
             inputs = [dep]
             fn = functools.partial(self._read, block.index, replica)
@@ -549,6 +553,38 @@ class Stage3Engine:
         return list(tf.split(shard, [v.shard_elements for v in block.variables]))
 
     # -- host callbacks --------------------------------------------------------------------
+    def _oom_guard(self, fn):
+        """``fn`` (a gather's host callback), writing the OOM post-mortem first when the
+        pool cannot place a page.
+
+        A ``PoolOutOfMemoryError`` inside a ``tf.numpy_function`` reaches Keras as a
+        TensorFlow ``ResourceExhaustedError``; before that, the strategy's runtime writes
+        the post-mortem (summary + JSON, docs/oom.md) and the error raised is an
+        :class:`zero_runtime.oom.TierOutOfMemoryError` whose message names the file (the
+        pool's error is its ``__cause__``). Without a runtime the pool's error propagates.
+        """
+        runtime = getattr(self.strategy, "runtime", None)
+        if runtime is None or not hasattr(runtime, "write_postmortem"):
+            return fn
+
+        @functools.wraps(fn)
+        def guarded(*args):
+            try:
+                return fn(*args)
+            except PoolOutOfMemoryError as exc:
+                from zero_runtime import oom
+
+                with self._oom_lock:  # the first replica's error writes it
+                    if self._oom_written is None:
+                        path = runtime.write_postmortem(exc)
+                        report = getattr(runtime, "_postmortem", None) or {}
+                        self._oom_written = (path, report)
+                err = oom.TierOutOfMemoryError(str(exc), exc.snapshot.request_tier)
+                err.attach(*self._oom_written)
+                raise err from exc
+
+        return guarded
+
     def _record(self, use: int | None, replica: int) -> None:
         """Record replica 0's uses during the first step (the observed access order)."""
         if use is None or replica != 0:
@@ -641,6 +677,15 @@ class Stage3Engine:
         for v in self.variables:
             if v.state(replica) is ShardState.GATHERED:
                 v.release(replica)
+
+    def end_micro_step(self, replica: int) -> None:
+        """Called per replica after a micro-step that only accumulated gradients
+        (``gradient_accumulation_steps`` > 1): releases the replica's persistent gathered
+        copies (the update releases them otherwise) and stops recording the access order
+        (one forward/backward is recorded; the pool's step closes at the update)."""
+        self.release_persistent(replica)
+        with self._lock:
+            self._order_frozen = True
 
     def end_step(self, replica: int, step: int) -> None:
         """Called once per replica after its update; the last one closes the pool's step

@@ -23,6 +23,8 @@ from keras.src import tree
 from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from zero_runtime.stage3.accumulation import ShardAccumulator
+from zero_runtime.stage3.clipping import clip_shards, clipping_active
 from zero_runtime.stage3.engine import Stage3Engine
 
 
@@ -43,9 +45,12 @@ class ShardedModel(keras.Model):
         ValueError: not a stage-3 ZeroInfinityStrategy; see also :class:`Stage3Engine`.
 
     Compile with a partitioned optimizer (``"adam"``, ``"adamw"``, ``"sgd"`` inside the
-    scope) and any Keras loss; metrics work as in Keras. Not implemented at stage 3:
-    gradient clipping, accumulation, EMA, layers that update state in ``call``
-    (BatchNormalization) and dropout.
+    scope) and any Keras loss; metrics work as in Keras. Gradient accumulation
+    (``gradient_accumulation_steps``, :mod:`zero_runtime.stage3.accumulation`) and
+    clipping (``clipnorm`` / ``global_clipnorm`` / ``clipvalue`` of the reduced gradient,
+    :mod:`zero_runtime.stage3.clipping`) are done on gradient shards. Not implemented at
+    stage 3: EMA, accumulation or clipping with row-paged embedding tables, layers that
+    update state in ``call`` (BatchNormalization) and dropout.
     """
 
     def __init__(self, model: keras.Model, strategy=None, **kwargs) -> None:
@@ -56,6 +61,7 @@ class ShardedModel(keras.Model):
         super().__init__(name=kwargs.pop("name", f"{model.name}_zero3"), **kwargs)
         self.engine = Stage3Engine(model, strategy)
         self.inner = model
+        self.accumulator: ShardAccumulator | None = None  # built at the first step (N > 1)
 
     def call(self, inputs, training: bool | None = None):
         """Forward pass. In replica context with several replicas, block by block with
@@ -95,7 +101,7 @@ class ShardedModel(keras.Model):
         if sparse:
             with tf.control_dependencies(sparse):
                 grads = {k: tf.identity(g) for k, g in grads.items()}
-        done = opt.apply_shard_gradients(grads)
+        done = self._apply_gradients(opt, grads, replica)
         with tf.control_dependencies([done]):
             end = tf.numpy_function(
                 functools.partial(_end_step, self.engine, replica),
@@ -107,6 +113,62 @@ class ShardedModel(keras.Model):
             y_pred = tf.identity(y_pred)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
+    def _apply_gradients(self, opt, grads: dict, replica: int) -> tf.Tensor:
+        """Accumulate (N > 1), clip and apply the replica's reduced gradient shards.
+
+        Returns the int64 optimizer step once the shards are written, or -1 on a
+        micro-step that only accumulated (``iterations`` counts micro-steps, the optimizer
+        ``iterations // N``).
+
+        Raises:
+            NotImplementedError: accumulation or clipping with a row-paged embedding
+                table (its touched rows are updated every micro-step, unclipped).
+        """
+        engine = self.engine
+        n = engine.config.gradient_accumulation_steps
+        clip = clipping_active(opt)
+        if n == 1 and not clip:
+            return opt.apply_shard_gradients(grads)
+        if engine.row_paged:
+            raise NotImplementedError(
+                "stage 3: gradient accumulation and clipping are not implemented with "
+                "row-paged embedding tables; raise embedding_row_paging_threshold"
+            )
+        variables = engine.variables
+        sizes = [v.shard_elements for v in variables]
+        flat = tf.concat([grads[id(v)] for v in variables], axis=0)  # (shard_size,)
+        is_update = tf.equal((opt.iterations + 1) % n, 0)
+        if n > 1:
+            if self.accumulator is None:
+                self.accumulator = ShardAccumulator(
+                    sum(sizes), n, engine.devices, engine.config.offload_optimizer
+                )
+            flat = self.accumulator.step(replica, flat, is_update)  # (acc + g) / N or 0
+        pieces = clip_shards(tf.split(flat, sizes) if sizes else [], opt, engine.group)
+        shards = {id(v): p for v, p in zip(variables, pieces)}
+        if n == 1:
+            return opt.apply_shard_gradients(shards)
+
+        def accumulate_only():
+            # After the micro-step's gradients exist (a data input): release the
+            # persistent copies (the update would have), return -1.
+            out = tf.numpy_function(
+                functools.partial(_micro_step_end, engine, replica),
+                [flat],
+                tf.int64,
+                stateful=True,
+                name="zero3_micro_step_end",
+            )
+            out.set_shape([])
+            return out
+
+        done = tf.cond(
+            is_update, lambda: opt.apply_shard_gradients(shards, count=False), accumulate_only
+        )
+        with tf.control_dependencies([done]):
+            opt.iterations.assign_add(1)  # outside the cond: a mirrored update (merge_call)
+            return tf.identity(done)
+
     def get_config(self) -> dict:
         """Not serialisable as a wrapper: save ``sharded.inner`` (its weights gather)."""
         raise NotImplementedError("save the wrapped model (ShardedModel.inner) instead")
@@ -116,6 +178,13 @@ class ShardedModel(keras.Model):
         self.engine.close()
 
 
+def _micro_step_end(engine: Stage3Engine, replica: int, _grad: np.ndarray) -> np.int64:
+    engine.end_micro_step(replica)
+    return np.int64(-1)
+
+
 def _end_step(engine: Stage3Engine, replica: int, step: np.ndarray) -> np.int64:
+    if int(step) < 0:  # a micro-step that only accumulated (_micro_step_end ran)
+        return np.int64(step)
     engine.end_step(replica, int(step))
     return np.int64(step)
