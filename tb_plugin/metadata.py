@@ -115,7 +115,13 @@ TAG_CONFIG_EVENT = "memory_hierarchy/config_event"  # json, per live-tuning even
 TAG_OOM = "memory_hierarchy/oom"  # json, the post-mortem of an out-of-memory failure
 TAG_COLLECTIVES = "memory_hierarchy/collectives"  # vector COLLECTIVE_COLUMNS, every record
 TAG_STEP_INFO = "memory_hierarchy/step_info"  # vector STEP_INFO_COLUMNS, every record
-TAG_CHECKPOINT = "memory_hierarchy/checkpoint"  # json, per checkpoint save or restore
+TAG_CHECKPOINT = "memory_hierarchy/checkpoint"  # json, per checkpoint save
+# json, per checkpoint restore. Its own tag: a resumed job restores at exactly the step the
+# previous process saved, and TensorBoard's load_fast data server keeps one value per
+# (run, tag, step), so one tag for both would keep only one of them.
+TAG_CHECKPOINT_RESTORE = "memory_hierarchy/checkpoint_restore"
+# The checkpoint tag a record with ``op`` (``"save"`` / ``"restore"``) is written under.
+CHECKPOINT_OP_TAGS = {"save": TAG_CHECKPOINT, "restore": TAG_CHECKPOINT_RESTORE}
 
 KIND_MATRIX = "matrix"
 KIND_VECTOR = "vector"
@@ -146,6 +152,7 @@ LAYOUTS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...]]
     TAG_CONFIG_EVENT: (KIND_JSON, (), (), ()),
     TAG_OOM: (KIND_JSON, (), (), ()),
     TAG_CHECKPOINT: (KIND_JSON, (), (), ()),
+    TAG_CHECKPOINT_RESTORE: (KIND_JSON, (), (), ()),
     TAG_COLLECTIVES: (
         KIND_VECTOR,
         (),

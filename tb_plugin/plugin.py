@@ -314,6 +314,13 @@ _CHECKPOINT_FIELDS = (
     "rank",
     "saved_replicas",
 )
+# Order of a save and a restore at one step in /checkpoints (a record of another op: last).
+_CHECKPOINT_OP_ORDER = {"save": 0, "restore": 1}
+
+
+def _checkpoint_op_order(op: Any) -> int:
+    """Sort rank of a checkpoint record's ``op``: save 0, restore 1, anything else 2."""
+    return _CHECKPOINT_OP_ORDER.get(op, 2) if isinstance(op, str) else 2
 
 
 def _rate(amount: Any, seconds: Any) -> float | None:
@@ -967,7 +974,10 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
 
     # -- /checkpoints -------------------------------------------------------------------------
     def checkpoints_impl(self, ctx: Any, experiment: str, run: str) -> dict[str, Any]:
-        """A run's checkpoint saves and restores (the ``memory_hierarchy/checkpoint`` tag).
+        """A run's checkpoint saves and restores: the ``memory_hierarchy/checkpoint`` and
+        ``memory_hierarchy/checkpoint_restore`` tags merged (two tags so that TensorBoard's
+        ``--load_fast``, one value per run, tag and step, keeps a save and a restore at one
+        step; a run written before the restore tag existed has restores under the first).
 
         Args:
             ctx: the request context.
@@ -977,7 +987,8 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
         Returns:
             ``{"run", "checkpoints": [{"step", "wall_time", "op", "tag", "path", "bytes",
             "seconds", "bytes_per_second", "replicas", "rank", "saved_replicas"}]}``
-            sorted by step (records of one step in the order written). Fields as the
+            sorted by ``(step, op)`` with a save before a restore (records of one step and
+            op in the order read, an op other than these after both). Fields as the
             runtime wrote them (docs/events.md; a field it did not write is null):
             ``bytes`` (save: shard bytes this worker wrote; restore: bytes verified and
             read), ``seconds`` (wall time of the operation on this worker, s),
@@ -993,21 +1004,23 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
         listing = self._listing(ctx, experiment)
         if run not in listing:
             raise errors.NotFoundError(f"no memory_hierarchy run {run[:80]!r} in this logdir")
-        if metadata.TAG_CHECKPOINT not in listing[run]:
-            return {"run": run, "checkpoints": []}
         rows = []
-        for event in self.json_impl(ctx, experiment, run, metadata.TAG_CHECKPOINT)["events"]:
-            value = event["value"]
-            if not isinstance(value, dict):
-                raise DataContractError(
-                    f"run {run!r}, tag {metadata.TAG_CHECKPOINT!r}, step {event['step']}: "
-                    "record is not a JSON object"
-                )
-            row = {key: value.get(key) for key in _CHECKPOINT_FIELDS}
-            row["step"], row["wall_time"] = event["step"], event["wall_time"]
-            row["bytes_per_second"] = _rate(row["bytes"], row["seconds"])
-            rows.append(row)
-        rows.sort(key=lambda r: r["step"])  # stable: one step's save before its restore
+        for tag in (metadata.TAG_CHECKPOINT, metadata.TAG_CHECKPOINT_RESTORE):
+            if tag not in listing[run]:
+                continue
+            for event in self.json_impl(ctx, experiment, run, tag)["events"]:
+                value = event["value"]
+                if not isinstance(value, dict):
+                    raise DataContractError(
+                        f"run {run!r}, tag {tag!r}, step {event['step']}: "
+                        "record is not a JSON object"
+                    )
+                row = {key: value.get(key) for key in _CHECKPOINT_FIELDS}
+                row["step"], row["wall_time"] = event["step"], event["wall_time"]
+                row["bytes_per_second"] = _rate(row["bytes"], row["seconds"])
+                rows.append(row)
+        # Stable: records of one step and op keep the order read.
+        rows.sort(key=lambda r: (r["step"], _checkpoint_op_order(r["op"])))
         return {"run": run, "checkpoints": rows}
 
     @wrappers.Request.application

@@ -98,8 +98,11 @@ def test_runs_lists_each_run_with_its_tags(client):
             metadata.TAG_RUN_INFO: entry("json", 0),
             metadata.TAG_PLACEMENT: entry("json", 0),
             metadata.TAG_CONFIG_EVENT: entry("json", synthetic.CONFIG_EVENT_STEPS[run][-1]),
-            metadata.TAG_CHECKPOINT: entry("json", max(synthetic.CHECKPOINT_OPS[run])),
         }
+        for op, tag in metadata.CHECKPOINT_OP_TAGS.items():  # saves and restores: a tag each
+            steps = [s for s, o in synthetic.CHECKPOINT_OPS[run].items() if o == op]
+            if steps:
+                want[tag] = entry("json", max(steps))
         if run == synthetic.RUN_STANDIN:
             want[metadata.TAG_PAGES] = entry("vector", last)
             want[metadata.TAG_ESTIMATE] = entry("json", 0)

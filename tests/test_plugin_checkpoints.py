@@ -1,15 +1,19 @@
 """GET /checkpoints of tb_plugin.plugin: a run's checkpoint saves and restores.
 
 Through TensorBoard's real WSGI app (``plugin_client``) over (a) the session's synthetic
-logdir, whose ``memory_hierarchy/checkpoint`` records are written by the real summary
-writer (``helpers.synthetic.checkpoint``), and (b) the event file of a tiny real job
-(2 replicas, stage 1) that saved and restored through the real
-``ZeroInfinityStrategy.save_checkpoint`` / ``load_checkpoint`` (CheckpointManager).
+logdir, whose saves (``memory_hierarchy/checkpoint``) and restores
+(``memory_hierarchy/checkpoint_restore``) are written by the real summary writer
+(``helpers.synthetic.checkpoint``), and (b) the event files of a tiny real job (2 replicas,
+stage 1) that saved through the real ``ZeroInfinityStrategy.save_checkpoint``
+(CheckpointManager) and, resumed in the same run directory, restored at that step through
+``load_checkpoint``; (b) also through a real ``tensorboard --load_fast=true`` process.
 """
 
 from __future__ import annotations
 
 import json
+import time
+import urllib.request
 from urllib.parse import urlencode
 
 import pytest
@@ -99,10 +103,19 @@ def test_checkpoints_of_a_run_without_records_is_empty(plugin_client, tmp_path):
     assert (status, body) == (200, {"run": "plain", "checkpoints": []})
 
 
+def _close(strategy, model) -> None:
+    """Close a tiny job's model (a stage-3 ShardedModel has ``close``) and its strategy."""
+    if hasattr(model, "close"):
+        model.close()
+    strategy.close()
+
+
 @pytest.fixture(scope="module")
 def real_job(tmp_path_factory):
-    """A tiny stage-1 job on 2 replicas that trained 2 steps, saved (strategy.save_checkpoint)
-    and restored into a fresh model (load_checkpoint), logging to ``<logdir>/job``.
+    """A tiny stage-1 job on 2 replicas that trained 2 steps and saved
+    (strategy.save_checkpoint), then the job resumed like ``demo/train.py --resume``: a new
+    strategy (so a second event file) in the same run directory ``<logdir>/job`` restored
+    that checkpoint, at step 2, into a fresh model (load_checkpoint).
     Returns (logdir, save result, restore info)."""
     from helpers import checkpoint_job as job
 
@@ -110,18 +123,20 @@ def real_job(tmp_path_factory):
 
     base = tmp_path_factory.mktemp("ckpt_plugin")
     logdir = base / "logs"
-    strategy = zero_runtime.ZeroInfinityStrategy(
-        job.config(1, "cpu", str(base)), logdir=str(logdir / "job")
-    )
+    cfg = job.config(1, "cpu", str(base))
+    strategy = zero_runtime.ZeroInfinityStrategy(cfg, logdir=str(logdir / "job"))
     model = job.build(strategy)
     try:
         job.train(model, 0, 2)
         result = strategy.save_checkpoint(str(base / "ckpt"), model)
-        info = strategy.load_checkpoint(str(base / "ckpt"), job.build(strategy, seed=5))
     finally:
-        if hasattr(model, "close"):
-            model.close()
-        strategy.close()
+        _close(strategy, model)
+    resumed = zero_runtime.ZeroInfinityStrategy(cfg, logdir=str(logdir / "job"))
+    model = job.build(resumed, seed=5)
+    try:
+        info = resumed.load_checkpoint(str(base / "ckpt"), model)
+    finally:
+        _close(resumed, model)
     return str(logdir), result, info
 
 
@@ -141,3 +156,81 @@ def test_checkpoints_from_a_real_checkpoint_manager(plugin_client, real_job):
     assert save["path"] == result.path
     assert restore["bytes"] == info.bytes_read > 0 and restore["seconds"] == info.seconds
     assert (save["replicas"], save["rank"], restore["saved_replicas"]) == (2, 0, 2)
+
+
+def _get_tensorboard(server, route: str, **params) -> dict:
+    """GET a plugin route of a real TensorBoard process; returns the decoded JSON body."""
+    url = f"{server.url}{PREFIX}{route}?{urlencode(params)}"
+    with urllib.request.urlopen(url, timeout=30) as response:
+        assert response.status == 200
+        return json.loads(response.read())
+
+
+def test_load_fast_tensorboard_keeps_a_save_and_a_restore_at_one_step(tensorboard_server, real_job):
+    """The Rust data server (``--load_fast=true``) keeps one value per (run, tag, step): the
+    resumed job's restore at step 2 (second event file) would hide the first process's save
+    at step 2 if both had one tag. Restores have their own tag, so /checkpoints has both.
+
+    Control in the same logdir: run ``one_tag`` holds a save and then a restore at step 7,
+    both under ``memory_hierarchy/checkpoint`` (as runs were written before the restore
+    tag), one event file each like a resume; that TensorBoard serves only the restore."""
+    from tb_plugin.summary import SummaryWriter
+
+    logdir, result, info = real_job
+    for op, wall in (("save", 1000.0), ("restore", 2000.0)):
+        writer = SummaryWriter(f"{logdir}/one_tag")  # a writer (event file) per process
+        record = {"op": op, "tag": "step00000007", "step": 7, "bytes": 4096, "seconds": 0.5}
+        writer.json(metadata.TAG_CHECKPOINT, 7, record, wall_time=wall)
+        writer.close()
+    server = tensorboard_server(logdir, load_fast=True)
+    deadline = time.monotonic() + 60.0  # s; the data server loads in the background
+    while True:
+        tags = {r["run"]: r["tags"] for r in _get_tensorboard(server, "/runs")["runs"]}
+        loaded = (
+            metadata.TAG_CHECKPOINT in tags.get("job", {})
+            and metadata.TAG_CHECKPOINT_RESTORE in tags["job"]
+            and tags.get("one_tag", {}).get(metadata.TAG_CHECKPOINT, {}).get("max_wall_time")
+            == 2000.0  # the control's second event file is loaded too
+        )
+        if loaded:
+            break
+        assert time.monotonic() < deadline, (tags, server.log_tail())
+        time.sleep(0.5)
+    rows = _get_tensorboard(server, "/checkpoints", run="job")["checkpoints"]
+    assert [(r["step"], r["op"], r["tag"]) for r in rows] == [
+        (2, "save", "step00000002"),
+        (2, "restore", "step00000002"),
+    ]
+    save, restore = rows
+    assert save["bytes"] == result.bytes_written > 0 and save["path"] == result.path
+    assert save["bytes_per_second"] == pytest.approx(result.bytes_written / result.seconds)
+    assert restore["bytes"] == info.bytes_read > 0 and restore["seconds"] == info.seconds
+    assert restore["saved_replicas"] == 2 and restore["wall_time"] > save["wall_time"]
+    control = _get_tensorboard(server, "/checkpoints", run="one_tag")["checkpoints"]
+    assert [(r["step"], r["op"], r["wall_time"]) for r in control] == [(7, "restore", 2000.0)]
+
+
+def test_checkpoints_merges_both_tags_save_before_restore(plugin_client, tmp_path):
+    """Records of both tags in one list by (step, op): a restore written before the save of
+    its step still comes after it; a restore under the save tag (a run written before the
+    restore tag existed) is kept."""
+    from tb_plugin.summary import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path / "merged"))
+    for tag, op, step in [
+        (metadata.TAG_CHECKPOINT_RESTORE, "restore", 3),
+        (metadata.TAG_CHECKPOINT, "restore", 1),  # the old single-tag layout
+        (metadata.TAG_CHECKPOINT, "save", 3),
+        (metadata.TAG_CHECKPOINT, "save", 5),
+    ]:
+        record = {"op": op, "tag": f"t{step}", "step": step, "bytes": 1000 * step, "seconds": 2.0}
+        writer.json(tag, step, record, wall_time=100.0 + step)
+    writer.close()
+    status, body = get_json(plugin_client(str(tmp_path)), "/checkpoints", run="merged")
+    assert status == 200
+    assert [(r["step"], r["op"], r["tag"], r["bytes_per_second"]) for r in body["checkpoints"]] == [
+        (1, "restore", "t1", 500.0),
+        (3, "save", "t3", 1500.0),
+        (3, "restore", "t3", 1500.0),
+        (5, "save", "t5", 2500.0),
+    ]

@@ -279,17 +279,28 @@ class ZeroRuntime:
 
     # -- checkpoints ---------------------------------------------------------------------
     def record_checkpoint(self, record: dict[str, Any]) -> None:
-        """Write one checkpoint save or restore as a ``memory_hierarchy/checkpoint`` summary
-        (fields and units: docs/events.md), at step ``record["step"]`` (the optimizer step
-        saved or restored, int >= 0), and flush it. No-op without a log directory or
+        """Write one checkpoint save or restore as a json summary (fields and units:
+        docs/events.md), at step ``record["step"]`` (the optimizer step saved or restored,
+        int >= 0), and flush it. The tag follows ``record["op"]``
+        (:data:`tb_plugin.metadata.CHECKPOINT_OP_TAGS`): a save under
+        ``memory_hierarchy/checkpoint``, a restore under ``memory_hierarchy/checkpoint_restore``,
+        so a resume at the step its checkpoint was saved keeps both under TensorBoard's
+        ``--load_fast`` (one value per run, tag and step). No-op without a log directory or
         after :meth:`close`. Called by ``zero_runtime.checkpoint.CheckpointManager``.
 
         Raises:
+            ValueError: ``record["op"]`` is neither ``"save"`` nor ``"restore"``.
             TypeError: ``record`` is not JSON-serialisable.
         """
         if self._writer is None or self.state is not RuntimeState.OPEN:
             return
-        self._writer.json(metadata.TAG_CHECKPOINT, int(record["step"]), dict(record))
+        tag = metadata.CHECKPOINT_OP_TAGS.get(record.get("op"))
+        if tag is None:
+            raise ValueError(
+                f"checkpoint record op {record.get('op')!r} is not one of "
+                f"{sorted(metadata.CHECKPOINT_OP_TAGS)}"
+            )
+        self._writer.json(tag, int(record["step"]), dict(record))
         self._writer.flush()
 
     # -- accounting ----------------------------------------------------------------------

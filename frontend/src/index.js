@@ -7,8 +7,8 @@ import { checkpointMarkers, configEvents, configMarkers } from './data.js';
 import {
   CHART_POINTS,
   FULL_POINTS,
+  CHECKPOINT_TAGS,
   Model,
-  TAG_CHECKPOINT,
   TAG_CONFIG_EVENT,
   TAG_ESTIMATE,
   TAG_OOM,
@@ -224,10 +224,12 @@ class App {
 
   /** A run's checkpoint saves and restores (GET /checkpoints) if it recorded any, else null. */
   fetchCheckpoints(entry) {
-    const info = entry.tags[TAG_CHECKPOINT];
-    if (!info) return Promise.resolve(null);
-    if (info.error) return Promise.reject(new Error(info.error));
-    return this.model.checkpoints(entry.run, info.max_step);
+    // Saves and restores have a tag each; either one means the run has records.
+    const infos = CHECKPOINT_TAGS.map((tag) => entry.tags[tag]);
+    if (!infos.some(Boolean)) return Promise.resolve(null);
+    const broken = infos.find((info) => info?.error);
+    if (broken) return Promise.reject(new Error(broken.error));
+    return this.model.checkpoints(entry.run, infos.map((info) => info?.max_step ?? -1).join('/'));
   }
 
   /**

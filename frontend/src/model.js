@@ -13,6 +13,10 @@ export const TAG_ESTIMATE = 'memory_hierarchy/estimate';
 export const TAG_CONFIG_EVENT = 'memory_hierarchy/config_event';
 export const TAG_OOM = 'memory_hierarchy/oom';
 export const TAG_CHECKPOINT = 'memory_hierarchy/checkpoint';
+// Restores have their own tag, so TensorBoard's load_fast (one value per run, tag and step)
+// keeps a save and a restore at one step (a resumed job); /checkpoints merges both.
+export const TAG_CHECKPOINT_RESTORE = 'memory_hierarchy/checkpoint_restore';
+export const CHECKPOINT_TAGS = [TAG_CHECKPOINT, TAG_CHECKPOINT_RESTORE];
 
 // The header POST /tune requires (a cross-site form cannot set it; see docs/http_api.md).
 export const TUNING_HEADER = 'X-Memory-Hierarchy-Tuning';
@@ -118,9 +122,12 @@ export class Model {
     return this.cached('./oom', run, TAG_OOM, maxStep);
   }
 
-  /** A run's checkpoint saves and restores (see /checkpoints); cached by max_step. */
-  checkpoints(run, maxStep) {
-    return this.cached('./checkpoints', run, TAG_CHECKPOINT, maxStep);
+  /**
+   * A run's checkpoint saves and restores (see /checkpoints); cached by `version`, a value
+   * that changes when either checkpoint tag gets a record (e.g. both max_steps joined).
+   */
+  checkpoints(run, version) {
+    return this.cached('./checkpoints', run, TAG_CHECKPOINT, version);
   }
 
   /** A run's tunable keys, values in effect and request state (GET /tuning; not cached). */

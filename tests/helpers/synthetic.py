@@ -36,7 +36,8 @@ OOM_FILE = "memory_hierarchy_oom.json"
 # A holder name that is also HTML: the OOM view must show it as text.
 HTML_HOLDER = "<img src=x onerror=window.__xss=3>/activations"
 OOM_RECENT_STEPS = 8  # steps in the post-mortem's flight-recorder window
-# Checkpoint saves and restores (memory_hierarchy/checkpoint) of each run: step -> op.
+# Checkpoint saves (memory_hierarchy/checkpoint) and restores
+# (memory_hierarchy/checkpoint_restore) of each run: step -> op.
 CHECKPOINT_OPS = {RUN_STANDIN: {15: "save", 35: "save"}, RUN_HTML_NAME: {25: "save", 45: "restore"}}
 # A checkpoint tag that is also HTML (the beta run's save): the view must show it as text.
 HTML_CHECKPOINT_TAG = "<b>ckpt</b>"
@@ -308,7 +309,8 @@ def oom_postmortem(run: str) -> dict | None:
 
 
 def checkpoint(run: str, step: int) -> dict | None:
-    """The ``memory_hierarchy/checkpoint`` record of ``run`` at ``step`` (None: none), with
+    """The checkpoint record of ``run`` at ``step`` (None: none; a save is written under
+    ``memory_hierarchy/checkpoint``, a restore under ``memory_hierarchy/checkpoint_restore``), with
     the fields ``zero_runtime.checkpoint.CheckpointManager`` writes (docs/events.md):
     alpha saves 48 MiB in 0.25 s (step 15) and 0.5 s (step 35); beta saves 12 MiB in
     0.125 s (step 25, tag :data:`HTML_CHECKPOINT_TAG`) and restores 12 MiB in 0.0625 s
@@ -339,7 +341,7 @@ def write_run(logdir: str, run: str, steps: range) -> None:
     run_info, placement and estimate at step 0; tiers, readings, pages (stand-in run
     only) and timing at every step; config events at :data:`CONFIG_EVENT_STEPS`; the
     stand-in run's out-of-memory post-mortem at :data:`OOM_STEP` (tag and file);
-    checkpoint records at :data:`CHECKPOINT_OPS` (:func:`checkpoint`).
+    checkpoint records at :data:`CHECKPOINT_OPS` (:func:`checkpoint`; the tag per op).
     """
     writer = SummaryWriter(os.path.join(logdir, run))
     try:
@@ -363,7 +365,8 @@ def write_run(logdir: str, run: str, steps: range) -> None:
                 )
             ckpt = checkpoint(run, step)
             if ckpt is not None:
-                writer.json(metadata.TAG_CHECKPOINT, step, ckpt, wall_time=wall)
+                tag = metadata.CHECKPOINT_OP_TAGS[ckpt["op"]]  # restores: their own tag
+                writer.json(tag, step, ckpt, wall_time=wall)
             postmortem = oom_postmortem(run) if step == OOM_STEP else None
             if postmortem is not None:
                 writer.json(metadata.TAG_OOM, step, postmortem, wall_time=wall)
