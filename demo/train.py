@@ -11,7 +11,10 @@ everything ZeRO-related is the strategy wrapped around it here::
 With ``--checkpoint-dir DIR`` it saves sharded checkpoints (``zero_runtime.checkpoint``)
 every ``--checkpoint-every`` steps and after the last; ``--resume`` restores the newest
 one first and trains the remaining steps of ``--steps`` on the batches an uninterrupted
-run would have seen next.
+run would have seen next (each checkpoint records the sequences seen, so a changed
+``--batch-size`` continues at the next unseen sequence). A ``latest`` that names a missing
+or damaged checkpoint, or one of another architecture, stops the job with status 2 and
+leaves the directory as it was.
 
 Exit status: 0 on success, 1 on out of memory (the post-mortem's path on stderr), 2 on bad
 arguments or an invalid config (message on stderr).
@@ -168,10 +171,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
     print(f"demo.train: writing Memory Hierarchy summaries to {run_dir}", flush=True)
-    manager, done, callbacks = None, 0, []
+    manager, done, samples, callbacks = None, 0, 0, []
     if args.checkpoint_dir:
-        manager, done = _restore(args, gpt, strategy)
-        callbacks.append(_checkpoint_callback(manager, args.checkpoint_every, done, args.steps))
+        from zero_runtime.checkpoint import CheckpointError
+
+        try:
+            manager, done, samples = _restore(args, gpt, strategy)
+        except CheckpointError as exc:  # damaged, foreign or would be overwritten: stop
+            strategy.close()
+            print(f"demo.train: error: {exc}", file=sys.stderr)
+            return 2
+        callbacks.append(
+            _checkpoint_callback(manager, args.checkpoint_every, done, args.steps, samples, args)
+        )
     remaining = args.steps - done
     if remaining <= 0:
         strategy.close()
@@ -180,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.time()
     try:
         history = gpt.fit(
-            train.skip(done),  # the batches an uninterrupted run sees after step `done`
+            resume_dataset(split.train, args, samples, train),
             steps_per_epoch=remaining,
             epochs=1,
             shuffle=False,
@@ -200,35 +212,117 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _restore(args, gpt, strategy):
-    """The job's CheckpointManager (``--checkpoint-dir``, 3 kept) and the step it resumes
-    at: the newest checkpoint's with ``--resume`` (0 when the directory has none yet)."""
-    from zero_runtime.checkpoint import CheckpointManager
+    """The job's CheckpointManager (``--checkpoint-dir``, 3 kept), the step it resumes at
+    and the training sequences seen before it: the newest checkpoint's with ``--resume``
+    (0 and 0 when the directory has no checkpoint at all).
+
+    Raises:
+        zero_runtime.checkpoint.CheckpointError: ``--resume`` and ``latest`` names a
+            missing or damaged checkpoint, or one of another architecture; or no
+            ``--resume`` and the directory already holds checkpoints.
+    """
+    import numpy as np
+
+    from zero_runtime.checkpoint import CheckpointError, CheckpointManager
 
     manager = CheckpointManager(args.checkpoint_dir, gpt, strategy, max_to_keep=3)
     if not args.resume:
-        return manager, 0
+        existing = manager.checkpoints()
+        if existing:  # a fresh run would replace and prune them
+            raise CheckpointError(
+                f"--checkpoint-dir {args.checkpoint_dir} already holds checkpoints "
+                f"{existing}: pass --resume to continue from the newest, or use another "
+                "directory (nothing was changed)"
+            )
+        return manager, 0, 0
     if manager.latest is None:
         print(f"demo.train: no checkpoint in {args.checkpoint_dir}: starting at step 0")
-        return manager, 0
+        return manager, 0, 0
     info = manager.restore()
+    saved = info.client_state.get("data", {})
+    # Checkpoints without the record (older demos) used this run's batch size.
+    samples = int(saved.get("samples", info.step * args.batch_size))
     print(
         f"demo.train: resumed from {info.path} at step {info.step} (saved on "
-        f"{info.saved_replicas} replicas, restored on {info.replicas})",
+        f"{info.saved_replicas} replicas, restored on {info.replicas}; {samples} sequences "
+        "seen)",
         flush=True,
     )
-    return manager, info.step
+    for key, now in _data_record(args).items():
+        if key in saved and saved[key] != now:
+            effect = (
+                f"continuing at sequence {samples}"
+                if key == "batch_size"
+                else "the data stream differs from that run's"
+            )
+            print(
+                f"demo.train: note: --{key.replace('_', '-')} is {now}, the checkpoint's run "
+                f"used {saved[key]}: {effect}",
+                flush=True,
+            )
+    lr = float(np.asarray(gpt.optimizer.learning_rate))
+    if not np.isclose(lr, args.learning_rate, rtol=1e-6):
+        print(
+            f"demo.train: note: training on with the checkpoint's learning rate {lr:g} "
+            f"(--learning-rate {args.learning_rate:g} is not applied on --resume)",
+            flush=True,
+        )
+    return manager, info.step, samples
 
 
-def _checkpoint_callback(manager, every: int, first_step: int, last_step: int):
+def resume_dataset(tokens, args, samples: int, train=None):
+    """The training stream after ``samples`` sequences: the batches an uninterrupted run
+    with ``args.batch_size`` sees next.
+
+    ``demo.data.make_dataset``'s sequence order does not depend on the batch size, so
+    when ``samples`` is a multiple of ``args.batch_size`` this is ``train.skip(samples //
+    batch_size)`` (the same batches as the uninterrupted run), and otherwise (the batch
+    size changed on ``--resume``) the single-sequence stream skipped by ``samples`` and
+    re-batched: the next unseen sequence starts the first batch.
+
+    Args:
+        tokens: the training split, 1-D uint8 (``demo.data.split_corpus(...).train``).
+        args: the parsed command line (``seq_len``, ``batch_size``, ``seed``).
+        samples: sequences already trained on, int >= 0.
+        train: ``make_dataset(tokens, seq_len, batch_size, seed)`` if already built.
+
+    Returns:
+        A ``tf.data.Dataset`` of ``(x, y)`` int32 ``[batch_size, seq_len]`` pairs.
+    """
+    from demo import data
+
+    if samples % args.batch_size == 0:
+        if train is None:
+            train = data.make_dataset(tokens, args.seq_len, args.batch_size, seed=args.seed)
+        return train.skip(samples // args.batch_size)
+    one = data.make_dataset(tokens, args.seq_len, 1, seed=args.seed)  # (1, T) each
+    return one.unbatch().skip(samples).batch(args.batch_size, drop_remainder=True)
+
+
+def _data_record(args) -> dict:
+    """What decides the demo's data stream (saved in each checkpoint's client state)."""
+    return {
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "seed": args.seed,
+        "corpus_bytes": args.corpus_bytes,
+    }
+
+
+def _checkpoint_callback(manager, every: int, first_step: int, last_step: int, samples, args):
     """A Keras callback saving a checkpoint (tag ``step<N>``) after every step N that is a
     multiple of ``every`` and after ``last_step``; batch ``b`` of this fit is step
-    ``first_step + b + 1``."""
+    ``first_step + b + 1``. Each checkpoint's client state records the training sequences
+    seen (``samples`` before this fit plus ``--batch-size`` per step since) and the data
+    settings (:func:`_data_record`), so ``--resume`` continues the stream exactly even
+    with another ``--batch-size``."""
     import keras
 
     def on_train_batch_end(batch, logs=None):
         step = first_step + batch + 1
         if step % every == 0 or step == last_step:
-            manager.save()
+            seen = samples + (batch + 1) * args.batch_size
+            manager.save(client_state={"data": {**_data_record(args), "samples": seen}})
 
     return keras.callbacks.LambdaCallback(on_train_batch_end=on_train_batch_end)
 

@@ -3,7 +3,7 @@ optimizer tier, re-partitioning onto 1 and 4 replicas in a fresh process, consol
 export loaded without zero_runtime, ZeroBackupAndRestore resume, errors, retention and
 no growth over repeated saves/restores (NVMe files, pool tiers, heap), stage-3 row-paged
 embedding tables with their lazy (touched pages only) optimizer states, 2 -> 1 replicas,
-and the ``memory_hierarchy/checkpoint`` summaries.
+and the ``memory_hierarchy/checkpoint`` (save) and ``checkpoint_restore`` summaries.
 
 The pytest process has 2 logical CPUs (root conftest.py); 1 and 4 replicas run in one
 subprocess (tests/helpers/checkpoint_job.py) that configures 4 logical CPUs. The 2-worker
@@ -419,8 +419,9 @@ def test_row_paged_embedding_restores_rows_and_lazy_states(embedding_saved, repl
 
 
 def test_strategy_methods_delegate_and_record_checkpoint_summaries(tmp_path):
-    """save/load through the strategy; each writes a ``memory_hierarchy/checkpoint``
-    summary (bytes, seconds) into the run's event file."""
+    """save/load through the strategy; each writes a summary (bytes, seconds) into the run's
+    event file: the save ``memory_hierarchy/checkpoint``, the restore
+    ``memory_hierarchy/checkpoint_restore``."""
     logdir = tmp_path / "run"
     cfg = job.config(1, "cpu", str(tmp_path))
     strategy = zero_runtime.ZeroInfinityStrategy(cfg, logdir=str(logdir))
@@ -438,7 +439,8 @@ def test_strategy_methods_delegate_and_record_checkpoint_summaries(tmp_path):
     acc.Reload()
     events = [
         (e.step, json.loads(tensor_util.make_ndarray(e.tensor_proto).item()))
-        for e in acc.Tensors(metadata.TAG_CHECKPOINT)
+        for tag in (metadata.TAG_CHECKPOINT, metadata.TAG_CHECKPOINT_RESTORE)  # save, restore
+        for e in acc.Tensors(tag)
     ]
     assert [(step, ev["op"], ev["tag"]) for step, ev in events] == [
         (2, "save", "step00000002"),
@@ -449,3 +451,157 @@ def test_strategy_methods_delegate_and_record_checkpoint_summaries(tmp_path):
     assert restored["bytes"] == read_index(result.path).total_bytes() == info.bytes_read
     assert restored["seconds"] == info.seconds > 0
     assert (saved["replicas"], saved["rank"], restored["saved_replicas"]) == (2, 0, 2)
+
+
+def test_damaged_latest_is_reported_not_taken_for_an_empty_directory(saved, tmp_path):
+    """``manager.latest`` is None only when nothing was published: a truncated ``latest``
+    or a deleted ``index.json`` used to read as None too, so a resuming job (the demo,
+    ``ZeroBackupAndRestore``) started over and replaced the checkpoints. Now the tag comes
+    back as written and ``restore`` raises naming it and listing the loadable tags; the
+    other checkpoints still load."""
+    rec = saved[(1, "cpu")]
+    strategy = _strategy(1, "cpu", rec["nvme"])
+    model = job.build(strategy, seed=99)
+    root = tmp_path / "ckpt"
+    shutil.copytree(rec["root"], root)
+    tag = rec["result"].tag
+    manager = CheckpointManager(str(root), model, strategy)
+    assert CheckpointManager(str(tmp_path / "none"), model, strategy).latest is None
+    for content, message in [
+        ("", r"checkpoint tag '' \(named by .*latest'\) is not a tag"),
+        ("step000", r"checkpoint 'step000' \(named by .*latest'\) not found: .* does not exist"),
+        ("../other/" + tag, r"'\.\./other/step00000003' .* is not a tag"),
+    ]:
+        (root / "latest").write_text(content)
+        assert manager.latest == content
+        with pytest.raises(CheckpointNotFoundError, match=message) as err:
+            manager.restore()
+        assert f"published tags under {str(root)!r}: [{tag!r}]" in str(err.value)
+    (root / "latest").write_text(tag + "\n")
+    shutil.copytree(root / tag, root / "older")
+    (root / tag / "index.json").unlink()
+    with pytest.raises(CheckpointNotFoundError, match=r"has no index.json .*\['older'\]"):
+        manager.restore()
+    assert manager.restore("older").tag == tag  # the copy's index names the original tag
+    (root / "latest").unlink()
+    with pytest.raises(CheckpointNotFoundError, match=r"\['older'\] but no 'latest'"):
+        manager.latest  # noqa: B018
+    with pytest.raises(CheckpointNotFoundError, match="is a file, not a directory"):
+        CheckpointManager(str(root / tag / "replica_00000.bin"), model, strategy).restore()
+    _close(strategy, model)
+
+
+def test_restore_into_an_uncompiled_model_loads_parameters_only(saved):
+    """An uncompiled model (no optimizer: inference) used to fail with AttributeError
+    'Sequential' object has no attribute 'optimizer'; now its parameters load."""
+    rec = saved[(2, "nvme")]
+    strategy = _strategy(1, "cpu", rec["nvme"])
+    with strategy.scope():
+        keras.utils.set_random_seed(99)
+        bare = keras.Sequential(
+            [keras.Input((job.FEATURES,)), keras.layers.Dense(job.HIDDEN, activation="tanh")]
+            + [keras.layers.Dense(job.HIDDEN, activation="tanh"), keras.layers.Dense(4)]
+        )
+    info = CheckpointManager(rec["root"], bare, strategy).restore()
+    assert info.step == SAVED_AT
+    for got, want in zip(bare.get_weights(), rec["weights"], strict=True):
+        np.testing.assert_array_equal(got, want)
+    strategy.close()
+
+
+def test_bad_client_state_fails_before_any_file_is_written(saved, tmp_path):
+    rec = saved[(1, "cpu")]
+    manager = CheckpointManager(str(tmp_path / "c"), rec["model"], rec["strategy"])
+    with pytest.raises(TypeError, match="client_state must be JSON-serialisable.*set"):
+        manager.save(client_state={"seen": {1, 2}})
+    with pytest.raises(TypeError, match="client_state must be a dict, got list"):
+        manager.save(client_state=[1])
+    assert not os.path.exists(tmp_path / "c") or os.listdir(tmp_path / "c") == []
+
+
+def test_backup_and_restore_does_not_leave_the_initial_epoch_set(tmp_path):
+    """After a resumed fit, a later ``fit`` of the same model runs all its epochs (the
+    restored ``_initial_epoch`` used to stay set, so ``fit(epochs=1)`` ran none)."""
+    strategy = _strategy(2, "cpu", str(tmp_path))
+    model = job.build(strategy)
+    backup = str(tmp_path / "backup")
+    _fit_epochs(model, 1, [ZeroBackupAndRestore(backup, delete_checkpoint=False)])
+    callback = ZeroBackupAndRestore(backup)
+    assert len(_fit_epochs(model, 2, [callback]).history["loss"]) == 1  # epoch 1 only
+    assert callback.restored_epoch == 1 and model._initial_epoch is None
+    assert len(_fit_epochs(model, 1).history["loss"]) == 1
+    _close(strategy, model)
+
+
+def test_interrupted_same_tag_save_keeps_the_old_copy(saved, tmp_path):
+    """Saving an existing tag moves the old directory aside, renames the new one in, then
+    deletes the old: a save killed between the two renames left ``latest`` naming a
+    missing tag and the only copy in ``.tmp-old-<tag>-<nonce>``, which the next save's
+    pruning deleted. Now pruning keeps it and the error says where it is."""
+    rec = saved[(1, "cpu")]
+    root = tmp_path / "ckpt"
+    shutil.copytree(rec["root"], root)
+    tag = rec["result"].tag
+    aside = root / f".tmp-old-{tag}-0123456789ab"
+    os.rename(root / tag, aside)  # the state between the two renames
+    manager = CheckpointManager(str(root), rec["model"], rec["strategy"])
+    with pytest.raises(CheckpointNotFoundError, match=r"earlier copy is '.*\.tmp-old-step"):
+        manager.restore()
+    manager.save(tag="other")  # prunes leftovers: not the sole copy of a tag
+    assert aside.is_dir() and sorted(os.listdir(root)) == [aside.name, "latest", "other"]
+    os.rename(aside, root / tag)
+    assert manager.restore(tag).step == SAVED_AT
+
+
+@pytest.mark.parametrize("src, dst", [((2, "nvme"), (3, "cpu")), ((3, "cpu"), (1, "cpu"))])
+def test_restore_across_stages(saved, src, dst):
+    """A stage-2 checkpoint restores into a stage-3 ShardedModel and a stage-3 one into a
+    stage-1 model (the canonical tensors do not depend on the stage): same weights, and the
+    next losses follow the saving run's."""
+    rec = saved[src]
+    strategy = _strategy(*dst, rec["nvme"])
+    model = job.build(strategy, seed=99)
+    info = CheckpointManager(rec["root"], model, strategy).restore()
+    assert info.step == SAVED_AT and int(model.optimizer.iterations.numpy()) == SAVED_AT
+    for got, want in zip(model.get_weights(), rec["weights"], strict=True):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(job.train(model, SAVED_AT, NEXT), rec["losses"], rtol=1e-5)
+    _close(strategy, model)
+
+
+def test_export_of_a_model_with_custom_layers_names_the_module_to_import(tmp_path, capsys):
+    """The demo GPT's custom layers must be registered to rebuild it from the index's
+    config. ``zero-runtime export`` of a demo checkpoint used to die with Keras's
+    TypeError traceback (exit 1); now the error names the classes and modules, and
+    ``--import demo.model`` (``import_modules``) exports it."""
+    from demo import model as demo_model
+
+    strategy = _strategy(1, "cpu", str(tmp_path))
+    with strategy.scope():
+        gpt = demo_model.build_gpt(
+            demo_model.GPTConfig(seq_len=8, d_model=8, n_heads=2, n_layers=1, d_ff=16), seed=0
+        )
+        gpt.compile(optimizer="adam", loss=demo_model.make_loss())
+    root = str(tmp_path / "ckpt")
+    strategy.save_checkpoint(root, gpt)
+    x = np.arange(16, dtype=np.int32).reshape(2, 8)
+    want = gpt.predict(x, verbose=0)
+    registry = keras.saving.get_custom_objects()
+    demo_keys = [k for k in registry if k.startswith("zero_infinity_demo>")]
+    assert len(demo_keys) == 2
+    saved_entries = {k: registry.pop(k) for k in demo_keys}  # as in a fresh process
+    try:
+        out = str(tmp_path / "gpt.keras")
+        assert cli.main(["export", root, "--out", out]) == 2
+        err = capsys.readouterr().err
+        assert "demo.model.TokenAndPositionEmbedding, demo.model.TransformerBlock" in err, err
+        assert "['demo.model']" in err and "--import MODULE" in err
+        assert not os.path.exists(out)
+        assert cli.main(["export", root, "--out", out, "--import", "no_such_module"]) == 2
+        assert "--import: No module named 'no_such_module'" in capsys.readouterr().err
+    finally:
+        registry.update(saved_entries)
+    assert cli.main(["export", root, "--out", out, "--import", "demo.model"]) == 0
+    got = keras.models.load_model(out).predict(x, verbose=0)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    strategy.close()

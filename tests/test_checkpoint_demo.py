@@ -16,7 +16,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
+from demo import data
+from demo import train as demo_train
 from zero_runtime.checkpoint import CheckpointReader, read_index
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,9 +36,16 @@ def _demo(logdir: Path, *args: str) -> subprocess.CompletedProcess:
     return proc
 
 
-def test_demo_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_path):
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    _demo(tmp_path / "logs", "--steps", "6", "--checkpoint-dir", str(full))
+@pytest.fixture(scope="module")
+def full(tmp_path_factory) -> Path:
+    """The uninterrupted demo run's checkpoint root: 6 steps, saved at 3 and 6."""
+    base = tmp_path_factory.mktemp("demo_full")
+    _demo(base / "logs", "--steps", "6", "--checkpoint-dir", str(base / "ckpt"))
+    return base / "ckpt"
+
+
+def test_demo_resumes_from_its_checkpoint_like_an_uninterrupted_run(full, tmp_path):
+    resumed = tmp_path / "resumed"
     assert sorted(os.listdir(full)) == ["latest", "step00000003", "step00000006"]
     resumed.mkdir()
     shutil.copytree(full / "step00000003", resumed / "step00000003")
@@ -62,3 +72,93 @@ def test_demo_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_path):
     assert not np.array_equal(
         CheckpointReader(str(resumed / "step00000003")).read("param/0"), want.read("param/0")
     )
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    """Every file under ``root`` (relative path -> bytes)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def _main_in_process(tmp_path: Path, *args: str) -> int:
+    """``demo.train.main`` in this process (2 logical CPUs: --replicas 2, the default)."""
+    return demo_train.main(["--logdir", str(tmp_path / "logs"), *TINY, *args])
+
+
+def test_resume_with_a_damaged_latest_stops_and_changes_nothing(full, tmp_path, capsys):
+    """A truncated ``latest`` or a deleted ``index.json`` used to read as "no checkpoint":
+    ``--resume`` trained from step 0 and replaced the older checkpoints. Now status 2,
+    the message names the bad pointer/tag and lists what is loadable, nothing changes."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(full, root)
+    cases = [
+        ("", "checkpoint tag '' (named by"),
+        ("step0000", "checkpoint 'step0000' (named by"),
+        ("../elsewhere", "is not a tag"),
+    ]
+    for latest, message in cases:
+        (root / "latest").write_text(latest)
+        before = _tree(root)
+        assert (
+            _main_in_process(tmp_path, "--steps", "6", "--checkpoint-dir", str(root), "--resume")
+            == 2
+        )
+        err = capsys.readouterr().err
+        assert message in err and "['step00000003', 'step00000006']" in err, err
+        assert _tree(root) == before
+    (root / "latest").write_text("step00000006\n")
+    (root / "step00000006" / "index.json").unlink()
+    before = _tree(root)
+    assert (
+        _main_in_process(tmp_path, "--steps", "6", "--checkpoint-dir", str(root), "--resume") == 2
+    )
+    err = capsys.readouterr().err
+    assert "has no index.json (incomplete or damaged)" in err and "['step00000003']" in err, err
+    assert _tree(root) == before
+    # Another architecture (--d-model 32): the mismatch is named, nothing is assigned/saved.
+    (root / "latest").write_text("step00000003\n")
+    before = _tree(root)
+    args = ["--d-model", "32", "--steps", "6", "--checkpoint-dir", str(root), "--resume"]
+    assert _main_in_process(tmp_path, *args) == 2
+    err = capsys.readouterr().err
+    assert "model shape (16, 32) != checkpoint shape (16, 16)" in err, err
+    assert _tree(root) == before
+
+
+def test_fresh_run_into_a_checkpoint_dir_with_checkpoints_refuses(full, tmp_path, capsys):
+    """Without ``--resume`` a run would re-save step3/step6 over the old run's: status 2."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(full, root)
+    before = _tree(root)
+    assert _main_in_process(tmp_path, "--steps", "6", "--checkpoint-dir", str(root)) == 2
+    err = capsys.readouterr().err
+    assert "already holds checkpoints ['step00000003', 'step00000006']" in err, err
+    assert "--resume" in err
+    assert _tree(root) == before
+
+
+def test_resume_with_another_batch_size_continues_at_the_next_sequence(full, tmp_path, capsys):
+    """Saved after 3 steps of 4 sequences; resumed with --batch-size 2 for 2 more steps:
+    the stream continues at sequence 12 (not 3 * 2 = 6), the new checkpoint records 16."""
+    assert read_index(str(full / "step00000003")).client_state["data"] == {
+        "batch_size": 4,
+        "seq_len": 16,
+        "seed": 0,
+        "corpus_bytes": 65536,
+        "samples": 12,
+    }
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    shutil.copytree(full / "step00000003", root / "step00000003")
+    (root / "latest").write_text("step00000003\n")
+    args = [*TINY, "--batch-size", "2", "--steps", "5", "--checkpoint-dir", str(root), "--resume"]
+    assert demo_train.main(["--logdir", str(tmp_path / "logs"), *args]) == 0
+    out = capsys.readouterr().out
+    assert "12 sequences seen" in out and "continuing at sequence 12" in out, out
+    assert read_index(str(root / "step00000005")).client_state["data"]["samples"] == 16
+    # The stream itself: sequences 12, 13 are the first half of the 4-batch stream's batch 3.
+    parsed = demo_train.build_parser().parse_args(args)
+    tokens = data.split_corpus(data.load_corpus(65536, seed=0)).train
+    x2, y2 = next(iter(demo_train.resume_dataset(tokens, parsed, 12)))
+    x4, y4 = next(iter(data.make_dataset(tokens, 16, 4, seed=0).skip(3)))
+    np.testing.assert_array_equal(x2.numpy(), x4.numpy()[:2])
+    np.testing.assert_array_equal(y2.numpy(), y4.numpy()[:2])

@@ -103,7 +103,13 @@ class ZeroBackupAndRestore(keras.callbacks.Callback):
         self._mgr().save(client_state={"epoch": self._epoch})
 
     def on_train_end(self, logs: dict | None = None) -> None:
-        """Delete the backups after a completed ``fit`` (unless told not to)."""
+        """Delete the backups after a completed ``fit`` (unless told not to).
+
+        Also clears the ``model._initial_epoch`` set at restore (Keras's own callback
+        leaves it set, so a later ``fit`` of the same model would silently skip epochs).
+        """
+        if self.restored_epoch and self.model is not None:
+            self.model._initial_epoch = None
         if self.delete_checkpoint and os.path.isdir(self.backup_dir):
             cluster = getattr(self._mgr().strategy, "cluster", None)
             if cluster is None or cluster.is_chief:

@@ -11,7 +11,9 @@ no optimizer, so the output loads with plain Keras / TensorFlow (no ``zero_runti
 
 from __future__ import annotations
 
+import importlib
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import keras
@@ -20,7 +22,12 @@ from zero_runtime.checkpoint.errors import CheckpointError, CheckpointMismatchEr
 from zero_runtime.checkpoint.reader import CheckpointReader, resolve
 
 
-def consolidated_model(checkpoint: str, model: Any = None, tag: str | None = None) -> keras.Model:
+def consolidated_model(
+    checkpoint: str,
+    model: Any = None,
+    tag: str | None = None,
+    import_modules: Sequence[str] = (),
+) -> keras.Model:
     """A plain Keras model holding the checkpoint's full parameters.
 
     Args:
@@ -28,15 +35,23 @@ def consolidated_model(checkpoint: str, model: Any = None, tag: str | None = Non
         model: a model of the same architecture to clone (a ``ShardedModel`` is
             unwrapped); default: rebuilt from the config stored in the index.
         tag: the tag under a root.
+        import_modules: modules to import first (by name, found on ``sys.path``), e.g.
+            ``["demo.model"]``: they register the model's custom layer classes, which
+            Keras needs to rebuild it from the config (default none).
 
     Returns:
         A built, uncompiled ``keras.Model`` with the checkpoint's weights.
 
     Raises:
         CheckpointNotFoundError / CheckpointCorruptError: see ``reader``.
-        CheckpointError: no model given and the index holds no model config.
+        CheckpointError: no model given and the index holds no model config, or the
+            config uses custom classes this process has not registered (the message
+            names them and their modules).
         CheckpointMismatchError: the architecture's weights do not match the checkpoint.
+        ImportError: a module of ``import_modules`` cannot be imported.
     """
+    for name in import_modules:
+        importlib.import_module(name)
     reader = CheckpointReader(resolve(checkpoint, tag))
     index = reader.index
     if model is not None:
@@ -45,7 +60,7 @@ def consolidated_model(checkpoint: str, model: Any = None, tag: str | None = Non
         if not clone.built:
             clone.build(inner.input_shape if hasattr(inner, "input_shape") else None)
     elif index.model_config is not None:
-        clone = keras.saving.deserialize_keras_object(index.model_config)
+        clone = _from_config(index.model_config, index.tag, import_modules)
     else:
         raise CheckpointError(
             f"checkpoint {index.tag!r} holds no model config (the model was not "
@@ -69,7 +84,51 @@ def consolidated_model(checkpoint: str, model: Any = None, tag: str | None = Non
     return clone
 
 
-def export(checkpoint: str, out: str, model: Any = None, tag: str | None = None) -> str:
+def custom_classes(config: Any) -> list[tuple[str, str]]:
+    """``(module, class_name)`` of every object outside Keras in a Keras serialisation
+    (``{"module", "class_name", ...}`` records whose module is not ``keras*``), in
+    first-seen order, without repeats."""
+    found: list[tuple[str, str]] = []
+    stack = [config]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            module, name = item.get("module"), item.get("class_name")
+            if isinstance(module, str) and isinstance(name, str):
+                if not module.startswith("keras") and (module, name) not in found:
+                    found.append((module, name))
+            stack.extend(reversed(list(item.values())))
+        elif isinstance(item, list):
+            stack.extend(reversed(item))
+    return found
+
+
+def _from_config(config: dict, tag: str, import_modules: Sequence[str]) -> keras.Model:
+    """Rebuild the model from its stored config; a missing custom class becomes a
+    :class:`CheckpointError` naming the classes and the modules to import."""
+    try:
+        return keras.saving.deserialize_keras_object(config)
+    except (TypeError, ValueError) as exc:
+        custom = custom_classes(config)
+        if not custom or "Could not locate" not in str(exc):
+            raise
+        modules = sorted({m for m, _ in custom})
+        names = ", ".join(f"{m}.{c}" for m, c in custom)
+        raise CheckpointError(
+            f"checkpoint {tag!r}: the model uses custom classes ({names}) that are not "
+            f"registered in this process (imported: {list(import_modules)}); import their "
+            f"module(s) {modules} first (zero-runtime export --import MODULE, or "
+            "export(..., import_modules=[...])), or pass a model of the same architecture"
+        ) from None
+
+
+def export(
+    checkpoint: str,
+    out: str,
+    model: Any = None,
+    tag: str | None = None,
+    import_modules: Sequence[str] = (),
+) -> str:
     """Write the checkpoint's consolidated model to ``out`` (``.keras`` or SavedModel dir).
 
     Args:
@@ -77,6 +136,7 @@ def export(checkpoint: str, out: str, model: Any = None, tag: str | None = None)
         out: ``*.keras`` for a Keras archive, otherwise a SavedModel directory.
         model: optional model of the same architecture (see :func:`consolidated_model`).
         tag: the tag under a root.
+        import_modules: modules registering custom classes (see :func:`consolidated_model`).
 
     Returns:
         ``out``.
@@ -84,7 +144,7 @@ def export(checkpoint: str, out: str, model: Any = None, tag: str | None = None)
     Raises:
         see :func:`consolidated_model`; OSError when ``out`` cannot be written.
     """
-    clone = consolidated_model(checkpoint, model, tag)
+    clone = consolidated_model(checkpoint, model, tag, import_modules)
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
     if out.endswith(".keras"):

@@ -72,7 +72,9 @@ class CheckpointManager:
     @property
     def optimizer(self) -> Any:
         """The optimizer checkpointed with the model (None for parameters only)."""
-        return self._optimizer if self._optimizer is not None else self.model.optimizer
+        if self._optimizer is not None:
+            return self._optimizer
+        return getattr(self.model, "optimizer", None)  # an uncompiled model has none
 
     def state(self) -> TrainingState:
         """The model's :class:`TrainingState` now (builds the optimizer if needed)."""
@@ -148,11 +150,26 @@ class CheckpointManager:
 
     @property
     def latest(self) -> str | None:
-        """The tag ``latest`` names, or None before the first save."""
-        try:
-            return os.path.basename(rd.resolve(self.directory))
-        except rd.CheckpointNotFoundError:
-            return None
+        """The tag ``<directory>/latest`` names, or None when nothing was published there.
+
+        The tag is returned as written, even when it does not name a loadable checkpoint
+        (a truncated ``latest``, a deleted ``index.json``): :meth:`restore` then raises
+        naming it, so a resuming job stops instead of silently starting from scratch and
+        overwriting the older checkpoints.
+
+        Raises:
+            CheckpointNotFoundError: there is no ``latest`` pointer but published
+                checkpoints exist (the message lists them; ``restore(tag)`` one).
+        """
+        tag = rd.read_latest(self.directory)
+        if tag is None:
+            published = rd.published_tags(self.directory)
+            if published:
+                raise rd.CheckpointNotFoundError(
+                    f"{self.directory!r} has published checkpoints {published} but no "
+                    "'latest' pointer: restore one by tag, or write its tag into 'latest'"
+                )
+        return tag
 
     def checkpoints(self) -> list[str]:
         """Published tags, oldest first."""

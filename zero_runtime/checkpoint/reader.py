@@ -40,25 +40,102 @@ def resolve(path: str, tag: str | None = None) -> str:
             when it is a checkpoint directory).
 
     Raises:
-        CheckpointNotFoundError: ``path`` does not exist, the tag does not, or the root
-            has no ``latest`` pointer (nothing was published there yet).
+        CheckpointNotFoundError: ``path`` does not exist or is a file; the tag (or the one
+            ``latest`` names, e.g. an empty or truncated ``latest``) is not a plain
+            directory name or has no ``index.json``; the root has no ``latest`` pointer
+            (nothing was published there yet). The message names the bad path or tag and
+            lists the published tags.
     """
     if not os.path.isdir(path):
-        raise CheckpointNotFoundError(f"checkpoint directory {path!r} does not exist")
+        what = "is a file, not a directory" if os.path.exists(path) else "does not exist"
+        raise CheckpointNotFoundError(f"checkpoint directory {path!r} {what}")
+    named_by = "asked for"
     if tag is None:
         if os.path.isfile(os.path.join(path, ix.INDEX_FILE)):
             return path
-        try:
-            with open(os.path.join(path, ix.LATEST_FILE), encoding="utf-8") as f:
-                tag = f.read().strip()
-        except FileNotFoundError:
+        tag = read_latest(path)
+        if tag is None:
             raise CheckpointNotFoundError(
                 f"no checkpoint in {path!r}: no {ix.LATEST_FILE!r} pointer (nothing published)"
-            ) from None
+            )
+        named_by = f"named by {os.path.join(path, ix.LATEST_FILE)!r}"
+    if not _is_plain_name(tag):
+        raise CheckpointNotFoundError(
+            f"checkpoint tag {tag!r} ({named_by}) is not a tag: a plain directory name is "
+            f"expected; published tags under {path!r}: {published_tags(path)}"
+        )
     target = os.path.join(path, tag)
     if not os.path.isfile(os.path.join(target, ix.INDEX_FILE)):
-        raise CheckpointNotFoundError(f"checkpoint {tag!r} not found under {path!r}")
+        state = (
+            f"{target!r} has no {ix.INDEX_FILE} (incomplete or damaged)"
+            if os.path.isdir(target)
+            else f"{target!r} does not exist"
+        )
+        survivor = _replaced_copy(path, tag)
+        hint = (
+            f"; a save of the same tag was interrupted and the complete earlier copy is "
+            f"{survivor!r}: rename it to {target!r}"
+            if survivor
+            else ""
+        )
+        raise CheckpointNotFoundError(
+            f"checkpoint {tag!r} ({named_by}) not found: {state}; published tags under "
+            f"{path!r}: {published_tags(path)} (pass one as tag, or repair "
+            f"{ix.LATEST_FILE!r}){hint}"
+        )
     return target
+
+
+def read_latest(root: str) -> str | None:
+    """The tag ``<root>/latest`` names (stripped; may be empty or invalid if the file was
+    damaged), or None when there is no ``latest`` file (nothing published yet)."""
+    try:
+        with open(os.path.join(root, ix.LATEST_FILE), encoding="utf-8", errors="replace") as f:
+            return f.read().strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def published_tags(root: str) -> list[str]:
+    """Names of the directories under ``root`` holding an ``index.json``, sorted (no
+    ``.tmp-*`` directories); for error messages."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    return sorted(
+        n
+        for n in names
+        if not n.startswith(".") and os.path.isfile(os.path.join(root, n, ix.INDEX_FILE))
+    )
+
+
+def _replaced_copy(root: str, tag: str) -> str | None:
+    """The path of a complete old copy of ``tag`` moved aside by a save of the same tag
+    that died before renaming the new one in (``.tmp-old-<tag>-<nonce>``), or None."""
+    prefix = f"{ix.TEMP_PREFIX}old-{tag}-"
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return None
+    for name in names:
+        path = os.path.join(root, name)
+        nonce = name[len(prefix) :]
+        if name.startswith(prefix) and "-" not in nonce and nonce:
+            if os.path.isfile(os.path.join(path, ix.INDEX_FILE)):
+                return path
+    return None
+
+
+def _is_plain_name(tag: str) -> bool:
+    """True for a non-empty directory name without separators, not starting with '.'."""
+    return (
+        bool(tag)
+        and not tag.startswith(".")
+        and os.sep not in tag
+        and not (os.altsep and os.altsep in tag)
+        and tag.isprintable()
+    )
 
 
 class CheckpointReader:
@@ -202,7 +279,8 @@ class RestoreResult:
 
 def check_compatible(state: TrainingState, index: ix.CheckpointIndex) -> None:
     """Raise :class:`CheckpointMismatchError` naming the first variable, slot or count of
-    the checkpoint that does not fit ``state``."""
+    the checkpoint that does not fit ``state``. With no optimizer (``state.optimizer`` is
+    None) the optimizer's slots and variables are not compared (parameters only)."""
     params = index.group("param")
     if len(params) != len(state.params):
         raise CheckpointMismatchError(
@@ -217,13 +295,16 @@ def check_compatible(state: TrainingState, index: ix.CheckpointIndex) -> None:
                 f"!= checkpoint shape {rec.shape} (saved as {rec.path!r})"
             )
     saved_slots = list(index.optimizer.get("slots") or [])
-    if saved_slots != list(state.slots):
+    if state.optimizer is not None and saved_slots != list(state.slots):
         raise CheckpointMismatchError(
             f"optimizer states differ: checkpoint {index.tag!r} holds slots {saved_slots} "
             f"({index.optimizer.get('class')}), the optimizer has {list(state.slots)} "
             f"({type(state.optimizer).__name__ if state.optimizer is not None else None})"
         )
-    for prefix in ("model_var", "optimizer_var"):
+    # Without an optimizer (an uncompiled model: inference, export) only the model's
+    # tensors are restored; the optimizer's stay in the checkpoint.
+    prefixes = ("model_var", "optimizer_var") if state.optimizer is not None else ("model_var",)
+    for prefix in prefixes:
         saved = index.group(prefix)
         current = [(n, v) for n, v in state.replicated if n.startswith(prefix + "/")]
         if len(saved) != len(current):

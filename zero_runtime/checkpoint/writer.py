@@ -108,12 +108,15 @@ def save(
 
     Raises:
         ValueError: a bad tag or ``max_to_keep``.
+        TypeError: ``client_state`` is not a JSON-serialisable dict (checked before any
+            file is written).
         OSError: the file system refused a write.
         tensorflow.errors.OpError: a peer worker failed or timed out (multi-worker).
     """
     start = time.perf_counter()
     if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
         raise ValueError(f"max_to_keep must be an int >= 1 or None, got {max_to_keep!r}")
+    _check_client_state(client_state)  # before any file is written (and on every worker)
     root = os.path.abspath(root)
     os.makedirs(root, exist_ok=True)
     opt = state.optimizer
@@ -172,6 +175,24 @@ def save(
     seconds = time.perf_counter() - start
     log.info("checkpoint %s: %d bytes written in %.3f s", final, written, seconds)
     return SaveResult(final, tag, step, written, seconds)
+
+
+def _check_client_state(client_state: Any) -> None:
+    """Raise TypeError unless ``client_state`` is None or a dict that ``json.dumps``
+    accepts (it is stored in ``index.json``); the message names the offending value."""
+    import json
+
+    if client_state is None:
+        return
+    if not isinstance(client_state, dict):
+        raise TypeError(f"client_state must be a dict, got {type(client_state).__name__}")
+    try:
+        json.dumps(client_state)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(
+            f"client_state must be JSON-serialisable (str/int/float/bool/None, lists and "
+            f"dicts with str keys): {exc}"
+        ) from None
 
 
 def _make_index(
@@ -392,6 +413,8 @@ def prune(root: str, max_to_keep: int, keep: str | None = None) -> list[str]:
     for name in os.listdir(root):  # leftovers of saves that died before publishing
         if name.startswith(ix.TEMP_PREFIX):
             path = os.path.join(root, name)
+            if _sole_copy(root, name):
+                continue
             if os.path.isdir(path):
                 shutil.rmtree(path, ignore_errors=True)
             else:
@@ -399,6 +422,27 @@ def prune(root: str, max_to_keep: int, keep: str | None = None) -> list[str]:
     if doomed:
         _fsync_dir(root)
     return doomed
+
+
+def _replaced_copy_tag(name: str) -> str | None:
+    """The tag of ``name`` when it is the moved-aside old copy of a checkpoint being
+    replaced (``.tmp-old-<tag>-<nonce>``, :func:`_publish`), else None."""
+    prefix = f"{ix.TEMP_PREFIX}old-"
+    if not name.startswith(prefix) or "-" not in name[len(prefix) :]:
+        return None
+    return name[len(prefix) :].rsplit("-", 1)[0] or None
+
+
+def _sole_copy(root: str, name: str) -> bool:
+    """True when ``name`` is a replaced checkpoint's old copy whose replacement never
+    landed (a save of the same tag died between its two renames): then it is the only
+    copy of that tag, and pruning must keep it."""
+    tag = _replaced_copy_tag(name)
+    return (
+        tag is not None
+        and os.path.isfile(os.path.join(root, name, ix.INDEX_FILE))
+        and not os.path.isfile(os.path.join(root, tag, ix.INDEX_FILE))
+    )
 
 
 def _write_file(path: str, arrays: list[np.ndarray]) -> tuple[int, str]:
