@@ -194,3 +194,23 @@ def test_zero_init_initializes_what_it_does_not_shard(tmp_path, cpu_devices):
     assert zi2.deferred_paths == [] and not construction.is_deferred(dense.kernel)
     assert isinstance(dense.kernel.value, tf.distribute.DistributedValues)
     stage2.close()
+
+
+def test_misuse_names_the_fix(tmp_path, cpu_devices):
+    """A zero_init model trained without shard_model, and a model sharded twice, are clear
+    ValueErrors (were an AttributeError deep in the optimizer and a bare KeyError at the
+    first step)."""
+    strategy = zero_runtime.ZeroInfinityStrategy(_config("cpu", tmp_path))
+    with strategy.zero_init():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="d")])
+    with strategy.scope():
+        model.compile(optimizer="sgd", loss="mse")
+    x, y = np.ones((4, 4), np.float32), np.zeros((4, 3), np.float32)
+    with pytest.raises(ValueError, match=r"zero_init\(\).*strategy\.shard_model"):
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    sharded = strategy.shard_model(model)
+    with pytest.raises(ValueError, match="already sharded"):
+        strategy.shard_model(model)
+    with pytest.raises(ValueError, match="already sharded"):
+        strategy.shard_model(sharded)
+    strategy.close()

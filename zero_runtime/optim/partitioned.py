@@ -57,6 +57,13 @@ from zero_runtime.optim.layout import FlatLayout, layout_from_sharded
 from zero_runtime.optim.nvme_state import NvmeOptimizerState
 from zero_runtime.sharded_variable import ShardedVariable, ShardState
 
+
+def _is_deferred(variable) -> bool:
+    """True for a Keras variable created without a value (``strategy.zero_init``)."""
+    from zero_runtime.stage3.construction import is_deferred  # lazy: stage3 imports optim
+
+    return is_deferred(variable)
+
 _BaseOptimizer = keras.optimizers.Optimizer
 _OPTIMIZER_IDS = itertools.count()
 
@@ -128,11 +135,20 @@ class _PartitionedUpdate:
 
         Raises:
             NotImplementedError: ``amsgrad=True`` (Adam), or EMA with accumulation.
+            ValueError: a variable built inside ``strategy.zero_init()`` has no value yet
+                (the model was not passed through ``strategy.shard_model``).
             zero_runtime.memory.NvmePathError: ``offload_optimizer='nvme'`` with an
                 unusable ``nvme_path``.
         """
         if self.built:
             return
+        deferred = [v for v in variables if _is_deferred(v)]
+        if deferred:
+            raise ValueError(
+                f"{len(deferred)} variable(s) (first: {deferred[0].path!r}) were built inside "
+                "strategy.zero_init() and have no value until sharded: train the model "
+                "returned by strategy.shard_model(model), not the model itself"
+            )
         strategy = self._distribution_strategy
         runtime = getattr(strategy, "runtime", None)
         config = runtime.config if runtime is not None else ZeroConfig()

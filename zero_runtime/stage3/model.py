@@ -42,7 +42,8 @@ class ShardedModel(keras.Model):
         engine: the :class:`Stage3Engine`.
 
     Raises:
-        ValueError: not a stage-3 ZeroInfinityStrategy; see also :class:`Stage3Engine`.
+        ValueError: not a stage-3 ZeroInfinityStrategy, or a model already sharded
+            (passed to shard_model before); see also :class:`Stage3Engine`.
 
     Compile with a partitioned optimizer (``"adam"``, ``"adamw"``, ``"sgd"`` inside the
     scope) and any Keras loss; metrics work as in Keras. Gradient accumulation
@@ -58,9 +59,15 @@ class ShardedModel(keras.Model):
         config = getattr(strategy, "config", None)
         if config is None or config.stage != 3:
             raise ValueError("ShardedModel needs a ZeroInfinityStrategy with stage=3")
+        if isinstance(model, ShardedModel) or getattr(model, "_zero_stage3_sharded", False):
+            raise ValueError(
+                f"model {model.name!r} is already sharded by shard_model: train the "
+                "ShardedModel it returned (its .inner is this model) instead of sharding twice"
+            )
         super().__init__(name=kwargs.pop("name", f"{model.name}_zero3"), **kwargs)
         self.engine = Stage3Engine(model, strategy)
         self.inner = model
+        object.__setattr__(model, "_zero_stage3_sharded", True)  # not a tracked attribute
         self.accumulator: ShardAccumulator | None = None  # built at the first step (N > 1)
 
     def call(self, inputs, training: bool | None = None):
