@@ -24,6 +24,14 @@ if mode == "fail" and rank == 1:
     sys.exit(3)
 if mode == "fail":
     time.sleep(60)  # would hang the job without fail-fast
+if mode == "stall" and rank == 0:  # the line multiworker's failure hook prints, then exit
+    time.sleep(0.2)
+    print("zero_runtime: worker rank 1 (127.0.0.1:23461) did not join a collective within "
+          "10 s (stalled, or ran out of data); worker rank 0 stops (DeadlineExceededError)",
+          file=sys.stderr, flush=True)
+    sys.exit(1)
+if mode == "stall":
+    time.sleep(60)  # the stalled peer: still running when rank 0 gives up
 print("done", rank)
 """
 
@@ -93,3 +101,19 @@ def test_cli_launch_end_to_end(worker_script):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "[rank 0] done 0" in proc.stdout and "[rank 1] done 1" in proc.stdout
+
+
+def test_a_stall_is_blamed_on_the_stalled_rank_not_on_the_survivor(worker_script):
+    """The worker that timed out exits first; the launcher names the rank it reported
+    (still running) and stops it within the grace period, not the collective timeout."""
+    out = io.StringIO()
+    t0 = time.monotonic()
+    status = launch.launch(2, [sys.executable, worker_script, "stall"], out=out)
+    elapsed = time.monotonic() - t0
+    assert status == 1
+    assert (
+        "[launcher] rank 0 exited with status 1 because worker rank 1 (127.0.0.1:23461) did "
+        "not join a collective within 10 s (stalled, or ran out of data) (it is still "
+        "running); stopping the other workers"
+    ) in out.getvalue()
+    assert elapsed < launch.TERMINATE_GRACE_SECONDS + 10  # SIGTERM+SIGINT stop the sleeper

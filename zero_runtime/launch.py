@@ -14,6 +14,7 @@ import dataclasses
 import enum
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -28,6 +29,11 @@ from typing import IO
 #: catches SIGTERM (its preemption notifier), so a worker only stops on SIGINT (between
 #: ops) or SIGKILL; checkpoints are atomic (docs/checkpoint.md), so nothing is lost.
 TERMINATE_GRACE_SECONDS = 3.0
+
+
+#: A worker's own report that a peer failed (``multiworker.describe_failure``, printed by
+#: the failure hook as ``zero_runtime: worker rank R (host:port) <what it did>; ...``).
+_PEER_REPORT = re.compile(r"zero_runtime: (worker rank (\d+) \([^)]*\) [^;]*);")
 
 
 class WorkerState(enum.Enum):
@@ -47,12 +53,17 @@ class Worker:
         process: the ``subprocess.Popen`` object.
         state: its lifecycle state.
         returncode: exit status once it ended (negative: killed by that signal).
+        blames: the peer this worker reported as failed (rank, description), if any: a
+            stalled peer is still running when the worker that timed out exits, so the
+            launcher names the stalled rank from this report.
     """
 
     rank: int
     process: subprocess.Popen
     state: WorkerState = WorkerState.RUNNING
     returncode: int | None = None
+    blames: tuple[int, str] | None = None  # (peer rank, what it did), from its own output
+    pump: threading.Thread | None = None  # copies its output, prefixed by rank
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -150,7 +161,10 @@ def launch(
             start_new_session=True,  # its own process group: we stop the whole group
         )
         workers.append(Worker(rank, proc))
-        pump = threading.Thread(target=_pump, args=(proc.stdout, rank, out, lock), daemon=True)
+        pump = threading.Thread(
+            target=_pump, args=(proc.stdout, workers[-1], out, lock), daemon=True
+        )
+        workers[-1].pump = pump
         pump.start()
         pumps.append(pump)
     status = _supervise(workers, out, lock)
@@ -159,8 +173,12 @@ def launch(
     return status
 
 
-def _pump(stream: IO[str], rank: int, out: IO[str], lock: threading.Lock) -> None:
+def _pump(stream: IO[str], worker: Worker, out: IO[str], lock: threading.Lock) -> None:
+    rank = worker.rank
     for line in stream:
+        report = _PEER_REPORT.search(line)
+        if report and worker.blames is None:
+            worker.blames = (int(report.group(2)), report.group(1))
         with lock:
             out.write(f"[rank {rank}] {line}" if line.endswith("\n") else f"[rank {rank}] {line}\n")
             out.flush()
@@ -178,10 +196,19 @@ def _supervise(workers: list[Worker], out: IO[str], lock: threading.Lock) -> int
                     continue
                 w.state, w.returncode = WorkerState.EXITED, code
                 if code != 0:
+                    if w.pump is not None:
+                        w.pump.join(timeout=2.0)  # its last lines may name a failed peer
+                    cause = ""
+                    if w.blames is not None:
+                        peer, what = w.blames
+                        alive = any(
+                            p.rank == peer and p.state is WorkerState.RUNNING for p in workers
+                        )
+                        cause = f" because {what}" + (" (it is still running)" if alive else "")
                     with lock:
                         out.write(
-                            f"[launcher] rank {w.rank} exited with status {_status(code)}; "
-                            "stopping the other workers\n"
+                            f"[launcher] rank {w.rank} exited with status {_status(code)}"
+                            f"{cause}; stopping the other workers\n"
                         )
                         out.flush()
                     _stop_all(workers)
