@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -279,6 +280,19 @@ def run(name: str, out: str, replicas: int, timeout: float) -> dict:
     return record
 
 
+def _wait_for(paths: list[str], deadline_s: float) -> None:
+    """Block until every path exists; RuntimeError naming the missing ones after
+    ``deadline_s`` seconds."""
+    end = time.monotonic() + deadline_s
+    while True:
+        missing = [p for p in paths if not os.path.exists(p)]
+        if not missing:
+            return
+        if time.monotonic() > end:
+            raise RuntimeError(f"peers did not finish within {deadline_s:g} s: {missing}")
+        time.sleep(0.1)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -288,8 +302,21 @@ def main() -> int:
     args = p.parse_args()
     tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path[:0] = [tests_dir, os.path.dirname(tests_dir)]  # helpers, and demo from the repo
+    world = int(os.environ.get("ZERO_RUNTIME_WORLD_SIZE", "1"))
+    previous = None
     for name in args.configs.split(","):
+        if previous is not None:
+            # Barrier: every worker has closed the previous config's strategy before any
+            # creates the next one. Without it a fast chief re-enabled collective ops and
+            # broadcast the next model's first variable while its peer was still closing
+            # the previous strategy; both then waited forever on a matching broadcast
+            # (same group/instance keys; seen under heavy load in CI).
+            _wait_for(
+                [os.path.join(args.out, f"{previous}_rank{r}.json") for r in range(world)],
+                deadline_s=max(120.0, 4 * args.timeout),
+            )
         record = run(name, args.out, args.replicas, args.timeout)
+        previous = name
         print(f"rank {record['rank']} {name} done: losses {record['losses']}", flush=True)
     return 0
 

@@ -457,13 +457,18 @@ class Stage3Engine:
                     g if g is not None else tf.zeros(v.shape, tf.float32)
                     for g, v in zip(gs[: len(values2)], block.variables)
                 ]
-                pieces = self._reduce_scatter(block, gparams)
+                shard = self._reduce_scatter(block, gparams)  # (E,)
                 # values2 too: an embedding's gradient does not read the table, and the
                 # host call that finished the gather must still run (see _host_call).
-                done = self._release_after(block, replica, bwd_use, pieces + list(values2))
+                done = self._release_after(block, replica, bwd_use, [shard, *values2])
                 d_anchor = tf.zeros_like(anchor) + done  # depends on the release (0.0)
-                # The optimizer reads the pieces + 0.0: a data dependency on the release.
-                self._grad_pieces[(replica, block.index)] = [p + done for p in pieces]
+                # The optimizer reads the shard + 0.0: a data dependency on the release.
+                # Added once to the whole shard (per piece it made a copy of each piece,
+                # kept to the step's end); _reduce_scatter's shard owns its buffer, so
+                # the add runs in place.
+                shard = shard + done
+                sizes = [v.shard_elements for v in block.variables]
+                self._grad_pieces[(replica, block.index)] = list(tf.split(shard, sizes))
                 # dx waits for the release of the block whose backward ran before this
                 # one: the next gather (which depends on dx) overlaps this block's
                 # backward but never a third block (at most two blocks gathered).
@@ -533,8 +538,9 @@ class Stage3Engine:
             t.set_shape(s)
         return values
 
-    def _reduce_scatter(self, block: Block, grads: list) -> list[tf.Tensor]:
-        """Reduce-scatter the block's full gradients; return this replica's pieces."""
+    def _reduce_scatter(self, block: Block, grads: list) -> tf.Tensor:
+        """Reduce-scatter the block's full gradients; return this replica's reduced shard,
+        float32 ``[E]`` (its pieces of the block's variables, concatenated in order)."""
         n = self.num_shards
         cols = []
         for g, v in zip(grads, block.variables):
@@ -550,7 +556,17 @@ class Stage3Engine:
             cols.append(tf.reshape(g, [n, v.shard_elements]))  # (N, R * prod(rest))
         flat = tf.reshape(tf.concat(cols, axis=1), [-1])  # (N * E,)
         shard = comm.reduce_scatter_sum_flat(flat, self.group)  # (E,)
-        return list(tf.split(shard, [v.shard_elements for v in block.variables]))
+        if self.group.reduce_scatter_impl == "all_reduce":
+            # A copy: this path's shard is a slice of the (N * E,) sum, and on CPU a Slice
+            # of an aligned dim-0 range (and an elementwise op forwarding it) aliases its
+            # input, so every block's full summed gradient would stay allocated as long
+            # as its shard, i.e. until the optimizer runs at the end of the step
+            # (measured in docs/zero_stages.md, "Device peak of a step"). Gather always
+            # allocates its output and is stateless (DeepCopy is stateful: automatic
+            # control dependencies then order it after the other replica's collectives,
+            # a deadlock; see _host_call).
+            shard = tf.gather(tf.reshape(shard, [1, -1]), 0)  # (E,), its own buffer
+        return shard
 
     # -- host callbacks --------------------------------------------------------------------
     def _oom_guard(self, fn):
