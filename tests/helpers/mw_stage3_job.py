@@ -85,6 +85,18 @@ def make_config(name: str, nvme_dir: str, timeout: float) -> dict:
     return config
 
 
+def _common_record(strategy, running: list[float], weights: list) -> dict:
+    """The fields every config's record has: replica counts, strategy class, per-step
+    losses (from Keras's running means) and the weights as nested lists."""
+    return {
+        "num_replicas_in_sync": strategy.num_replicas_in_sync,
+        "local_replicas": len(strategy.device_info.devices),
+        "strategy": type(strategy).__name__,
+        "losses": _step_losses(running),
+        "weights": [w.tolist() for w in weights],
+    }
+
+
 def _step_losses(running: list[float]) -> list[float]:
     """Each step's loss from Keras's running epoch mean."""
     return [running[0]] + [
@@ -126,11 +138,7 @@ def stage3_record(strategy, steps: int = STEPS) -> dict:
     sharded.fit(ds, epochs=1, shuffle=False, verbose=0, callbacks=[cb])
     weights = model.get_weights()
     record = {
-        "num_replicas_in_sync": strategy.num_replicas_in_sync,
-        "local_replicas": len(strategy.device_info.devices),
-        "strategy": type(strategy).__name__,
-        "losses": _step_losses(running),
-        "weights": [w.tolist() for w in weights],
+        **_common_record(strategy, running, weights),
         "shard_tiers": sorted({v.tier for v in sharded.engine.variables}),
         "optimizer_tier": sharded.optimizer.zero_state.store.tier,
         "local_replica_ids": list(sharded.engine.local_replicas),
@@ -207,11 +215,7 @@ def embedding_record(strategy, steps: int = STEPS) -> dict:
     (emb,) = engine.row_paged.values()
     (row,) = [r for r in engine.placement_rows("host") if r.get("row_paged")]
     record = {
-        "num_replicas_in_sync": strategy.num_replicas_in_sync,
-        "local_replicas": len(strategy.device_info.devices),
-        "strategy": type(strategy).__name__,
-        "losses": _step_losses(running),
-        "weights": [w.tolist() for w in weights],
+        **_common_record(strategy, running, weights),
         "touched": np.unique(ids).tolist(),
         "initial_table": initial[0].tolist(),
         "local_replica_ids": list(engine.local_replicas),
