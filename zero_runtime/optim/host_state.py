@@ -151,11 +151,11 @@ class HostOptimizerState:
         shard.state = ShardState.UPDATING
         return shard
 
-    def end_update(self, shard: ReplicaShard) -> None:
-        """Move a shard UPDATING -> READY and count the update."""
+    def end_update(self, shard: ReplicaShard, count: bool = True) -> None:
+        """Move a shard UPDATING -> READY and count the update (unless ``count`` is False)."""
         if shard.state is not ShardState.UPDATING:
             raise RuntimeError(f"shard {shard.replica} is {shard.state.value}, expected updating")
-        shard.updates += 1
+        shard.updates += int(count)
         shard.state = ShardState.READY
 
     def update(
@@ -165,22 +165,35 @@ class HostOptimizerState:
         param: np.ndarray,
         grad: np.ndarray,
         step_fn: StepFn,
+        offset: int = 0,
+        count: bool = True,
     ) -> None:
         """Update ``replica``'s shard in place over the shard-local ``ranges``.
 
         Args:
             replica: the replica id.
-            ranges: shard-local ``[start, end)`` element ranges to update (active variables).
-            param: float32 ``[shard_size]`` parameter shard, updated in place.
-            grad: float32 ``[shard_size]`` reduced gradient shard.
+            ranges: shard-local ``[start, end)`` element ranges to update (active
+                variables), within ``[offset, offset + len(param))``.
+            param: float32 parameter elements ``[offset, offset + len(param))`` of the
+                shard (the whole ``[shard_size]`` shard with the default offset 0),
+                updated in place.
+            grad: float32 reduced gradient, the same elements as ``param``.
             step_fn: the optimizer's per-tile update (:data:`StepFn`).
+            offset: shard-local element index of ``param[0]`` (default 0). The stage-3
+                update in backward (:mod:`zero_runtime.optim.backward_update`) passes one
+                block's elements at a time.
+            count: count this call in :meth:`updates` (default True; False for the
+                partial updates of one step but its last).
         """
         shard = self.begin_update(replica)
+        slots = shard.slots
+        if offset:
+            slots = {k: a[offset : offset + len(param)] for k, a in slots.items()}
         try:
             for s, e in ranges:
-                run_tiles(step_fn, shard.slots, shard.scratch, param, grad, s, e)
+                run_tiles(step_fn, slots, shard.scratch, param, grad, s - offset, e - offset)
         finally:
-            self.end_update(shard)
+            self.end_update(shard, count)
 
     @property
     def nbytes(self) -> int:
@@ -198,6 +211,11 @@ class HostOptimizerState:
         """``{"host": (state_bytes, scratch_bytes)}``."""
         state = self.state_bytes
         return {"host": (state, self.nbytes - state)}
+
+    def mark_updated(self, replica: int) -> None:
+        """Count one completed update of ``replica``'s shard made of partial updates
+        (``update(..., count=False)``, the stage-3 update in backward)."""
+        self.shard(replica).updates += 1
 
     def updates(self, replica: int) -> int:
         """Completed updates of ``replica``'s shard (0 before the first)."""

@@ -140,15 +140,23 @@ class NvmeOptimizerState:
         param: np.ndarray,
         grad: np.ndarray,
         step_fn: StepFn,
+        offset: int = 0,
+        count: bool = True,
     ) -> None:
         """Stream ``replica``'s shard through the host and update it over ``ranges``.
 
         Args:
             replica: the replica id.
-            ranges: shard-local ``[start, end)`` ranges to update (active variables).
-            param: float32 ``[shard_size]`` parameter shard, updated in place.
-            grad: float32 ``[shard_size]`` reduced gradient shard.
+            ranges: shard-local ``[start, end)`` ranges to update (active variables),
+                within ``[offset, offset + len(param))``.
+            param: float32 parameter elements ``[offset, offset + len(param))`` of the
+                shard (the whole ``[shard_size]`` shard with the default offset 0),
+                updated in place.
+            grad: float32 reduced gradient, the same elements as ``param``.
             step_fn: the optimizer's per-tile update.
+            offset: shard-local element index of ``param[0]`` (default 0; see
+                :meth:`HostOptimizerState.update`).
+            count: count this call in :meth:`updates` (default True).
 
         Raises:
             zero_runtime.memory.PagingError: an NVMe read or write failed (including
@@ -168,8 +176,8 @@ class NvmeOptimizerState:
         if not self.slot_names:
             for _, parts in work:
                 for s, e in parts:
-                    run_tiles(step_fn, {}, rec.scratch, param, grad, s, e)
-            rec.updates += 1
+                    run_tiles(step_fn, {}, rec.scratch, param, grad, s - offset, e - offset)
+            rec.updates += int(count)
             return
         pending: list[concurrent.futures.Future] = []
         if work:
@@ -186,7 +194,8 @@ class NvmeOptimizerState:
                         slots = {
                             name: a[s - lo : e - lo] for name, a in zip(self.slot_names, arrays)
                         }
-                        run_tiles(step_fn, slots, rec.scratch, param[s:e], grad[s:e], 0, e - s)
+                        p, g = param[s - offset : e - offset], grad[s - offset : e - offset]
+                        run_tiles(step_fn, slots, rec.scratch, p, g, 0, e - s)
                 finally:
                     for tid in ids:
                         self.pool.release(tid)
@@ -194,9 +203,14 @@ class NvmeOptimizerState:
         finally:
             for f in pending:
                 f.result()
-        rec.updates += 1
+        rec.updates += int(count)
 
     # -- accounting ---------------------------------------------------------------------
+    def mark_updated(self, replica: int) -> None:
+        """Count one completed update of ``replica``'s shard made of partial updates
+        (``update(..., count=False)``, the stage-3 update in backward)."""
+        self._record(replica).updates += 1
+
     def updates(self, replica: int) -> int:
         """Completed updates of ``replica``'s shard."""
         with self._lock:

@@ -64,6 +64,7 @@ def _is_deferred(variable) -> bool:
 
     return is_deferred(variable)
 
+
 _BaseOptimizer = keras.optimizers.Optimizer
 _OPTIMIZER_IDS = itertools.count()
 

@@ -372,17 +372,24 @@ class Stage3Engine:
         return [v for b in self.blocks for v in b.variables]
 
     # -- the step (replica context) --------------------------------------------------------
-    def forward_backward(self, x, loss_fn, training: bool = True):
+    def forward_backward(self, x, loss_fn, training: bool = True, update=None):
         """Run forward and backward on this replica; return ``(y_pred, loss, grads)``.
 
         Args:
             x: the replica's input batch.
             loss_fn: ``y_pred -> scalar loss`` (runs under the tape).
             training: passed to layers whose ``call`` takes ``training``.
+            update: a :class:`~zero_runtime.optim.backward_update.BackwardShardUpdate`
+                for this replica, or None (default). Given, each block's reduced
+                gradient shard updates the block's parameter shards as soon as it
+                exists, during backward, and is freed then (the device never holds more
+                than the blocks being reduced).
 
         Returns:
-            ``y_pred``, the loss, and ``{id(variable): float32 [shard_elements]}``: the
-            replica's reduced (summed over replicas) gradient shard of every variable.
+            ``y_pred``, the loss, and the gradients: without ``update``,
+            ``{id(variable): float32 [shard_elements]}``, the replica's reduced (summed
+            over replicas) gradient shard of every variable; with ``update``, a float32
+            scalar 0.0 that exists once every block's update has run.
 
         Raises:
             RuntimeError: outside replica context or with a non-static replica id.
@@ -393,11 +400,13 @@ class Stage3Engine:
             tape.watch(anchor)
             h = x
             for block in self.blocks:
-                h = self._block(block, h, anchor, replica, training)
+                h = self._block(block, h, anchor, replica, training, update)
             y_pred = h
             loss = loss_fn(y_pred)
         self._prev_release.pop(replica, None)
         d_anchor = tape.gradient(loss, anchor)
+        if update is not None:  # every block's update feeds d_anchor (a 0.0 each)
+            return y_pred, loss, d_anchor
         grads = {}
         for block in self.blocks:
             if not block.variables:
@@ -428,7 +437,7 @@ class Stage3Engine:
             h = h + tf.cast(done, h.dtype)  # done == 0.0: a data dependency on the release
         return h
 
-    def _block(self, block: Block, x, anchor, replica: int, training: bool):
+    def _block(self, block: Block, x, anchor, replica: int, training: bool, update=None):
         if block.index in self.row_paged:  # only the batch's rows move
             return self.row_paged[block.index].block(x, anchor, replica)
         if not block.variables:  # nothing to gather: an ordinary op under the outer tape
@@ -462,13 +471,18 @@ class Stage3Engine:
                 # host call that finished the gather must still run (see _host_call).
                 done = self._release_after(block, replica, bwd_use, [shard, *values2])
                 d_anchor = tf.zeros_like(anchor) + done  # depends on the release (0.0)
-                # The optimizer reads the shard + 0.0: a data dependency on the release.
-                # Added once to the whole shard (per piece it made a copy of each piece,
-                # kept to the step's end); _reduce_scatter's shard owns its buffer, so
-                # the add runs in place.
-                shard = shard + done
-                sizes = [v.shard_elements for v in block.variables]
-                self._grad_pieces[(replica, block.index)] = list(tf.split(shard, sizes))
+                if update is not None:
+                    # Updated now, on the host, after the release; the shard is freed
+                    # when the update has read it. d_anchor carries its token (0.0).
+                    d_anchor = d_anchor + update.update(block.variables, shard, done)
+                else:
+                    # The optimizer reads the shard + 0.0: a data dependency on the
+                    # release. Added once to the whole shard (per piece it made a copy of
+                    # each piece, kept to the step's end); _reduce_scatter's shard owns
+                    # its buffer, so the add runs in place.
+                    shard = shard + done
+                    sizes = [v.shard_elements for v in block.variables]
+                    self._grad_pieces[(replica, block.index)] = list(tf.split(shard, sizes))
                 # dx waits for the release of the block whose backward ran before this
                 # one: the next gather (which depends on dx) overlaps this block's
                 # backward but never a third block (at most two blocks gathered).

@@ -23,6 +23,8 @@ from keras.src import tree
 from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from zero_runtime.optim import backward_update
+from zero_runtime.optim.backward_update import BackwardShardUpdate
 from zero_runtime.stage3.accumulation import ShardAccumulator
 from zero_runtime.stage3.clipping import clip_shards, clipping_active
 from zero_runtime.stage3.engine import Stage3Engine
@@ -46,7 +48,11 @@ class ShardedModel(keras.Model):
             (passed to shard_model before); see also :class:`Stage3Engine`.
 
     Compile with a partitioned optimizer (``"adam"``, ``"adamw"``, ``"sgd"`` inside the
-    scope) and any Keras loss; metrics work as in Keras. Gradient accumulation
+    scope) and any Keras loss; metrics work as in Keras. With optimizer states on the host
+    or NVMe and neither accumulation nor clipping, each block's parameter shards are
+    updated during backward as soon as its gradient shard is reduced
+    (:mod:`zero_runtime.optim.backward_update`; ``update_in_backward`` says which path
+    the traced step took); otherwise after the whole backward. Gradient accumulation
     (``gradient_accumulation_steps``, :mod:`zero_runtime.stage3.accumulation`) and
     clipping (``clipnorm`` / ``global_clipnorm`` / ``clipvalue`` of the reduced gradient,
     :mod:`zero_runtime.stage3.clipping`) are done on gradient shards. Not implemented at
@@ -69,6 +75,9 @@ class ShardedModel(keras.Model):
         self.inner = model
         object.__setattr__(model, "_zero_stage3_sharded", True)  # not a tracked attribute
         self.accumulator: ShardAccumulator | None = None  # built at the first step (N > 1)
+        # Set when the train step is traced: True when each block's shards are updated
+        # during backward (zero_runtime/optim/backward_update.py), False at the step's end.
+        self.update_in_backward: bool | None = None
 
     def call(self, inputs, training: bool | None = None):
         """Forward pass. In replica context with several replicas, block by block with
@@ -97,18 +106,25 @@ class ShardedModel(keras.Model):
             )
             return loss
 
-        y_pred, _, grads = self.engine.forward_backward(x, loss_fn, training=True)
         replica = int(
             tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group)
         )
+        # With host/NVMe optimizer states (and no accumulation or clipping) each block's
+        # shards are updated during backward (zero_runtime/optim/backward_update.py).
+        update = BackwardShardUpdate(opt, replica) if backward_update.supported(opt) else None
+        self.update_in_backward = update is not None
+        y_pred, _, grads = self.engine.forward_backward(x, loss_fn, training=True, update=update)
         # Row-paged embeddings update their touched rows first (their scalars read the
         # iteration before the dense update increments it); the dense update follows.
         sparse = [e.apply_update(opt, replica) for e in self.engine.row_paged.values()]
         sparse = [t for t in sparse if t is not None]
-        if sparse:
-            with tf.control_dependencies(sparse):
-                grads = {k: tf.identity(g) for k, g in grads.items()}
-        done = self._apply_gradients(opt, grads, replica)
+        if update is not None:
+            done = update.finish([grads, *sparse])
+        else:
+            if sparse:
+                with tf.control_dependencies(sparse):
+                    grads = {k: tf.identity(g) for k, g in grads.items()}
+            done = self._apply_gradients(opt, grads, replica)
         with tf.control_dependencies([done]):
             end = tf.numpy_function(
                 functools.partial(_end_step, self.engine, replica),

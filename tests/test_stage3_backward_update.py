@@ -1,0 +1,154 @@
+"""Stage 3: the optimizer update in backward (zero_runtime/optim/backward_update.py).
+
+With optimizer states on the host or NVMe, each block's parameter shards are updated as
+soon as the block's gradient shard is reduced. Values: exactly (bitwise) the end-of-step
+update's, which the parity tests of tests/test_stage3.py tie to MirroredStrategy; the
+end-of-step path is forced with ``clipvalue=1e9`` (clipping needs every shard first and
+changes no value at that bound). Covered: Adam with a learning-rate schedule, AdamW
+(decoupled weight decay), SGD with momentum; host and NVMe states; persistent
+(gathered all step) variables. Memory: one step's allocator peak, measured in a fresh
+process, drops by at least the gradient shards' bytes (4 bytes x parameters over the
+replicas) that the end-of-step update keeps on the device until the step's end.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import zero_runtime
+from demo.model import GPTConfig, build_gpt
+from zero_runtime.optim import backward_update
+
+CFG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=2, d_ff=32)
+STEPS, BATCH = 6, 8
+JOB = os.path.join(os.path.dirname(__file__), "helpers", "step_peak_job.py")
+
+
+@functools.cache
+def _data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.RandomState(11)
+    tokens = rng.randint(0, CFG.vocab_size, size=(STEPS * BATCH, CFG.seq_len + 1))
+    return tokens[:, :-1].astype("int32"), tokens[:, 1:].astype("int32")
+
+
+def _optimizer(kind: str, **extra):
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.01, decay_steps=2, decay_rate=0.8)
+    if kind == "adam":
+        return zero_runtime.optim.Adam(learning_rate=schedule, **extra)
+    if kind == "adamw":
+        return zero_runtime.optim.AdamW(learning_rate=schedule, weight_decay=0.05, **extra)
+    return zero_runtime.optim.SGD(learning_rate=schedule, momentum=0.9, **extra)
+
+
+def _train(offload: str, kind: str, end_of_step: bool, tmp_path):
+    """(losses, weights, update_in_backward, store updates of replica 0, iterations)."""
+    tmp_path.mkdir()
+    strategy = zero_runtime.ZeroInfinityStrategy(
+        {
+            "stage": 3,
+            "offload_param": "cpu",
+            "offload_optimizer": offload,
+            "nvme_path": str(tmp_path),
+            "page_size_bytes": 65536,
+            "persistence_threshold": 100,  # biases and norms stay gathered all step
+            "sub_group_size": 1000,  # several NVMe sub-groups, crossing blocks
+        }
+    )
+    with strategy.scope():
+        model = build_gpt(CFG, seed=4)
+        sharded = strategy.shard_model(model)
+        extra = {"clipvalue": 1e9} if end_of_step else {}
+        sharded.compile(
+            optimizer=_optimizer(kind, **extra),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    x, y = _data()
+    losses: list[float] = []
+    cb = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda b, logs: losses.append(float(logs["loss"]))
+    )
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    sharded.fit(ds, epochs=1, verbose=0, shuffle=False, callbacks=[cb])
+    result = (
+        losses,
+        model.get_weights(),
+        sharded.update_in_backward,
+        sharded.optimizer.zero_state.store.updates(0),
+        int(sharded.optimizer.iterations.numpy()),
+    )
+    sharded.close()
+    strategy.close()
+    return result
+
+
+@pytest.mark.parametrize(("offload", "kind"), [("cpu", "adamw"), ("nvme", "adam"), ("cpu", "sgd")])
+def test_update_in_backward_equals_the_end_of_step_update(offload, kind, tmp_path, cpu_devices):
+    """Bitwise equal losses and weights, the same iteration count and one counted store
+    update per step, whichever path updates."""
+    losses, weights, in_bwd, updates, iters = _train(offload, kind, False, tmp_path / "a")
+    ref_losses, ref_weights, ref_in_bwd, ref_updates, ref_iters = _train(
+        offload, kind, True, tmp_path / "b"
+    )
+    assert in_bwd is True and ref_in_bwd is False
+    assert updates == ref_updates == iters == ref_iters == STEPS
+    assert len(losses) == STEPS and losses[-1] != losses[0]
+    assert losses == ref_losses
+    assert len(weights) == len(ref_weights)
+    for w, r in zip(weights, ref_weights):
+        np.testing.assert_array_equal(w, r)
+
+
+def test_supported_only_where_every_shard_is_not_needed_first(tmp_path, cpu_devices):
+    """Device optimizer states, accumulation and clipping take the end-of-step path."""
+
+    def built(offload: str, **extra) -> bool:
+        config = {"stage": 3, "offload_param": "cpu", "offload_optimizer": offload}
+        config.update({k: v for k, v in extra.items() if k == "gradient_accumulation_steps"})
+        strategy = zero_runtime.ZeroInfinityStrategy(config)
+        clip = {k: v for k, v in extra.items() if k != "gradient_accumulation_steps"}
+        with strategy.scope():
+            model = build_gpt(CFG, seed=4)
+            sharded = strategy.shard_model(model)
+            opt = zero_runtime.optim.Adam(1e-3, **clip)
+            opt.build(sharded.trainable_variables)
+        out = backward_update.supported(opt)
+        sharded.close()
+        strategy.close()
+        return out
+
+    assert built("cpu") is True
+    assert built("none") is False
+    assert built("cpu", gradient_accumulation_steps=2) is False
+    assert built("cpu", global_clipnorm=1.0) is False
+    with pytest.raises(ValueError, match="offload_optimizer 'cpu' or 'nvme'"):
+        backward_update.BackwardShardUpdate(zero_runtime.optim.Adam(1e-3), 0)
+
+
+def _peak(mode: str, tmp_path) -> dict:
+    out = tmp_path / f"{mode}.json"
+    proc = subprocess.run(
+        [sys.executable, JOB, str(out), mode], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_gradient_shards_are_freed_during_backward(tmp_path):
+    """The step's allocator peak with the update in backward is lower than with the
+    end-of-step update by at least the gradient shards' bytes (4 x parameters, both
+    replicas), with identical losses."""
+    bwd, end = _peak("backward", tmp_path), _peak("end", tmp_path)
+    print(f"step peak: update in backward {bwd['peak']} B, at the step's end {end['peak']} B")
+    assert bwd["update_in_backward"] is True and end["update_in_backward"] is False
+    assert bwd["params"] == end["params"] == 1_656_320
+    assert bwd["losses"] == end["losses"] and len(bwd["losses"]) == 1
+    assert 0 < bwd["peak"] <= end["peak"] - 4 * bwd["params"]

@@ -1,0 +1,182 @@
+"""Stage 3: each block's parameter shards updated during backward, on the host.
+
+With ``offload_optimizer`` 'cpu' or 'nvme' the optimizer update of stage 3 runs on the
+host anyway (ZeRO-Offload, Ren et al., USENIX ATC 2021, section 4.1: the fp32 gradients
+move to the CPU, where the optimizer steps). Done once at the end of the step, as
+:meth:`PartitionedOptimizer.apply_shard_gradients` does, every block's reduced gradient
+shard stays on the device until the whole backward has run: ``4 Ψ / N`` bytes per replica
+plus the concatenation handed to the host (measured in docs/zero_stages.md: the largest
+term of a stage-3 step's device peak). A :class:`BackwardShardUpdate` instead updates a
+block's shards as soon as its gradient shard is reduced (ZeRO-Offload's per-bucket
+gradient offload, taken one step further as in ZeRO-Infinity section 6.2's overlap of
+the optimizer step with backward): the device holds one block's gradient shard at a
+time, and the host Adam of block ``b`` overlaps the backward of block ``b - 1``.
+
+The result is exactly the end-of-step update's: an element-wise optimizer (Adam, AdamW,
+SGD) updates each element from its own gradient and states with the step's scalars
+(learning rate, bias corrections, read once before backward), and every parameter
+belongs to one block, whose backward is its last use in the step. Not used (the
+end-of-step update is) with gradient accumulation or clipping, which need every
+gradient shard first, or with optimizer states on the device ('none').
+
+Lifecycle per replica and step (traced once into the step's graph): ``__init__`` reads
+the step's scalars; :meth:`update` once per block, in backward order, each call chained
+after the previous one (the store updates one replica's shard at a time); :meth:`finish`
+after the last, which reports the step to the runtime and increments ``iterations``.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from zero_runtime.optim.device_state import DeviceOptimizerState
+from zero_runtime.sharded_variable import ShardState
+
+
+def supported(optimizer: Any) -> bool:
+    """True when ``optimizer`` (a built partitioned optimizer at stage 3) can update
+    during backward: optimizer states on the host or NVMe, no gradient accumulation, no
+    clipping (``clipnorm``, ``global_clipnorm``, ``clipvalue``)."""
+    zs = getattr(optimizer, "_zero", None)
+    if zs is None or zs.stage != 3 or isinstance(zs.store, DeviceOptimizerState):
+        return False
+    if zs.accumulation_steps != 1:
+        return False
+    return not any(
+        getattr(optimizer, name, None) for name in ("clipnorm", "global_clipnorm", "clipvalue")
+    )
+
+
+class BackwardShardUpdate:
+    """The optimizer update of one replica's step, one block at a time during backward.
+
+    Args:
+        optimizer: a built stage-3 partitioned optimizer (``zero_runtime.optim.Adam``,
+            ``AdamW``, ``SGD``) for which :func:`supported` is True.
+        replica: the replica id (static), in replica context.
+
+    Raises:
+        ValueError: ``optimizer`` is not :func:`supported`.
+
+    Attributes:
+        step: int64 scalar tensor, the optimizer step (0-based) this update applies.
+    """
+
+    def __init__(self, optimizer: Any, replica: int) -> None:
+        if not supported(optimizer):
+            raise ValueError(
+                f"{type(optimizer).__name__}: the update in backward needs a built stage-3 "
+                "partitioned optimizer with offload_optimizer 'cpu' or 'nvme', "
+                "gradient_accumulation_steps=1 and no clipping"
+            )
+        self.optimizer = optimizer
+        self.replica = replica
+        zs = optimizer.zero_state
+        order = optimizer._zero3_variables  # noqa: SLF001
+        self._offset = {id(v): b.shard_offset for b, v in zip(zs.layout.buckets, order)}
+        self._decay = {
+            id(v)
+            for v in order
+            if optimizer.weight_decay and optimizer._use_weight_decay(v)  # noqa: SLF001
+        }
+        lr = optimizer._zero_learning_rate()  # noqa: SLF001
+        self.step = optimizer._zero_step()  # noqa: SLF001
+        wd = tf.cast(optimizer.weight_decay if optimizer.weight_decay else 0.0, tf.float32)
+        self._scalars = [wd, tf.cast(lr, tf.float32), *optimizer._zero_scalars(lr)]  # noqa: SLF001
+        self._last: tf.Tensor | None = None  # the previous block's token (the chain)
+        self.blocks = 0
+
+    def update(self, variables: list, shard: tf.Tensor, after: tf.Tensor) -> tf.Tensor:
+        """Update ``variables``' shards with their reduced gradient ``shard``.
+
+        Args:
+            variables: one block's ShardedVariables, in the order of ``shard``.
+            shard: float32 ``[sum(v.shard_elements)]``, the replica's reduced gradient
+                shard of the block (summed over replicas).
+            after: a float32 scalar that must exist first (the block's release).
+
+        Returns:
+            A float32 scalar 0.0 that exists once the shards are written; the caller
+            must use it (it is a stateless host call: Grappler prunes unused ones).
+        """
+        inputs = [shard, after, self._last if self._last is not None else after]
+        fn = functools.partial(self._host_update, tuple(variables))
+        # Stateless, ordered by its inputs only: see zero_runtime.stage3.engine._host_call.
+        done = tf.numpy_function(
+            fn, [*inputs, *self._scalars], tf.float32, stateful=False, name="zero3_block_update"
+        )
+        done.set_shape([])
+        self._last = done
+        self.blocks += 1
+        return done
+
+    def finish(self, after: list) -> tf.Tensor:
+        """End the replica's update: report the step to the runtime (telemetry), then
+        increment ``iterations``. ``after``: tensors that must exist first (the last
+        block's token, row-paged tables' updates). Returns the int64 optimizer step."""
+        step = tf.numpy_function(
+            self._host_finish, [self.step, *after], tf.int64, stateful=True, name="zero3_finish"
+        )
+        step.set_shape([])
+        with tf.control_dependencies([step]):
+            self.optimizer._iterations.assign_add(1)  # noqa: SLF001
+            return tf.identity(step)
+
+    # -- host side -----------------------------------------------------------------------
+    def _host_update(self, variables: tuple, grad: np.ndarray, *args) -> np.float32:
+        start = time.perf_counter()
+        wd, lr, *scalars = args[2:]
+        opt, replica = self.optimizer, self.replica
+        zs = opt.zero_state
+        step_fn = functools.partial(opt._zero_host_step, scalars=scalars)  # noqa: SLF001
+        pos = 0
+        for run in _contiguous_runs(variables, self._offset):
+            n = sum(v.shard_elements for v in run)
+            param = np.concatenate([v.read_shard(replica) for v in run])
+            off = self._offset[id(run[0])]
+            if self._decay:  # Keras's decoupled weight decay first: v - v * wd * lr
+                p = 0
+                for v in run:
+                    if id(v) in self._decay:
+                        s = param[p : p + v.shard_elements]
+                        s[:] = s - s * np.float32(wd) * np.float32(lr)
+                    p += v.shard_elements
+            grad_run = grad[pos : pos + n]
+            zs.store.update(replica, ((off, off + n),), param, grad_run, step_fn, off, False)
+            p = 0
+            for v in run:
+                if v.state(replica) is ShardState.GATHERED:  # a persistent copy goes stale
+                    v.release(replica)
+                v.write_shard(replica, param[p : p + v.shard_elements])
+                p += v.shard_elements
+            pos += n
+        runtime = zs.runtime
+        if runtime is not None and hasattr(runtime, "timeline"):  # host compute, seconds
+            end = time.time()
+            runtime.timeline.add("compute", end - (time.perf_counter() - start), end)
+        return np.float32(0.0)
+
+    def _host_finish(self, step, *_) -> np.int64:
+        zs = self.optimizer.zero_state
+        zs.store.mark_updated(self.replica)
+        if zs.runtime is not None:
+            zs.runtime.on_shard_updated(self.optimizer, self.replica, int(step), 0.0)
+        return np.int64(step)
+
+
+def _contiguous_runs(variables: tuple, offset: dict) -> list[list]:
+    """Split ``variables`` into runs whose shards are adjacent in the optimizer layout."""
+    runs: list[list] = []
+    end = None
+    for v in variables:
+        if runs and offset[id(v)] == end:
+            runs[-1].append(v)
+        else:
+            runs.append([v])
+        end = offset[id(v)] + v.shard_elements
+    return runs
