@@ -89,7 +89,8 @@ def test_nvme_store_streams_subgroups_and_leaves_states_on_nvme(tmp_path):
     store.update(0, ((0, layout.shard_size),), param, grad, _adam_step)
     for j in range(store.num_subgroups):
         info = store.pool.describe(store.tensor_id(0, j, "m"))
-        assert all(p.state is PageState.ON_NVME for p in info.pages)
+        states = [p.state for p in info.pages]
+        assert all(st is PageState.ON_NVME for st in states), (j, states)
     counters = store.step_boundary(0)
     assert counters.h2n_pages == 2 * 5  # every slot of every sub-group written behind
     host, nvme = store.usage()["host"], store.usage()["nvme"]

@@ -133,7 +133,7 @@ def test_stage3_tiers_pages_and_placement_come_from_the_pool(tmp_path):
     assert len(rows) == 8  # 4 kernels + 4 biases, each once (no stage-1/2 rows)
     for r in rows:
         assert r["partitioning"].startswith(f"sharded 1/{n} along dim 0 (ZeRO-3)")
-        assert r["param_tier"] == "host" and r["grad_tier"] == "device"
+        assert r["param_tier"] == "host" and r["grad_tier"] == "device -> host (in backward)"
         assert r["optimizer_tier"] == "host"
         assert r["bytes"] == 4 * math.prod(r["shape"])
         assert r["shard_bytes_per_replica"] == 4 * math.ceil(r["shape"][0] / n) * math.prod(

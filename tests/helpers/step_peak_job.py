@@ -32,9 +32,9 @@ from demo.model import GPTConfig, build_gpt  # noqa: E402
 from zero_runtime.devices import local_devices  # noqa: E402
 from zero_runtime.runtime import ZeroRuntime  # noqa: E402
 
-# 1.65M parameters in 8 blocks: the gradient shards held to the step's end (4 bytes per
+# 2.45M parameters in 12 blocks: the gradient shards held to the step's end (4 bytes per
 # parameter over both replicas) outweigh one block's transient buffers.
-DEEP = GPTConfig(vocab_size=256, seq_len=32, d_model=128, n_heads=2, n_layers=8, d_ff=512)
+DEEP = GPTConfig(vocab_size=256, seq_len=32, d_model=128, n_heads=2, n_layers=12, d_ff=512)
 
 
 def main(out_path: str, mode: str) -> None:

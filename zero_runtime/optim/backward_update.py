@@ -6,11 +6,14 @@ move to the CPU, where the optimizer steps). Done once at the end of the step, a
 :meth:`PartitionedOptimizer.apply_shard_gradients` does, every block's reduced gradient
 shard stays on the device until the whole backward has run: ``4 Ψ / N`` bytes per replica
 plus the concatenation handed to the host (measured in docs/zero_stages.md: the largest
-term of a stage-3 step's device peak). A :class:`BackwardShardUpdate` instead updates a
-block's shards as soon as its gradient shard is reduced (ZeRO-Offload's per-bucket
-gradient offload, taken one step further as in ZeRO-Infinity section 6.2's overlap of
-the optimizer step with backward): the device holds one block's gradient shard at a
-time, and the host Adam of block ``b`` overlaps the backward of block ``b - 1``.
+term of a stage-3 step's device peak). A :class:`BackwardShardUpdate` instead hands each
+block's gradient shard to the host as soon as it is reduced (ZeRO-Offload's per-bucket
+gradient offload): a host call copies it (the device buffer is freed when the call
+returns) and queues the block's update on the replica's update thread, which steps the
+optimizer block after block while backward goes on (the overlap of the optimizer step
+with backward, ZeRO-Infinity, Rajbhandari et al., SC21, section 6.2). The device never
+waits for the host optimizer, so a slow host update queues host copies, not device
+buffers.
 
 The result is exactly the end-of-step update's: an element-wise optimizer (Adam, AdamW,
 SGD) updates each element from its own gradient and states with the step's scalars
@@ -20,15 +23,18 @@ end-of-step update is) with gradient accumulation or clipping, which need every
 gradient shard first, or with optimizer states on the device ('none').
 
 Lifecycle per replica and step (traced once into the step's graph): ``__init__`` reads
-the step's scalars; :meth:`update` once per block, in backward order, each call chained
-after the previous one (the store updates one replica's shard at a time); :meth:`finish`
-after the last, which reports the step to the runtime and increments ``iterations``.
+the step's scalars; :meth:`update` once per block, in backward order (copy + queue);
+:meth:`finish` after the last, which waits for the queued updates (raising the first
+error), reports the step to the runtime and increments ``iterations``.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import threading
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -88,11 +94,11 @@ class BackwardShardUpdate:
         self.step = optimizer._zero_step()  # noqa: SLF001
         wd = tf.cast(optimizer.weight_decay if optimizer.weight_decay else 0.0, tf.float32)
         self._scalars = [wd, tf.cast(lr, tf.float32), *optimizer._zero_scalars(lr)]  # noqa: SLF001
-        self._last: tf.Tensor | None = None  # the previous block's token (the chain)
         self.blocks = 0
+        self._pending: list[concurrent.futures.Future] = []  # this step's queued updates
 
     def update(self, variables: list, shard: tf.Tensor, after: tf.Tensor) -> tf.Tensor:
-        """Update ``variables``' shards with their reduced gradient ``shard``.
+        """Hand ``variables``' reduced gradient ``shard`` to the host update.
 
         Args:
             variables: one block's ShardedVariables, in the order of ``shard``.
@@ -101,17 +107,16 @@ class BackwardShardUpdate:
             after: a float32 scalar that must exist first (the block's release).
 
         Returns:
-            A float32 scalar 0.0 that exists once the shards are written; the caller
-            must use it (it is a stateless host call: Grappler prunes unused ones).
+            A float32 scalar 0.0 that exists once the shard is copied to the host and
+            its update queued; the caller must use it (it is a stateless host call:
+            Grappler prunes unused ones).
         """
-        inputs = [shard, after, self._last if self._last is not None else after]
-        fn = functools.partial(self._host_update, tuple(variables))
+        fn = functools.partial(self._host_enqueue, tuple(variables))
         # Stateless, ordered by its inputs only: see zero_runtime.stage3.engine._host_call.
         done = tf.numpy_function(
-            fn, [*inputs, *self._scalars], tf.float32, stateful=False, name="zero3_block_update"
+            fn, [shard, after, *self._scalars], tf.float32, stateful=False, name="zero3_grad_d2h"
         )
         done.set_shape([])
-        self._last = done
         self.blocks += 1
         return done
 
@@ -128,12 +133,18 @@ class BackwardShardUpdate:
             return tf.identity(step)
 
     # -- host side -----------------------------------------------------------------------
-    def _host_update(self, variables: tuple, grad: np.ndarray, *args) -> np.float32:
+    def _host_enqueue(self, variables: tuple, grad: np.ndarray, _after, *scalars) -> np.float32:
+        grad = np.array(grad, np.float32, copy=True)  # the input may alias the device buffer
+        executor = _executor(self.optimizer, self.replica)
+        self._pending.append(executor.submit(self._host_update, variables, grad, scalars))
+        return np.float32(0.0)
+
+    def _host_update(self, variables: tuple, grad: np.ndarray, scalars: tuple) -> None:
         start = time.perf_counter()
-        wd, lr, *scalars = args[2:]
+        wd, lr, *rest = scalars
         opt, replica = self.optimizer, self.replica
         zs = opt.zero_state
-        step_fn = functools.partial(opt._zero_host_step, scalars=scalars)  # noqa: SLF001
+        step_fn = functools.partial(opt._zero_host_step, scalars=rest)  # noqa: SLF001
         pos = 0
         for run in _contiguous_runs(variables, self._offset):
             n = sum(v.shard_elements for v in run)
@@ -159,14 +170,35 @@ class BackwardShardUpdate:
         if runtime is not None and hasattr(runtime, "timeline"):  # host compute, seconds
             end = time.time()
             runtime.timeline.add("compute", end - (time.perf_counter() - start), end)
-        return np.float32(0.0)
 
     def _host_finish(self, step, *_) -> np.int64:
+        pending, self._pending = self._pending, []
+        errors = [f.exception() for f in pending]  # waits for every queued update
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
         zs = self.optimizer.zero_state
         zs.store.mark_updated(self.replica)
         if zs.runtime is not None:
             zs.runtime.on_shard_updated(self.optimizer, self.replica, int(step), 0.0)
         return np.int64(step)
+
+
+_EXECUTORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_EXECUTORS_LOCK = threading.Lock()
+
+
+def _executor(optimizer: Any, replica: int) -> concurrent.futures.ThreadPoolExecutor:
+    """The update thread of ``(optimizer, replica)``: one thread, so a replica's block
+    updates run one after the other (the store updates a replica's shard one range at a
+    time); dropped with the optimizer."""
+    with _EXECUTORS_LOCK:
+        per = _EXECUTORS.setdefault(optimizer, {})
+        if replica not in per:
+            per[replica] = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix=f"zero3-update-r{replica}"
+            )
+        return per[replica]
 
 
 def _contiguous_runs(variables: tuple, offset: dict) -> list[list]:

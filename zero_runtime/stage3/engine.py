@@ -284,6 +284,9 @@ class Stage3Engine:
         self._steps_done: dict[int, int] = {}
         self._grad_pieces: dict[tuple[int, int], list[tf.Tensor]] = {}
         self._prev_release: dict[int, tf.Tensor] = {}  # trace-time: last backward release
+        # Set when a step is traced: True when blocks are updated during backward (the
+        # gradient shard moves to the host optimizer at once; see forward_backward).
+        self.update_in_backward: bool | None = None
         self.pool.set_access_order(
             [
                 v.shard_id(r)
@@ -395,6 +398,7 @@ class Stage3Engine:
             RuntimeError: outside replica context or with a non-static replica id.
         """
         replica = _replica_id()
+        self.update_in_backward = update is not None
         anchor = tf.zeros([], tf.float32)
         with tf.GradientTape() as tape:
             tape.watch(anchor)
@@ -785,8 +789,10 @@ class Stage3Engine:
 
         ``param_tier`` is where replica 0's shard pages are now, by the pool's page table
         (tiers joined with '+' when its pages are split); gradients are reduced to a shard
-        that the step holds on the device.
+        on the device, held to the step's end ('device') or, when blocks are updated
+        during backward, handed to the host optimizer at once ('device -> host').
         """
+        grad_tier = "device -> host (in backward)" if self.update_in_backward else "device"
         rows = []
         for v in self.variables:
             tiers = sorted(
@@ -809,7 +815,7 @@ class Stage3Engine:
                     "partitioning": text,
                     "shard_bytes_per_replica": 4 * v.shard_elements,
                     "param_tier": "+".join(tiers) or v.tier,
-                    "grad_tier": "device",
+                    "grad_tier": grad_tier,
                     "optimizer_tier": optimizer_tier,
                 }
             )

@@ -75,9 +75,13 @@ class ShardedModel(keras.Model):
         self.inner = model
         object.__setattr__(model, "_zero_stage3_sharded", True)  # not a tracked attribute
         self.accumulator: ShardAccumulator | None = None  # built at the first step (N > 1)
-        # Set when the train step is traced: True when each block's shards are updated
-        # during backward (zero_runtime/optim/backward_update.py), False at the step's end.
-        self.update_in_backward: bool | None = None
+
+    @property
+    def update_in_backward(self) -> bool | None:
+        """True when the traced train step updates each block's shards during backward
+        (zero_runtime/optim/backward_update.py), False when at the step's end, None
+        before the first step is traced."""
+        return self.engine.update_in_backward
 
     def call(self, inputs, training: bool | None = None):
         """Forward pass. In replica context with several replicas, block by block with
@@ -112,7 +116,6 @@ class ShardedModel(keras.Model):
         # With host/NVMe optimizer states (and no accumulation or clipping) each block's
         # shards are updated during backward (zero_runtime/optim/backward_update.py).
         update = BackwardShardUpdate(opt, replica) if backward_update.supported(opt) else None
-        self.update_in_backward = update is not None
         y_pred, _, grads = self.engine.forward_backward(x, loss_fn, training=True, update=update)
         # Row-paged embeddings update their touched rows first (their scalars read the
         # iteration before the dense update increments it); the dense update follows.
