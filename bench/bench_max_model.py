@@ -52,11 +52,11 @@ gathered parameter buffers (``max_reuse_distance=0`` frees each block's after it
 a step also allocates TensorFlow tensors outside the pool: per gathering replica the
 all-gather output, the gathered values handed to the graph, the block's full parameter
 gradient and its all-reduce (the CPU reduce-scatter path), activations. Measured at k=11
-(run of 2026-11-30, uncapped allocator): pool device peak 51 MB, allocator step peak 270 MB,
-i.e. ~4.3x the pool's bytes outside it. So the pool gets a fraction of the budget
-(``--pool-device-fraction``, default 0.25) and the rest is headroom for those tensors; the
-allocator cap is what enforces the total. (The engine does not yet account the tensors
-outside its pool.)
+(run of 2026-11-30 08:02, whole-step peaks, blocks updated during backward): pool device
+peak 51 MB, allocator step peak 215 MB, i.e. ~3.2x the pool's bytes outside it. So the
+pool gets a fraction of the budget (``--pool-device-fraction``, default 0.25) and the
+rest is headroom for those tensors; the allocator cap is what enforces the total. (The
+engine does not yet account the tensors outside its pool.)
 
 Host budget (stage 3): the host optimizer states (``optimizer.zero_state.store.nbytes``,
 numpy buffers outside the pool, 8 bytes/parameter for Adam) are subtracted from the host
