@@ -27,6 +27,7 @@ import tensorflow as tf
 import zero_runtime
 from demo.model import GPTConfig, build_gpt
 from zero_runtime.optim import backward_update
+from zero_runtime.sharded_variable import ShardedVariable, ShardState
 
 CFG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=2, d_ff=32)
 STEPS, BATCH = 6, 8
@@ -152,3 +153,133 @@ def test_gradient_shards_are_freed_during_backward(tmp_path):
     assert bwd["params"] == end["params"] == 2_449_408
     assert bwd["losses"] == end["losses"] and len(bwd["losses"]) == 1
     assert 0 < bwd["peak"] <= end["peak"] - 4 * bwd["params"]
+
+
+class _FailsInBackward(keras.layers.Layer):
+    """Identity forward; its backward raises InvalidArgumentError (a real TF runtime
+    error) when an input element's magnitude is >= 100 (normal data gives < 10), after
+    the blocks above it have queued their updates."""
+
+    def call(self, x):
+        @tf.custom_gradient
+        def ident(h):
+            def grad(dy):
+                ok = tf.reduce_all(tf.abs(h) < 100.0)
+                with tf.control_dependencies([tf.debugging.Assert(ok, ["poisoned batch"])]):
+                    return tf.identity(dy)
+
+            return tf.identity(h), grad
+
+        return ident(x)
+
+
+def _chain() -> keras.Model:
+    keras.utils.set_random_seed(2)
+    return keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(16, name="d0"),  # linear: a huge input stays huge
+            _FailsInBackward(name="fails"),
+            keras.layers.Dense(16, activation="tanh", name="d1"),
+            keras.layers.Dense(3, name="d2"),
+        ]
+    )
+
+
+def test_a_step_that_fails_in_backward_leaves_the_model_usable(tmp_path, cpu_devices):
+    """A step raising in backward (after d1 and d2 queued their updates): train_on_batch
+    raises the TF error; recover (run by train_on_batch) waits for the queued updates
+    and resets every shard, so the weights are stable, a checkpoint restores in the same
+    process and training from it equals training from it in a fresh model."""
+    rng = np.random.RandomState(0)
+    x = rng.standard_normal((6, 8, 6)).astype("float32")
+    y = rng.standard_normal((6, 8, 3)).astype("float32")
+    strategy = zero_runtime.ZeroInfinityStrategy(
+        {
+            "stage": 3,
+            "offload_param": "cpu",
+            "offload_optimizer": "cpu",
+            "page_size_bytes": 65536,
+            "persistence_threshold": 10,
+        }
+    )
+
+    def build():
+        with strategy.scope():
+            sharded = strategy.shard_model(_chain())
+            sharded.compile(optimizer=zero_runtime.optim.Adam(0.01), loss="mse")
+        return sharded
+
+    sharded = build()
+    for i in range(2):
+        sharded.train_on_batch(x[i], y[i])
+    assert sharded.update_in_backward is True
+    ckpt = str(tmp_path / "ckpt")
+    strategy.save_checkpoint(ckpt, sharded)
+    poisoned = x[2].copy()
+    poisoned[:, :] = 1e4
+    with pytest.raises(tf.errors.InvalidArgumentError, match="poisoned batch"):
+        sharded.train_on_batch(poisoned, y[2])
+    states = {v.state(r) for v in sharded.engine.variables for r in range(2)}
+    assert states <= {ShardState.SHARDED, ShardState.RELEASED}
+    assert sharded.recover() == {"updates_waited": 0, "gathering": 0, "gathered": 0}
+    first = sharded.inner.get_weights()
+    np.testing.assert_array_equal(
+        np.concatenate([w.ravel() for w in first]),
+        np.concatenate([w.ravel() for w in sharded.inner.get_weights()]),
+    )
+    strategy.load_checkpoint(ckpt, sharded)
+    losses = [float(sharded.train_on_batch(x[i], y[i])) for i in (2, 3)]
+
+    fresh = build()
+    strategy.load_checkpoint(ckpt, fresh)
+    ref = [float(fresh.train_on_batch(x[i], y[i])) for i in (2, 3)]
+    assert losses == ref
+    for w, r in zip(sharded.inner.get_weights(), fresh.inner.get_weights()):
+        np.testing.assert_array_equal(w, r)
+    sharded.close()
+    fresh.close()
+    strategy.close()
+
+
+def test_tied_weights_are_refused_before_anything_is_sharded(cpu_devices):
+    """A layer using another block's kernel: shard_model names the weight and both
+    blocks, and the model is left as it was."""
+
+    class Tied(keras.layers.Layer):
+        def __init__(self, src, **kwargs):
+            super().__init__(**kwargs)
+            self.src = src
+
+        def call(self, h):
+            return h @ keras.ops.transpose(self.src.kernel)
+
+    strategy = zero_runtime.ZeroInfinityStrategy({"stage": 3, "offload_param": "cpu"})
+    with strategy.scope():
+        d0 = keras.layers.Dense(8, name="d0")
+        model = keras.Sequential([keras.Input((6,)), d0, keras.layers.Dense(8), Tied(d0)])
+        with pytest.raises(ValueError, match=r"d0/kernel.*blocks 'd0' and 'tied'"):
+            strategy.shard_model(model)
+    assert not isinstance(d0.kernel, ShardedVariable)
+    strategy.close()
+
+
+def test_gradient_bytes_accounting_is_one_block_shard(tmp_path, cpu_devices):
+    """The runtime's device gradient bytes with the update in backward: the largest
+    block's shard per replica, not every shard."""
+    strategy = zero_runtime.ZeroInfinityStrategy(
+        {"stage": 3, "offload_param": "cpu", "offload_optimizer": "cpu", "page_size_bytes": 65536}
+    )
+    with strategy.scope():
+        sharded = strategy.shard_model(build_gpt(CFG, seed=4))
+        sharded.compile(optimizer=zero_runtime.optim.Adam(1e-3), loss="mse")
+    x, _ = _data()
+    y = np.zeros((BATCH, CFG.seq_len, CFG.vocab_size), np.float32)
+    sharded.train_on_batch(x[:BATCH], y)
+    engine = sharded.engine
+    total = sum(v.shard_elements for v in engine.variables)
+    largest = engine.max_block_shard_elements
+    assert 0 < largest < total
+    assert strategy.runtime.grad_bytes() == 4 * largest * 2
+    sharded.close()
+    strategy.close()

@@ -87,7 +87,10 @@ def test_stage3_tiers_pages_and_placement_come_from_the_pool(tmp_path):
     strategy.runtime.flush()
     num_params = sum(math.prod(v.shape) for v in engine.variables)
     n = engine.num_shards
-    shard_elements = sum(v.shard_elements for v in engine.variables)
+    # The update runs in backward (host Adam): one block's gradient shard at a time.
+    assert sharded.update_in_backward is True
+    shard_elements = engine.max_block_shard_elements
+    assert shard_elements < sum(v.shard_elements for v in engine.variables)
     sharded.close()
     strategy.close()
 
@@ -98,7 +101,7 @@ def test_stage3_tiers_pages_and_placement_come_from_the_pool(tmp_path):
     col = {c: i for i, c in enumerate(metadata.TIER_COLUMNS)}
     row = {t: i for i, t in enumerate(metadata.TIERS)}
     pcol = {c: i for i, c in enumerate(metadata.PAGE_COLUMNS)}
-    grad = 4.0 * shard_elements * n  # reduced gradient shards of the local replicas
+    grad = 4.0 * shard_elements * n  # the largest block's gradient shard per replica
     replicated = 4.0 * num_params * n  # what the runtime counted before (wrong at stage 3)
     moved = []
     for rec in reported:

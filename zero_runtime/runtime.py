@@ -330,15 +330,21 @@ class ZeroRuntime:
         Stage 1: the reduced gradient of every bucket exists in full (``4 * padded_total``
         per replica); stage 2: only the reduced shard (``4 * shard_size``), section 5.2 of
         the ZeRO paper. With accumulation (N > 1) the kept buffer is the accumulator
-        (stage 1: ``padded_total``, stage 2: ``shard_size`` elements per replica).
+        (stage 1: ``padded_total``, stage 2: ``shard_size`` elements per replica). Stage 3
+        with the update in backward (zero_runtime/optim/backward_update.py): one block's
+        shard at a time (the largest block's ``shard_elements``), handed to the host as
+        soon as it is reduced.
         """
         total = 0
+        in_backward = [e for e in self._live_stage3_engines() if e.update_in_backward]
         for opt in self._optimizers:
             zs = opt.zero_state
             if zs.accumulators:
                 total += zs.accumulator_bytes
                 continue
             per = zs.layout.shard_size if zs.stage >= 2 else zs.layout.padded_total
+            if zs.stage == 3 and in_backward:
+                per = max(e.max_block_shard_elements for e in in_backward)
             total += 4 * per * self.device_replicas
         return total
 

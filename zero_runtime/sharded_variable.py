@@ -328,6 +328,24 @@ class ShardedVariable(_KerasTFVariable):
             self.pool.free(rec.gathered_id)
             rec.state = ShardState.RELEASED
 
+    def reset(self, replica: int) -> ShardState:
+        """Any state -> SHARDED or RELEASED, after a step that failed part-way.
+
+        A step aborted by an error never runs its remaining host calls, so a replica can
+        be left GATHERING (its all-gather never finished) or GATHERED (its release never
+        ran). GATHERING returns to RELEASED (nothing was allocated), GATHERED is released
+        (its device pages freed); the shard itself is unchanged. Returns the state the
+        replica was in.
+        """
+        rec = self._replicas[replica]
+        with self._lock:
+            before = rec.state
+            if before is ShardState.GATHERED:
+                self.pool.free(rec.gathered_id)
+            if before in (ShardState.GATHERED, ShardState.GATHERING):
+                rec.state = ShardState.RELEASED
+            return before
+
     def gather_on_demand(self) -> np.ndarray:
         """The logical value assembled from every replica's shard on the host (outside a
         step: ``numpy()``, ``get_weights()``, saving). No state changes. With shards on

@@ -25,7 +25,11 @@ gradient shard first, or with optimizer states on the device ('none').
 Lifecycle per replica and step (traced once into the step's graph): ``__init__`` reads
 the step's scalars; :meth:`update` once per block, in backward order (copy + queue);
 :meth:`finish` after the last, which waits for the queued updates (raising the first
-error), reports the step to the runtime and increments ``iterations``.
+error), reports the step to the runtime and increments ``iterations``. A step that fails
+before its end leaves updates queued: :func:`settle` waits for them
+(``ShardedModel.recover`` calls it). The host update's seconds are not recorded as
+runtime compute (the end-of-step host update's are not either): counting it, which
+includes the NVMe state I/O, made every step's overlap ratio 1.0.
 """
 
 from __future__ import annotations
@@ -33,7 +37,6 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import threading
-import time
 import weakref
 from typing import Any
 
@@ -95,7 +98,6 @@ class BackwardShardUpdate:
         wd = tf.cast(optimizer.weight_decay if optimizer.weight_decay else 0.0, tf.float32)
         self._scalars = [wd, tf.cast(lr, tf.float32), *optimizer._zero_scalars(lr)]  # noqa: SLF001
         self.blocks = 0
-        self._pending: list[concurrent.futures.Future] = []  # this step's queued updates
 
     def update(self, variables: list, shard: tf.Tensor, after: tf.Tensor) -> tf.Tensor:
         """Hand ``variables``' reduced gradient ``shard`` to the host update.
@@ -135,12 +137,10 @@ class BackwardShardUpdate:
     # -- host side -----------------------------------------------------------------------
     def _host_enqueue(self, variables: tuple, grad: np.ndarray, _after, *scalars) -> np.float32:
         grad = np.array(grad, np.float32, copy=True)  # the input may alias the device buffer
-        executor = _executor(self.optimizer, self.replica)
-        self._pending.append(executor.submit(self._host_update, variables, grad, scalars))
+        _queue(self.optimizer, self.replica).submit(self._host_update, variables, grad, scalars)
         return np.float32(0.0)
 
     def _host_update(self, variables: tuple, grad: np.ndarray, scalars: tuple) -> None:
-        start = time.perf_counter()
         wd, lr, *rest = scalars
         opt, replica = self.optimizer, self.replica
         zs = opt.zero_state
@@ -166,15 +166,9 @@ class BackwardShardUpdate:
                 v.write_shard(replica, param[p : p + v.shard_elements])
                 p += v.shard_elements
             pos += n
-        runtime = zs.runtime
-        if runtime is not None and hasattr(runtime, "timeline"):  # host compute, seconds
-            end = time.time()
-            runtime.timeline.add("compute", end - (time.perf_counter() - start), end)
 
     def _host_finish(self, step, *_) -> np.int64:
-        pending, self._pending = self._pending, []
-        errors = [f.exception() for f in pending]  # waits for every queued update
-        first = next((e for e in errors if e is not None), None)
+        first = _queue(self.optimizer, self.replica).wait()
         if first is not None:
             raise first
         zs = self.optimizer.zero_state
@@ -184,20 +178,62 @@ class BackwardShardUpdate:
         return np.int64(step)
 
 
-_EXECUTORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_EXECUTORS_LOCK = threading.Lock()
+def settle(optimizer: Any) -> int:
+    """Wait for every update still queued by ``optimizer``'s steps and forget them.
+
+    After a step that failed before its end (an error in backward), block updates queued
+    by that step may still be running on the update threads and writing parameter
+    shards; :meth:`~zero_runtime.stage3.model.ShardedModel.recover` calls this before the
+    model is read, saved, restored or trained again. Errors of those updates are dropped
+    (the step already failed). Returns the number of updates waited for.
+    """
+    with _QUEUES_LOCK:
+        queues = list(_QUEUES.get(optimizer, {}).values())
+    return sum(q.discard() for q in queues)
 
 
-def _executor(optimizer: Any, replica: int) -> concurrent.futures.ThreadPoolExecutor:
-    """The update thread of ``(optimizer, replica)``: one thread, so a replica's block
-    updates run one after the other (the store updates a replica's shard one range at a
-    time); dropped with the optimizer."""
-    with _EXECUTORS_LOCK:
-        per = _EXECUTORS.setdefault(optimizer, {})
+class _UpdateQueue:
+    """One replica's update thread and the futures of its current step's updates."""
+
+    def __init__(self, replica: int) -> None:
+        # One thread: a replica's block updates run one after the other (the store
+        # updates a replica's shard one range at a time).
+        self.executor = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix=f"zero3-update-r{replica}"
+        )
+        self.pending: list[concurrent.futures.Future] = []
+        self.lock = threading.Lock()
+
+    def submit(self, fn, *args) -> None:
+        with self.lock:
+            self.pending.append(self.executor.submit(fn, *args))
+
+    def wait(self) -> BaseException | None:
+        """Wait for the queued updates; forget them; return the first error (or None)."""
+        with self.lock:
+            pending, self.pending = self.pending, []
+        errors = [f.exception() for f in pending]
+        return next((e for e in errors if e is not None), None)
+
+    def discard(self) -> int:
+        """Wait for the queued updates, forget them and their errors; return how many."""
+        with self.lock:
+            pending, self.pending = self.pending, []
+        concurrent.futures.wait(pending)
+        return len(pending)
+
+
+_QUEUES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_QUEUES_LOCK = threading.Lock()
+
+
+def _queue(optimizer: Any, replica: int) -> _UpdateQueue:
+    """The update queue of ``(optimizer, replica)``, created at first use and dropped
+    with the optimizer."""
+    with _QUEUES_LOCK:
+        per = _QUEUES.setdefault(optimizer, {})
         if replica not in per:
-            per[replica] = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix=f"zero3-update-r{replica}"
-            )
+            per[replica] = _UpdateQueue(replica)
         return per[replica]
 
 

@@ -197,6 +197,7 @@ class Stage3Engine:
             getattr(strategy, "local_replica_ids", range(len(self.devices)))
         )
         layers = _chain_layers(model)
+        _check_unshared(layers)  # before anything is replaced: a refusal changes nothing
         self.tier = PARAM_TIER[config.offload_param]
         self.pool = self._make_pool(layers, config)
         seen: set[int] = set()
@@ -368,6 +369,11 @@ class Stage3Engine:
     def _gather_remote(self, local: dict[int, np.ndarray]) -> np.ndarray:
         """Every replica's shard of one variable, from every worker (outside a step)."""
         return comm.gather_local_shards(local, self._worker_group)
+
+    @property
+    def max_block_shard_elements(self) -> int:
+        """Elements of the largest block's gradient shard (one replica), float32."""
+        return max((sum(v.shard_elements for v in b.variables) for b in self.blocks), default=0)
 
     @property
     def variables(self) -> list[ShardedVariable]:
@@ -823,6 +829,30 @@ class Stage3Engine:
         rows.extend(e.placement_row() for e in self.row_paged.values())
         return rows
 
+    def recover(self) -> dict[str, int]:
+        """Return every local replica's variables to SHARDED/RELEASED after a failed step.
+
+        A step aborted by an error (a collective timeout, a pool OOM in a gather, a
+        failed host update) leaves some variables GATHERING or GATHERED: the host calls
+        that would have finished or released them never run, and the next gather or a
+        checkpoint restore would raise ``ShardStateError``. Frees their gathered buffers
+        and zeroes the live-element counters; the shards are unchanged.
+
+        Returns:
+            ``{"gathering": n, "gathered": m}``: how many (variable, replica) pairs were
+            reset from each state.
+        """
+        counts = {"gathering": 0, "gathered": 0}
+        for v in self.variables:
+            for r in self.local_replicas:
+                before = v.reset(r)
+                if before in (ShardState.GATHERING, ShardState.GATHERED):
+                    counts[before.value] += 1
+        with self._lock:
+            self._live = [0] * self.num_shards
+            self._steps_done.clear()
+        return counts
+
     def close(self) -> None:
         """Close the pool (removes its NVMe file). The model's weights are lost."""
         self.pool.close()
@@ -846,6 +876,27 @@ def _chain_layers(model: keras.Model) -> list:
             "whose top-level layers form a single chain"
         ) from exc
     return layers
+
+
+def _check_unshared(layers: list) -> None:
+    """Refuse a trainable weight used by two blocks (tied weights, or a layer holding
+    another block's layer): stage 3 gathers, reduces and updates each weight with the
+    one block that owns it.
+
+    Raises:
+        ValueError: naming the weight and both blocks.
+    """
+    owner: dict[int, keras.layers.Layer] = {}
+    for layer in layers:
+        for v in layer.trainable_variables:
+            first = owner.setdefault(id(v), layer)
+            if first is not layer:
+                raise ValueError(
+                    f"weight {v.path!r} is used by blocks {first.name!r} and {layer.name!r} "
+                    "(tied or shared weights): stage 3 gathers and updates each weight with "
+                    "one block; put the layers that share it in one block (one layer) or "
+                    "untie it"
+                )
 
 
 def _check_supported(layer: keras.layers.Layer) -> None:

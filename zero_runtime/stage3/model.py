@@ -15,6 +15,7 @@ Custom loops call ``strategy.run(sharded.train_step, args=(batch,))`` inside a
 from __future__ import annotations
 
 import functools
+import logging
 
 import keras
 import numpy as np
@@ -28,6 +29,8 @@ from zero_runtime.optim.backward_update import BackwardShardUpdate
 from zero_runtime.stage3.accumulation import ShardAccumulator
 from zero_runtime.stage3.clipping import clip_shards, clipping_active
 from zero_runtime.stage3.engine import Stage3Engine
+
+log = logging.getLogger(__name__)
 
 
 class ShardedModel(keras.Model):
@@ -198,6 +201,58 @@ class ShardedModel(keras.Model):
     def get_config(self) -> dict:
         """Not serialisable as a wrapper: save ``sharded.inner`` (its weights gather)."""
         raise NotImplementedError("save the wrapped model (ShardedModel.inner) instead")
+
+    def recover(self) -> dict[str, int]:
+        """Make the model usable again after a step that raised part-way.
+
+        Waits for block updates the failed step had queued (they may still be writing
+        parameter shards: :func:`zero_runtime.optim.backward_update.settle`), then
+        returns every variable to SHARDED/RELEASED (:meth:`Stage3Engine.recover`), so
+        the weights can be read, saved, restored or trained again. ``fit``,
+        ``train_on_batch``, ``evaluate`` and ``predict`` call it when they raise; call it
+        yourself after an error in a custom loop (``strategy.run(sharded.train_step)``).
+        The parameters are then a mix: the blocks whose update ran are updated, the
+        others not; restore a checkpoint to continue from a consistent state.
+
+        Returns:
+            ``{"updates_waited": n, "gathering": g, "gathered": m}``: queued updates
+            waited for and (variable, replica) pairs reset from each state.
+        """
+        opt = getattr(self, "optimizer", None)
+        waited = backward_update.settle(opt) if opt is not None else 0
+        counts = self.engine.recover()
+        if waited or any(counts.values()):
+            log.warning(
+                "stage 3: recovered after a failed step: %d queued updates waited for, "
+                "%d gathering and %d gathered variable shards reset",
+                waited,
+                counts["gathering"],
+                counts["gathered"],
+            )
+        return {"updates_waited": waited, **counts}
+
+    def fit(self, *args, **kwargs):
+        """Keras's ``fit``; on an error, :meth:`recover` runs before it propagates."""
+        return self._recovering(super().fit, *args, **kwargs)
+
+    def train_on_batch(self, *args, **kwargs):
+        """Keras's ``train_on_batch``; on an error, :meth:`recover` runs first."""
+        return self._recovering(super().train_on_batch, *args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        """Keras's ``evaluate``; on an error, :meth:`recover` runs first."""
+        return self._recovering(super().evaluate, *args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        """Keras's ``predict``; on an error, :meth:`recover` runs first."""
+        return self._recovering(super().predict, *args, **kwargs)
+
+    def _recovering(self, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except BaseException:
+            self.recover()
+            raise
 
     def close(self) -> None:
         """Release the engine's pool (NVMe file included)."""

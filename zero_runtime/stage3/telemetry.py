@@ -13,8 +13,11 @@ during the step, ``base`` = the partitioned optimizer's own record of the tier):
 - device: ``param`` = T's 'param' pages (gathered buffers still held; shards with
   ``offload_param='none'``); ``grad`` = the reduced gradient shards the step hands to the
   optimizer, ``4 * shard_size`` per local replica (ZeRO, SC20, section 5.3), held by
-  TensorFlow; ``optimizer`` = base's device optimizer states + T's 'optimizer' pages;
-  ``other`` = T's other kinds; ``used`` = their sum; ``peak`` = P + grad + optimizer;
+  TensorFlow; with the update in backward (zero_runtime/optim/backward_update.py) one
+  block's shard at a time, ``4 * max_block_shard_elements`` per local replica
+  (``ZeroRuntime.grad_bytes``); ``optimizer`` = base's device optimizer states + T's
+  'optimizer' pages; ``other`` = T's other kinds; ``used`` = their sum; ``peak`` = P +
+  grad + optimizer;
   ``capacity`` = the pool's device capacity (``device_budget_bytes``, or the engine's
   default). Activations held by TensorFlow are not in the pool and not counted.
 - host and nvme: base's optimizer states and scratch + T's pages ('param' = the shards
