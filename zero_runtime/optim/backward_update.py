@@ -44,7 +44,6 @@ import numpy as np
 import tensorflow as tf
 
 from zero_runtime.optim.device_state import DeviceOptimizerState
-from zero_runtime.sharded_variable import ShardState
 
 
 def supported(optimizer: Any) -> bool:
@@ -88,16 +87,10 @@ class BackwardShardUpdate:
         zs = optimizer.zero_state
         order = optimizer._zero3_variables  # noqa: SLF001
         self._offset = {id(v): b.shard_offset for b, v in zip(zs.layout.buckets, order)}
-        self._decay = {
-            id(v)
-            for v in order
-            if optimizer.weight_decay and optimizer._use_weight_decay(v)  # noqa: SLF001
-        }
         lr = optimizer._zero_learning_rate()  # noqa: SLF001
         self.step = optimizer._zero_step()  # noqa: SLF001
         wd = tf.cast(optimizer.weight_decay if optimizer.weight_decay else 0.0, tf.float32)
         self._scalars = [wd, tf.cast(lr, tf.float32), *optimizer._zero_scalars(lr)]  # noqa: SLF001
-        self.blocks = 0
 
     def update(self, variables: list, shard: tf.Tensor, after: tf.Tensor) -> tf.Tensor:
         """Hand ``variables``' reduced gradient ``shard`` to the host update.
@@ -119,7 +112,6 @@ class BackwardShardUpdate:
             fn, [shard, after, *self._scalars], tf.float32, stateful=False, name="zero3_grad_d2h"
         )
         done.set_shape([])
-        self.blocks += 1
         return done
 
     def finish(self, after: list) -> tf.Tensor:
@@ -148,23 +140,11 @@ class BackwardShardUpdate:
         pos = 0
         for run in _contiguous_runs(variables, self._offset):
             n = sum(v.shard_elements for v in run)
-            param = np.concatenate([v.read_shard(replica) for v in run])
             off = self._offset[id(run[0])]
-            if self._decay:  # Keras's decoupled weight decay first: v - v * wd * lr
-                p = 0
-                for v in run:
-                    if id(v) in self._decay:
-                        s = param[p : p + v.shard_elements]
-                        s[:] = s - s * np.float32(wd) * np.float32(lr)
-                    p += v.shard_elements
+            param = opt._zero3_read_shards(run, replica, wd, lr)  # noqa: SLF001 (decayed)
             grad_run = grad[pos : pos + n]
             zs.store.update(replica, ((off, off + n),), param, grad_run, step_fn, off, False)
-            p = 0
-            for v in run:
-                if v.state(replica) is ShardState.GATHERED:  # a persistent copy goes stale
-                    v.release(replica)
-                v.write_shard(replica, param[p : p + v.shard_elements])
-                p += v.shard_elements
+            opt._zero3_write_shards(run, replica, param)  # noqa: SLF001
             pos += n
 
     def _host_finish(self, step, *_) -> np.int64:

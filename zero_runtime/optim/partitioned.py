@@ -291,29 +291,41 @@ class _PartitionedUpdate:
             self._iterations.assign_add(1)
             return tf.identity(done)
 
-    def _zero3_decay_ranges(self) -> tuple[tuple[int, int], ...]:
-        layout = self._zero.layout
-        return tuple(
-            (b.shard_offset, b.shard_offset + b.piece_size)
-            for b, v in zip(layout.buckets, self._zero3_variables)
-            if self.weight_decay and self._use_weight_decay(v)
-        )
-
-    def _zero3_read(self, wd, lr, replica: int, decay: bool) -> np.ndarray:
-        param = np.concatenate([v.read_shard(replica) for v in self._zero3_variables])
-        if decay and self.weight_decay:
+    def _zero3_read_shards(self, variables, replica: int, wd=None, lr=None) -> np.ndarray:
+        """``replica``'s shards of ``variables`` (ShardedVariables), concatenated: float32
+        ``[sum(v.shard_elements)]``. With ``wd`` and ``lr`` given (and a weight decay set)
+        Keras's decoupled weight decay ``v - v * wd * lr`` is applied first to the
+        variables it applies to (``_use_weight_decay``). Used by the end-of-step update
+        (every variable) and the update in backward (one block's, backward_update.py)."""
+        param = np.concatenate([v.read_shard(replica) for v in variables])
+        if wd is not None and self.weight_decay:
             wd, lr = np.float32(wd), np.float32(lr)
-            for s, e in self._zero3_decay_ranges():  # Keras: v - v * wd * lr
-                param[s:e] = param[s:e] - param[s:e] * wd * lr
+            off = 0
+            for v in variables:
+                end = off + v.shard_elements
+                if self._use_weight_decay(v):  # Keras: v - v * wd * lr
+                    param[off:end] = param[off:end] - param[off:end] * wd * lr
+                off = end
         return param
 
-    def _zero3_write(self, step, param: np.ndarray, replica: int) -> np.int64:
+    def _zero3_write_shards(self, variables, replica: int, param: np.ndarray) -> None:
+        """Write ``param`` (as :meth:`_zero3_read_shards` returned it, updated) back to
+        ``replica``'s shards of ``variables``; a persistent gathered copy, now stale, is
+        released first."""
         off = 0
-        for v in self._zero3_variables:
+        for v in variables:
             if v.state(replica) is ShardState.GATHERED:  # persistent copies go stale
                 v.release(replica)
             v.write_shard(replica, param[off : off + v.shard_elements])
             off += v.shard_elements
+
+    def _zero3_read(self, wd, lr, replica: int, decay: bool) -> np.ndarray:
+        if not decay:
+            return self._zero3_read_shards(self._zero3_variables, replica)
+        return self._zero3_read_shards(self._zero3_variables, replica, wd, lr)
+
+    def _zero3_write(self, step, param: np.ndarray, replica: int) -> np.int64:
+        self._zero3_write_shards(self._zero3_variables, replica, param)
         if self._zero.runtime is not None:
             self._zero.runtime.on_shard_updated(self, replica, int(step), 0.0)
         return np.int64(step)
