@@ -200,7 +200,6 @@ class Stage3Engine:
         _check_unshared(layers)  # before anything is replaced: a refusal changes nothing
         self.tier = PARAM_TIER[config.offload_param]
         self.pool = self._make_pool(layers, config)
-        seen: set[int] = set()
         remote = len(self.local_replicas) < self.num_shards  # shards on other workers
         # Multi-worker: the group of the eager all-gather that reads a variable outside a
         # step (created here, in the same order on every worker, like every group key).
@@ -230,14 +229,10 @@ class Stage3Engine:
                     gather_remote=self._gather_remote if remote else None,
                 )
                 _replace_variable(layer, old, self.row_paged[i].table)
-                seen.add(id(old))
                 blocks.append(Block(i, layer, (), 0, 0))
                 continue
             new_vars = []
             for v in list(layer.trainable_variables):
-                if id(v) in seen:
-                    raise ValueError(f"weight {v.path!r} is shared by two blocks")
-                seen.add(id(v))
                 size = math.prod(v.shape)
                 sv = ShardedVariable(
                     # A deferred variable (strategy.zero_init) is initialized here, on
