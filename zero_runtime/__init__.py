@@ -20,7 +20,7 @@ if "tensorflow" not in sys.modules:
 
 from zero_runtime.config import ZeroConfig, ZeroConfigError  # noqa: E402
 
-__all__ = ["ZeroConfig", "ZeroConfigError", "ZeroInfinityStrategy"]
+__all__ = ["StrategyClosedError", "ZeroConfig", "ZeroConfigError", "ZeroInfinityStrategy"]
 __version__ = "0.1.0"
 
 
@@ -29,6 +29,10 @@ def __getattr__(name: str) -> Any:
         from zero_runtime.strategy import ZeroInfinityStrategy
 
         return ZeroInfinityStrategy
+    if name == "StrategyClosedError":  # a strategy used after close(): docs/zero_stages.md
+        from zero_runtime.lifecycle import StrategyClosedError
+
+        return StrategyClosedError
     if name == "checkpoint":  # sharded checkpoints (imports TensorFlow): docs/checkpoint.md
         import importlib
 

@@ -50,6 +50,7 @@ from tensorflow.python.ops import resource_variable_ops
 
 from zero_runtime import comm, estimator
 from zero_runtime.config import ZeroConfig
+from zero_runtime.lifecycle import ClosePhase, host_function, resources_of
 from zero_runtime.optim import kernels
 from zero_runtime.optim.device_state import DeviceOptimizerState
 from zero_runtime.optim.host_state import HostOptimizerState
@@ -261,7 +262,7 @@ class _PartitionedUpdate:
         wd = tf.cast(self.weight_decay if self.weight_decay else 0.0, tf.float32)
         lr32 = tf.cast(lr, tf.float32)
         if isinstance(zs.store, DeviceOptimizerState):
-            param = tf.numpy_function(
+            param = host_function(
                 functools.partial(self._zero3_read, replica=replica, decay=True),
                 [wd, lr32],
                 tf.float32,
@@ -270,7 +271,7 @@ class _PartitionedUpdate:
             )
             param.set_shape([zs.layout.shard_size])
             new = self._zero_device_step(zs.store.slots(replica), param, grad_shard, scalars, None)
-            done = tf.numpy_function(
+            done = host_function(
                 functools.partial(self._zero3_write, replica=replica),
                 [step, new],
                 tf.int64,
@@ -278,7 +279,7 @@ class _PartitionedUpdate:
                 name="zero3_write_shards",
             )
         else:
-            done = tf.numpy_function(
+            done = host_function(
                 functools.partial(self._zero3_host_update, replica=replica),
                 [step, grad_shard, wd, lr32, *scalars],
                 tf.int64,
@@ -344,7 +345,7 @@ class _PartitionedUpdate:
         if tier == "none":
             return DeviceOptimizerState(layout, self._zero_slots, devices)
         if tier == "nvme":
-            return NvmeOptimizerState(
+            store = NvmeOptimizerState(
                 layout,
                 self._zero_slots,
                 nvme_path=str(config.nvme_path),
@@ -353,6 +354,10 @@ class _PartitionedUpdate:
                 nvme_budget_bytes=config.nvme_budget_bytes,
                 prefix=f"{type(self).__name__}{next(_OPTIMIZER_IDS)}",
             )
+            owner = resources_of(self._distribution_strategy)  # strategy.close() closes it
+            if owner is not None:
+                owner.adopt(store, ClosePhase.OPTIMIZER_STATES, f"{self.name} NVMe states")
+            return store
         return HostOptimizerState(layout, self._zero_slots)
 
     @property
@@ -585,19 +590,19 @@ class _PartitionedUpdate:
                 zs.store.slots(replica), param_shard, grad_shard, scalars, mask
             )
             with tf.control_dependencies([new_shard]):
-                tf.numpy_function(
+                host_function(
                     functools.partial(self._zero_tick, replica=replica),
                     [step],
-                    Tout=tf.int64,
+                    tf.int64,
                     stateful=True,
                     name="zero_step_clock",
                 )
         else:
             host_fn = functools.partial(self._zero_host_update, replica=replica, active=active)
-            new_shard = tf.numpy_function(
+            new_shard = host_function(
                 host_fn,
                 [step, grad_shard, param_shard, *scalars],
-                Tout=tf.float32,
+                tf.float32,
                 stateful=True,
                 name="zero_host_update",
             )
