@@ -17,8 +17,10 @@ in :attr:`Placement.starved`, which makes the prefetcher step aside.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
+from zero_runtime.memory.counters import CounterAccumulator
 from zero_runtime.memory.errors import PoolOutOfMemoryError
 from zero_runtime.memory.io import IoJob
 from zero_runtime.memory.page_table import (
@@ -53,6 +55,8 @@ class Placement:
         cond: the pool's condition variable (its lock held by every caller).
         check_open: raises ``PoolClosedError`` once the pool is closed.
         snapshot: builds an OOM snapshot ``(nbytes, tensor_id, tier, reason)``.
+        counters: where acquires count prefetch hits/misses and stalls, and a device
+            shrink its evictions.
 
     Attributes:
         starved: blocking callers now waiting for slots (the prefetcher yields while > 0).
@@ -68,6 +72,7 @@ class Placement:
         cond: threading.Condition,
         check_open: Callable[[], None],
         snapshot: SnapshotFn,
+        counters: CounterAccumulator,
     ) -> None:
         self._table = table
         self._tiers = tiers
@@ -77,6 +82,7 @@ class Placement:
         self._cond = cond
         self._check_open = check_open
         self._snapshot = snapshot
+        self._counters = counters
         self._page_size = tiers["host"].page_size
         self.starved = 0
 
@@ -157,6 +163,54 @@ class Placement:
             if starving:
                 self.starved -= 1
                 self._cond.notify_all()
+
+    def bring(self, entry: TensorEntry, tier: str) -> None:
+        """Settle ``entry``'s pages on ``tier`` for an acquire (the caller pinned it).
+
+        Each page counts as a prefetch hit (already on ``tier``, or being read to the
+        host) or a miss (brought by this call); the time waited counts as stall seconds.
+
+        Raises:
+            as :meth:`settle` (blocking).
+        """
+        start = time.perf_counter()
+        state = RESIDENT[tier]
+        hits = sum(
+            1
+            for p in entry.pages
+            if p.state is state or (tier == "host" and p.state is S.IN_FLIGHT_IN)
+        )
+        waited = any(p.state is not state for p in entry.pages)
+        self.settle(entry.pages, tier, {entry.tensor_id}, advisory=False)
+        self._counters.add("prefetch_hits", hits)
+        self._counters.add("prefetch_misses", len(entry.pages) - hits)
+        if waited:
+            self._counters.add("stall_seconds", time.perf_counter() - start)
+
+    def shrink_device(self, new: int) -> int:
+        """Set the device tier to ``new`` page slots, first moving the excess pages to the
+        host by the eviction policy (counted as evictions). Returns the pages moved.
+
+        Raises:
+            PoolOutOfMemoryError: more pages must move than are unpinned on the device
+                (nothing changed), or the host cannot take them.
+        """
+        device = self._tiers["device"]
+        excess = device.used - new
+        victims = self.victims("device", excess, set(), None) if excess > 0 else []
+        if len(victims) < excess:
+            reason = (
+                f"cannot shrink the device tier to {new} page slots: {device.used} "
+                f"are in use and only {len(victims)} can move down (the rest are pinned)"
+            )
+            raise PoolOutOfMemoryError(
+                self._snapshot(excess * self._page_size, "", "device", reason)
+            )
+        device.resize(new)
+        if victims:
+            self.settle(victims, "host", set(), advisory=False, down_only=True)
+            self._counters.add("evictions", len(victims))
+        return len(victims)
 
     def wait_settled(self, entry: TensorEntry) -> None:
         """Wait until none of ``entry``'s pages is in flight.

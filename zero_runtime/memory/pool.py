@@ -33,13 +33,13 @@ file removed). Every public method but ``close`` raises ``PoolClosedError`` once
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import math
 import threading
-import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -47,12 +47,11 @@ import psutil
 
 from zero_runtime.memory.access import PageAccess
 from zero_runtime.memory.counters import CounterAccumulator, PageCounters, TierUsage
-from zero_runtime.memory.errors import OomSnapshot, PoolClosedError, PoolOutOfMemoryError
+from zero_runtime.memory.errors import OomSnapshot, PoolClosedError
 from zero_runtime.memory.io import IoScheduler
 from zero_runtime.memory.page_table import (
     KINDS,
     LEVEL,
-    RESIDENT,
     TIER_ORDER,
     PageRecord,
     PageState,
@@ -71,7 +70,7 @@ from zero_runtime.memory.reports import (
     usage,
 )
 from zero_runtime.memory.tiers import DeviceTier, HostTier, NvmeTier, SlotTier
-from zero_runtime.memory.transitions import TierTransitions
+from zero_runtime.memory.transitions import SnapshotFn, TierTransitions
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -92,6 +91,7 @@ __all__ = [
     "WAIT_SLICE_SECONDS",
     "PageInfo",
     "PagedBufferPool",
+    "PoolConfig",
     "PoolState",
     "TensorInfo",
 ]
@@ -113,50 +113,11 @@ def _check_int(name: str, value: object, minimum: int) -> int:
     return int(value)
 
 
-def _checked_budgets(
-    page_size_bytes: object,
-    host_budget_bytes: object,
-    device_budget_bytes: object,
-    nvme_path: str | None,
-    nvme_budget_bytes: object,
-) -> tuple[int, int, int]:
-    """``(page_size, host, device)`` bytes, validated (see ``PagedBufferPool``)."""
-    ps = _check_int("page_size_bytes", page_size_bytes, 1)
-    if ps < MIN_PAGE_SIZE or ps & (ps - 1):
-        raise ValueError(
-            f"page_size_bytes must be a power of two >= {MIN_PAGE_SIZE} (64 KiB), "
-            f"got {page_size_bytes}"
-        )
-    host = _check_int("host_budget_bytes", host_budget_bytes, ps)
-    available = psutil.virtual_memory().available
-    if host > available:
-        raise ValueError(
-            f"host_budget_bytes={host} exceeds the memory available on this machine "
-            f"({available} bytes, psutil.virtual_memory().available); lower the budget"
-        )
-    device = (
-        0
-        if device_budget_bytes is None
-        else _check_int("device_budget_bytes", device_budget_bytes, 0)
-    )
-    if nvme_budget_bytes is not None:
-        if nvme_path is None:
-            raise ValueError("nvme_budget_bytes was given without nvme_path")
-        _check_int("nvme_budget_bytes", nvme_budget_bytes, ps)
-    return ps, host, device
+@dataclasses.dataclass(frozen=True)
+class PoolConfig:
+    """A pool's sizes and options, validated (the arguments of :class:`PagedBufferPool`).
 
-
-class PagedBufferPool:
-    """Tensors stored as fixed-size pages on three tiers, paged between them on demand.
-
-    A tensor is allocated with a shape, a dtype and a ``kind`` label, and lives as
-    ``ceil(nbytes / page_size)`` pages. ``acquire`` brings its pages to the host or device
-    tier and pins them until ``release``; when a tier is full, unpinned pages of other
-    tensors move one tier down, least recently used first, or by reuse distance when
-    :meth:`set_access_order` gave the step's access order. ``prefetch`` schedules the
-    moves ahead of use. The pool is a context manager; :meth:`close` removes its files.
-
-    Args:
+    Attributes:
         host_budget_bytes: host tier capacity (bytes); rounded down to whole pages, at
             least one page, at most ``psutil.virtual_memory().available``. Reserved as
             one mmap at construction (committed by the OS on first touch).
@@ -178,6 +139,206 @@ class PagedBufferPool:
         ValueError: a bad page size, budget, thread count or queue depth; a host budget
             above the available memory (the message gives both numbers);
             ``nvme_budget_bytes`` without ``nvme_path``.
+    """
+
+    host_budget_bytes: int
+    page_size_bytes: int = DEFAULT_PAGE_SIZE
+    device_budget_bytes: int | None = None
+    nvme_path: str | None = None
+    nvme_budget_bytes: int | None = None
+    io_threads: int = 4
+    queue_depth: int = 8
+    pin_host_memory: bool = False
+
+    def __post_init__(self) -> None:
+        ps = _check_int("page_size_bytes", self.page_size_bytes, 1)
+        if ps < MIN_PAGE_SIZE or ps & (ps - 1):
+            raise ValueError(
+                f"page_size_bytes must be a power of two >= {MIN_PAGE_SIZE} (64 KiB), "
+                f"got {self.page_size_bytes}"
+            )
+        host = _check_int("host_budget_bytes", self.host_budget_bytes, ps)
+        available = psutil.virtual_memory().available
+        if host > available:
+            raise ValueError(
+                f"host_budget_bytes={host} exceeds the memory available on this machine "
+                f"({available} bytes, psutil.virtual_memory().available); lower the budget"
+            )
+        if self.device_budget_bytes is not None:
+            _check_int("device_budget_bytes", self.device_budget_bytes, 0)
+        if self.nvme_budget_bytes is not None:
+            if self.nvme_path is None:
+                raise ValueError("nvme_budget_bytes was given without nvme_path")
+            _check_int("nvme_budget_bytes", self.nvme_budget_bytes, ps)
+        _check_int("io_threads", self.io_threads, 1)
+        _check_int("queue_depth", self.queue_depth, 1)
+
+    @property
+    def device_bytes(self) -> int:
+        """The device budget in bytes (0: no device tier)."""
+        return int(self.device_budget_bytes or 0)
+
+
+def _make_tiers(config: PoolConfig) -> tuple[dict[str, SlotTier], NvmeTier | None]:
+    """The three tiers (a 0-slot NVMe stand-in without ``nvme_path``) and the NVMe tier."""
+    ps = int(config.page_size_bytes)
+    device_tier = DeviceTier(ps, config.device_bytes)
+    host_tier = HostTier(ps, int(config.host_budget_bytes), pinned=config.pin_host_memory)
+    nvme = None
+    if config.nvme_path is not None:
+        try:
+            nvme = NvmeTier(ps, config.nvme_path, config.nvme_budget_bytes)
+        except BaseException:
+            host_tier.close()
+            raise
+    nvme_slot: SlotTier = nvme if nvme is not None else SlotTier("nvme", ps, 0)
+    return {"device": device_tier, "host": host_tier, "nvme": nvme_slot}, nvme
+
+
+def _new_entry(
+    tensor_id: str, shape: Sequence[int], dtype: object, kind: str, page_size: int
+) -> TensorEntry:
+    """A validated tensor entry with its pages UNPLACED (see ``allocate``)."""
+    dt = np.dtype(dtype)
+    if dt.hasobject or dt.itemsize == 0:
+        raise ValueError(f"dtype {dt} cannot be paged (object or zero-size items)")
+    shp = tuple(int(d) for d in shape)
+    if any(d < 0 for d in shp):
+        raise ValueError(f"shape must be non-negative, got {shp}")
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    nbytes = math.prod(shp) * dt.itemsize
+    ps = page_size
+    pages = [PageRecord(tensor_id, i, min(ps, nbytes - i * ps)) for i in range(-(-nbytes // ps))]
+    return TensorEntry(tensor_id, shp, dt, kind, nbytes, pages)
+
+
+def _check_tier(tier: str, allowed: Sequence[str], device_slots: int, has_nvme: bool) -> None:
+    if tier not in allowed:
+        raise ValueError(f"tier must be one of {tuple(allowed)}, got {tier!r}")
+    if tier == "device" and device_slots == 0:
+        raise ValueError("the device tier is disabled (device_budget_bytes is 0 or None)")
+    if tier == "nvme" and not has_nvme:
+        raise ValueError("the NVMe tier is disabled (no nvme_path)")
+
+
+@dataclasses.dataclass(eq=False)
+class _Parts:
+    """The pool's parts, each the one owner of its concern (see the module doc), wired to
+    one lock (``cond``) and one counter accumulator."""
+
+    cond: threading.Condition
+    counters: CounterAccumulator
+    tiers: dict[str, SlotTier]
+    nvme: NvmeTier | None
+    table: PageTable
+    policy: EvictionPolicy
+    moves: TierTransitions
+    placement: Placement
+    access: PageAccess
+    prefetcher: Prefetcher
+    snapshot: SnapshotFn  # (nbytes, tensor_id, tier, reason) -> OomSnapshot
+
+    @property
+    def device(self) -> DeviceTier:
+        """The device tier."""
+        return self.tiers["device"]  # type: ignore[return-value]
+
+    @property
+    def host(self) -> HostTier:
+        """The host tier."""
+        return self.tiers["host"]  # type: ignore[return-value]
+
+    @classmethod
+    def build(
+        cls, config: PoolConfig, check_open: Callable[[], None], closed: Callable[[], bool]
+    ) -> _Parts:
+        """Make the tiers and the parts over them (the slab file and I/O threads with
+        ``nvme_path``), logging one line that describes the tiers."""
+        cond = threading.Condition(threading.Lock())
+        counters = CounterAccumulator()
+        tiers, nvme = _make_tiers(config)
+        table = PageTable(tiers, counters)
+        policy = EvictionPolicy()
+        ps = int(config.page_size_bytes)
+
+        def snapshot(nbytes: int, tensor_id: str, tier: str, reason: str) -> OomSnapshot:
+            return oom_snapshot(table, tiers, ps, (nbytes, tensor_id, tier), reason)
+
+        moves = TierTransitions(table, tiers, nvme, counters, cond, snapshot)
+        if nvme is not None:
+            moves.attach_io(int(config.io_threads), int(config.queue_depth))
+        placement = Placement(
+            table, tiers, nvme is not None, moves, policy, cond, check_open, snapshot, counters
+        )
+        access = PageAccess(table, tiers["device"], tiers["host"], moves)  # type: ignore[arg-type]
+        prefetcher = Prefetcher(table, placement, policy, cond, closed)
+        described = [t.description for t in tiers.values() if t is not tiers["nvme"]]
+        described.append(nvme.description if nvme is not None else "nvme: disabled")
+        logger.info("paged buffer pool: %d-byte pages; %s", ps, "; ".join(described))
+        return cls(
+            cond,
+            counters,
+            tiers,
+            nvme,
+            table,
+            policy,
+            moves,
+            placement,
+            access,
+            prefetcher,
+            snapshot,
+        )
+
+    def shutdown(self) -> None:
+        """Stop the prefetcher, wait for outstanding I/O, stop the I/O threads (the pool
+        is CLOSING; called without the lock)."""
+        self.prefetcher.stop()
+        with self.cond:
+            while self.moves.io_busy():
+                self.cond.wait(WAIT_SLICE_SECONDS)
+        if self.moves.io is not None:
+            self.moves.io.shutdown()
+
+    def release_all(self) -> None:
+        """Free every page, drop the device pages, unmap the host memory and the staging
+        buffer (lock held; after :meth:`shutdown`)."""
+        for entry in self.table.entries():
+            self.moves.free(entry)
+        self.device.close()
+        self.host.close()
+        self.moves.close()
+
+    def close_step(self, step: int) -> PageCounters:
+        """The step's counters, zeroed after; peaks and the access order restart; pages
+        used afterwards are stamped ``step + 1`` (lock held)."""
+        snapshot = self.counters.snapshot()
+        self.counters.reset()
+        for tier in self.tiers.values():
+            tier.reset_peak()
+        self.table.step = int(step) + 1
+        self.policy.restart()
+        return snapshot
+
+
+class PagedBufferPool:
+    """Tensors stored as fixed-size pages on three tiers, paged between them on demand.
+
+    A tensor is allocated with a shape, a dtype and a ``kind`` label, and lives as
+    ``ceil(nbytes / page_size)`` pages. ``acquire`` brings its pages to the host or device
+    tier and pins them until ``release``; when a tier is full, unpinned pages of other
+    tensors move one tier down, least recently used first, or by reuse distance when
+    :meth:`set_access_order` gave the step's access order. ``prefetch`` schedules the
+    moves ahead of use. The pool is a context manager; :meth:`close` removes its files.
+
+    Args: the fields of :class:`PoolConfig` (bytes; page size a power of two >= 64
+    KiB, default 4 MiB; ``device_budget_bytes``/``nvme_path`` None disable their tier;
+    ``io_threads`` 4 and ``queue_depth`` 8 by default), by keyword.
+
+    Raises:
+        ValueError: a bad page size, budget, thread count or queue depth; a host budget
+            above the available memory (the message gives both numbers);
+            ``nvme_budget_bytes`` without ``nvme_path``.
         NvmePathError: ``nvme_path`` is missing, not a directory, read-only, or has less
             free space than ``nvme_budget_bytes``.
     """
@@ -194,62 +355,21 @@ class PagedBufferPool:
         queue_depth: int = 8,
         pin_host_memory: bool = False,
     ) -> None:
-        ps, host, device = _checked_budgets(
-            page_size_bytes, host_budget_bytes, device_budget_bytes, nvme_path, nvme_budget_bytes
+        config = PoolConfig(
+            host_budget_bytes,
+            page_size_bytes,
+            device_budget_bytes,
+            nvme_path,
+            nvme_budget_bytes,
+            io_threads,
+            queue_depth,
+            pin_host_memory,
         )
-        io_threads = _check_int("io_threads", io_threads, 1)
-        queue_depth = _check_int("queue_depth", queue_depth, 1)
-
-        self._page_size = ps
+        self._page_size = int(page_size_bytes)
         self._state = PoolState.OPEN
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
-        self._counters = CounterAccumulator()
-        self._device = DeviceTier(ps, device)
-        self._host = HostTier(ps, host, pinned=pin_host_memory)
-        self._nvme: NvmeTier | None = None
-        nvme_tier: SlotTier = SlotTier("nvme", ps, 0)
-        if nvme_path is not None:
-            try:
-                self._nvme = nvme_tier = NvmeTier(ps, nvme_path, nvme_budget_bytes)
-            except BaseException:
-                self._host.close()
-                raise
-        self._tiers: dict[str, SlotTier] = {
-            "device": self._device,
-            "host": self._host,
-            "nvme": nvme_tier,
-        }
-        self._table = PageTable(self._tiers, self._counters)
-        self._policy = EvictionPolicy()
-        self._moves = TierTransitions(
-            self._table, self._tiers, self._nvme, self._counters, self._cond, self._snapshot
-        )
-        if self._nvme is not None:
-            self._moves.attach_io(io_threads, queue_depth)
-        self._placement = Placement(
-            self._table,
-            self._tiers,
-            self._nvme is not None,
-            self._moves,
-            self._policy,
-            self._cond,
-            self._check_open,
-            self._snapshot,
-        )
-        self._access = PageAccess(self._table, self._device, self._host, self._moves)
-        self._prefetcher = Prefetcher(
-            self._table, self._placement, self._policy, self._cond, lambda: self.closed
-        )
+        self._p = _Parts.build(config, self._check_open, lambda: self.closed)
         self._finalizer = weakref.finalize(
-            self, self._nvme.close if self._nvme is not None else (lambda: None)
-        )
-        logger.info(
-            "paged buffer pool: %d-byte pages; %s; %s; %s",
-            ps,
-            self._device.description,
-            self._host.description,
-            self._nvme.description if self._nvme else "nvme: disabled",
+            self, self._p.nvme.close if self._p.nvme is not None else (lambda: None)
         )
 
     # --- properties -------------------------------------------------------------------
@@ -261,17 +381,17 @@ class PagedBufferPool:
     @property
     def nvme_io_mode(self) -> str | None:
         """``"direct"`` (O_DIRECT) or ``"buffered"``, detected at start; ``None`` without NVMe."""
-        return self._nvme.file.io_mode if self._nvme else None
+        return self._p.nvme.file.io_mode if self._p.nvme else None
 
     @property
     def nvme_file(self) -> str | None:
         """Path of the NVMe slab file, or ``None`` without an NVMe tier."""
-        return self._nvme.file.path if self._nvme else None
+        return self._p.nvme.file.path if self._p.nvme else None
 
     @property
     def device_tier(self) -> DeviceTier:
         """The device tier (see ``is_standin`` and ``description``)."""
-        return self._device
+        return self._p.device
 
     @property
     def closed(self) -> bool:
@@ -286,7 +406,7 @@ class PagedBufferPool:
     @property
     def _io(self) -> IoScheduler | None:
         """The I/O scheduler (None without NVMe); the runtime observes its completions."""
-        return self._moves.io
+        return self._p.moves.io
 
     # --- lifecycle --------------------------------------------------------------------
     def __enter__(self) -> PagedBufferPool:
@@ -301,24 +421,15 @@ class PagedBufferPool:
 
         Idempotent. Arrays returned by ``acquire`` should not be used afterwards.
         """
-        with self._cond:
+        with self._p.cond:
             if self._state is not PoolState.OPEN:
                 return
             self._state = PoolState.CLOSING
-            self._cond.notify_all()
-        self._prefetcher.stop()
-        with self._cond:
-            while self._moves.io_busy():
-                self._cond.wait(WAIT_SLICE_SECONDS)
-        if self._moves.io is not None:
-            self._moves.io.shutdown()
-        with self._cond:
+            self._p.cond.notify_all()
+        self._p.shutdown()
+        with self._p.cond:
             assert self._state is PoolState.CLOSING, self._state
-            for entry in self._table.entries():
-                self._moves.free(entry)
-            self._device.close()
-            self._host.close()
-            self._moves.close()
+            self._p.release_all()
             self._state = PoolState.CLOSED
         self._finalizer()
 
@@ -347,32 +458,20 @@ class PagedBufferPool:
             PoolOutOfMemoryError: the pages cannot be placed (nothing is allocated).
             NvmeFullError: the disk filled up while pages moved to NVMe.
         """
-        dt = np.dtype(dtype)
-        if dt.hasobject or dt.itemsize == 0:
-            raise ValueError(f"dtype {dt} cannot be paged (object or zero-size items)")
-        shp = tuple(int(d) for d in shape)
-        if any(d < 0 for d in shp):
-            raise ValueError(f"shape must be non-negative, got {shp}")
-        if kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-        with self._cond:
+        entry = _new_entry(tensor_id, shape, dtype, kind, self._page_size)
+        with self._p.cond:
             self._check_open()
             self._check_tier(tier, TIER_ORDER)
-            nbytes = math.prod(shp) * dt.itemsize
-            ps = self._page_size
-            pages = [
-                PageRecord(tensor_id, i, min(ps, nbytes - i * ps)) for i in range(-(-nbytes // ps))
-            ]
-            entry = TensorEntry(tensor_id, shp, dt, kind, nbytes, pages)
-            self._table.add(entry)
+            pages = entry.pages
+            self._p.table.add(entry)
             try:
-                self._placement.check_fits(entry, tier)
-                self._placement.settle(pages, tier, {tensor_id}, advisory=False)
+                self._p.placement.check_fits(entry, tier)
+                self._p.placement.settle(pages, tier, {tensor_id}, advisory=False)
             except BaseException:
-                self._moves.free(entry)
+                self._p.moves.free(entry)
                 raise
             for page in pages:
-                self._table.touch(page)
+                self._p.table.touch(page)
 
     def free(self, tensor_id: str) -> None:
         """Free a tensor's pages on every tier (waiting for its I/O in flight).
@@ -381,16 +480,16 @@ class PagedBufferPool:
             KeyError: unknown tensor.
             ValueError: the tensor is pinned or acquired.
         """
-        with self._cond:
+        with self._p.cond:
             entry = self._entry(tensor_id)
             if entry.pinned:
                 raise ValueError(
                     f"tensor {tensor_id!r} is pinned ({entry.pin_count}) or acquired "
                     f"({entry.acquire_count}); unpin/release it before free"
                 )
-            self._placement.wait_settled(entry)
-            self._moves.free(entry)
-            self._cond.notify_all()
+            self._p.placement.wait_settled(entry)
+            self._p.moves.free(entry)
+            self._p.cond.notify_all()
 
     # --- data -------------------------------------------------------------------------
     def write(self, tensor_id: str, array: np.ndarray) -> None:
@@ -409,7 +508,7 @@ class PagedBufferPool:
             ValueError: shape mismatch.
             PagingError: an I/O error writing an NVMe page.
         """
-        with self._cond:
+        with self._p.cond:
             entry = self._entry(tensor_id)
             arr = np.asarray(array)
             if arr.shape != entry.shape:
@@ -417,8 +516,8 @@ class PagedBufferPool:
                     f"write to {tensor_id!r}: array shape {arr.shape} != tensor shape {entry.shape}"
                 )
             data = np.ascontiguousarray(arr, dtype=entry.dtype).reshape(-1).view(np.uint8)
-            self._placement.wait_settled(entry)
-            self._access.write(entry, data)
+            self._p.placement.wait_settled(entry)
+            self._p.access.write(entry, data)
 
     def read(self, tensor_id: str) -> np.ndarray:
         """Return a copy of a tensor's contents (no page moves).
@@ -431,10 +530,10 @@ class PagedBufferPool:
             PageChecksumError: an NVMe page does not match its checksum.
             PagingError: an I/O error reading an NVMe page.
         """
-        with self._cond:
+        with self._p.cond:
             entry = self._entry(tensor_id)
-            self._placement.wait_settled(entry)
-            return self._access.read(entry)
+            self._p.placement.wait_settled(entry)
+            return self._p.access.read(entry)
 
     # --- paging -----------------------------------------------------------------------
     def acquire(
@@ -470,7 +569,7 @@ class PagedBufferPool:
             NvmeFullError: the disk filled up while evicting to make room.
             PageChecksumError: a page read from NVMe is corrupt (it stays on NVMe).
         """
-        with self._cond:
+        with self._p.cond:
             entry = self._entry(tensor_id)
             self._check_tier(tier, ("host", "device"))
             if writable and tier == "device":
@@ -480,30 +579,18 @@ class PagedBufferPool:
                     f"tensor {tensor_id!r} is acquired on {entry.acquired_tier!r}; release it "
                     f"before acquiring on {tier!r}"
                 )
-            self._placement.check_fits(entry, tier)
-            start = time.perf_counter()
-            state = RESIDENT[tier]
-            hits = sum(
-                1
-                for p in entry.pages
-                if p.state is state or (tier == "host" and p.state is S.IN_FLIGHT_IN)
-            )
-            waited = any(p.state is not state for p in entry.pages)
+            self._p.placement.check_fits(entry, tier)
             entry.acquire_count += 1
             entry.acquired_tier = tier
             try:
-                self._placement.settle(entry.pages, tier, {tensor_id}, advisory=False)
-                result = self._access.materialise(entry, tier, writable)
+                self._p.placement.bring(entry, tier)
+                result = self._p.access.materialise(entry, tier, writable)
             except BaseException:
-                self._access.drop_acquire(entry)
+                self._p.access.drop_acquire(entry)
                 raise
-            self._counters.add("prefetch_hits", hits)
-            self._counters.add("prefetch_misses", len(entry.pages) - hits)
-            if waited:
-                self._counters.add("stall_seconds", time.perf_counter() - start)
-            self._policy.advance(tensor_id)
+            self._p.policy.advance(tensor_id)
             for page in entry.pages:
-                self._table.touch(page)
+                self._p.table.touch(page)
             return result
 
     def release(self, tensor_id: str) -> None:
@@ -513,14 +600,14 @@ class PagedBufferPool:
             KeyError: unknown tensor.
             ValueError: the tensor is not acquired.
         """
-        with self._cond:
+        with self._p.cond:
             entry = self._entry(tensor_id)
             if entry.acquire_count == 0:
                 raise ValueError(f"tensor {tensor_id!r} is not acquired")
             if entry.acquire_count == 1 and entry.writable and len(entry.pages) > 1:
-                self._access.write_back(entry)
-            self._access.drop_acquire(entry)
-            self._cond.notify_all()
+                self._p.access.write_back(entry)
+            self._p.access.drop_acquire(entry)
+            self._p.cond.notify_all()
 
     def prefetch(self, tensor_ids: str | Iterable[str], tier: str = "host") -> None:
         """Schedule page-ins of tensors ahead of use; returns at once.
@@ -539,12 +626,12 @@ class PagedBufferPool:
             ValueError: bad tier.
         """
         ids = (tensor_ids,) if isinstance(tensor_ids, str) else tuple(tensor_ids)
-        with self._cond:
+        with self._p.cond:
             self._check_open()
             self._check_tier(tier, ("host", "device"))
             for tid in ids:
-                self._table.get(tid)
-            self._prefetcher.submit(ids, tier)
+                self._p.table.get(tid)
+            self._p.prefetcher.submit(ids, tier)
 
     def evict(self, tensor_ids: str | Iterable[str], to_tier: str = "nvme") -> None:
         """Move tensors' pages down to ``to_tier`` (pages already lower stay); waits.
@@ -563,7 +650,7 @@ class PagedBufferPool:
             NvmeFullError: the disk filled up; the page that failed stays on host.
         """
         ids = (tensor_ids,) if isinstance(tensor_ids, str) else tuple(tensor_ids)
-        with self._cond:
+        with self._p.cond:
             self._check_open()
             self._check_tier(to_tier, ("host", "nvme"))
             entries = [self._entry(tid) for tid in ids]
@@ -571,7 +658,7 @@ class PagedBufferPool:
                 if entry.pinned:
                     raise ValueError(f"tensor {entry.tensor_id!r} is pinned or acquired")
             pages = [p for e in entries for p in e.pages]
-            self._placement.settle(pages, to_tier, set(ids), advisory=False, down_only=True)
+            self._p.placement.settle(pages, to_tier, set(ids), advisory=False, down_only=True)
 
     def pin(self, tensor_id: str) -> None:
         """Keep a tensor's pages from being evicted until a matching :meth:`unpin`.
@@ -579,7 +666,7 @@ class PagedBufferPool:
         Raises:
             KeyError: unknown tensor.
         """
-        with self._cond:
+        with self._p.cond:
             self._entry(tensor_id).pin_count += 1
 
     def unpin(self, tensor_id: str) -> None:
@@ -589,12 +676,12 @@ class PagedBufferPool:
             KeyError: unknown tensor.
             ValueError: the tensor is not pinned.
         """
-        with self._cond:
+        with self._p.cond:
             entry = self._entry(tensor_id)
             if entry.pin_count == 0:
                 raise ValueError(f"tensor {tensor_id!r} is not pinned")
             entry.pin_count -= 1
-            self._cond.notify_all()
+            self._p.cond.notify_all()
 
     def set_access_order(self, tensor_ids: Sequence[str] | None) -> None:
         """Declare the order in which a step acquires tensors, for reuse-distance eviction.
@@ -605,8 +692,8 @@ class PagedBufferPool:
         The position advances with each ``acquire`` and restarts at ``step_boundary``.
         ``None`` or ``[]`` restores plain LRU.
         """
-        with self._cond:
-            self._policy.set_order(tensor_ids)
+        with self._p.cond:
+            self._p.policy.set_order(tensor_ids)
 
     def set_device_budget(self, capacity_bytes: int) -> int:
         """Change the device tier's capacity (e.g. a live ``device_budget_bytes`` change).
@@ -630,29 +717,18 @@ class PagedBufferPool:
         """
         ps = self._page_size
         new = _check_int("capacity_bytes", capacity_bytes, ps) // ps
-        with self._cond:
+        with self._p.cond:
             self._check_open()
             self._check_tier("device", ("device",))
-            excess = self._device.used - new
-            victims = self._placement.victims("device", excess, set(), None) if excess > 0 else []
-            if len(victims) < excess:
-                reason = (
-                    f"cannot shrink the device tier to {new} page slots: {self._device.used} "
-                    f"are in use and only {len(victims)} can move down (the rest are pinned)"
-                )
-                raise PoolOutOfMemoryError(self._snapshot(excess * ps, "", "device", reason))
-            self._device.resize(new)
-            if victims:
-                self._placement.settle(victims, "host", set(), advisory=False, down_only=True)
-                self._counters.add("evictions", len(victims))
-            self._cond.notify_all()
-            return len(victims)
+            moved = self._p.placement.shrink_device(new)
+            self._p.cond.notify_all()
+            return moved
 
     def synchronize(self) -> None:
         """Wait until queued prefetches and all NVMe I/O have finished."""
-        with self._cond:
-            while not self.closed and (self._prefetcher.busy() or self._moves.io_busy()):
-                self._cond.wait(WAIT_SLICE_SECONDS)
+        with self._p.cond:
+            while not self.closed and (self._p.prefetcher.busy() or self._p.moves.io_busy()):
+                self._p.cond.wait(WAIT_SLICE_SECONDS)
 
     # --- accounting -------------------------------------------------------------------
     def step_boundary(self, step: int) -> PageCounters:
@@ -663,22 +739,16 @@ class PagedBufferPool:
         Returns:
             The step's :class:`PageCounters` (fields named as ``PAGE_COLUMNS``).
         """
-        with self._cond:
-            snapshot = self._counters.snapshot()
-            self._counters.reset()
-            for tier in self._tiers.values():
-                tier.reset_peak()
-            self._table.step = int(step) + 1
-            self._policy.restart()
-            return snapshot
+        with self._p.cond:
+            return self._p.close_step(step)
 
     def usage(self) -> dict[str, TierUsage]:
         """Return each tier's use: ``{"device"|"host"|"nvme": TierUsage}`` (bytes).
 
         A disabled tier reports capacity 0; an unbounded NVMe tier capacity ``None``.
         """
-        with self._cond:
-            return usage(self._table, self._tiers, self._page_size)
+        with self._p.cond:
+            return usage(self._p.table, self._p.tiers, self._page_size)
 
     def describe(self, tensor_id: str) -> TensorInfo:
         """Return a tensor's metadata and where each of its pages is.
@@ -686,13 +756,13 @@ class PagedBufferPool:
         Raises:
             KeyError: unknown tensor.
         """
-        with self._cond:
+        with self._p.cond:
             return describe(self._entry(tensor_id))
 
     def tensor_ids(self) -> list[str]:
         """Return the ids of the allocated tensors (allocation order)."""
-        with self._cond:
-            return [e.tensor_id for e in self._table.entries()]
+        with self._p.cond:
+            return [e.tensor_id for e in self._p.table.entries()]
 
     # --- internals --------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -701,16 +771,7 @@ class PagedBufferPool:
 
     def _entry(self, tensor_id: str) -> TensorEntry:
         self._check_open()
-        return self._table.get(tensor_id)
+        return self._p.table.get(tensor_id)
 
     def _check_tier(self, tier: str, allowed: Sequence[str]) -> None:
-        if tier not in allowed:
-            raise ValueError(f"tier must be one of {tuple(allowed)}, got {tier!r}")
-        if tier == "device" and self._device.n_slots == 0:
-            raise ValueError("the device tier is disabled (device_budget_bytes is 0 or None)")
-        if tier == "nvme" and self._nvme is None:
-            raise ValueError("the NVMe tier is disabled (no nvme_path)")
-
-    def _snapshot(self, nbytes: int, tensor_id: str, tier: str, reason: str) -> OomSnapshot:
-        request = (nbytes, tensor_id, tier)
-        return oom_snapshot(self._table, self._tiers, self._page_size, request, reason)
+        _check_tier(tier, allowed, self._p.device.n_slots, self._p.nvme is not None)
