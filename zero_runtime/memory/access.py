@@ -75,6 +75,27 @@ class PageAccess:
             self._table.touch(page)
         return out.view(entry.dtype).reshape(entry.shape)
 
+    @staticmethod
+    def check_acquire(entry: TensorEntry, tier: str, writable: bool) -> None:
+        """Refuse ``writable`` on the device, and a tensor acquired on the other tier.
+
+        Raises:
+            ValueError: naming the tensor and tiers.
+        """
+        if writable and tier == "device":
+            raise ValueError("acquire(writable=True) is for tier='host'; use write()")
+        if entry.acquire_count and entry.acquired_tier != tier:
+            raise ValueError(
+                f"tensor {entry.tensor_id!r} is acquired on {entry.acquired_tier!r}; release "
+                f"it before acquiring on {tier!r}"
+            )
+
+    @staticmethod
+    def count_acquire(entry: TensorEntry, tier: str) -> None:
+        """Count one acquire of ``entry`` on ``tier`` (pins its pages until released)."""
+        entry.acquire_count += 1
+        entry.acquired_tier = tier
+
     def materialise(self, entry: TensorEntry, tier: str, writable: bool) -> np.ndarray | tf.Tensor:
         """The acquired tensor: a device tensor, or a host array (a view of a one-page
         tensor's slot, else a contiguous copy), kept on the entry until released."""

@@ -212,6 +212,21 @@ class Placement:
             self._counters.add("evictions", len(victims))
         return len(victims)
 
+    def evict(self, entries: list[TensorEntry], to_tier: str) -> None:
+        """Move ``entries``' pages down to ``to_tier`` (pages already lower stay); waits,
+        with all their I/O issued first.
+
+        Raises:
+            ValueError: a tensor is pinned or acquired (nothing moved).
+            as :meth:`settle` (blocking).
+        """
+        for entry in entries:
+            if entry.pinned:
+                raise ValueError(f"tensor {entry.tensor_id!r} is pinned or acquired")
+        pages = [p for e in entries for p in e.pages]
+        ids = {e.tensor_id for e in entries}
+        self.settle(pages, to_tier, ids, advisory=False, down_only=True)
+
     def wait_settled(self, entry: TensorEntry) -> None:
         """Wait until none of ``entry``'s pages is in flight.
 

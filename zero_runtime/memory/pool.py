@@ -213,6 +213,16 @@ def _new_entry(
     return TensorEntry(tensor_id, shp, dt, kind, nbytes, pages)
 
 
+def _payload(entry: TensorEntry, array: object) -> np.ndarray:
+    """``array`` as the tensor's bytes, 1-D uint8 ``[nbytes]`` (see ``write``)."""
+    arr = np.asarray(array)
+    if arr.shape != entry.shape:
+        raise ValueError(
+            f"write to {entry.tensor_id!r}: array shape {arr.shape} != tensor shape {entry.shape}"
+        )
+    return np.ascontiguousarray(arr, dtype=entry.dtype).reshape(-1).view(np.uint8)
+
+
 def _check_tier(tier: str, allowed: Sequence[str], device_slots: int, has_nvme: bool) -> None:
     if tier not in allowed:
         raise ValueError(f"tier must be one of {tuple(allowed)}, got {tier!r}")
@@ -372,7 +382,6 @@ class PagedBufferPool:
             self, self._p.nvme.close if self._p.nvme is not None else (lambda: None)
         )
 
-    # --- properties -------------------------------------------------------------------
     @property
     def page_size(self) -> int:
         """Bytes per page."""
@@ -408,7 +417,6 @@ class PagedBufferPool:
         """The I/O scheduler (None without NVMe); the runtime observes its completions."""
         return self._p.moves.io
 
-    # --- lifecycle --------------------------------------------------------------------
     def __enter__(self) -> PagedBufferPool:
         self._check_open()
         return self
@@ -433,7 +441,6 @@ class PagedBufferPool:
             self._state = PoolState.CLOSED
         self._finalizer()
 
-    # --- allocation -------------------------------------------------------------------
     def allocate(
         self,
         tensor_id: str,
@@ -491,7 +498,6 @@ class PagedBufferPool:
             self._p.moves.free(entry)
             self._p.cond.notify_all()
 
-    # --- data -------------------------------------------------------------------------
     def write(self, tensor_id: str, array: np.ndarray) -> None:
         """Overwrite a tensor's contents where its pages are (no page moves).
 
@@ -510,12 +516,7 @@ class PagedBufferPool:
         """
         with self._p.cond:
             entry = self._entry(tensor_id)
-            arr = np.asarray(array)
-            if arr.shape != entry.shape:
-                raise ValueError(
-                    f"write to {tensor_id!r}: array shape {arr.shape} != tensor shape {entry.shape}"
-                )
-            data = np.ascontiguousarray(arr, dtype=entry.dtype).reshape(-1).view(np.uint8)
+            data = _payload(entry, array)
             self._p.placement.wait_settled(entry)
             self._p.access.write(entry, data)
 
@@ -535,7 +536,6 @@ class PagedBufferPool:
             self._p.placement.wait_settled(entry)
             return self._p.access.read(entry)
 
-    # --- paging -----------------------------------------------------------------------
     def acquire(
         self, tensor_id: str, tier: str = "host", writable: bool = False
     ) -> np.ndarray | tf.Tensor:
@@ -553,13 +553,10 @@ class PagedBufferPool:
                 the last :meth:`release`. Otherwise the array is read-only.
 
         Returns:
-            For 'host', an ``np.ndarray`` of the tensor's shape and dtype: a view of the
-            page for a one-page tensor, else a contiguous copy (so a multi-page acquire
-            allocates ``nbytes`` outside the tier budgets). For 'device', a ``tf.Tensor``
-            of the shape and dtype, assembled from the pages (a transient ``nbytes``
-            device buffer for multi-page tensors). A host array is valid only until the
-            matching :meth:`release`: a one-page view then points at a slot the pool may
-            give to another page.
+            'host': an ``np.ndarray`` of the tensor's shape and dtype, a view of the page
+            of a one-page tensor, else a copy (``nbytes`` outside the tier budgets), valid
+            until the matching :meth:`release`. 'device': a ``tf.Tensor`` assembled from
+            the pages (a transient ``nbytes`` device buffer when multi-page).
 
         Raises:
             KeyError: unknown tensor.
@@ -572,16 +569,9 @@ class PagedBufferPool:
         with self._p.cond:
             entry = self._entry(tensor_id)
             self._check_tier(tier, ("host", "device"))
-            if writable and tier == "device":
-                raise ValueError("acquire(writable=True) is for tier='host'; use write()")
-            if entry.acquire_count and entry.acquired_tier != tier:
-                raise ValueError(
-                    f"tensor {tensor_id!r} is acquired on {entry.acquired_tier!r}; release it "
-                    f"before acquiring on {tier!r}"
-                )
+            self._p.access.check_acquire(entry, tier, writable)
             self._p.placement.check_fits(entry, tier)
-            entry.acquire_count += 1
-            entry.acquired_tier = tier
+            self._p.access.count_acquire(entry, tier)
             try:
                 self._p.placement.bring(entry, tier)
                 result = self._p.access.materialise(entry, tier, writable)
@@ -653,12 +643,7 @@ class PagedBufferPool:
         with self._p.cond:
             self._check_open()
             self._check_tier(to_tier, ("host", "nvme"))
-            entries = [self._entry(tid) for tid in ids]
-            for entry in entries:
-                if entry.pinned:
-                    raise ValueError(f"tensor {entry.tensor_id!r} is pinned or acquired")
-            pages = [p for e in entries for p in e.pages]
-            self._p.placement.settle(pages, to_tier, set(ids), advisory=False, down_only=True)
+            self._p.placement.evict([self._entry(tid) for tid in ids], to_tier)
 
     def pin(self, tensor_id: str) -> None:
         """Keep a tensor's pages from being evicted until a matching :meth:`unpin`.
@@ -698,10 +683,8 @@ class PagedBufferPool:
     def set_device_budget(self, capacity_bytes: int) -> int:
         """Change the device tier's capacity (e.g. a live ``device_budget_bytes`` change).
 
-        Growing takes effect at once. Shrinking first moves the excess pages down to the
-        host, by the eviction policy (reuse distance with an access order, else least
-        recently used), counted as ``d2h`` moves and ``evictions``; the host makes room
-        further down as usual.
+        Growing takes effect at once. Shrinking first moves the excess pages to the host
+        by the eviction policy, counted as ``d2h`` moves and ``evictions``.
 
         Args:
             capacity_bytes: the new budget (bytes), rounded down to whole pages; >= one
@@ -730,7 +713,6 @@ class PagedBufferPool:
             while not self.closed and (self._p.prefetcher.busy() or self._p.moves.io_busy()):
                 self._p.cond.wait(WAIT_SLICE_SECONDS)
 
-    # --- accounting -------------------------------------------------------------------
     def step_boundary(self, step: int) -> PageCounters:
         """Close step ``step``: return its counters, zero them, restart peaks and the order.
 
@@ -764,7 +746,6 @@ class PagedBufferPool:
         with self._p.cond:
             return [e.tensor_id for e in self._p.table.entries()]
 
-    # --- internals --------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._state is not PoolState.OPEN:
             raise PoolClosedError("the paged buffer pool is closed")
