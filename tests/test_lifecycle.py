@@ -102,9 +102,16 @@ def _census(nvme) -> dict:
     }
 
 
-def _nvme_cycle(stage: int, nvme, logdir):
-    """Create a strategy with NVMe tiers, fit a tiny model, close; return weak references
-    to the cycle's pools and its model (the strategy and model are dropped here)."""
+def _runtime_threads() -> list[str]:
+    """Names of the runtime's own threads alive now (I/O, prefetch, update, write-behind)."""
+    prefixes = ("zr-", "zero3-update")
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith(prefixes))
+
+
+def _nvme_cycle(stage: int, nvme, logdir, close_model_first: bool = False):
+    """Create a strategy with NVMe tiers, fit a tiny model, close (the stage-3 model
+    first with ``close_model_first``); return weak references to the cycle's pools, its
+    strategy and model, and the strategy, model and input."""
     config = zero_runtime.ZeroConfig(
         stage=stage,
         offload_optimizer="nvme",
@@ -128,7 +135,12 @@ def _nvme_cycle(stage: int, nvme, logdir):
         pools.append(model.engine.pool)
         assert model.update_in_backward  # the update threads ran
     assert all(p.nvme_file and os.path.exists(p.nvme_file) for p in pools)
+    if close_model_first:  # ShardedModel.close(): its update threads and its pool
+        model.close()
+        assert [t for t in _runtime_threads() if "update" in t] == []
+        assert pools[1].closed and not os.path.exists(pools[1].nvme_file)
     strategy.close()
+    assert _runtime_threads() == []
     refs = [weakref.ref(p) for p in pools] + [weakref.ref(strategy), weakref.ref(model)]
     return refs, strategy, model, x
 
@@ -141,7 +153,8 @@ def test_create_fit_close_releases_threads_descriptors_files_and_pools(stage, cy
     nvme.mkdir()
     figures = []
     for i in range(cycles):
-        refs, strategy, model, x = _nvme_cycle(stage, nvme, tmp_path / f"run{i}")
+        close_model_first = stage == 3 and i % 2 == 1
+        refs, strategy, model, x = _nvme_cycle(stage, nvme, tmp_path / f"run{i}", close_model_first)
         if i == cycles - 1:
             strategy.close()  # a second close is a no-op
             with pytest.raises(zero_runtime.StrategyClosedError, match="closed"):
