@@ -54,7 +54,6 @@ from zero_runtime.memory.page_table import (
     LEVEL,
     TIER_ORDER,
     PageRecord,
-    PageState,
     PageTable,
     TensorEntry,
 )
@@ -76,8 +75,6 @@ if TYPE_CHECKING:
     import tensorflow as tf
 
 logger = logging.getLogger(__name__)
-
-S = PageState
 
 DEFAULT_PAGE_SIZE = 4 << 20  # bytes (4 MiB)
 MIN_PAGE_SIZE = 64 << 10  # bytes (64 KiB)
