@@ -196,7 +196,6 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
             strategy runs as plain mirrored, a ``keras.saving.CustomObjectScope`` that
             maps ``"adam"``, ``"adamw"`` and ``"sgd"`` to :mod:`zero_runtime.optim`.
         """
-        self.resources.check_open("enter the strategy's scope")
         stack = contextlib.ExitStack()
         stack.enter_context(super().scope())
         if self.partitioned:
@@ -308,9 +307,10 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
         threads (after their queued block updates), stage-3 engines (their pools: prefetch
         and I/O threads, pages, NVMe slab files and descriptors), optimizer-state stores
         (write-behind thread, NVMe pool), then the telemetry (flushed and closed last).
-        Afterwards :meth:`scope`, :meth:`run`, ``fit``/``evaluate``/``predict`` and the
-        host calls of steps traced before raise
-        :class:`zero_runtime.lifecycle.StrategyClosedError`. Models trained under the
-        strategy keep their Keras objects, but stage-3 weights (their shards) are gone.
+        Afterwards :meth:`run`, ``fit``/``evaluate``/``predict``, :meth:`shard_model`
+        and the host calls of steps traced before raise
+        :class:`zero_runtime.lifecycle.StrategyClosedError`. Stage 0-2 models keep their
+        weights (Keras variables, readable in :meth:`scope`); stage-3 weights (their
+        shards) are gone.
         """
         self.resources.close()
