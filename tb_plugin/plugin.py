@@ -59,7 +59,7 @@ from tensorboard.data import provider
 from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
-from tb_plugin import export, fast_read, metadata, tuning
+from tb_plugin import export, fast_read, metadata, origin, tuning
 from tb_plugin.cache import CostLru
 from zero_runtime import control
 
@@ -386,6 +386,18 @@ def _cached_layout(content: bytes, run: str, tag: str) -> Layout:
     return parse_layout(content, run, tag)
 
 
+def _ack_problem(run: str, ack: Any) -> str | None:
+    """What is wrong with a run's acknowledgement file (naming it), or None (also absent)."""
+    problem = None if ack is None else tuning.record_problem(ack)
+    return None if problem is None else f"{control.ACK_FILE} of run {run[:80]!r}: {problem}"
+
+
+def _ack_errors(run: str, ack: Any) -> list[str]:
+    """``[reason]`` for /tuning's ``data_errors`` when the ack is malformed, else ``[]``."""
+    problem = _ack_problem(run, ack)
+    return [] if problem is None else [f"{problem}; skipped"]
+
+
 class MemoryHierarchyPlugin(base_plugin.TBPlugin):
     """The Memory Hierarchy View: tier occupancy, page traffic and timing per run.
 
@@ -416,6 +428,7 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
         self._listings: dict[str, tuple[float, dict[str, dict[str, Any]]]] = {}
         self._listing_refreshes: set[str] = set()  # experiments being listed in background
         flags = getattr(context, "flags", None)
+        self._flags = flags
         self._tuning_enabled = bool(getattr(flags, tuning.FLAG_NAME, False))
         self._logdir = getattr(context, "logdir", None) or getattr(flags, "logdir", None) or ""
         self._tune_lock = threading.Lock()  # one request written at a time (versions)
@@ -791,6 +804,13 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
         run_infos = self._latest_json(ctx, experiment, run, metadata.TAG_RUN_INFO)
         config = run_infos[-1]["value"].get("config") if run_infos else None
         events = self._latest_json(ctx, experiment, run, metadata.TAG_CONFIG_EVENT)
+        data_errors = []
+        for event in events:
+            problem = tuning.record_problem(event["value"])
+            if problem is not None:
+                data_errors.append(
+                    f"{metadata.TAG_CONFIG_EVENT} at step {event['step']}: {problem}; skipped"
+                )
         request = ack = None
         run_dir_error = None
         try:
@@ -798,6 +818,7 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
             request, ack = tuning.read_request(run_dir), control.read_ack(run_dir)
         except errors.InvalidArgumentError as exc:
             run_dir_error = str(exc)
+        data_errors += _ack_errors(run, ack)
         values = tuning.current_values(config if isinstance(config, dict) else None, events, ack)
         keys = [{**spec, **values[spec["key"]]} for spec in tuning.tunable_keys()]
         # A non-chief worker: the job's request and decision live in the chief's run.
@@ -808,6 +829,7 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
             try:
                 chief_dir = self._run_dir(ctx, experiment, chief)
                 request, ack = tuning.read_request(chief_dir), control.read_ack(chief_dir)
+                data_errors += _ack_errors(chief, ack)
             except (errors.InvalidArgumentError, errors.NotFoundError):
                 note += " This TensorBoard does not list that run, so it cannot tune the job."
         return {
@@ -820,6 +842,7 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
             "run_dir_error": run_dir_error,
             "tuning_run": chief or run,
             "tuning_note": note,
+            "data_errors": data_errors,
         }
 
     @wrappers.Request.application
@@ -882,6 +905,13 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
                     f"here ({exc}); nothing was written"
                 ) from exc
         with self._tune_lock:
+            problem = _ack_problem(chief or run, control.read_ack(run_dir))
+            if problem is not None:
+                raise tuning.ControlFileError(
+                    f"{problem}. Only the runtime writes that file: "
+                    "remove it (the job writes a new one at its next decision) and try "
+                    "again; nothing was written"
+                )
             version = control.write_request(run_dir, updates)
             written = tuning.read_request(run_dir)
             ack = control.read_ack(run_dir)
@@ -910,6 +940,7 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
         if request.method != "POST":
             raise tuning.MethodNotAllowedError("/tune accepts only POST", allow="POST")
         self._require_tuning()
+        origin.check_same_origin(request.environ, self._flags, "POST /tune")
         if request.headers.get(tuning.HEADER_NAME) != tuning.HEADER_VALUE:
             raise errors.PermissionDeniedError(
                 f"POST /tune needs the header {tuning.HEADER_NAME}: {tuning.HEADER_VALUE}"

@@ -13,6 +13,7 @@ import io
 import json
 import math
 import os
+import socket
 import time
 from urllib.parse import quote, urlencode
 
@@ -934,3 +935,146 @@ def test_request_state_pending_applied_rejected_ignored():
     assert tuning.request_state(req, unreadable)["state"] == "rejected"
     ignored = {**done, "status": "ignored", "reason": "version 2 is not newer than 2"}
     assert tuning.request_state(req, ignored)["reason"].startswith("version 2")
+
+
+# -- malformed tuning records (issue #22 item 7) -------------------------------------------
+
+APPLIED = {"status": "applied", "reason": None, "decided_at": 1.0}
+NINE = {"telemetry_every_n_steps": {"old": 4, "new": 9}}  # a change that must not count
+
+
+@pytest.mark.parametrize(
+    ("event", "ack", "needles"),
+    [
+        ({**APPLIED, "version": "two", "step": 4, "changes": NINE}, None, ["'version'", "'two'"]),
+        ({**APPLIED, "version": None, "step": 4, "changes": NINE}, None, ["'version'", "None"]),
+        ({**APPLIED, "version": 1.5, "step": 4, "changes": NINE}, None, ["'version'", "1.5"]),
+        ({**APPLIED, "version": True, "step": 4, "changes": NINE}, None, ["'version'", "True"]),
+        ({**APPLIED, "version": 2, "step": "four", "changes": NINE}, None, ["'step'", "'four'"]),
+        ({**APPLIED, "version": 2, "step": 4.5, "changes": NINE}, None, ["'step'", "4.5"]),
+        ([1, 2], None, ["not a JSON object"]),
+        (None, {**APPLIED, "version": "two", "step": 4, "changes": NINE}, ["'version'", "'two'"]),
+        (None, {**APPLIED, "version": 2, "step": "x", "changes": NINE}, ["'step'", "'x'"]),
+        (None, {**APPLIED, "version": 2, "step": None, "changes": NINE}, ["'step'", "None"]),
+        (None, {**APPLIED, "version": [2], "step": 4, "changes": NINE}, ["'version'", "[2]"]),
+        (None, [2, "applied"], ["not a JSON object"]),
+    ],
+    ids=lambda v: None,
+)
+def test_tuning_skips_and_reports_malformed_config_events_and_acks(
+    plugin_client, tmp_path, event, ack, needles
+):
+    logdir = tmp_path / "logs"
+    run_dir = write_tuned_run(logdir)
+    if event is not None:
+        writer = SummaryWriter(run_dir)
+        writer.json(metadata.TAG_CONFIG_EVENT, 4, event)
+        writer.close()
+    if ack is not None:
+        with open(os.path.join(run_dir, control.ACK_FILE), "w") as fh:
+            json.dump(ack, fh)
+    client = plugin_client(str(logdir), tuning=True)
+    status, body = get_json(client, "/tuning", run=TUNED_RUN)
+    assert status == 200, body
+    keys = {k["key"]: k for k in body["keys"]}
+    # The malformed record is skipped: the one well-formed decision (1 -> 4) stays in effect.
+    assert (keys["telemetry_every_n_steps"]["value"], body["config_version"]) == (4, 1)
+    (problem,) = body["data_errors"]
+    where = control.ACK_FILE if ack is not None else f"{metadata.TAG_CONFIG_EVENT} at step 4"
+    assert where in problem and "skipped" in problem
+    for needle in needles:
+        assert needle in problem, problem
+    if ack is not None:
+        assert body["request"]["state"] == "none"
+
+
+def test_tuning_of_well_formed_records_reports_no_data_errors(tuned):
+    client, _run_dir = tuned
+    status, body = get_json(client, "/tuning", run=TUNED_RUN)
+    assert (status, body["data_errors"]) == (200, [])
+
+
+@pytest.mark.parametrize("version", ["two", None, [1]])
+def test_tune_over_a_malformed_ack_answers_a_json_conflict_and_writes_nothing(tuned, version):
+    client, run_dir = tuned
+    control.write_request(run_dir, {"telemetry_every_n_steps": 3})
+    ack = {**APPLIED, "version": version, "step": 4, "changes": {}}
+    with open(os.path.join(run_dir, control.ACK_FILE), "w") as fh:
+        json.dump(ack, fh)
+    with open(os.path.join(run_dir, control.REQUEST_FILE)) as fh:
+        before = fh.read()
+    status, body = post_tune(client, {"updates": {"device_budget_bytes": 256 * MIB}})
+    assert status == 409, body
+    message = body["error"]["message"]
+    assert control.ACK_FILE in message and repr(version) in message
+    assert "nothing was written" in message
+    with open(os.path.join(run_dir, control.REQUEST_FILE)) as fh:
+        assert fh.read() == before
+    # The server is still up and the run still readable.
+    status, view = get_json(client, "/tuning", run=TUNED_RUN)
+    assert status == 200 and view["data_errors"]
+
+
+# -- DNS rebinding: POST /tune checks Host and Origin (issue #22 item 7) --------------------
+
+FQDN = socket.getfqdn()
+LOCAL = {"SERVER_NAME": "127.0.0.1", "SERVER_PORT": "6006"}  # as werkzeug's server sets them
+WILDCARD = {"SERVER_NAME": "::", "SERVER_PORT": "6006"}  # --bind_all
+NAMED = {"SERVER_NAME": "10.0.0.5", "SERVER_PORT": "6006"}  # --host myhost.example
+
+
+@pytest.mark.parametrize(
+    ("flags", "server", "host", "origin", "accepted"),
+    [
+        ({}, LOCAL, "127.0.0.1:6006", "http://127.0.0.1:6006", True),
+        ({}, LOCAL, "localhost:6006", "http://localhost:6006", True),
+        ({}, LOCAL, "LocalHost:6006", "http://localhost:6006", True),
+        ({}, LOCAL, "127.0.0.1:6006", None, True),  # curl, urllib: no Origin
+        ({}, LOCAL, "localhost:16006", "http://localhost:16006", True),  # ssh -L 16006:...:6006
+        ({}, LOCAL, "[::1]:6006", "http://[::1]:6006", True),
+        ({}, LOCAL, "evil.example:6006", "http://evil.example:6006", False),  # rebinding
+        ({}, LOCAL, "evil.example:6006", None, False),
+        ({}, LOCAL, "localhost.evil.example:6006", "http://localhost.evil.example:6006", False),
+        ({}, LOCAL, "127.0.0.1.nip.io:6006", "http://127.0.0.1.nip.io:6006", False),
+        ({}, LOCAL, "127.0.0.1:6006", "http://evil.example:6006", False),  # cross-origin
+        ({}, LOCAL, "127.0.0.1:6006", "http://127.0.0.1:7007", False),
+        ({}, LOCAL, "127.0.0.1:6006", "null", False),  # sandboxed frame, file:
+        ({}, LOCAL, "127.0.0.1:6006", "ftp://127.0.0.1:6006", False),
+        ({}, LOCAL, "192.168.1.20:6006", "http://192.168.1.20:6006", False),  # not bound there
+        ({}, LOCAL, "", None, False),
+        ({}, LOCAL, "127.0.0.1:6006@evil.example", None, False),
+        ({"bind_all": True}, WILDCARD, "192.168.1.20:6006", "http://192.168.1.20:6006", True),
+        ({"bind_all": True}, WILDCARD, "[fe80::1]:6006", "http://[fe80::1]:6006", True),
+        ({"bind_all": True}, WILDCARD, f"{FQDN}:6006", f"http://{FQDN}:6006", True),
+        ({"bind_all": True}, WILDCARD, "evil.example:6006", "http://evil.example:6006", False),
+        ({"bind_all": True}, WILDCARD, "192.168.1.20:7007", None, False),  # not the bound port
+        ({"host": "myhost.example"}, NAMED, "myhost.example:6006", None, True),
+        ({"host": "myhost.example"}, NAMED, "10.0.0.5:6006", "http://10.0.0.5:6006", True),
+        ({"host": "myhost.example"}, NAMED, "myhost.example:7007", None, False),
+        ({"host": "myhost.example"}, NAMED, "evil.example:6006", None, False),
+    ],
+)
+def test_tune_checks_host_and_origin_against_the_served_address(
+    plugin_client, tmp_path, flags, server, host, origin, accepted
+):
+    logdir = tmp_path / "logs"
+    run_dir = write_tuned_run(logdir)
+    client = plugin_client(str(logdir), tuning=True, flags=flags)
+    headers = {**HEADERS, "Host": host}
+    if origin is not None:
+        headers["Origin"] = origin
+    response = client.post(
+        f"{PREFIX}/tune?{urlencode({'run': TUNED_RUN})}",
+        data=json.dumps({"updates": {"telemetry_every_n_steps": 3}}),
+        headers=headers,
+        content_type="application/json",
+        environ_overrides=server,
+    )
+    body = json.loads(response.get_data(as_text=True))
+    written = os.path.exists(os.path.join(run_dir, control.REQUEST_FILE))
+    if accepted:
+        assert (response.status_code, body["version"], written) == (200, 1, True), body
+    else:
+        assert (response.status_code, written) == (403, False), body
+        assert body["error"]["code"] == 403
+        assert "DNS rebinding" in body["error"]["message"]
