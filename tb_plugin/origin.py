@@ -48,9 +48,6 @@ class RebindingRefusedError(errors.PublicError):
 
     http_code = 403
 
-    def __init__(self, details: str) -> None:
-        super().__init__(details)
-
 
 def _ip(name: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     try:

@@ -61,64 +61,6 @@ STATE_REJECTED = control.Status.REJECTED.value
 STATE_IGNORED = control.Status.IGNORED.value
 
 
-class TuningDisabledError(errors.PublicError):
-    """POST /tune while TensorBoard runs without ``--memory_hierarchy_tuning`` (HTTP 403)."""
-
-    http_code = 403
-
-    def __init__(self, details: str) -> None:
-        super().__init__(details)
-
-
-class MethodNotAllowedError(errors.PublicError):
-    """A route asked with a method it does not serve (HTTP 405, ``Allow`` header set)."""
-
-    http_code = 405
-
-    def __init__(self, details: str, allow: str) -> None:
-        super().__init__(details)
-        self.headers = [("Allow", allow)]
-
-
-class ChiefRunMissingError(errors.PublicError):
-    """POST /tune for a non-chief worker's run whose chief run this TensorBoard does not
-    list (HTTP 409): the request cannot reach the job, so nothing is written."""
-
-    http_code = 409
-
-    def __init__(self, details: str) -> None:
-        super().__init__(details)
-
-
-class ControlFileError(errors.PublicError):
-    """POST /tune over a run whose acknowledgement file is malformed (HTTP 409): the
-    request's version cannot be derived from it, so nothing is written; the message names
-    the file, the bad field and how to recover."""
-
-    http_code = 409
-
-    def __init__(self, details: str) -> None:
-        super().__init__(details)
-
-
-class PayloadTooLargeError(errors.PublicError):
-    """A POST body larger than :data:`MAX_BODY_BYTES` (HTTP 413)."""
-
-    http_code = 413
-
-    def __init__(self, details: str) -> None:
-        super().__init__(details)
-
-
-class UnsupportedMediaTypeError(errors.PublicError):
-    """A POST body whose Content-Type is not ``application/json`` (HTTP 415)."""
-
-    http_code = 415
-
-    def __init__(self, details: str) -> None:
-        super().__init__(details)
-
-
 def tunable_keys() -> list[dict[str, Any]]:
     """The keys that may be tuned live, from ``zero_runtime.config.TUNABLE_KEYS``.
 

@@ -28,9 +28,13 @@ from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.plugins import base_plugin
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 from tensorboard.util import tensor_util
+from werkzeug import test as werkzeug_test
 
-from tb_plugin import export, fast_read, metadata, plugin, tuning
+from tb_plugin import downsample, export, fast_read, metadata, plugin, reader, routing, tuning
 from tb_plugin.loader import MemoryHierarchyLoader, parse_bool_flag
+from tb_plugin.routes import runs as runs_routes
+from tb_plugin.routes import series as series_routes
+from tb_plugin.routes import static as static_routes
 from tb_plugin.summary import SummaryWriter
 from zero_runtime import control
 from zero_runtime.config import ZeroConfig
@@ -315,8 +319,8 @@ def test_export_cells_that_look_like_formulas_are_defused():
 
 
 def test_a_growing_run_is_read_again_when_its_max_step_changes(tmp_path, monkeypatch):
-    monkeypatch.setattr(plugin, "LISTING_TTL_SECONDS", 0.0)  # no reuse of the listing
-    monkeypatch.setattr(plugin, "LISTING_STALE_SECONDS", 0.0)
+    monkeypatch.setattr(reader, "LISTING_TTL_SECONDS", 0.0)  # no reuse of the listing
+    monkeypatch.setattr(reader, "LISTING_STALE_SECONDS", 0.0)
     logdir = str(tmp_path / "growing")
     synthetic.write_run(logdir, synthetic.RUN_STANDIN, range(5))
     multiplexer = plugin_event_multiplexer.EventMultiplexer(
@@ -330,13 +334,15 @@ def test_a_growing_run_is_read_again_when_its_max_step_changes(tmp_path, monkeyp
     p = plugin.MemoryHierarchyPlugin(context)
     ctx = tb_context.RequestContext()
     tag = metadata.TAG_TIERS
-    assert p.series_impl(ctx, "", "alpha", tag)["steps"] == list(range(5))
-    assert p.series_impl(ctx, "", "alpha", tag)["steps"] == list(range(5))  # cached
+    assert series_routes.series_impl(p.reader, ctx, "", "alpha", tag)["steps"] == list(range(5))
+    assert series_routes.series_impl(p.reader, ctx, "", "alpha", tag)["steps"] == list(
+        range(5)
+    )  # cached
     synthetic.write_run(logdir, synthetic.RUN_STANDIN, range(5, 8))
     multiplexer.Reload()  # as TensorBoard's reload loop does
-    body = p.series_impl(ctx, "", "alpha", tag)
+    body = series_routes.series_impl(p.reader, ctx, "", "alpha", tag)
     assert body["steps"] == list(range(8)) and body["total_steps"] == 8
-    answer = p.series_answer(ctx, "", "alpha", tag, 100, None)
+    answer = series_routes.series_answer(p.reader, p.answers, ctx, "", "alpha", tag, 100, None)
     assert json.loads(gzip.decompress(answer.gzipped))["steps"] == list(range(8))
 
 
@@ -353,13 +359,15 @@ def test_a_stale_listing_is_answered_at_once_and_refreshed_in_the_background(tmp
     ctx = tb_context.RequestContext()
 
     def max_step() -> int:
-        return p.runs_impl(ctx, "")["runs"][0]["tags"][metadata.TAG_TIERS]["max_step"]
+        return runs_routes.runs_impl(p.reader, ctx, "")["runs"][0]["tags"][metadata.TAG_TIERS][
+            "max_step"
+        ]
 
     assert max_step() == 2
     synthetic.write_run(logdir, synthetic.RUN_STANDIN, range(3, 6))
     multiplexer.Reload()
     assert max_step() == 2  # younger than the TTL: the cached listing
-    monkeypatch.setattr(plugin, "LISTING_TTL_SECONDS", 0.0)
+    monkeypatch.setattr(reader, "LISTING_TTL_SECONDS", 0.0)
     assert max_step() == 2  # stale: answered at once, listed again in the background
     deadline = time.monotonic() + 60  # generous: CI shares 2 cores
     while max_step() != 5:
@@ -389,7 +397,7 @@ def test_fast_read_needs_a_grpc_provider():
 
 # -- errors --------------------------------------------------------------------------------
 
-LONG = "x" * (plugin.MAX_QUERY_VALUE_CHARS + 1)
+LONG = "x" * (routing.MAX_QUERY_VALUE_CHARS + 1)
 TIERS_TAG = metadata.TAG_TIERS
 INFO_TAG = metadata.TAG_RUN_INFO
 
@@ -490,10 +498,17 @@ def test_static_impl_does_not_follow_symlinks_out_of_the_static_dir(tmp_path):
     secret = tmp_path / "secret.js"
     secret.write_text("secret")
     os.symlink(secret, static / "evil.js")
-    p = plugin.MemoryHierarchyPlugin(base_plugin.TBContext(), static_dir=str(static))
-    assert p.static_impl("ok.js") == (b"export {};", "text/javascript")
+    assert static_routes.static_impl(str(static), "ok.js") == (b"export {};", "text/javascript")
     with pytest.raises(errors.NotFoundError):
-        p.static_impl("evil.js")
+        static_routes.static_impl(str(static), "evil.js")
+    # The plugin serves from the static_dir it was given.
+    client = werkzeug_test.Client(
+        plugin.MemoryHierarchyPlugin(
+            base_plugin.TBContext(), static_dir=str(static)
+        ).get_plugin_apps()["/*"]
+    )
+    assert client.get(f"{PREFIX}/ok.js").data == b"export {};"
+    assert client.get(f"{PREFIX}/evil.js").status_code == 404
 
 
 # -- peak-keeping downsampling -------------------------------------------------------------
@@ -543,8 +558,8 @@ def test_default_budget_thins_and_a_larger_budget_returns_every_step(spike_clien
     tag = metadata.TAG_TIERS
     status, body = get_json(spike_client, "/series", run="spiky", tag=tag)
     assert status == 200
-    assert plugin.DEFAULT_POINTS < SPIKE_STEPS
-    assert len(body["steps"]) <= plugin.DEFAULT_POINTS and body["downsampled"] is True
+    assert series_routes.DEFAULT_POINTS < SPIKE_STEPS
+    assert len(body["steps"]) <= series_routes.DEFAULT_POINTS and body["downsampled"] is True
     assert max(body["values"]["device"]["used_bytes"]) == SPIKE_BYTES
     status, body = get_json(spike_client, "/series", run="spiky", tag=tag, points=SPIKE_STEPS)
     assert status == 200
@@ -567,7 +582,7 @@ def test_peak_keeping_indices_keeps_every_series_extremes(budget):
 
 def peak_keeping_indices_checked(values: np.ndarray, budget: int) -> list[int]:
     """Run peak_keeping_indices and check its indices are sorted, unique and in range."""
-    keep = plugin.peak_keeping_indices(values, budget).tolist()
+    keep = downsample.peak_keeping_indices(values, budget).tolist()
     assert keep == sorted(set(keep))
     assert all(0 <= i < len(values) for i in keep)
     return keep
