@@ -1093,3 +1093,53 @@ def test_tune_checks_host_and_origin_against_the_served_address(
         assert (response.status_code, written) == (403, False), body
         assert body["error"]["code"] == 403
         assert "DNS rebinding" in body["error"]["message"]
+
+
+@pytest.mark.slow
+def test_a_real_tensorboard_refuses_a_rebinding_host_and_accepts_its_own(
+    tensorboard_server, tmp_path
+):
+    """The guard reads the bound address from werkzeug's real server (``SERVER_NAME``,
+    ``SERVER_PORT``): a real ``tensorboard --host 127.0.0.1 --memory_hierarchy_tuning``."""
+    import urllib.error
+    import urllib.request
+
+    logdir = tmp_path / "logs"
+    run_dir = write_tuned_run(logdir)
+    server = tensorboard_server(
+        str(logdir), load_fast=False, reload_interval=1, extra_args=("--memory_hierarchy_tuning",)
+    )
+    deadline = time.monotonic() + 60.0  # s; TensorBoard loads the logdir in the background
+    while True:
+        with urllib.request.urlopen(f"{server.url}{PREFIX}/runs", timeout=30) as response:
+            if TUNED_RUN in [r["run"] for r in json.loads(response.read())["runs"]]:
+                break
+        assert time.monotonic() < deadline, server.log_tail()
+        time.sleep(0.5)
+
+    def post(host: str) -> tuple[int, dict]:
+        request = urllib.request.Request(
+            f"{server.url}{PREFIX}/tune?{urlencode({'run': TUNED_RUN})}",
+            data=json.dumps({"updates": {"telemetry_every_n_steps": 3}}).encode(),
+            headers={
+                **HEADERS,
+                "Content-Type": "application/json",
+                "Host": host,
+                "Origin": f"http://{host}",
+            },
+            method="POST",
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    status, body = post(f"evil.example:{server.port}")
+    assert status == 403 and "DNS rebinding" in body["error"]["message"], body
+    assert f"on port {server.port}: 127.0.0.1" in body["error"]["message"]
+    assert not os.path.exists(os.path.join(run_dir, control.REQUEST_FILE))
+    status, body = post(f"127.0.0.1:{server.port}")
+    assert (status, body["version"]) == (200, 1), body
+    status, body = post(f"localhost:{server.port}")
+    assert (status, body["version"]) == (200, 2), body
