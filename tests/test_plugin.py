@@ -974,7 +974,6 @@ NINE = {"telemetry_every_n_steps": {"old": 4, "new": 9}}  # a change that must n
         (None, {**APPLIED, "version": [2], "step": 4, "changes": NINE}, ["'version'", "[2]"]),
         (None, [2, "applied"], ["not a JSON object"]),
     ],
-    ids=lambda v: None,
 )
 def test_tuning_skips_and_reports_malformed_config_events_and_acks(
     plugin_client, tmp_path, event, ack, needles
