@@ -136,3 +136,14 @@ def test_strategy_variants_pick_the_registered_subclass_that_applies():
     assert strategy_variants.select(Base) is Sub
     with pytest.raises(TypeError, match="cls must be a class"):
         strategy_variants.register("bad", lambda: True, Sub())
+
+
+def test_tf_config_without_a_registered_multiworker_variant_is_an_error(monkeypatch):
+    """``zero_runtime.strategy.ZeroInfinityStrategy`` used directly, before anything imported
+    ``zero_runtime.multiworker``: a cluster's worker must not silently train alone."""
+    from zero_runtime.strategy import ZeroInfinityStrategy
+
+    monkeypatch.setattr(strategy_variants, "_VARIANTS", [])
+    monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["h:1", "h:2"]}}')
+    with pytest.raises(RuntimeError, match="no multi-worker strategy is registered"):
+        ZeroInfinityStrategy({"stage": 1})
