@@ -25,15 +25,18 @@ import enum
 import time
 from typing import Any
 
-import psutil
-
 from zero_runtime import control, oom
 from zero_runtime.config import ZeroConfig
-from zero_runtime.devices import DeviceInfo, bfc_requested
+from zero_runtime.devices import DeviceInfo
 from zero_runtime.runtime import accounting
 from zero_runtime.runtime.accounting import Accounting
 from zero_runtime.runtime.clock import StepClock, StepEnd
-from zero_runtime.runtime.postmortem import FailureContext, PostMortem, check_budgets
+from zero_runtime.runtime.postmortem import (
+    FailureContext,
+    PostMortem,
+    as_oom_error,
+    check_budgets,
+)
 from zero_runtime.telemetry import FlightRecorder
 from zero_runtime.telemetry.collector import TelemetryCollector
 from zero_runtime.telemetry.summaries import RunSummaries
@@ -335,14 +338,8 @@ class ZeroRuntime:
         known = self.postmortem.written_for(exc)
         if known is not None:
             return known
-        if step is None:
-            step = self._next_step()
-        tier = getattr(exc, "tier", None)
-        snapshot = getattr(exc, "snapshot", None)
-        if tier is None:
-            tier = snapshot.request_tier if snapshot is not None else "device"
-        err = oom.OutOfMemoryError(str(exc), tier)
-        self._fail(err, step, cause=exc)
+        err = as_oom_error(exc)
+        self._fail(err, self._next_step() if step is None else step, cause=exc)
         return err.postmortem_path
 
     def _fail(
@@ -379,21 +376,10 @@ class ZeroRuntime:
 
     # -- summaries and lifecycle ---------------------------------------------------------
     def _write_run_info(self) -> None:
-        if self.summaries is None:
-            return
-        self.summaries.run_info(
-            {
-                "stage": self.config.stage,
-                "num_replicas": self.num_replicas,
-                "devices": list(self.device.devices),
-                "device_is_standin": self.device.is_standin,
-                "device_description": self.device.description,
-                "device_allocator_stats_requested": bfc_requested() or not self.device.is_standin,
-                "fallback_mirrored": self.fallback_mirrored,
-                "config": self.config.to_dict(),
-                "host_total_bytes": psutil.virtual_memory().total,
-            }
-        )
+        if self.summaries is not None:
+            self.summaries.run_info(
+                self.config, self.num_replicas, self.device, self.fallback_mirrored
+            )
 
     def flush(self) -> None:
         """Write queued summaries to disk (waits for the background emitter first)."""

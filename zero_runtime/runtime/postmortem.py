@@ -84,6 +84,18 @@ def check_budgets(
     return None
 
 
+def as_oom_error(exc: BaseException) -> oom.OutOfMemoryError:
+    """The runtime's error for a caught ``exc`` (e.g. TensorFlow's
+    ``ResourceExhaustedError``): its message, and the failed tier the error names
+    (runtime errors, pool snapshots), else 'device' (TensorFlow's allocator serves the
+    device tier)."""
+    tier = getattr(exc, "tier", None)
+    snapshot = getattr(exc, "snapshot", None)
+    if tier is None:
+        tier = snapshot.request_tier if snapshot is not None else "device"
+    return oom.OutOfMemoryError(str(exc), tier)
+
+
 class PostMortem:
     """Builds and writes the OOM post-mortem of one runtime.
 

@@ -11,8 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import psutil
+
 from tb_plugin import metadata
 from tb_plugin.summary import SummaryWriter
+from zero_runtime.config import ZeroConfig
+from zero_runtime.devices import DeviceInfo, bfc_requested
 from zero_runtime.telemetry.emitter import BackgroundEmitter
 from zero_runtime.telemetry.stats import StepStats
 
@@ -32,9 +36,24 @@ class RunSummaries:
         self._last_placement: dict[str, Any] | None = None
         self._emitter = BackgroundEmitter(self._write_step)
 
-    def run_info(self, info: Mapping[str, Any]) -> None:
-        """``memory_hierarchy/run_info`` at step 0 (at start and whenever it changes)."""
-        self._writer.json(metadata.TAG_RUN_INFO, 0, dict(info))
+    def run_info(
+        self, config: ZeroConfig, num_replicas: int, device: DeviceInfo, fallback_mirrored: bool
+    ) -> None:
+        """``memory_hierarchy/run_info`` at step 0 (at start and whenever it changes): the
+        stage, replicas, devices and the nature of the device tier, the config, whether
+        the strategy runs as plain mirrored, and the host's physical memory (bytes)."""
+        info = {
+            "stage": config.stage,
+            "num_replicas": num_replicas,
+            "devices": list(device.devices),
+            "device_is_standin": device.is_standin,
+            "device_description": device.description,
+            "device_allocator_stats_requested": bfc_requested() or not device.is_standin,
+            "fallback_mirrored": fallback_mirrored,
+            "config": config.to_dict(),
+            "host_total_bytes": psutil.virtual_memory().total,
+        }
+        self._writer.json(metadata.TAG_RUN_INFO, 0, info)
 
     def estimate(self, estimate: Mapping[str, Any]) -> None:
         """``memory_hierarchy/estimate`` at step 0 (one optimizer's predicted bytes)."""
