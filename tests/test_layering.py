@@ -23,6 +23,8 @@ ROOT = pathlib.Path(zero_runtime.__file__).parent
 PKG = "zero_runtime"
 #: What the runtime may import from the TensorBoard plugin (its data contract and writer).
 TB_PLUGIN_ALLOWED = {"tb_plugin", "tb_plugin.metadata", "tb_plugin.summary"}
+#: What the TensorBoard plugin may import from the runtime (live tuning's channel, config).
+RUNTIME_FOR_PLUGIN = {"zero_runtime", "zero_runtime.control", "zero_runtime.config"}
 
 
 def _modules(root: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -163,6 +165,26 @@ def test_root_imports_only_foundations_eagerly(graph):
 def test_runtime_imports_only_the_plugins_contract_and_writer(graph):
     _, external, _ = graph
     bad = {m: sorted(t - TB_PLUGIN_ALLOWED) for m, t in external.items() if t - TB_PLUGIN_ALLOWED}
+    assert bad == {}
+
+
+def test_the_plugin_imports_only_the_control_channel_and_config():
+    plugin_root = ROOT.parent / "tb_plugin"
+    bad = {}
+    for path in sorted(plugin_root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [
+                    f"{node.module}.{a.name}" if node.module == PKG else node.module
+                    for a in node.names
+                ]
+            else:
+                continue
+            used = {n for n in names if n.split(".")[0] == PKG} - RUNTIME_FOR_PLUGIN
+            if used:
+                bad[str(path.relative_to(plugin_root))] = sorted(used)
     assert bad == {}
 
 
