@@ -308,7 +308,9 @@ def write_request(run_dir: str, updates: Mapping[str, Any]) -> int:
         if isinstance(old, dict) and isinstance(old.get("version"), int):
             previous = old["version"]
             ack = read_ack(run_dir)
-            decided = ack.get("version", 0) if isinstance(ack, dict) else 0
+            decided = ack.get("version") if isinstance(ack, dict) else None
+            if not isinstance(decided, int) or isinstance(decided, bool):
+                decided = 0  # no (well-formed) acknowledgement: nothing decided yet
             if previous > decided and isinstance(old.get("updates"), dict):
                 # The runtime has not decided on the previous request yet: keep its changes,
                 # so that a request written before the next step boundary is not lost.
