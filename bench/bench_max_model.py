@@ -157,13 +157,13 @@ def run_trial(spec: dict) -> dict:
             model.compile(optimizer=DenseGradAdam(learning_rate=1e-3), loss=loss)
         trained = model
     else:
-        from zero_runtime.runtime import ZeroRuntime
+        from zero_runtime.telemetry.collector import TelemetryCollector
 
         # The runtime resets the allocator's peak at each step boundary (its per-step
         # telemetry window), which falls inside the step, at the optimizer update; read
         # after fit, the peak would then cover only the last step's tail. The trial needs
         # the peak over whole steps, so the reset is disabled in this process.
-        ZeroRuntime._reset_framework_peak = lambda self: None  # noqa: SLF001
+        TelemetryCollector.reset_peak_each_step = False
         strategy = zero_runtime.ZeroInfinityStrategy(
             {
                 "stage": 3,

@@ -64,10 +64,10 @@ def main() -> int:
         gpt = model.build_gpt(cfg, seed=0)
         gpt.compile(optimizer="adam", loss=model.make_loss())
     runtime = strategy.runtime
-    # The on-mode's own cost inside the step: time in _collect (readings, accounting,
-    # page counters, timing) and the hand-over to the background writer, per record.
+    # The on-mode's own cost inside the step: time in the collector (readings, accounting,
+    # page counters, timing) per record.
     boundary: list[float] = []
-    collect = runtime._collect
+    collect = runtime.collector.collect
 
     def timed_collect(*a, **k):
         t0 = time.perf_counter()
@@ -76,7 +76,7 @@ def main() -> int:
         finally:
             boundary.append(time.perf_counter() - t0)
 
-    runtime._collect = timed_collect
+    runtime.collector.collect = timed_collect
     total = WARMUP_STEPS + 2 * args.blocks * args.block
     times: dict[str, list[float]] = {"on": [], "off": []}
 

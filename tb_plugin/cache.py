@@ -1,8 +1,9 @@
 """A small thread-safe LRU cache bounded by a cost budget, for the plugin's read side.
 
-The plugin caches two things (see :mod:`tb_plugin.plugin`): the decoded steps of a time
-series, keyed by ``(experiment, run, tag, max_step)``, and encoded answers, keyed by the
-same plus the answer's parameters. ``max_step`` is in the key, so a run that grows gets a
+The plugin caches decoded data and encoded answers: the decoded steps of a time series and
+the decoded records of a json tag (:mod:`tb_plugin.reader`), keyed by ``(experiment, run,
+tag, max_step)``, and encoded ``/series`` answers (:mod:`tb_plugin.routes.series`), keyed
+by the same plus the answer's parameters. ``max_step`` is in the key, so a run that grows gets a
 new entry on the next request and the old one ages out; nothing is invalidated by hand.
 
 Concurrent requests for the same missing key compute it once: the first computes, the

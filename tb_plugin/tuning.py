@@ -14,6 +14,9 @@ summary. This module holds what the plugin needs to take part safely, with no HT
   (pending / applied at step N / rejected with reason / ignored).
 - :func:`current_values`: the tunable values in effect, from run_info's config plus the
   applied config events.
+- :func:`record_problem`: what is wrong with a ``config_event`` record or the
+  acknowledgement file (a version or step that is not an int, not a JSON object), so the
+  plugin skips and reports it instead of failing the request.
 - :func:`job_chief_run`: for a non-chief worker's run of a multi-worker job
   (``<job>/worker_<k>``, k >= 1), the chief's run (``<job>/worker_0``): live tuning applies
   to the whole job, and only the chief reads requests (docs/multiworker.md), so the
@@ -56,53 +59,6 @@ STATE_PENDING = "pending"  # written; the job has not decided yet (next step bou
 STATE_APPLIED = control.Status.APPLIED.value
 STATE_REJECTED = control.Status.REJECTED.value
 STATE_IGNORED = control.Status.IGNORED.value
-
-
-class TuningDisabledError(errors.PublicError):
-    """POST /tune while TensorBoard runs without ``--memory_hierarchy_tuning`` (HTTP 403)."""
-
-    http_code = 403
-
-    def __init__(self, details: str) -> None:
-        super().__init__(details)
-
-
-class MethodNotAllowedError(errors.PublicError):
-    """A route asked with a method it does not serve (HTTP 405, ``Allow`` header set)."""
-
-    http_code = 405
-
-    def __init__(self, details: str, allow: str) -> None:
-        super().__init__(details)
-        self.headers = [("Allow", allow)]
-
-
-class ChiefRunMissingError(errors.PublicError):
-    """POST /tune for a non-chief worker's run whose chief run this TensorBoard does not
-    list (HTTP 409): the request cannot reach the job, so nothing is written."""
-
-    http_code = 409
-
-    def __init__(self, details: str) -> None:
-        super().__init__(details)
-
-
-class PayloadTooLargeError(errors.PublicError):
-    """A POST body larger than :data:`MAX_BODY_BYTES` (HTTP 413)."""
-
-    http_code = 413
-
-    def __init__(self, details: str) -> None:
-        super().__init__(details)
-
-
-class UnsupportedMediaTypeError(errors.PublicError):
-    """A POST body whose Content-Type is not ``application/json`` (HTTP 415)."""
-
-    http_code = 415
-
-    def __init__(self, details: str) -> None:
-        super().__init__(details)
 
 
 def tunable_keys() -> list[dict[str, Any]]:
@@ -243,6 +199,42 @@ def read_request(run_dir: str) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) else None
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def record_problem(record: Any) -> str | None:
+    """What is wrong with a control decision record, or None when it can be used.
+
+    A decision record is the acknowledgement file's object or a ``config_event``
+    summary's value (both ``ControlOutcome.to_dict()``). It is usable when it is a JSON
+    object whose ``version`` is an int (not a bool; ``-1`` for an unparseable request) and
+    whose ``step``, when present, is an int >= 0. Other fields are read defensively
+    where they are used.
+
+    Args:
+        record: the decoded JSON (any type).
+
+    Returns:
+        None, or a short reason naming the field and the bad value (``"'version' must be
+        an int, got 'two'"``).
+    """
+    if not isinstance(record, Mapping):
+        return f"not a JSON object (got {type(record).__name__})"
+    version = record.get("version")
+    if not _is_int(version):
+        return f"'version' must be an int, got {_short_repr(version)}"
+    step = record.get("step", 0)
+    if not _is_int(step) or step < 0:
+        return f"'step' must be an int >= 0, got {_short_repr(step)}"
+    return None
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def request_state(
     request: Mapping[str, Any] | None, ack: Mapping[str, Any] | None
 ) -> dict[str, Any]:
@@ -251,7 +243,8 @@ def request_state(
     Args:
         request: the request file's object (``{"version", "updates", "requested_at"}``)
             or None.
-        ack: the acknowledgement file's object (``ControlOutcome.to_dict()``) or None.
+        ack: the acknowledgement file's object (``ControlOutcome.to_dict()``) or None;
+            one :func:`record_problem` finds fault with counts as None.
 
     Returns:
         ``{"state", "version", "updates", "requested_at", "step", "changes", "reason",
@@ -279,11 +272,9 @@ def request_state(
             updates=request.get("updates"),
             requested_at=request.get("requested_at"),
         )
-    if not ack:
+    if not ack or record_problem(ack) is not None:
         return out
-    ack_version = ack.get("version")
-    if not isinstance(ack_version, int) or isinstance(ack_version, bool):
-        return out
+    ack_version = ack["version"]
     requested_at = out["requested_at"]
     decided_at = ack.get("decided_at")
     about_this = out["version"] is not None and ack_version >= out["version"]
@@ -318,9 +309,11 @@ def current_values(
         config: the latest ``run_info`` record's ``config`` (``ZeroConfig.to_dict()``), or
             None when the run recorded none.
         config_events: the run's ``memory_hierarchy/config_event`` records, oldest first,
-            as ``{"step", "value"}``; only values with ``status == "applied"`` count.
+            as ``{"step", "value"}``; only values with ``status == "applied"`` count, and
+            a value :func:`record_problem` finds fault with is skipped.
         ack: the acknowledgement file; an applied decision newer than every recorded
-            event counts too (the event may not have been loaded by TensorBoard yet).
+            event counts too (the event may not have been loaded by TensorBoard yet);
+            skipped when :func:`record_problem` finds fault with it.
 
     Returns:
         key -> ``{"value": int | None, "recorded": bool, "since_step": int | None,
@@ -343,14 +336,12 @@ def current_values(
     decided: list[tuple[int, int, Mapping[str, Any]]] = []  # (version, step, changes)
     for event in config_events:
         value = event.get("value")
-        if isinstance(value, Mapping) and value.get("status") == STATE_APPLIED:
-            decided.append(
-                (int(value.get("version", 0)), int(event.get("step", 0)), value.get("changes"))
-            )
+        if record_problem(value) is None and value.get("status") == STATE_APPLIED:
+            decided.append((value["version"], int(event.get("step", 0)), value.get("changes")))
     newest = max((v for v, _s, _c in decided), default=0)
-    if ack and ack.get("status") == STATE_APPLIED and isinstance(ack.get("version"), int):
+    if record_problem(ack) is None and ack.get("status") == STATE_APPLIED:
         if ack["version"] > newest:
-            decided.append((ack["version"], int(ack.get("step") or 0), ack.get("changes")))
+            decided.append((ack["version"], ack.get("step", 0), ack.get("changes")))
     for version, step, changes in sorted(decided, key=lambda d: (d[1], d[0])):
         if not isinstance(changes, Mapping):
             continue

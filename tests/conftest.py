@@ -61,13 +61,16 @@ def synthetic_logdir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return synthetic.write_logdir(str(tmp_path_factory.mktemp("synthetic_logdir")))
 
 
-def make_wsgi_app(logdir: str, tuning: bool | None = None) -> application.TensorBoardWSGI:
+def make_wsgi_app(
+    logdir: str, tuning: bool | None = None, flags: dict | None = None
+) -> application.TensorBoardWSGI:
     """TensorBoard's WSGI app with only this plugin, over a loaded Python data provider.
 
     Every step is kept (``tensor_size_guidance`` 0 for memory_hierarchy), as with
     ``--samples_per_plugin=memory_hierarchy=0``. With ``tuning`` (True or False) the
     plugin is built by its loader with ``--memory_hierarchy_tuning`` set so; with None
     (the default) the flag is absent and the plugin class is passed as such (tuning off).
+    ``flags`` adds TensorBoard flags (for example ``{"host": "myhost", "bind_all": False}``).
     """
     multiplexer = plugin_event_multiplexer.EventMultiplexer(
         tensor_size_guidance={metadata.PLUGIN_NAME: 0}
@@ -80,6 +83,7 @@ def make_wsgi_app(logdir: str, tuning: bool | None = None) -> application.Tensor
         path_prefix="",
         samples_per_plugin={metadata.PLUGIN_NAME: 0},
         window_title="",
+        **(flags or {}),
     )
     if tuning is None:
         plugins: list = [MemoryHierarchyPlugin]
@@ -91,11 +95,13 @@ def make_wsgi_app(logdir: str, tuning: bool | None = None) -> application.Tensor
 
 @pytest.fixture(scope="session")
 def plugin_client() -> Callable[[str], werkzeug_test.Client]:
-    """Factory: ``plugin_client(logdir, tuning=None)`` -> a werkzeug ``Client`` on a freshly
-    loaded app (see :func:`make_wsgi_app` for ``tuning``)."""
+    """Factory: ``plugin_client(logdir, tuning=None, flags=None)`` -> a werkzeug ``Client``
+    on a freshly loaded app (see :func:`make_wsgi_app` for ``tuning`` and ``flags``)."""
 
-    def make(logdir: str, tuning: bool | None = None) -> werkzeug_test.Client:
-        return werkzeug_test.Client(make_wsgi_app(str(logdir), tuning))
+    def make(
+        logdir: str, tuning: bool | None = None, flags: dict | None = None
+    ) -> werkzeug_test.Client:
+        return werkzeug_test.Client(make_wsgi_app(str(logdir), tuning, flags))
 
     return make
 

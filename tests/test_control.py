@@ -173,3 +173,18 @@ def test_running_job_applies_a_request_at_a_step_boundary(tmp_path, cpu_devices)
         "telemetry_every_n_steps": {"old": 1, "new": 2},
         "device_budget_bytes": {"old": None, "new": 300 * MIB},
     }
+
+
+@pytest.mark.parametrize("bad_version", ["2", None, 1.5, True, [1]])
+def test_write_request_over_a_malformed_ack_treats_it_as_undecided(tmp_path, bad_version):
+    """An acknowledgement whose version is not an int raised TypeError in the comparison
+    (issue #22 item 7); it now counts as "nothing decided yet": the pending request's
+    changes are kept and the version still increases."""
+    run = str(tmp_path)
+    control.write_request(run, {"max_reuse_distance": 4})
+    with open(os.path.join(run, control.ACK_FILE), "w", encoding="utf-8") as fh:
+        json.dump({"version": bad_version, "status": "applied", "step": 3}, fh)
+    assert control.write_request(run, {"persistence_threshold": 9}) == 2
+    with open(os.path.join(run, control.REQUEST_FILE), encoding="utf-8") as fh:
+        request = json.load(fh)
+    assert request["updates"] == {"max_reuse_distance": 4, "persistence_threshold": 9}

@@ -13,6 +13,7 @@ import io
 import json
 import math
 import os
+import socket
 import time
 from urllib.parse import quote, urlencode
 
@@ -27,9 +28,13 @@ from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.plugins import base_plugin
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 from tensorboard.util import tensor_util
+from werkzeug import test as werkzeug_test
 
-from tb_plugin import export, fast_read, metadata, plugin, tuning
+from tb_plugin import downsample, export, fast_read, metadata, plugin, reader, routing, tuning
 from tb_plugin.loader import MemoryHierarchyLoader, parse_bool_flag
+from tb_plugin.routes import runs as runs_routes
+from tb_plugin.routes import series as series_routes
+from tb_plugin.routes import static as static_routes
 from tb_plugin.summary import SummaryWriter
 from zero_runtime import control
 from zero_runtime.config import ZeroConfig
@@ -314,8 +319,8 @@ def test_export_cells_that_look_like_formulas_are_defused():
 
 
 def test_a_growing_run_is_read_again_when_its_max_step_changes(tmp_path, monkeypatch):
-    monkeypatch.setattr(plugin, "LISTING_TTL_SECONDS", 0.0)  # no reuse of the listing
-    monkeypatch.setattr(plugin, "LISTING_STALE_SECONDS", 0.0)
+    monkeypatch.setattr(reader, "LISTING_TTL_SECONDS", 0.0)  # no reuse of the listing
+    monkeypatch.setattr(reader, "LISTING_STALE_SECONDS", 0.0)
     logdir = str(tmp_path / "growing")
     synthetic.write_run(logdir, synthetic.RUN_STANDIN, range(5))
     multiplexer = plugin_event_multiplexer.EventMultiplexer(
@@ -329,13 +334,15 @@ def test_a_growing_run_is_read_again_when_its_max_step_changes(tmp_path, monkeyp
     p = plugin.MemoryHierarchyPlugin(context)
     ctx = tb_context.RequestContext()
     tag = metadata.TAG_TIERS
-    assert p.series_impl(ctx, "", "alpha", tag)["steps"] == list(range(5))
-    assert p.series_impl(ctx, "", "alpha", tag)["steps"] == list(range(5))  # cached
+    assert series_routes.series_impl(p.reader, ctx, "", "alpha", tag)["steps"] == list(range(5))
+    assert series_routes.series_impl(p.reader, ctx, "", "alpha", tag)["steps"] == list(
+        range(5)
+    )  # cached
     synthetic.write_run(logdir, synthetic.RUN_STANDIN, range(5, 8))
     multiplexer.Reload()  # as TensorBoard's reload loop does
-    body = p.series_impl(ctx, "", "alpha", tag)
+    body = series_routes.series_impl(p.reader, ctx, "", "alpha", tag)
     assert body["steps"] == list(range(8)) and body["total_steps"] == 8
-    answer = p.series_answer(ctx, "", "alpha", tag, 100, None)
+    answer = series_routes.series_answer(p.reader, p.answers, ctx, "", "alpha", tag, 100, None)
     assert json.loads(gzip.decompress(answer.gzipped))["steps"] == list(range(8))
 
 
@@ -352,13 +359,15 @@ def test_a_stale_listing_is_answered_at_once_and_refreshed_in_the_background(tmp
     ctx = tb_context.RequestContext()
 
     def max_step() -> int:
-        return p.runs_impl(ctx, "")["runs"][0]["tags"][metadata.TAG_TIERS]["max_step"]
+        return runs_routes.runs_impl(p.reader, ctx, "")["runs"][0]["tags"][metadata.TAG_TIERS][
+            "max_step"
+        ]
 
     assert max_step() == 2
     synthetic.write_run(logdir, synthetic.RUN_STANDIN, range(3, 6))
     multiplexer.Reload()
     assert max_step() == 2  # younger than the TTL: the cached listing
-    monkeypatch.setattr(plugin, "LISTING_TTL_SECONDS", 0.0)
+    monkeypatch.setattr(reader, "LISTING_TTL_SECONDS", 0.0)
     assert max_step() == 2  # stale: answered at once, listed again in the background
     deadline = time.monotonic() + 60  # generous: CI shares 2 cores
     while max_step() != 5:
@@ -388,7 +397,7 @@ def test_fast_read_needs_a_grpc_provider():
 
 # -- errors --------------------------------------------------------------------------------
 
-LONG = "x" * (plugin.MAX_QUERY_VALUE_CHARS + 1)
+LONG = "x" * (routing.MAX_QUERY_VALUE_CHARS + 1)
 TIERS_TAG = metadata.TAG_TIERS
 INFO_TAG = metadata.TAG_RUN_INFO
 
@@ -489,10 +498,17 @@ def test_static_impl_does_not_follow_symlinks_out_of_the_static_dir(tmp_path):
     secret = tmp_path / "secret.js"
     secret.write_text("secret")
     os.symlink(secret, static / "evil.js")
-    p = plugin.MemoryHierarchyPlugin(base_plugin.TBContext(), static_dir=str(static))
-    assert p.static_impl("ok.js") == (b"export {};", "text/javascript")
+    assert static_routes.static_impl(str(static), "ok.js") == (b"export {};", "text/javascript")
     with pytest.raises(errors.NotFoundError):
-        p.static_impl("evil.js")
+        static_routes.static_impl(str(static), "evil.js")
+    # The plugin serves from the static_dir it was given.
+    client = werkzeug_test.Client(
+        plugin.MemoryHierarchyPlugin(
+            base_plugin.TBContext(), static_dir=str(static)
+        ).get_plugin_apps()["/*"]
+    )
+    assert client.get(f"{PREFIX}/ok.js").data == b"export {};"
+    assert client.get(f"{PREFIX}/evil.js").status_code == 404
 
 
 # -- peak-keeping downsampling -------------------------------------------------------------
@@ -542,8 +558,8 @@ def test_default_budget_thins_and_a_larger_budget_returns_every_step(spike_clien
     tag = metadata.TAG_TIERS
     status, body = get_json(spike_client, "/series", run="spiky", tag=tag)
     assert status == 200
-    assert plugin.DEFAULT_POINTS < SPIKE_STEPS
-    assert len(body["steps"]) <= plugin.DEFAULT_POINTS and body["downsampled"] is True
+    assert series_routes.DEFAULT_POINTS < SPIKE_STEPS
+    assert len(body["steps"]) <= series_routes.DEFAULT_POINTS and body["downsampled"] is True
     assert max(body["values"]["device"]["used_bytes"]) == SPIKE_BYTES
     status, body = get_json(spike_client, "/series", run="spiky", tag=tag, points=SPIKE_STEPS)
     assert status == 200
@@ -566,7 +582,7 @@ def test_peak_keeping_indices_keeps_every_series_extremes(budget):
 
 def peak_keeping_indices_checked(values: np.ndarray, budget: int) -> list[int]:
     """Run peak_keeping_indices and check its indices are sorted, unique and in range."""
-    keep = plugin.peak_keeping_indices(values, budget).tolist()
+    keep = downsample.peak_keeping_indices(values, budget).tolist()
     assert keep == sorted(set(keep))
     assert all(0 <= i < len(values) for i in keep)
     return keep
@@ -934,3 +950,195 @@ def test_request_state_pending_applied_rejected_ignored():
     assert tuning.request_state(req, unreadable)["state"] == "rejected"
     ignored = {**done, "status": "ignored", "reason": "version 2 is not newer than 2"}
     assert tuning.request_state(req, ignored)["reason"].startswith("version 2")
+
+
+# -- malformed tuning records (issue #22 item 7) -------------------------------------------
+
+APPLIED = {"status": "applied", "reason": None, "decided_at": 1.0}
+NINE = {"telemetry_every_n_steps": {"old": 4, "new": 9}}  # a change that must not count
+
+
+@pytest.mark.parametrize(
+    ("event", "ack", "needles"),
+    [
+        ({**APPLIED, "version": "two", "step": 4, "changes": NINE}, None, ["'version'", "'two'"]),
+        ({**APPLIED, "version": None, "step": 4, "changes": NINE}, None, ["'version'", "None"]),
+        ({**APPLIED, "version": 1.5, "step": 4, "changes": NINE}, None, ["'version'", "1.5"]),
+        ({**APPLIED, "version": True, "step": 4, "changes": NINE}, None, ["'version'", "True"]),
+        ({**APPLIED, "version": 2, "step": "four", "changes": NINE}, None, ["'step'", "'four'"]),
+        ({**APPLIED, "version": 2, "step": 4.5, "changes": NINE}, None, ["'step'", "4.5"]),
+        ([1, 2], None, ["not a JSON object"]),
+        (None, {**APPLIED, "version": "two", "step": 4, "changes": NINE}, ["'version'", "'two'"]),
+        (None, {**APPLIED, "version": 2, "step": "x", "changes": NINE}, ["'step'", "'x'"]),
+        (None, {**APPLIED, "version": 2, "step": None, "changes": NINE}, ["'step'", "None"]),
+        (None, {**APPLIED, "version": [2], "step": 4, "changes": NINE}, ["'version'", "[2]"]),
+        (None, [2, "applied"], ["not a JSON object"]),
+    ],
+)
+def test_tuning_skips_and_reports_malformed_config_events_and_acks(
+    plugin_client, tmp_path, event, ack, needles
+):
+    logdir = tmp_path / "logs"
+    run_dir = write_tuned_run(logdir)
+    if event is not None:
+        writer = SummaryWriter(run_dir)
+        writer.json(metadata.TAG_CONFIG_EVENT, 4, event)
+        writer.close()
+    if ack is not None:
+        with open(os.path.join(run_dir, control.ACK_FILE), "w") as fh:
+            json.dump(ack, fh)
+    client = plugin_client(str(logdir), tuning=True)
+    status, body = get_json(client, "/tuning", run=TUNED_RUN)
+    assert status == 200, body
+    keys = {k["key"]: k for k in body["keys"]}
+    # The malformed record is skipped: the one well-formed decision (1 -> 4) stays in effect.
+    assert (keys["telemetry_every_n_steps"]["value"], body["config_version"]) == (4, 1)
+    (problem,) = body["data_errors"]
+    where = control.ACK_FILE if ack is not None else f"{metadata.TAG_CONFIG_EVENT} at step 4"
+    assert where in problem and "skipped" in problem
+    for needle in needles:
+        assert needle in problem, problem
+    if ack is not None:
+        assert body["request"]["state"] == "none"
+
+
+def test_tuning_of_well_formed_records_reports_no_data_errors(tuned):
+    client, _run_dir = tuned
+    status, body = get_json(client, "/tuning", run=TUNED_RUN)
+    assert (status, body["data_errors"]) == (200, [])
+
+
+@pytest.mark.parametrize("version", ["two", None, [1]])
+def test_tune_over_a_malformed_ack_answers_a_json_conflict_and_writes_nothing(tuned, version):
+    client, run_dir = tuned
+    control.write_request(run_dir, {"telemetry_every_n_steps": 3})
+    ack = {**APPLIED, "version": version, "step": 4, "changes": {}}
+    with open(os.path.join(run_dir, control.ACK_FILE), "w") as fh:
+        json.dump(ack, fh)
+    with open(os.path.join(run_dir, control.REQUEST_FILE)) as fh:
+        before = fh.read()
+    status, body = post_tune(client, {"updates": {"device_budget_bytes": 256 * MIB}})
+    assert status == 409, body
+    message = body["error"]["message"]
+    assert control.ACK_FILE in message and repr(version) in message
+    assert "nothing was written" in message
+    with open(os.path.join(run_dir, control.REQUEST_FILE)) as fh:
+        assert fh.read() == before
+    # The server is still up and the run still readable.
+    status, view = get_json(client, "/tuning", run=TUNED_RUN)
+    assert status == 200 and view["data_errors"]
+
+
+# -- DNS rebinding: POST /tune checks Host and Origin (issue #22 item 7) --------------------
+
+FQDN = socket.getfqdn()
+LOCAL = {"SERVER_NAME": "127.0.0.1", "SERVER_PORT": "6006"}  # as werkzeug's server sets them
+WILDCARD = {"SERVER_NAME": "::", "SERVER_PORT": "6006"}  # --bind_all
+NAMED = {"SERVER_NAME": "10.0.0.5", "SERVER_PORT": "6006"}  # --host myhost.example
+
+
+@pytest.mark.parametrize(
+    ("flags", "server", "host", "origin", "accepted"),
+    [
+        ({}, LOCAL, "127.0.0.1:6006", "http://127.0.0.1:6006", True),
+        ({}, LOCAL, "localhost:6006", "http://localhost:6006", True),
+        ({}, LOCAL, "LocalHost:6006", "http://localhost:6006", True),
+        ({}, LOCAL, "127.0.0.1:6006", None, True),  # curl, urllib: no Origin
+        ({}, LOCAL, "localhost:16006", "http://localhost:16006", True),  # ssh -L 16006:...:6006
+        ({}, LOCAL, "[::1]:6006", "http://[::1]:6006", True),
+        ({}, LOCAL, "evil.example:6006", "http://evil.example:6006", False),  # rebinding
+        ({}, LOCAL, "evil.example:6006", None, False),
+        ({}, LOCAL, "localhost.evil.example:6006", "http://localhost.evil.example:6006", False),
+        ({}, LOCAL, "127.0.0.1.nip.io:6006", "http://127.0.0.1.nip.io:6006", False),
+        ({}, LOCAL, "127.0.0.1:6006", "http://evil.example:6006", False),  # cross-origin
+        ({}, LOCAL, "127.0.0.1:6006", "http://127.0.0.1:7007", False),
+        ({}, LOCAL, "127.0.0.1:6006", "null", False),  # sandboxed frame, file:
+        ({}, LOCAL, "127.0.0.1:6006", "ftp://127.0.0.1:6006", False),
+        ({}, LOCAL, "192.168.1.20:6006", "http://192.168.1.20:6006", False),  # not bound there
+        ({}, LOCAL, "", None, False),
+        ({}, LOCAL, "127.0.0.1:6006@evil.example", None, False),
+        ({"bind_all": True}, WILDCARD, "192.168.1.20:6006", "http://192.168.1.20:6006", True),
+        ({"bind_all": True}, WILDCARD, "[fe80::1]:6006", "http://[fe80::1]:6006", True),
+        ({"bind_all": True}, WILDCARD, f"{FQDN}:6006", f"http://{FQDN}:6006", True),
+        ({"bind_all": True}, WILDCARD, "evil.example:6006", "http://evil.example:6006", False),
+        ({"bind_all": True}, WILDCARD, "192.168.1.20:7007", None, False),  # not the bound port
+        ({"host": "myhost.example"}, NAMED, "myhost.example:6006", None, True),
+        ({"host": "myhost.example"}, NAMED, "10.0.0.5:6006", "http://10.0.0.5:6006", True),
+        ({"host": "myhost.example"}, NAMED, "myhost.example:7007", None, False),
+        ({"host": "myhost.example"}, NAMED, "evil.example:6006", None, False),
+    ],
+)
+def test_tune_checks_host_and_origin_against_the_served_address(
+    plugin_client, tmp_path, flags, server, host, origin, accepted
+):
+    logdir = tmp_path / "logs"
+    run_dir = write_tuned_run(logdir)
+    client = plugin_client(str(logdir), tuning=True, flags=flags)
+    headers = {**HEADERS, "Host": host}
+    if origin is not None:
+        headers["Origin"] = origin
+    response = client.post(
+        f"{PREFIX}/tune?{urlencode({'run': TUNED_RUN})}",
+        data=json.dumps({"updates": {"telemetry_every_n_steps": 3}}),
+        headers=headers,
+        content_type="application/json",
+        environ_overrides=server,
+    )
+    body = json.loads(response.get_data(as_text=True))
+    written = os.path.exists(os.path.join(run_dir, control.REQUEST_FILE))
+    if accepted:
+        assert (response.status_code, body["version"], written) == (200, 1, True), body
+    else:
+        assert (response.status_code, written) == (403, False), body
+        assert body["error"]["code"] == 403
+        assert "DNS rebinding" in body["error"]["message"]
+
+
+@pytest.mark.slow
+def test_a_real_tensorboard_refuses_a_rebinding_host_and_accepts_its_own(
+    tensorboard_server, tmp_path
+):
+    """The guard reads the bound address from werkzeug's real server (``SERVER_NAME``,
+    ``SERVER_PORT``): a real ``tensorboard --host 127.0.0.1 --memory_hierarchy_tuning``."""
+    import urllib.error
+    import urllib.request
+
+    logdir = tmp_path / "logs"
+    run_dir = write_tuned_run(logdir)
+    server = tensorboard_server(
+        str(logdir), load_fast=False, reload_interval=1, extra_args=("--memory_hierarchy_tuning",)
+    )
+    deadline = time.monotonic() + 60.0  # s; TensorBoard loads the logdir in the background
+    while True:
+        with urllib.request.urlopen(f"{server.url}{PREFIX}/runs", timeout=30) as response:
+            if TUNED_RUN in [r["run"] for r in json.loads(response.read())["runs"]]:
+                break
+        assert time.monotonic() < deadline, server.log_tail()
+        time.sleep(0.5)
+
+    def post(host: str) -> tuple[int, dict]:
+        request = urllib.request.Request(
+            f"{server.url}{PREFIX}/tune?{urlencode({'run': TUNED_RUN})}",
+            data=json.dumps({"updates": {"telemetry_every_n_steps": 3}}).encode(),
+            headers={
+                **HEADERS,
+                "Content-Type": "application/json",
+                "Host": host,
+                "Origin": f"http://{host}",
+            },
+            method="POST",
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    status, body = post(f"evil.example:{server.port}")
+    assert status == 403 and "DNS rebinding" in body["error"]["message"], body
+    assert f"on port {server.port}: 127.0.0.1" in body["error"]["message"]
+    assert not os.path.exists(os.path.join(run_dir, control.REQUEST_FILE))
+    status, body = post(f"127.0.0.1:{server.port}")
+    assert (status, body["version"]) == (200, 1), body
+    status, body = post(f"localhost:{server.port}")
+    assert (status, body["version"]) == (200, 2), body

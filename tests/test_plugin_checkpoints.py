@@ -12,6 +12,7 @@ stage 1) that saved through the real ``ZeroInfinityStrategy.save_checkpoint``
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.request
 from urllib.parse import urlencode
@@ -182,6 +183,15 @@ def test_load_fast_tensorboard_keeps_a_save_and_a_restore_at_one_step(tensorboar
         record = {"op": op, "tag": "step00000007", "step": 7, "bytes": 4096, "seconds": 0.5}
         writer.json(metadata.TAG_CHECKPOINT, 7, record, wall_time=wall)
         writer.close()
+        # Name the file by its wall time, as a later process's file would sort: written in
+        # one second by one process, the names differ only in TensorBoard's per-process
+        # writer counter, and ".../pid.10" sorts before ".../pid.9" (the order the data
+        # server reads them in), which depends on how many writers earlier tests made.
+        (written,) = [n for n in os.listdir(f"{logdir}/one_tag") if n.endswith(".memory_hierarchy")]
+        os.rename(
+            f"{logdir}/one_tag/{written}",
+            f"{logdir}/one_tag/events.out.tfevents.{int(wall):010d}.{op}",
+        )
     server = tensorboard_server(logdir, load_fast=True)
     deadline = time.monotonic() + 60.0  # s; the data server loads in the background
     while True:

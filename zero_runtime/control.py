@@ -15,7 +15,8 @@ TensorBoard and the job run on different machines that share the log directory:
 
       {"version": 3, "status": "applied", "step": 120, "changes": {...}, "reason": null}
 
-At every step boundary the runtime calls :meth:`ControlChannel.poll`, which costs one
+At every step boundary the runtime's :class:`ControlPoller` calls :meth:`ControlChannel.poll`
+(or, across workers, adopts the chief's decision), which costs one
 ``os.stat`` when nothing changed (the file's inode, modification time and size are
 compared).
 A newer valid version is applied before the next step; an invalid one is rejected with
@@ -28,13 +29,16 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import logging
 import os
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from zero_runtime.config import TUNABLE_KEYS, ZeroConfig, ZeroConfigError, validate_tunable_update
+
+log = logging.getLogger(__name__)
 
 REQUEST_FILE = "memory_hierarchy_control.json"
 ACK_FILE = "memory_hierarchy_control_ack.json"
@@ -205,6 +209,65 @@ class ControlChannel:
         return ControlOutcome(version, status, step, changes or {}, reason, time.time())
 
 
+#: Replaces :meth:`ControlChannel.poll` at a step boundary across workers:
+#: ``(channel, next_step) -> ControlOutcome | None`` (the chief decides, every worker adopts;
+#: ``MultiWorkerZeroInfinityStrategy._sync_control``).
+ControlSync = Callable[[ControlChannel, int], "ControlOutcome | None"]
+
+
+class ControlPoller:
+    """The step boundary's live-tuning decision for one runtime.
+
+    One process: the run's own :class:`ControlChannel` decides (:meth:`ControlChannel.poll`).
+    Multi-worker: ``sync`` (passed per call, as it is set after the runtime is built)
+    makes the chief's decision every worker's. Each decision is logged; applying an
+    applied change to the runtime (its config, the stage-3 pools, the summary) is the
+    caller's.
+
+    Args:
+        channel: the run's control channel.
+    """
+
+    def __init__(self, channel: ControlChannel) -> None:
+        self.channel = channel
+
+    def poll(self, next_step: int, sync: ControlSync | None = None) -> ControlOutcome | None:
+        """Decide on a new control request before ``next_step`` runs.
+
+        Args:
+            next_step: the step about to start (an applied change is in effect from it).
+            sync: None in one process, else the multi-worker decision (:data:`ControlSync`).
+
+        Returns:
+            The outcome, or None when there was nothing new. An applied outcome has
+            replaced ``channel.config`` and ``channel.version``.
+
+        Raises:
+            ZeroConfigError: ``sync`` adopted a decision this worker cannot take.
+        """
+        if sync is not None:
+            outcome = sync(self.channel, next_step)
+        else:
+            outcome = self.channel.poll(next_step)
+        if outcome is None:
+            return None
+        if outcome.status is Status.APPLIED:
+            log.info(
+                "live tuning: applied version %d at step %d: %s",
+                outcome.version,
+                next_step,
+                outcome.changes,
+            )
+        else:
+            log.warning(
+                "live tuning: %s version %d: %s",
+                outcome.status.value,
+                outcome.version,
+                outcome.reason,
+            )
+        return outcome
+
+
 def write_request(run_dir: str, updates: Mapping[str, Any]) -> int:
     """Write a new control request for a run, atomically; returns its version.
 
@@ -245,7 +308,9 @@ def write_request(run_dir: str, updates: Mapping[str, Any]) -> int:
         if isinstance(old, dict) and isinstance(old.get("version"), int):
             previous = old["version"]
             ack = read_ack(run_dir)
-            decided = ack.get("version", 0) if isinstance(ack, dict) else 0
+            decided = ack.get("version") if isinstance(ack, dict) else None
+            if not isinstance(decided, int) or isinstance(decided, bool):
+                decided = 0  # no (well-formed) acknowledgement: nothing decided yet
             if previous > decided and isinstance(old.get("updates"), dict):
                 # The runtime has not decided on the previous request yet: keep its changes,
                 # so that a request written before the next step boundary is not lost.

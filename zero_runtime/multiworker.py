@@ -36,7 +36,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from zero_runtime import comm, control
+from zero_runtime import comm, control, strategy_variants
 from zero_runtime.config import ZeroConfig
 from zero_runtime.devices import DeviceInfo
 from zero_runtime.strategy import ZeroInfinityStrategy
@@ -381,3 +381,10 @@ class MultiWorkerZeroInfinityStrategy(
             if ranks == {0}:
                 axis = None
         return super().reduce(reduce_op, value, axis=axis)
+
+
+# ``ZeroInfinityStrategy(...)`` builds this class when TF_CONFIG names a cluster
+# (zero_runtime.strategy_variants: the strategy cannot import this module back).
+strategy_variants.register(
+    "multi-worker", lambda: cluster_from_env() is not None, MultiWorkerZeroInfinityStrategy
+)

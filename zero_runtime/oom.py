@@ -5,7 +5,7 @@ When a step runs out of memory the runtime writes one JSON object (the shared co
 ``memory_hierarchy/oom`` (the writer is flushed) and the file
 ``<run_dir>/memory_hierarchy_oom.json`` (written to a temporary file, then renamed).
 
-Triggers (``ZeroRuntime``):
+Triggers (checked by ``zero_runtime.runtime.postmortem``, wired by ``ZeroRuntime``):
 
 - the paged pool cannot place a page (:class:`~zero_runtime.memory.PoolOutOfMemoryError`,
   raised inside the optimizer's host update);

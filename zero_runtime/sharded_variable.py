@@ -11,6 +11,10 @@ Vocabulary (used by :mod:`zero_runtime.stage3` and the stage-3 optimizer path):
   'nvme' -> NVMe), one pool tensor per replica.
 - *gathered buffer*: the all-gathered, padded moved value ``(N * R, *rest)``, a pool
   tensor of kind 'param' on the device tier while the variable is GATHERED.
+- *deferred variable*: a Keras variable created inside ``strategy.zero_init()`` with no
+  value yet, to become a ShardedVariable straight from its initializer
+  (:mod:`zero_runtime.stage3.construction`); :func:`is_deferred` tells one apart. It is
+  defined here, below both the optimizers and stage 3, which both ask.
 
 Lifecycle per replica (:class:`ShardState`), one method per transition, each guarded:
 
@@ -44,6 +48,7 @@ import math
 import threading
 from collections.abc import Callable, Sequence
 
+import keras
 import numpy as np
 import tensorflow as tf
 from keras.src.backend.common.stateless_scope import get_stateless_scope, in_stateless_scope
@@ -54,6 +59,15 @@ from zero_runtime.memory import PagedBufferPool
 
 #: Tier of a shard's pages for each ``offload_param`` value.
 PARAM_TIER = {"none": "device", "cpu": "host", "nvme": "nvme"}
+
+
+def is_deferred(variable) -> bool:
+    """True when ``variable`` is a Keras variable without a value (created deferred)."""
+    return (
+        isinstance(variable, keras.Variable)
+        and getattr(variable, "_value", 0) is None
+        and getattr(variable, "_initializer", None) is not None
+    )
 
 
 class ShardState(enum.Enum):

@@ -28,12 +28,15 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 from collections.abc import Mapping
 from typing import Any
 
 import keras
 import tensorflow as tf
 
+from zero_runtime import strategy_variants
+from zero_runtime.capabilities import IMPLEMENTED, IMPLEMENTED_STAGE3_PARAM, check_implemented
 from zero_runtime.comm import REDUCE_SCATTER_IMPLS
 from zero_runtime.config import ZeroConfig
 from zero_runtime.devices import DeviceInfo, local_devices
@@ -41,23 +44,15 @@ from zero_runtime.lifecycle import ClosePhase, Resources
 from zero_runtime.optim.partitioned import PARTITIONED_BY_NAME
 from zero_runtime.runtime import ZeroRuntime
 
+# Re-exported: the implemented combinations live in zero_runtime.capabilities (read by the
+# strategy and by the OOM advice, which must not import each other).
+__all__ = ["IMPLEMENTED", "IMPLEMENTED_STAGE3_PARAM", "ZeroInfinityStrategy"]
+
 # Each strategy instance gets its own range of collective group keys, so that several
 # strategies in one process (a notebook, a parity test against MirroredStrategy) never
 # share a collective instance. MirroredExtended reads ``_collective_key_base`` from its
 # container strategy (tensorflow/python/distribute/mirrored_strategy.py).
 _COLLECTIVE_KEY_BASES = itertools.count(start=100_000, step=100_000)
-
-#: (stage, offload_optimizer) pairs this version implements (stage 0 ignores the offload).
-IMPLEMENTED = (
-    {(0, "none")}
-    | {(s, o) for s in (1, 2) for o in ("none", "cpu", "nvme")}
-    | {(3, o) for o in ("none", "cpu", "nvme")}  # stage 3: tests/test_stage3.py
-)
-
-#: (stage, offload_param) pairs of stage 3 this version implements (parity-tested in
-#: tests/test_stage3.py); any offload_optimizer tier combines with them.
-IMPLEMENTED_STAGE3_PARAM: set[str] = {"none", "cpu", "nvme"}
-
 
 class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
     """Data parallelism over the local replicas with ZeRO partitioning and offload.
@@ -97,13 +92,25 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
         :class:`zero_runtime.multiworker.MultiWorkerZeroInfinityStrategy` (a subclass, over
         ``MultiWorkerMirroredStrategy``) when ``TF_CONFIG`` lists more than one
         chief/worker task, else an instance of this class (``MirroredStrategy`` over the
-        local replicas). See docs/multiworker.md.
+        local replicas). See docs/multiworker.md. The subclass registers itself in
+        :mod:`zero_runtime.strategy_variants` when its module is imported (this module
+        cannot import it: it imports this one); ``zero_runtime.ZeroInfinityStrategy``
+        imports it first.
+
+        Raises:
+            RuntimeError: ``TF_CONFIG`` is set but no multi-worker variant is registered
+                (this class was imported from ``zero_runtime.strategy`` directly, without
+                ``zero_runtime.multiworker``): building a single-process strategy there
+                would silently train each worker alone.
         """
         if cls is ZeroInfinityStrategy:
-            from zero_runtime import multiworker
-
-            if multiworker.cluster_from_env() is not None:
-                cls = multiworker.MultiWorkerZeroInfinityStrategy
+            if os.environ.get("TF_CONFIG", "").strip() and not strategy_variants.registered(cls):
+                raise RuntimeError(
+                    "TF_CONFIG is set but no multi-worker strategy is registered: create "
+                    "the strategy as zero_runtime.ZeroInfinityStrategy, or import "
+                    "zero_runtime.multiworker before zero_runtime.strategy.ZeroInfinityStrategy"
+                )
+            cls = strategy_variants.select(cls)
         return super().__new__(cls)
 
     def _init_distribute_base(self, config: ZeroConfig, num_cpu_replicas: int) -> DeviceInfo:
@@ -132,18 +139,7 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
             raise TypeError(
                 f"config must be a ZeroConfig, a mapping or None, got {type(config).__name__}"
             )
-        key = (config.stage, config.offload_optimizer if config.stage else "none")
-        if config.stage == 3 and config.offload_param not in IMPLEMENTED_STAGE3_PARAM:
-            raise NotImplementedError(
-                f"stage=3 with offload_param={config.offload_param!r} is not implemented yet; "
-                f"implemented offload_param at stage 3: {sorted(IMPLEMENTED_STAGE3_PARAM)}"
-            )
-        if key not in IMPLEMENTED:
-            raise NotImplementedError(
-                f"stage={config.stage} with offload_optimizer={config.offload_optimizer!r} "
-                f"is not implemented yet; implemented (stage, offload_optimizer): "
-                f"{sorted(IMPLEMENTED)}"
-            )
+        check_implemented(config)
         if reduce_scatter_impl is not None and reduce_scatter_impl not in REDUCE_SCATTER_IMPLS:
             raise ValueError(
                 f"reduce_scatter_impl must be one of {REDUCE_SCATTER_IMPLS} or None, "

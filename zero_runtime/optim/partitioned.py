@@ -56,15 +56,7 @@ from zero_runtime.optim.device_state import DeviceOptimizerState
 from zero_runtime.optim.host_state import HostOptimizerState
 from zero_runtime.optim.layout import FlatLayout, layout_from_sharded
 from zero_runtime.optim.nvme_state import NvmeOptimizerState
-from zero_runtime.sharded_variable import ShardedVariable, ShardState
-
-
-def _is_deferred(variable) -> bool:
-    """True for a Keras variable created without a value (``strategy.zero_init``)."""
-    from zero_runtime.stage3.construction import is_deferred  # lazy: stage3 imports optim
-
-    return is_deferred(variable)
-
+from zero_runtime.sharded_variable import ShardedVariable, ShardState, is_deferred
 
 _BaseOptimizer = keras.optimizers.Optimizer
 _OPTIMIZER_IDS = itertools.count()
@@ -144,7 +136,7 @@ class _PartitionedUpdate:
         """
         if self.built:
             return
-        deferred = [v for v in variables if _is_deferred(v)]
+        deferred = [v for v in variables if is_deferred(v)]
         if deferred:
             raise ValueError(
                 f"{len(deferred)} variable(s) (first: {deferred[0].path!r}) were built inside "

@@ -56,6 +56,7 @@ from keras.src.backend.common import global_state
 from keras.src.backend.common.stateless_scope import get_stateless_scope
 
 from zero_runtime.lifecycle import host_function
+from zero_runtime.sharded_variable import is_deferred  # defined below optim and stage3
 
 #: Device on which deferred initializers run (host memory on a GPU machine; on a CPU-only
 #: host it is the device stand-in itself, whose allocator then sees one variable at a time).
@@ -90,15 +91,6 @@ class HostValue:
             out.set_shape(self.array.shape)
             return out
         return tf.constant(self.array, dtype)
-
-
-def is_deferred(variable) -> bool:
-    """True when ``variable`` is a Keras variable without a value (created deferred)."""
-    return (
-        isinstance(variable, keras.Variable)
-        and getattr(variable, "_value", 0) is None
-        and getattr(variable, "_initializer", None) is not None
-    )
 
 
 def initial_value(variable) -> np.ndarray:

@@ -627,7 +627,7 @@ class Stage3Engine:
                 with self._oom_lock:  # the first replica's error writes it
                     if self._oom_written is None:
                         path = runtime.write_postmortem(exc)
-                        report = getattr(runtime, "_postmortem", None) or {}
+                        report = getattr(runtime, "last_postmortem", None) or {}
                         self._oom_written = (path, report)
                 err = oom.TierOutOfMemoryError(str(exc), exc.snapshot.request_tier)
                 err.attach(*self._oom_written)

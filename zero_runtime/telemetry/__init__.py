@@ -1,5 +1,10 @@
 """Per-step telemetry: probes (readings), StepStats, the flight recorder, the timeline,
-sampled profiler traces and collective byte counts."""
+sampled profiler traces and collective byte counts.
+
+Two modules are not re-exported here, as they import the TensorBoard writer or take the
+runtime's accounting: :mod:`.collector` (``TelemetryCollector``, one StepStats record from
+explicit inputs) and :mod:`.summaries` (``RunSummaries``, every tag the runtime writes).
+"""
 
 from zero_runtime.telemetry.comm import COLLECTIVE_KINDS, collective_bytes
 from zero_runtime.telemetry.emitter import BackgroundEmitter

@@ -4,7 +4,7 @@ The step boundary runs inside the step (the last replica's optimizer update, a
 ``tf.numpy_function``), so every millisecond spent there is step time. Serialising six
 summaries costs ~1-2 ms on this machine; :class:`BackgroundEmitter` hands the finished
 record to one daemon thread instead, and :meth:`drain` waits until everything handed over
-has been written (``ZeroRuntime.flush``/``close`` call it).
+has been written (``RunSummaries.flush``/``close`` call it, telemetry/summaries.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,274 @@
+"""The plugin's one reader over TensorBoard's data provider, shared by every route.
+
+It reads summaries only through the data provider (``list_tensors`` and
+``read_tensors``), so every route answers the same with ``--load_fast=true`` (the Rust
+data server; :mod:`tb_plugin.fast_read` decodes its answers in bulk) and
+``--load_fast=false`` (the Python multiplexer). It owns:
+
+- the **listing** of every run's memory_hierarchy time series (metadata and
+  ``max_step``), reused for :data:`LISTING_TTL_SECONDS` and then refreshed in the
+  background while the old one is still answered (up to :data:`LISTING_STALE_SECONDS`);
+- the **decoded steps** of matrix and vector tags (:class:`SeriesData`) and the decoded
+  records of json tags, each in a :class:`tb_plugin.cache.CostLru` keyed by
+  ``(experiment, run, tag, max_step)``: ``max_step`` comes from the cheap listing, so a
+  live run's new steps are read on the next request and a quiet run is served from
+  memory;
+- the way from a run name to its directory inside the logdir (:meth:`Reader.run_dir`,
+  for live tuning).
+
+Nothing here knows HTTP: errors are TensorBoard's typed errors (``NotFoundError``,
+``InvalidArgumentError``) and :class:`tb_plugin.layout.DataContractError`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from tensorboard import errors
+from tensorboard.data import provider
+
+from tb_plugin import fast_read, metadata, tuning
+from tb_plugin.cache import CostLru
+from tb_plugin.layout import DataContractError, Layout, cached_layout
+
+# Steps asked of the data provider per time series; ``read_tensors`` caps its answer at
+# this many, so it is large: thinning is done by the routes, to their point budget.
+READ_DOWNSAMPLE = 1_000_000  # steps
+
+SERIES_CACHE_BYTES = 512 * 2**20  # bytes of decoded steps kept (all runs, all tags)
+RECORDS_CACHE_BYTES = 64 * 2**20  # bytes of decoded json records kept (all runs, all tags)
+# How long a listing of every run's tags (with max_step) is reused, seconds. The Rust data
+# server's ListTensors scans every stored point for max_step (about 0.4 s for 10 runs of
+# 100,000 steps), and every request needs it; TensorBoard itself reloads the logdir every
+# 5 s by default, so a listing this young hides at most one reload.
+LISTING_TTL_SECONDS = 2.0
+# A listing older than the TTL but younger than this is still answered from at once while
+# a background thread lists again (stale-while-revalidate), so the view's 5-s poll of
+# /runs never waits for the scan; older than this, the request lists and waits. Seconds.
+LISTING_STALE_SECONDS = 60.0
+
+Listing = dict[str, dict[str, Any]]  # run -> tag -> provider.TensorTimeSeries
+
+
+@dataclass(frozen=True)
+class SeriesData:
+    """Every stored step of one matrix or vector tag, decoded (a cache entry)."""
+
+    layout: Layout
+    steps: np.ndarray  # [N] int64
+    wall_times: np.ndarray  # [N] float64, seconds since the epoch
+    cells: np.ndarray  # [N, rows*columns] float64, NaN = not measured
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held by the arrays, bytes."""
+        return int(self.steps.nbytes + self.wall_times.nbytes + self.cells.nbytes)
+
+
+class Reader:
+    """Reads and caches memory_hierarchy summaries for the routes (one per plugin).
+
+    Args:
+        data_provider: TensorBoard's data provider.
+        logdir: TensorBoard's ``--logdir`` ("" when there is none, e.g. ``--logdir_spec``);
+            only :meth:`run_dir` uses it.
+        series_cache_bytes: budget of the decoded-steps cache (bytes).
+        records_cache_bytes: budget of the decoded json-records cache (bytes).
+
+    Thread-safe: TensorBoard serves requests from a thread pool.
+    """
+
+    def __init__(
+        self,
+        data_provider: Any,
+        logdir: str = "",
+        series_cache_bytes: int = SERIES_CACHE_BYTES,
+        records_cache_bytes: int = RECORDS_CACHE_BYTES,
+    ) -> None:
+        self._data_provider = data_provider
+        self.logdir = logdir
+        self._series_cache: CostLru[SeriesData] = CostLru(series_cache_bytes)
+        self._records_cache: CostLru[list[dict[str, Any]]] = CostLru(records_cache_bytes)
+        self._listing_lock = threading.Lock()
+        self._listings: dict[str, tuple[float, Listing]] = {}  # experiment -> (time, listing)
+        self._listing_refreshes: set[str] = set()  # experiments being listed in background
+
+    # -- the listing ----------------------------------------------------------------------
+    def listing(self, ctx: Any, experiment: str) -> Listing:
+        """Every run's memory_hierarchy time series (metadata, max_step).
+
+        Fresh for LISTING_TTL_SECONDS; then, up to LISTING_STALE_SECONDS, the cached one is
+        returned while one background thread lists again; older, this call lists and waits.
+        """
+        with self._listing_lock:
+            cached = self._listings.get(experiment)
+            age = time.monotonic() - cached[0] if cached is not None else math.inf
+            if age < LISTING_TTL_SECONDS:
+                return cached[1]  # type: ignore[index]
+            if age < LISTING_STALE_SECONDS:
+                if experiment not in self._listing_refreshes:
+                    self._listing_refreshes.add(experiment)
+                    threading.Thread(
+                        target=self._refresh_listing,
+                        args=(ctx, experiment),
+                        name="memory_hierarchy-listing",
+                        daemon=True,
+                    ).start()
+                return cached[1]  # type: ignore[index]
+        return self._refresh_listing(ctx, experiment)
+
+    def _refresh_listing(self, ctx: Any, experiment: str) -> Listing:
+        """List every run's time series now and keep the answer."""
+        try:
+            listing = self._data_provider.list_tensors(
+                ctx, experiment_id=experiment, plugin_name=metadata.PLUGIN_NAME
+            )
+            with self._listing_lock:
+                self._listings[experiment] = (time.monotonic(), listing)
+            return listing
+        finally:
+            with self._listing_lock:
+                self._listing_refreshes.discard(experiment)
+
+    def require_run(self, ctx: Any, experiment: str, run: str) -> dict[str, Any]:
+        """The run's tags (tag -> time series) from the listing.
+
+        Raises:
+            NotFoundError: the run has no memory_hierarchy data.
+        """
+        tags = self.listing(ctx, experiment).get(run)
+        if tags is None:
+            raise errors.NotFoundError(f"no memory_hierarchy run {run[:80]!r} in this logdir")
+        return tags
+
+    def layout(self, ctx: Any, experiment: str, run: str, tag: str) -> tuple[Layout, int]:
+        """The layout of one time series and its ``max_step`` (from the listing).
+
+        Raises:
+            NotFoundError: no such run or tag.
+            DataContractError: undecodable metadata.
+        """
+        series = self.listing(ctx, experiment).get(run, {}).get(tag)
+        if series is None:
+            raise errors.NotFoundError(f"no memory_hierarchy data for run {run!r}, tag {tag!r}")
+        return cached_layout(series.plugin_content, run, tag), int(series.max_step)
+
+    # -- matrix and vector tags -------------------------------------------------------------
+    def series_data(self, ctx: Any, experiment: str, run: str, tag: str) -> SeriesData:
+        """Every stored step of a matrix or vector tag, from the cache when unchanged.
+
+        Raises:
+            NotFoundError: no such run or tag.
+            InvalidArgumentError: the tag is a json tag.
+            DataContractError: undecodable metadata or a tensor of the wrong shape.
+        """
+        layout, max_step = self.layout(ctx, experiment, run, tag)
+        if layout.kind == metadata.KIND_JSON:
+            raise errors.InvalidArgumentError(f"tag {tag!r} is a json tag; read it from /json")
+
+        def compute() -> tuple[SeriesData, int]:
+            data = self._decode_series(ctx, experiment, run, tag, layout)
+            return data, data.nbytes
+
+        return self._series_cache.get_or_compute((experiment, run, tag, max_step), compute)
+
+    def _read(self, ctx: Any, experiment: str, run: str, tag: str) -> list[provider.TensorDatum]:
+        data = self._data_provider.read_tensors(
+            ctx,
+            experiment_id=experiment,
+            plugin_name=metadata.PLUGIN_NAME,
+            downsample=READ_DOWNSAMPLE,
+            run_tag_filter=provider.RunTagFilter(runs=[run], tags=[tag]),
+        )
+        return data.get(run, {}).get(tag, [])
+
+    def _decode_series(
+        self, ctx: Any, experiment: str, run: str, tag: str, layout: Layout
+    ) -> SeriesData:
+        """Read and decode every stored step of a matrix or vector tag."""
+        fast = fast_read.read_series(
+            self._data_provider,
+            experiment,
+            metadata.PLUGIN_NAME,
+            run,
+            tag,
+            READ_DOWNSAMPLE,
+            layout.shape,
+        )
+        if fast is not None:
+            return SeriesData(layout, fast.steps, fast.wall_times, fast.cells)
+        data = self._read(ctx, experiment, run, tag)
+        width = int(np.prod(layout.shape))
+        cells = np.empty((len(data), width), dtype=np.float64)  # [N, rows*columns]
+        for i, datum in enumerate(data):
+            array = np.asarray(datum.numpy, dtype=np.float64)
+            if array.shape != layout.shape:
+                raise DataContractError(
+                    f"run {run!r}, tag {tag!r}, step {datum.step}: tensor shape "
+                    f"{array.shape} does not match the layout's {layout.shape}"
+                )
+            cells[i] = array.ravel()
+        steps = np.fromiter((d.step for d in data), dtype=np.int64, count=len(data))
+        walls = np.fromiter((d.wall_time for d in data), dtype=np.float64, count=len(data))
+        return SeriesData(layout, steps, walls, cells)
+
+    # -- json tags -------------------------------------------------------------------------
+    def records(self, ctx: Any, experiment: str, run: str, tag: str) -> list[dict[str, Any]]:
+        """Every record of one json tag of one run, from the cache when unchanged.
+
+        Returns:
+            ``[{"step": int, "wall_time": float (s since the epoch), "value": decoded
+            JSON}]`` sorted by step. The list is shared with the cache: do not modify it.
+
+        Raises:
+            NotFoundError: no such run or tag.
+            InvalidArgumentError: the tag is not a json tag.
+            DataContractError: undecodable metadata or a record that is not UTF-8 JSON.
+        """
+        layout, max_step = self.layout(ctx, experiment, run, tag)
+        if layout.kind != metadata.KIND_JSON:
+            raise errors.InvalidArgumentError(
+                f"tag {tag!r} is a {layout.kind} tag; read it from /series"
+            )
+
+        def compute() -> tuple[list[dict[str, Any]], int]:
+            events = []
+            cost = 0
+            for datum in self._read(ctx, experiment, run, tag):
+                raw = np.asarray(datum.numpy).reshape(()).item()  # bytes (or str)
+                try:
+                    value = json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
+                except (UnicodeDecodeError, json.JSONDecodeError, TypeError) as exc:
+                    raise DataContractError(
+                        f"run {run!r}, tag {tag!r}, step {datum.step}: record is not UTF-8 JSON"
+                    ) from exc
+                cost += len(raw) + 64
+                events.append(
+                    {"step": int(datum.step), "wall_time": float(datum.wall_time), "value": value}
+                )
+            return events, cost
+
+        key = ("json", experiment, run, tag, max_step)
+        return self._records_cache.get_or_compute(key, compute)
+
+    def records_if_any(self, ctx: Any, experiment: str, run: str, tag: str) -> list[dict]:
+        """:meth:`records`, or [] when the run has none of that tag."""
+        if tag not in self.listing(ctx, experiment).get(run, {}):
+            return []
+        return self.records(ctx, experiment, run, tag)
+
+    # -- run directories -------------------------------------------------------------------
+    def run_dir(self, ctx: Any, experiment: str, run: str) -> str:
+        """The run's directory inside the logdir (see :func:`tuning.resolve_run_dir`).
+
+        Raises:
+            InvalidArgumentError: no local logdir, or a run outside it.
+            NotFoundError: not a run with memory_hierarchy data.
+        """
+        return tuning.resolve_run_dir(self.logdir, run, self.listing(ctx, experiment))

@@ -1,0 +1,52 @@
+"""``GET /oom``: a run's latest out-of-memory post-mortem (the ``memory_hierarchy/oom`` tag)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tensorboard import errors
+from werkzeug import wrappers
+
+from tb_plugin import metadata, routing
+from tb_plugin.reader import Reader
+
+
+def oom_impl(reader: Reader, ctx: Any, experiment: str, run: str) -> dict[str, Any]:
+    """A run's latest out-of-memory post-mortem.
+
+    Args:
+        reader: reads the run's ``memory_hierarchy/oom`` records.
+        ctx: the request context.
+        experiment: the experiment id.
+        run: the run whose post-mortem to return.
+
+    Returns:
+        ``{"run", "step", "wall_time", "count", "postmortem"}``: ``postmortem`` is the
+        latest record's object as the runtime wrote it (the shared OOM contract, see
+        ``docs/http_api.md``), ``count`` how many post-mortems the run recorded,
+        ``wall_time`` in seconds since the epoch.
+
+    Raises:
+        NotFoundError: no such run, or the run recorded no post-mortem.
+        DataContractError: a record that is not UTF-8 JSON.
+    """
+    events = reader.records(ctx, experiment, run, metadata.TAG_OOM)
+    if not events:
+        raise errors.NotFoundError(f"run {run[:80]!r} recorded no out-of-memory post-mortem")
+    last = events[-1]
+    return {
+        "run": run,
+        "step": last["step"],
+        "wall_time": last["wall_time"],
+        "count": len(events),
+        "postmortem": last["value"],
+    }
+
+
+@wrappers.Request.application
+@routing.json_errors
+def oom_route(reader: Reader, request: wrappers.Request) -> wrappers.Response:
+    """GET /oom?run=R: see :func:`oom_impl`."""
+    run = routing.required_arg(request, "run")
+    ctx, experiment = routing.scope(request)
+    return routing.respond_json(request, oom_impl(reader, ctx, experiment, run))

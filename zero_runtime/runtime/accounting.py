@@ -1,0 +1,315 @@
+"""Accounting and placement: who holds how many bytes on which tier, and where each
+variable's parameter, gradient and optimizer state live.
+
+The figures come from the objects that own the memory, registered here by the
+coordinator: the partitioned optimizers (their state stores, stages 1-3) and the stage-3
+engines (their paged pools). Nothing here is measured by the framework; the readings
+(``zero_runtime.telemetry.probes``) are shown beside these figures, never mixed in.
+Everything is bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+import psutil
+
+from tb_plugin import metadata
+from zero_runtime import estimator
+from zero_runtime.config import ZeroConfig
+from zero_runtime.devices import DeviceInfo, framework_memory_bytes
+from zero_runtime.telemetry import Readings, TierStats, collective_bytes
+
+#: ``offload_optimizer`` -> the tier the optimizer states live on.
+OPTIMIZER_TIER = {"none": "device", "cpu": "host", "nvme": "nvme"}
+
+
+class Accounting:
+    """The runtime's byte accounting over the registered optimizers and stage-3 engines.
+
+    Args:
+        device: the local devices; ``len(device.devices)`` replicas run in this process.
+
+    Attributes:
+        optimizers: the registered partitioned optimizers (``zero_state`` holds the layout,
+            stage, store and accumulators).
+        stage3_engines: the registered :class:`~zero_runtime.stage3.Stage3Engine` objects.
+    """
+
+    def __init__(self, device: DeviceInfo) -> None:
+        self.device = device
+        self.optimizers: list[Any] = []
+        self.stage3_engines: list[Any] = []
+        self._lock = threading.Lock()
+        self._host_peak = 0  # bytes: the host tier's peak since the last record
+        self._stage3_rows: list[dict[str, Any]] = []  # placement rows of the last record
+
+    @property
+    def local_replicas(self) -> int:
+        """Replicas that run in this process."""
+        return len(self.device.devices)
+
+    # -- registration --------------------------------------------------------------------
+    def add_optimizer(self, optimizer: Any) -> None:
+        """Count ``optimizer``'s parameters, gradients and state store from now on."""
+        with self._lock:
+            self.optimizers.append(optimizer)
+
+    def add_stage3_engine(self, engine: Any) -> None:
+        """Take the stage-3 tiers, page counters and placement rows from ``engine``'s pool."""
+        with self._lock:
+            self.stage3_engines.append(engine)
+
+    def live_stage3_engines(self) -> list[Any]:
+        """The registered stage-3 engines whose pool is still open."""
+        return [e for e in self.stage3_engines if not e.pool.closed]
+
+    def close_stores(self) -> None:
+        """Close every optimizer's state store (e.g. the NVMe pool's files)."""
+        for opt in self.optimizers:
+            opt.zero_state.store.close()
+
+    # -- bytes ---------------------------------------------------------------------------
+    def model_param_bytes(self) -> int:
+        """Bytes of one replica's trainable variables tracked by the optimizers (fp32)."""
+        return sum(4 * opt.flat_layout.total for opt in self.optimizers)
+
+    def state_bytes_on(self, tier: str) -> tuple[int, int]:
+        """(optimizer-state bytes, other bytes) the optimizers' stores hold on ``tier``."""
+        state = other = 0
+        for opt in self.optimizers:
+            s, o = opt.zero_state.store.usage().get(tier, (0, 0))
+            state += s
+            other += o
+        return state, other
+
+    def grad_bytes(self) -> int:
+        """Device bytes of gradients the local replicas keep, by the ZeRO accounting.
+
+        Stage 1: the reduced gradient of every bucket exists in full (``4 * padded_total``
+        per replica); stage 2: only the reduced shard (``4 * shard_size``), section 5.2 of
+        the ZeRO paper. With accumulation (N > 1) the kept buffer is the accumulator
+        (stage 1: ``padded_total``, stage 2: ``shard_size`` elements per replica). Stage 3
+        with the update in backward (zero_runtime/optim/backward_update.py): one block's
+        shard at a time (the largest block's ``shard_elements``), handed to the host as
+        soon as it is reduced.
+        """
+        total = 0
+        in_backward = [e for e in self.live_stage3_engines() if e.update_in_backward]
+        for opt in self.optimizers:
+            zs = opt.zero_state
+            if zs.accumulators:
+                total += zs.accumulator_bytes
+                continue
+            per = zs.layout.shard_size if zs.stage >= 2 else zs.layout.padded_total
+            if zs.stage == 3 and in_backward:
+                per = max(e.max_block_shard_elements for e in in_backward)
+            total += 4 * per * self.local_replicas
+        return total
+
+    def device_used_bytes(self) -> float:
+        """Device-tier bytes in use: the framework's reading, else this accounting
+        (parameters, gradients and device optimizer states of the local replicas). At
+        stage 3, the stage-3 pools' device pages (the pool enforces the budget itself)."""
+        engines = self.live_stage3_engines()
+        if engines:
+            return float(sum(e.pool.usage()["device"].used_bytes for e in engines))
+        current, _ = framework_memory_bytes(self.device)
+        if math.isfinite(current):
+            return current
+        return float(
+            self.model_param_bytes() * self.local_replicas
+            + self.grad_bytes()
+            + self.state_bytes_on("device")[0]
+        )
+
+    def has_runtime_io(self) -> bool:
+        """True when an optimizer's store pages through a pool (NVMe I/O the runtime drives)."""
+        return any(hasattr(o.zero_state.store, "pool") for o in self.optimizers)
+
+    def collectives(self) -> dict[str, float]:
+        """``<kind>_bytes`` / ``<kind>_calls`` summed over the optimizers (one step)."""
+        out: dict[str, float] = {}
+        for opt in self.optimizers:
+            for k, v in collective_bytes(opt.zero_state, self.local_replicas).items():
+                out[k] = out.get(k, 0.0) + v
+        return out
+
+    # -- one step's record -----------------------------------------------------------------
+    def close_step(
+        self, step: int, readings: Readings, config: ZeroConfig
+    ) -> tuple[dict[str, TierStats], dict[str, float]]:
+        """The tiers and page counters of the step that just ended, and start the next.
+
+        Consumes the step's counters: the host peak restarts at the current use, the
+        stores' page counters and the stage-3 pools' step records are closed (their
+        placement rows are kept for :meth:`placement`).
+
+        Args:
+            step: the step that ended.
+            readings: the framework's device figures (``used`` and ``peak``) at its end.
+            config: the active config (budgets, ``offload_optimizer``).
+
+        Returns:
+            ``({"device"|"host"|"nvme": TierStats}, {PAGE_COLUMNS name: value})``.
+        """
+        param_bytes = float(self.model_param_bytes() * self.local_replicas)
+        grad_bytes = float(self.grad_bytes())
+        device_opt, _ = self.state_bytes_on("device")
+        used = readings.framework_device_bytes
+        attributed = param_bytes + grad_bytes + device_opt
+        device = TierStats(
+            used_bytes=used,
+            capacity_bytes=_or_nan(config.device_budget_bytes),
+            peak_bytes=readings.framework_device_peak_bytes,
+            param_bytes=param_bytes,
+            grad_bytes=grad_bytes,
+            optimizer_bytes=float(device_opt),
+            other_bytes=max(0.0, used - attributed) if math.isfinite(used) else math.nan,
+        )
+        state, scratch = self.state_bytes_on("host")
+        host_used = float(state + scratch)
+        self._host_peak = max(self._host_peak, int(host_used))
+        host = TierStats(
+            used_bytes=host_used,
+            capacity_bytes=float(config.host_budget_bytes or psutil.virtual_memory().total),
+            peak_bytes=float(self._host_peak),
+            param_bytes=0.0,
+            grad_bytes=0.0,
+            optimizer_bytes=float(state),
+            other_bytes=float(scratch),
+        )
+        self._host_peak = int(host_used)
+        nvme_state, _ = self.state_bytes_on("nvme")
+        nvme = TierStats(
+            used_bytes=float(nvme_state),
+            capacity_bytes=_or_nan(config.nvme_budget_bytes),
+            peak_bytes=float(nvme_state),
+            param_bytes=0.0,
+            grad_bytes=0.0,
+            optimizer_bytes=float(nvme_state),
+            other_bytes=0.0,
+        )
+        pages = self._page_counters(step)
+        tiers = {"device": device, "host": host, "nvme": nvme}
+        engines = self.live_stage3_engines()
+        if engines:
+            tiers = self._stage3_close(step, engines, tiers, pages, config)
+        return tiers, pages
+
+    def _page_counters(self, step: int) -> dict[str, float]:
+        pages: dict[str, float] = {}
+        for opt in self.optimizers:
+            boundary = getattr(opt.zero_state.store, "step_boundary", None)
+            if boundary is None:
+                continue
+            for name, value in zip(metadata.PAGE_COLUMNS, boundary(step).as_row()):
+                pages[name] = pages.get(name, 0.0) + value
+        return pages
+
+    def _stage3_close(
+        self,
+        step: int,
+        engines: list[Any],
+        tiers: dict[str, TierStats],
+        pages: dict[str, float],
+        config: ZeroConfig,
+    ) -> dict[str, TierStats]:
+        """Close the stage-3 pools' step: their page counters are added to ``pages``,
+        their placement rows kept for :meth:`placement`, and the tiers rebuilt from their
+        accounting (:func:`zero_runtime.stage3.telemetry.stage3_tiers`)."""
+        from zero_runtime.stage3.telemetry import stage3_tiers  # lazy: stage 3 only
+
+        records = [e.close_step(step) for e in engines]
+        for record in records:
+            for name, value in zip(metadata.PAGE_COLUMNS, record.counters.as_row()):
+                pages[name] = pages.get(name, 0.0) + value
+        opt_tier = OPTIMIZER_TIER[config.offload_optimizer]
+        self._stage3_rows = [row for e in engines for row in e.placement_rows(opt_tier)]
+        return stage3_tiers(tiers, records, float(self.grad_bytes()))
+
+    # -- placement -----------------------------------------------------------------------
+    def placement(self, offload_optimizer: str) -> dict[str, Any]:
+        """Where every trainable variable's parameter, gradient and optimizer state live.
+
+        Args:
+            offload_optimizer: the active config's ``offload_optimizer``.
+
+        Returns:
+            ``{"variables": [{"name", "shape", "dtype", "bytes", "partitioning",
+            "shard_bytes_per_replica", "param_tier", "grad_tier", "optimizer_tier"}]}``
+            with bytes as ints. Stage-3 variables come from the engines' pools as of the
+            last step record (``Stage3Engine.placement_rows``).
+        """
+        rows = []
+        opt_tier = OPTIMIZER_TIER[offload_optimizer]
+        for opt in self.optimizers:
+            zs = opt.zero_state
+            if zs.stage >= 3:  # rows from the stage-3 engines' pools (below)
+                continue
+            layout = zs.layout
+            n = layout.num_shards
+            if zs.stage >= 2:
+                text = f"optimizer state and gradient sharded 1/{n} (ZeRO-2); parameter replicated"
+            else:
+                text = f"optimizer state sharded 1/{n} (ZeRO-1); parameter and gradient replicated"
+            for name, shape, size in zip(layout.names, layout.shapes, layout.sizes):
+                rows.append(
+                    {
+                        "name": name,
+                        "shape": list(shape),
+                        "dtype": "float32",
+                        "bytes": 4 * size,
+                        "partitioning": text,
+                        "shard_bytes_per_replica": 4 * -(-size // n),
+                        "param_tier": "device",
+                        "grad_tier": "device",
+                        "optimizer_tier": opt_tier,
+                    }
+                )
+        rows.extend(self._stage3_rows)
+        return {"variables": rows}
+
+
+def estimate(
+    optimizer: Any, config: ZeroConfig, num_replicas: int, local_replicas: int
+) -> dict[str, Any]:
+    """The ZeRO estimator's prediction of model-state bytes for one optimizer's variables.
+
+    Args:
+        optimizer: a partitioned optimizer (``flat_layout.total`` parameters).
+        config: the active config.
+        num_replicas: replicas in sync (N_d).
+        local_replicas: replicas in this process (the scope of the tier telemetry).
+
+    Returns:
+        ``{"per_replica": TierEstimate.to_dict(), "local_replicas": int,
+        "per_process": {"device_bytes", "host_bytes", "nvme_bytes"}, "num_params": int,
+        "precision": "fp32", "optimizer": kind, "source": str}``. ``per_process`` is the
+        per-replica figure times ``local_replicas``.
+    """
+    num_params = optimizer.flat_layout.total
+    kind = estimator.optimizer_kind(optimizer)
+    est = estimator.estimate_for_config(
+        num_params, num_replicas, config, precision="fp32", optimizer=kind
+    )
+    return {
+        "per_replica": est.to_dict(),
+        "local_replicas": local_replicas,
+        "per_process": {
+            "device_bytes": est.device_bytes * local_replicas,
+            "host_bytes": est.host_bytes * local_replicas,
+            "nvme_bytes": est.nvme_bytes * local_replicas,
+        },
+        "num_params": num_params,
+        "precision": "fp32",
+        "optimizer": kind,
+        "source": "ZeRO (Rajbhandari et al., SC20) sections 3.1 and 5.1, "
+        "zero_runtime.estimator",
+    }
+
+
+def _or_nan(value: int | None) -> float:
+    return math.nan if value is None else float(value)

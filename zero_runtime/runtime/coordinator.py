@@ -1,0 +1,396 @@
+"""ZeroRuntime: the per-strategy coordinator behind ``ZeroInfinityStrategy``.
+
+It owns no concept of its own; it wires the runtime's parts and decides *when* each runs.
+At a step end (every local replica has updated its optimizer shard, the
+:class:`~zero_runtime.runtime.clock.StepClock`), in this order:
+
+1. the :class:`~zero_runtime.telemetry.collector.TelemetryCollector` builds the step's
+   StepStats from the :class:`~zero_runtime.runtime.accounting.Accounting` (every
+   ``telemetry_every_n_steps``), kept in the flight recorder and handed to
+   :class:`~zero_runtime.telemetry.summaries.RunSummaries`;
+2. the budgets are checked (:func:`~zero_runtime.runtime.postmortem.check_budgets`); a
+   tier over its limit raises after the
+   :class:`~zero_runtime.runtime.postmortem.PostMortem` is written;
+3. the :class:`~zero_runtime.control.ControlPoller` decides on a live-tuning request,
+   in effect from the next step.
+
+The strategy is the public face; the optimizers and the stage-3 engines call back into
+the runtime (``register_*``, :meth:`ZeroRuntime.on_shard_updated`,
+:meth:`ZeroRuntime.write_postmortem`).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+from zero_runtime import control, oom
+from zero_runtime.config import ZeroConfig
+from zero_runtime.devices import DeviceInfo
+from zero_runtime.runtime import accounting
+from zero_runtime.runtime.accounting import Accounting
+from zero_runtime.runtime.clock import StepClock, StepEnd
+from zero_runtime.runtime.postmortem import (
+    FailureContext,
+    PostMortem,
+    as_oom_error,
+    check_budgets,
+)
+from zero_runtime.telemetry import FlightRecorder
+from zero_runtime.telemetry.collector import TelemetryCollector
+from zero_runtime.telemetry.summaries import RunSummaries
+
+
+class RuntimeState(enum.Enum):
+    """Lifecycle: OPEN (accepting steps) -> CLOSED (writer flushed and closed)."""
+
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class ZeroRuntime:
+    """Step clock, accounting and telemetry for one strategy (a coordinator of its parts).
+
+    Args:
+        config: the validated :class:`ZeroConfig`.
+        device: the local devices and the nature of the device tier.
+        num_replicas: replicas in sync (the data-parallel degree N_d).
+        logdir: the run's TensorBoard directory, or None for no summaries.
+        fallback_mirrored: True when the strategy runs as plain mirrored data parallelism.
+
+    Attributes:
+        config: the active config (replaced by each applied live-tuning request).
+        config_version: its version: 0 as started, then each applied request's.
+        control: the run's :class:`control.ControlChannel`, or None without a logdir.
+        control_sync: None (one process: this runtime's channel decides), or
+            ``(channel, next_step) -> ControlOutcome | None`` that replaces
+            ``channel.poll`` at the step boundary: multi-worker, the chief decides and
+            every worker adopts its decision at the same step (set by
+            ``MultiWorkerZeroInfinityStrategy``).
+        telemetry_enabled: False skips collecting and writing StepStats (the overhead
+            benchmark's "off"); the budget checks and post-mortems stay on.
+        host_margin_bytes: host memory that must stay available at a step boundary.
+        steps_recorded: StepStats records made so far.
+        recorder: the flight recorder (the last StepStats, for post-mortems).
+        accounting, collector, clock, postmortem: the parts (see the module docstring).
+    """
+
+    control_sync: Any = None
+
+    def __init__(
+        self,
+        config: ZeroConfig,
+        device: DeviceInfo,
+        num_replicas: int,
+        logdir: str | None,
+        fallback_mirrored: bool = False,
+    ) -> None:
+        self.config = config
+        self.device = device
+        self.num_replicas = num_replicas
+        self.logdir = logdir
+        self.fallback_mirrored = fallback_mirrored
+        self.state = RuntimeState.OPEN
+        self.config_version = 0
+        self.steps_recorded = 0
+        self.telemetry_enabled = True
+        self.recorder = FlightRecorder()
+        self.accounting = Accounting(device)
+        self.clock = StepClock(len(device.devices))
+        self.collector = TelemetryCollector(device, self.accounting)
+        # Summaries are serialised off the step's critical path (telemetry/emitter.py).
+        self.summaries = RunSummaries(logdir, self.placement) if logdir else None
+        self.control = control.ControlChannel(logdir, config) if logdir else None
+        self._poller = control.ControlPoller(self.control) if self.control else None
+        self.postmortem = PostMortem(logdir, device, num_replicas, publish=self._publish_oom)
+        self.host_margin_bytes = oom.host_margin_bytes()
+        oom.install_excepthook(self)
+        self._write_run_info()
+
+    # -- the parts' public faces (kept for callers of the one-object runtime) -------------
+    @property
+    def timeline(self) -> Any:
+        """The collector's runtime-driven intervals (:class:`~zero_runtime.telemetry.Timeline`)."""
+        return self.collector.timeline
+
+    @property
+    def profiler(self) -> Any:
+        """The collector's profiler sampler (:class:`~zero_runtime.telemetry.ProfileSampler`)."""
+        return self.collector.profiler
+
+    @property
+    def page_moves(self) -> Any:
+        """The collector's recent page moves (:class:`~zero_runtime.telemetry.PageMoveRecorder`)."""
+        return self.collector.page_moves
+
+    @property
+    def postmortem_path(self) -> str | None:
+        """The OOM post-mortem file written, or None (once per runtime, docs/oom.md)."""
+        return self.postmortem.path
+
+    @property
+    def last_postmortem(self) -> dict[str, Any] | None:
+        """The OOM post-mortem object written last, or None."""
+        return self.postmortem.report
+
+    @property
+    def device_replicas(self) -> int:
+        """Replicas that run in this process."""
+        return len(self.device.devices)
+
+    # -- registration --------------------------------------------------------------------
+    def set_fallback_mirrored(self, value: bool) -> None:
+        """Record that the strategy runs as plain mirrored data parallelism (or not).
+
+        Called by a partitioned optimizer whose model states are below
+        ``mirrored_fallback_bytes``; run_info is written again (its tag's contract: "at
+        start and when it changes").
+        """
+        if self.fallback_mirrored == bool(value):
+            return
+        self.fallback_mirrored = bool(value)
+        self._write_run_info()
+
+    def register_optimizer(self, optimizer: Any) -> None:
+        """Track a partitioned optimizer whose host state counts toward the host tier.
+
+        Also records the estimator's prediction for the optimizer's parameters as the
+        ``memory_hierarchy/estimate`` event, so the view can draw predicted beside measured.
+        """
+        self.accounting.add_optimizer(optimizer)
+        self._observe_store(optimizer.zero_state.store)
+        if self.summaries is not None:
+            self.summaries.estimate(self.estimate(optimizer))
+
+    def register_stage3_engine(self, engine: Any) -> None:
+        """Track a :class:`~zero_runtime.stage3.Stage3Engine` (called by the engine).
+
+        From then on the tiers record, the page counters, the placement rows and the
+        device-budget check come from the engine's paged pool
+        (:mod:`zero_runtime.stage3.telemetry`), and an applied ``device_budget_bytes``
+        change resizes the pool's device tier (``engine.apply_config``). Its pool's NVMe
+        I/O is observed like an optimizer store's.
+        """
+        self.accounting.add_stage3_engine(engine)
+        self._observe_store(engine)
+
+    def estimate(self, optimizer: Any) -> dict[str, Any]:
+        """The ZeRO estimator's prediction of model-state bytes for one optimizer's
+        variables (:func:`zero_runtime.runtime.accounting.estimate`)."""
+        return accounting.estimate(optimizer, self.config, self.num_replicas, self.device_replicas)
+
+    def _observe_store(self, store: Any) -> None:
+        """Watch a store: its pool's NVMe I/O feeds the collector, and a
+        ``PoolOutOfMemoryError`` from its update writes the post-mortem before it
+        propagates (as a :class:`oom.TierOutOfMemoryError`)."""
+        self.collector.watch_io(store)
+        update = getattr(store, "update", None)
+        if update is not None:
+            store.update = self._guard_pool_oom(update)
+
+    def _guard_pool_oom(self, update: Any) -> Any:
+        from zero_runtime.memory import PoolOutOfMemoryError
+
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return update(*args, **kwargs)
+            except PoolOutOfMemoryError as exc:
+                err = oom.TierOutOfMemoryError(str(exc), exc.snapshot.request_tier)
+                raise self._fail(err, self._next_step(), cause=exc) from exc
+
+        return guarded
+
+    # -- the step clock ------------------------------------------------------------------
+    def on_shard_updated(
+        self, optimizer: Any, replica: int, iteration: int, seconds: float
+    ) -> None:
+        """Called by a partitioned optimizer after replica ``replica`` updated its shard.
+
+        When all local replicas have updated for ``iteration``, the step has ended: a
+        StepStats record is made (every ``telemetry_every_n_steps``), the budgets are
+        checked and a live-tuning request is decided on.
+
+        Args:
+            optimizer: the optimizer that updated.
+            replica: the replica id.
+            iteration: Keras's ``iterations`` before the update (the 0-based step).
+            seconds: host seconds spent in the update (> 0: runtime-driven compute).
+
+        Raises:
+            oom.OutOfMemoryError: a tier is over its limit (post-mortem written).
+        """
+        del optimizer, replica
+        if seconds > 0:
+            self.collector.add_compute(seconds)
+        end = self.clock.replica_done(iteration)
+        if end is not None:
+            self._step_boundary(end)
+
+    def _step_boundary(self, end: StepEnd) -> None:
+        if self.state is not RuntimeState.OPEN:
+            return
+        step = end.step
+        trace = self.collector.profiler.stop()  # the sampled window ends with this step
+        if self.telemetry_enabled and step % self.config.telemetry_every_n_steps == 0:
+            stats = self.collector.collect(
+                step,
+                end.wall_time,
+                end.seconds,
+                config=self.config,
+                config_version=self.config_version,
+                fallback_mirrored=self.fallback_mirrored,
+                trace=trace,
+            )
+            self.recorder.append(stats)
+            self.steps_recorded += 1
+            if self.summaries is not None:
+                self.summaries.step(stats)
+        else:
+            self.collector.skip()
+        err = check_budgets(
+            step,
+            self.config.device_budget_bytes,
+            self.accounting.device_used_bytes,
+            self.host_margin_bytes,
+        )
+        if err is not None:
+            raise self._fail(err, step)
+        # After this step's record, before the next step runs: a change applies from it on.
+        self._poll_control(step + 1)
+        if self.telemetry_enabled:
+            self.collector.profiler.maybe_start(step)
+
+    # -- live tuning ---------------------------------------------------------------------
+    def _poll_control(self, next_step: int) -> None:
+        """Decide on a new control request before ``next_step`` runs (zero_runtime.control).
+
+        An applied request replaces :attr:`config` (and :attr:`config_version`) and is
+        passed to the stage-3 engines (e.g. the device tier's capacity); every decision is
+        recorded as a ``memory_hierarchy/config_event`` summary at ``next_step``, the step
+        from which an applied change is in effect.
+        """
+        if self._poller is None:
+            return
+        outcome = self._poller.poll(next_step, self.control_sync)
+        if outcome is None:
+            return
+        if outcome.status is control.Status.APPLIED:
+            self.config = self.control.config
+            self.config_version = self.control.version
+            for engine in self.accounting.live_stage3_engines():
+                engine.apply_config(self.config)
+        if self.summaries is not None:
+            self.summaries.config_event(next_step, outcome.to_dict())
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def record_checkpoint(self, record: dict[str, Any]) -> None:
+        """Write one checkpoint save or restore as a json summary (fields and units:
+        docs/events.md), at step ``record["step"]`` (the optimizer step saved or restored,
+        int >= 0), and flush it. The tag follows ``record["op"]``
+        (:data:`tb_plugin.metadata.CHECKPOINT_OP_TAGS`): a save under
+        ``memory_hierarchy/checkpoint``, a restore under ``memory_hierarchy/checkpoint_restore``,
+        so a resume at the step its checkpoint was saved keeps both under TensorBoard's
+        ``--load_fast`` (one value per run, tag and step). No-op without a log directory or
+        after :meth:`close`. Called by ``zero_runtime.checkpoint.CheckpointManager``.
+
+        Raises:
+            ValueError: ``record["op"]`` is neither ``"save"`` nor ``"restore"``.
+            TypeError: ``record`` is not JSON-serialisable.
+        """
+        if self.summaries is None or self.state is not RuntimeState.OPEN:
+            return
+        self.summaries.checkpoint(record)
+
+    # -- accounting (Accounting's figures, for the strategy's callers) --------------------
+    def model_param_bytes(self) -> int:
+        """Bytes of one replica's trainable variables tracked by the optimizers."""
+        return self.accounting.model_param_bytes()
+
+    def host_state_bytes(self) -> tuple[int, int]:
+        """(optimizer-state bytes, scratch bytes) held on the host by all optimizers."""
+        return self.accounting.state_bytes_on("host")
+
+    def grad_bytes(self) -> int:
+        """Device bytes of gradients the local replicas keep
+        (:meth:`Accounting.grad_bytes`)."""
+        return self.accounting.grad_bytes()
+
+    def device_used_bytes(self) -> float:
+        """Device-tier bytes in use (:meth:`Accounting.device_used_bytes`)."""
+        return self.accounting.device_used_bytes()
+
+    def placement(self) -> dict[str, Any]:
+        """Where every trainable variable's parameter, gradient and optimizer state live
+        (:meth:`Accounting.placement` under the active ``offload_optimizer``)."""
+        return self.accounting.placement(self.config.offload_optimizer)
+
+    # -- out of memory (issue #10) -------------------------------------------------------
+    def write_postmortem(self, exc: BaseException, step: int | None = None) -> str | None:
+        """Write the OOM post-mortem for ``exc`` (e.g. a TensorFlow
+        ``ResourceExhaustedError`` the caller caught); returns the JSON file's path.
+
+        Idempotent: an error whose post-mortem this runtime already wrote (ours, or
+        TensorFlow's re-raise of ours, whose message names the file) returns that path.
+        The failed tier is the error's own (runtime errors, pool snapshots), else
+        'device' (TensorFlow's allocator serves the device tier).
+        """
+        known = self.postmortem.written_for(exc)
+        if known is not None:
+            return known
+        err = as_oom_error(exc)
+        self._fail(err, self._next_step() if step is None else step, cause=exc)
+        return err.postmortem_path
+
+    def _fail(
+        self, err: oom.OutOfMemoryError, step: int, cause: BaseException | None = None
+    ) -> oom.OutOfMemoryError:
+        """Write the post-mortem of ``err``; return it for the caller to raise."""
+        return self.postmortem.fail(err, step, cause or err, lambda: self._failure_context(step))
+
+    def _failure_context(self, step: int) -> FailureContext:
+        """The post-mortem's inputs; the snapshot consumes the failed step's counters."""
+        snapshot = self.collector.collect(
+            step,
+            time.time(),
+            0.0,
+            config=self.config,
+            config_version=self.config_version,
+            fallback_mirrored=self.fallback_mirrored,
+        )
+        return FailureContext(
+            snapshot=snapshot,
+            recent=self.recorder.last(),
+            config=self.config,
+            config_version=self.config_version,
+            config_history=[o.to_dict() for o in self.control.history] if self.control else [],
+        )
+
+    def _publish_oom(self, step: int, report: dict[str, Any]) -> None:
+        if self.summaries is not None and self.state is RuntimeState.OPEN:
+            self.summaries.oom(step, report)
+
+    def _next_step(self) -> int:
+        """The step after the last recorded one (0 before any record)."""
+        return self.recorder.last(1)[0].step + 1 if len(self.recorder) else 0
+
+    # -- summaries and lifecycle ---------------------------------------------------------
+    def _write_run_info(self) -> None:
+        if self.summaries is not None:
+            self.summaries.run_info(
+                self.config, self.num_replicas, self.device, self.fallback_mirrored
+            )
+
+    def flush(self) -> None:
+        """Write queued summaries to disk (waits for the background emitter first)."""
+        if self.summaries is not None:
+            self.summaries.flush()
+
+    def close(self) -> None:
+        """Close the optimizers' stores, then flush and close the summaries; idempotent."""
+        if self.state is RuntimeState.CLOSED:
+            return
+        self.state = RuntimeState.CLOSED
+        self.accounting.close_stores()  # e.g. the NVMe pool's files
+        if self.summaries is not None:
+            self.summaries.close()  # every StepStats handed over is written first

@@ -1,0 +1,313 @@
+"""The OOM post-mortem at runtime: the budget checks, and the report of a failure built
+from explicit inputs and written once.
+
+The report's contract, the error types and the advice rules are :mod:`zero_runtime.oom`;
+this module gathers what they need at the moment of a failure (a
+:class:`FailureContext` the coordinator builds: the failed step's accounting, the flight
+recorder's recent steps, the config and its history) plus the machine's facts (physical
+and free memory, free disk), and writes the result as the ``memory_hierarchy/oom``
+summary and ``<run_dir>/memory_hierarchy_oom.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import psutil
+
+from zero_runtime import oom
+from zero_runtime.capabilities import IMPLEMENTED
+from zero_runtime.config import ZeroConfig
+from zero_runtime.devices import DeviceInfo
+from zero_runtime.telemetry import StepStats
+
+log = logging.getLogger(__name__)
+
+_HOLDER_LABELS = {
+    "param": "parameters (local replicas)",
+    "grad": "gradients (local replicas)",
+    "optimizer": "optimizer states",
+    "other": "activations, scratch and framework (unattributed)",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class FailureContext:
+    """What the runtime knew when a step failed.
+
+    Attributes:
+        snapshot: the failed step's record (tiers, readings), taken at the failure.
+        recent: the flight recorder's recent records, oldest first.
+        config: the active config; config_version: its version (0 = as started).
+        config_history: the live-tuning decisions so far (``ControlOutcome.to_dict()``).
+    """
+
+    snapshot: StepStats
+    recent: list[StepStats]
+    config: ZeroConfig
+    config_version: int
+    config_history: list[dict[str, Any]]
+
+
+def check_budgets(
+    step: int,
+    device_budget_bytes: int | None,
+    device_used_bytes: Callable[[], float],
+    host_margin_bytes: int,
+) -> oom.OutOfMemoryError | None:
+    """The error for a tier over its limit at a step boundary, or None.
+
+    Args:
+        step: the step that just ended.
+        device_budget_bytes: the device budget (None: unbounded; ``device_used_bytes`` is
+            then not called).
+        device_used_bytes: returns the device tier's bytes in use.
+        host_margin_bytes: host memory that must stay available, bytes.
+
+    Returns:
+        :class:`oom.DeviceBudgetExceededError` (used > budget) or
+        :class:`oom.HostMemoryLowError` (available < margin), not yet raised; else None.
+    """
+    if device_budget_bytes is not None:
+        used = device_used_bytes()
+        if used > device_budget_bytes:
+            return oom.DeviceBudgetExceededError(int(used), device_budget_bytes, step)
+    available = psutil.virtual_memory().available
+    if available < host_margin_bytes:
+        return oom.HostMemoryLowError(available, host_margin_bytes, step)
+    return None
+
+
+def as_oom_error(exc: BaseException) -> oom.OutOfMemoryError:
+    """The runtime's error for a caught ``exc`` (e.g. TensorFlow's
+    ``ResourceExhaustedError``): its message, and the failed tier the error names
+    (runtime errors, pool snapshots), else 'device' (TensorFlow's allocator serves the
+    device tier)."""
+    tier = getattr(exc, "tier", None)
+    snapshot = getattr(exc, "snapshot", None)
+    if tier is None:
+        tier = snapshot.request_tier if snapshot is not None else "device"
+    return oom.OutOfMemoryError(str(exc), tier)
+
+
+class PostMortem:
+    """Builds and writes the OOM post-mortem of one runtime.
+
+    Args:
+        logdir: the run directory for the JSON file, or None (the report is then only in
+            the exception).
+        device: the local devices (is the device tier a stand-in for host memory?).
+        num_replicas: replicas in sync (N_d, for the advice's per-stage formulas).
+        publish: writes the report as a summary, ``(step, report) -> None``; None for none.
+
+    Attributes:
+        path: the JSON file written last, or None.
+        report: the report written last, or None.
+    """
+
+    def __init__(
+        self,
+        logdir: str | None,
+        device: DeviceInfo,
+        num_replicas: int,
+        publish: Callable[[int, dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.logdir = logdir
+        self.device = device
+        self.num_replicas = num_replicas
+        self._publish = publish
+        self.path: str | None = None
+        self.report: dict[str, Any] | None = None
+
+    def written_for(self, exc: BaseException) -> str | None:
+        """The path of the post-mortem already written for ``exc`` (ours, or TensorFlow's
+        re-raise of ours, whose message names the file), else None."""
+        known = getattr(exc, "postmortem_path", None)
+        if known is not None:
+            return known
+        if self.path is not None and self.path in str(exc):
+            return self.path
+        return None
+
+    def fail(
+        self,
+        err: oom.OutOfMemoryError,
+        step: int,
+        cause: BaseException,
+        context: Callable[[], FailureContext],
+    ) -> oom.OutOfMemoryError:
+        """Build and write the post-mortem of ``err``; return ``err`` (path and report
+        attached) for the caller to raise.
+
+        Args:
+            err: the runtime's error, naming the failed tier.
+            step: the failed step.
+            cause: the original error (a pool snapshot or a TensorFlow message), or ``err``.
+            context: builds the :class:`FailureContext`; called once, inside the guard (a
+                failure to build the report is logged, never raised over the OOM).
+        """
+        try:
+            report = build_report(err, step, cause, context(), self.device, self.num_replicas)
+        except Exception as exc:  # noqa: BLE001 - never hide the OOM behind a report bug
+            log.exception("could not build the OOM post-mortem: %s", exc)
+            return err
+        if self._publish is not None:
+            self._publish(step, report)
+        path = None
+        if self.logdir:
+            path = os.path.join(self.logdir, oom.OOM_FILENAME)
+            oom.write_json_atomic(path, report)
+        self.path, self.report = path, report
+        err.attach(path, report)
+        log.error("out of memory at step %d on tier %s; post-mortem: %s", step, err.tier, path)
+        return err
+
+
+def build_report(
+    err: oom.OutOfMemoryError,
+    step: int,
+    cause: BaseException,
+    ctx: FailureContext,
+    device: DeviceInfo,
+    num_replicas: int,
+) -> dict[str, Any]:
+    """The post-mortem object (``oom.build_report``) of one failure.
+
+    The tiers and holders come from ``ctx.snapshot``, replaced tensor by tensor by the
+    pool's own snapshot when ``cause`` is a ``PoolOutOfMemoryError``; the request's bytes
+    from the pool's snapshot or the TensorFlow message; the advice from
+    :func:`advice_for`.
+    """
+    snap = ctx.snapshot
+    tiers: dict[str, dict[str, Any]] = {}
+    for name, t in snap.tiers.items():
+        holders = [
+            oom.holder(_HOLDER_LABELS[k], k, getattr(t, f"{k}_bytes"))
+            for k in ("param", "grad", "optimizer", "other")
+            if math.isfinite(getattr(t, f"{k}_bytes")) and getattr(t, f"{k}_bytes") > 0
+        ]
+        tiers[name] = {
+            "capacity_bytes": or_none(t.capacity_bytes),
+            "used_bytes": or_none(t.used_bytes),
+            "holders": holders,
+        }
+    pool_snap = getattr(cause, "snapshot", None)
+    request_bytes = tensor = None
+    if pool_snap is not None:  # the pool's own tiers, tensor by tensor
+        for name, t in pool_snap.tiers.items():
+            tiers[name] = {
+                "capacity_bytes": t["capacity_bytes"],
+                "used_bytes": t["used_bytes"],
+                "holders": [
+                    oom.holder(h.tensor_id, h.kind, h.bytes, h.pages)
+                    for h in pool_snap.holders.get(name, ())
+                ],
+            }
+        request_bytes, tensor = pool_snap.request_bytes, pool_snap.request_tensor_id
+    elif isinstance(err, oom.DeviceBudgetExceededError):
+        tiers["device"]["used_bytes"] = err.used_bytes
+    else:
+        request_bytes = oom.request_from_message(str(cause))
+    tier = err.tier
+    failed = {
+        "bytes": request_bytes,
+        "tier": tier,
+        "tensor": tensor,
+        "op": getattr(cause, "op", None) and getattr(cause.op, "name", None),
+        "error_type": type(cause).__name__,
+        "message": str(cause).split("\n\npost-mortem")[0][:4000],
+    }
+    t = tiers[tier]
+    used = int(t["used_bytes"] or 0) + int(request_bytes or 0)
+    return oom.build_report(
+        step=step,
+        failed=failed,
+        tiers=tiers,
+        recent_steps=[
+            {
+                "step": r.step,
+                "tiers": {
+                    n: {
+                        "used_bytes": or_none(ts.used_bytes),
+                        "capacity_bytes": or_none(ts.capacity_bytes),
+                    }
+                    for n, ts in r.tiers.items()
+                },
+            }
+            for r in ctx.recent
+        ],
+        config=ctx.config.to_dict(),
+        config_version=ctx.config_version,
+        config_history=ctx.config_history,
+        readings=snap.readings.as_dict(),
+        advice=advice_for(tier, used, t, snap, ctx.config, device, num_replicas),
+    )
+
+
+def advice_for(
+    tier: str,
+    required: int,
+    tier_row: Mapping[str, Any],
+    snap: StepStats,
+    config: ZeroConfig,
+    device: DeviceInfo,
+    num_replicas: int,
+) -> list[dict[str, Any]]:
+    """Ranked advice (``oom.advise``) for a failure on ``tier`` needing ``required`` bytes.
+
+    Args:
+        tier: the failed tier.
+        required: bytes it needed (used plus the failed request).
+        tier_row: the report's row of the tier (``capacity_bytes``, ``used_bytes``).
+        snap: the failed step's record (holders by kind; the host tier's use; NVML total).
+        config: the active config.
+        device: the local devices (a CPU stand-in's physical memory is the host's).
+        num_replicas: replicas in sync (N_d).
+    """
+    stats = snap.tiers[tier]
+    holders = {
+        k: int(getattr(stats, f"{k}_bytes"))
+        for k in ("param", "grad", "optimizer")
+        if math.isfinite(getattr(stats, f"{k}_bytes"))
+    }
+    vm = psutil.virtual_memory()
+    nvme_free = None
+    if config.nvme_path and os.path.isdir(config.nvme_path):
+        nvme_free = shutil.disk_usage(config.nvme_path).free
+    nvml_total = snap.readings.nvml_total_bytes
+    device_physical = int(vm.total) if device.is_standin else or_none(nvml_total)
+    host_used = snap.tiers["host"].used_bytes
+    host_cap = config.host_budget_bytes
+    host_free = (
+        int(host_cap - host_used)
+        if host_cap is not None and math.isfinite(host_used)
+        else int(vm.available)
+    )
+    return oom.advise(
+        failed_tier=tier,
+        required_bytes=int(required),
+        capacity_bytes=or_none(tier_row["capacity_bytes"]),
+        holders=holders,
+        config=config,
+        num_replicas=num_replicas,
+        physical_bytes={
+            "device": device_physical,
+            "host": int(vm.total),
+            "nvme": None if nvme_free is None else nvme_free + int(tier_row["used_bytes"] or 0),
+        },
+        free_bytes={"host": host_free, "nvme": nvme_free},
+        implemented=set(IMPLEMENTED),
+    )
+
+
+def or_none(value: float | None) -> int | None:
+    """An int, or None for None / NaN (the post-mortem's "unknown")."""
+    if value is None or not math.isfinite(value):
+        return None
+    return int(value)
