@@ -3,6 +3,8 @@ bucketed reduction and collective groups, on the session's 2 logical CPU devices
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -143,3 +145,71 @@ def test_group_validation():
 def test_collectives_need_replica_context(strategy):
     with strategy.scope(), pytest.raises(RuntimeError, match="replica context"):
         comm.all_gather_flat(tf.zeros([2]))
+
+
+def _num_threads() -> int:
+    """OS threads of this process (Linux: the ``Threads:`` line of /proc/self/status)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+
+
+@pytest.mark.parametrize("impl", ["all_to_all", "all_reduce"])
+def test_raw_collectives_start_no_thread_and_arm_one_deadline_each(strategy, impl):
+    """Issue #22 item 1: TensorFlow's per-op timeout started a sleeping OS thread per op and
+    per parameter resolution (+2 per collective per replica, alive for the timeout); now
+    the op has none and the process's one watchdog thread holds the deadline."""
+    group = comm.CollectiveGroup.create(strategy.extended.worker_devices, impl)
+    n = strategy.num_replicas_in_sync
+    data = _inputs(n)
+
+    @tf.function
+    def step(scale):
+        def replica_fn():
+            ctx = tf.distribute.get_replica_context()
+            flat = tf.gather(tf.constant(data), ctx.replica_id_in_sync_group) * scale
+            shard = comm.reduce_scatter_sum_flat(flat, group)
+            return comm.all_gather_flat(shard, group)  # 2 raw collectives when all_to_all
+
+        return strategy.run(replica_fn)
+
+    step(tf.constant(1.0))  # trace, warm the pools (and start the watchdog thread)
+    started, before = comm.WATCHDOG.deadlines_started, _num_threads()
+    runs = 60
+    for i in range(runs):
+        out = step(tf.constant(float(i)))
+    grown = _num_threads() - before
+    raw = 2 if impl == "all_to_all" else 1  # the all_reduce path reduces with the strategy
+    assert comm.WATCHDOG.deadlines_started - started == runs * n * raw  # none folded away
+    assert comm.WATCHDOG.armed == 0  # each disarmed when its collective completed
+    assert comm.WATCHDOG.fired is None
+    assert grown <= 2, f"{grown} threads more after {runs} steps"  # was 2 * raw * n * runs
+    got = np.concatenate([np.asarray(t) for t in strategy.experimental_local_results(out)])
+    np.testing.assert_allclose(got, np.tile(data.sum(axis=0) * (runs - 1), n), rtol=1e-6)
+
+
+def test_watchdog_aborts_once_when_a_deadline_passes():
+    """The watchdog's own thread: one deadline due calls ``abort`` once with a message
+    naming the collective and the timeout; disarmed and replaced deadlines never fire."""
+    calls: list[tuple[float, str]] = []
+    start = time.monotonic()
+    dog = comm.CollectiveWatchdog(abort=lambda msg: calls.append((time.monotonic(), msg)))
+    assert dog.state is comm.WatchdogState.IDLE
+    dog.arm("a", 0.3, "all_to_all (group 7, instance 1, replica 0)")
+    dog.arm("b", 0.2, "done in time")
+    dog.disarm("b")
+    dog.arm("a", 0.6, "all_to_all (group 7, instance 2, replica 0)")  # the call site again
+    assert dog.state is comm.WatchdogState.WATCHING and dog.armed == 1
+    with dog.deadline(5.0, "eager broadcast"):
+        assert dog.armed == 2
+    deadline = time.monotonic() + 10
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)  # nothing else is due
+    assert len(calls) == 1, calls
+    when, message = calls[0]
+    assert 0.55 <= when - start < 5.0
+    assert message.startswith("zero_runtime: collective all_to_all (group 7, instance 2,")
+    assert "within 0.6 s (collective_timeout_seconds)" in message
+    assert dog.state is comm.WatchdogState.FIRED and dog.fired == message and dog.armed == 0
+    with pytest.raises(ValueError, match="> 0 seconds"):
+        dog.arm("c", 0, "x")
