@@ -213,3 +213,63 @@ def test_watchdog_aborts_once_when_a_deadline_passes():
     assert dog.state is comm.WatchdogState.FIRED and dog.fired == message and dog.armed == 0
     with pytest.raises(ValueError, match="> 0 seconds"):
         dog.arm("c", 0, "x")
+
+
+def test_watchdog_drops_stale_traced_deadlines_instead_of_aborting():
+    """A traced collective whose step failed never disarms: its deadline is dropped when a
+    later collective on the same ordering token is armed, or when it falls due while no
+    tf.function runs; it aborts only while one runs."""
+    calls: list[str] = []
+    running = [False]
+    dog = comm.CollectiveWatchdog(abort=calls.append, executing=lambda: running[0])
+    dog.arm("k1", 0.2, "first", scope=1, traced=True)
+    dog.arm("k2", 5.0, "later on the same token", scope=1, traced=True)
+    assert dog.armed == 1  # k1 superseded
+    dog.disarm("k2")
+    dog.arm("k3", 0.2, "failed step", scope=2, traced=True)
+    deadline = time.monotonic() + 10
+    while dog.stale_dropped == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert dog.stale_dropped == 1 and dog.armed == 0 and calls == []
+    running[0] = True
+    dog.arm("k4", 0.2, "stalled", scope=2, traced=True)
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(calls) == 1 and "collective stalled did not complete within 0.2 s" in calls[0]
+    assert dog.state is comm.WatchdogState.FIRED
+
+
+def test_a_failed_step_leaves_no_deadline_that_aborts_later(strategy):
+    """A step that fails while replica 0 waits in a guarded all-to-all (replica 1's input
+    fails) leaves that deadline armed; it is dropped as stale, and the next collectives
+    work after the deadline has passed."""
+    group = comm.CollectiveGroup.create(
+        strategy.extended.worker_devices, "all_to_all", timeout_seconds=0.5
+    )
+    n = strategy.num_replicas_in_sync
+    data = _inputs(n)
+
+    def check(fail, replica):
+        if fail and replica == 1:
+            time.sleep(0.2)  # replica 0 is in the collective by now
+            raise ValueError("replica 1 fails")
+        return np.float32(1.0)
+
+    @tf.function
+    def step(fail):
+        def replica_fn():
+            rid = tf.distribute.get_replica_context().replica_id_in_sync_group
+            ok = tf.ensure_shape(tf.numpy_function(check, [fail, rid], tf.float32), [])
+            return comm.reduce_scatter_sum_flat(tf.gather(tf.constant(data), rid) * ok, group)
+
+        return strategy.run(replica_fn)
+
+    step(tf.constant(False))
+    dropped = comm.WATCHDOG.stale_dropped
+    with pytest.raises(tf.errors.InvalidArgumentError, match="replica 1 fails"):
+        step(tf.constant(True))
+    assert comm.WATCHDOG.armed == 1  # replica 0's all-to-all never disarmed
+    time.sleep(1.5)  # its deadline passes with no step running
+    assert comm.WATCHDOG.stale_dropped == dropped + 1 and comm.WATCHDOG.fired is None
+    out = strategy.experimental_local_results(step(tf.constant(False)))
+    np.testing.assert_array_equal(np.asarray(out[0]), data.sum(axis=0)[:SHARD])

@@ -53,3 +53,14 @@ def test_500_steps_under_a_256_process_limit_keep_the_threads_flat(limited_run, 
         assert limited_run["dropped_to"] == 65534  # the limit really applied
     end = record["samples"][-1][1]
     print(f"stage {stage}: {record['warm']} threads after warm-up, {end} at step {STEPS}")
+
+
+def test_a_replica_stalled_before_a_collective_fails_the_step_naming_it(limited_run):
+    """The watchdog's deadline, in one process: replica 1 sleeps 4 s in a host callback
+    before an all-to-all with a 1 s deadline; replica 0's wait is aborted (without the
+    watchdog the step would just complete after the sleep)."""
+    stall = limited_run["stall"]
+    assert stall["error"] == "DeadlineExceededError", stall
+    assert "zero_runtime: collective all_to_all (group" in stall["message"]
+    assert "did not complete within 1 s (collective_timeout_seconds)" in stall["message"]
+    assert stall["seconds"] < 4.0 + 10.0, stall  # the sleep, then the step's error

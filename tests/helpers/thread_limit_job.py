@@ -11,9 +11,13 @@ that cannot start aborts TensorFlow (``std::system_error: Resource temporarily
 unavailable``). Non-root: the limit is ``--nproc`` plus the threads the user already runs.
 Then each stage fits ``--steps`` more steps, sampling the thread count every 50.
 
+Last, one step where one replica stalls before a collective with a ``--stall-seconds``
+deadline (:func:`stall_one_replica`).
+
 Output (last line of stdout): ``{"dropped_to": uid, "nproc": limit, "stages": {"2":
 {"warm": threads at the last warm-up step, "samples": [[step, threads], ...] (while
-fitting, the last at step ``--steps``), "loss": [first, last]}, "3": {...}}}``.
+fitting, the last at step ``--steps``), "loss": [first, last]}, "3": {...}}, "stall":
+{"error": type name or null, "message", "seconds"}}``.
 """
 
 # isort: skip_file  (the environment must be set before TensorFlow is imported)
@@ -86,6 +90,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--nproc", type=int, default=256)
+    p.add_argument("--stall-seconds", type=float, default=1.0)
     args = p.parse_args()
 
     import keras
@@ -134,8 +139,46 @@ def main() -> int:
             "samples": sampler.samples,
             "loss": [sampler.losses[0], sampler.losses[-1]],
         }
+    record["stall"] = stall_one_replica(fits[2][0].distribute_strategy, args.stall_seconds)
     print(json.dumps(record), flush=True)
     return 0
+
+
+def stall_one_replica(strategy, timeout: float) -> dict:
+    """Last (it aborts the process's collectives): one step where replica 1's host callback
+    sleeps ``4 * timeout`` before a raw all-to-all of a group with ``timeout`` seconds,
+    while replica 0 waits in it. Returns the error's type and message and the seconds the
+    step took (the callback still finishes its sleep before the step returns)."""
+    import time
+
+    import numpy as np
+    import tensorflow as tf
+
+    from zero_runtime import comm
+
+    group = comm.CollectiveGroup.create(strategy.extended.worker_devices, timeout_seconds=timeout)
+
+    def host(replica):
+        if replica == 1:
+            time.sleep(4 * timeout)
+        return np.ones(4, np.float32)
+
+    @tf.function
+    def step():
+        def replica_fn():
+            rid = tf.distribute.get_replica_context().replica_id_in_sync_group
+            flat = tf.numpy_function(host, [rid], tf.float32, stateful=True)
+            return comm.reduce_scatter_sum_flat(tf.reshape(flat, [4]), group)
+
+        return strategy.run(replica_fn)
+
+    start = time.monotonic()
+    try:
+        step()
+        error, message = None, ""
+    except Exception as exc:  # noqa: BLE001 - the record says what it was
+        error, message = type(exc).__name__, str(exc)
+    return {"error": error, "message": message[:2000], "seconds": time.monotonic() - start}
 
 
 if __name__ == "__main__":

@@ -27,15 +27,17 @@ is created); the watchdog thread sleeps until the earliest deadline.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import itertools
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import tensorflow as tf
-from tensorflow.python.eager import context
+from tensorflow.python.eager import context, execute
 from tensorflow.python.framework import errors
 from tensorflow.python.ops import resource_variable_ops
 
@@ -53,39 +55,66 @@ def _abort_collectives(message: str) -> None:
     context.context().abort_collective_ops(errors.DEADLINE_EXCEEDED, message)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Deadline:
+    due: float  # time.monotonic() seconds
+    seconds: float
+    what: str
+    scope: object  # the ordering token's id: its collectives run one at a time, or None
+    traced: bool  # armed from a traced step (its disarm never runs if the step fails)
+
+
 class CollectiveWatchdog:
     """Deadlines of the collectives in flight, enforced by one reusable thread.
+
+    A traced collective's disarm never runs when its step fails first (TensorFlow cancels
+    the step's pending ops), so a traced deadline is dropped, not enforced, when it is
+    stale: when a later collective on the same ordering token is armed (the token runs
+    one at a time, so the earlier one has ended), or when it falls due while no thread
+    of the process is running a ``tf.function`` (no step, so no collective of a step, is
+    pending).
 
     Args:
         abort: called with the message when a deadline passes (default: abort this
             process's collectives with ``DEADLINE_EXCEEDED``).
+        executing: returns True while a ``tf.function`` call runs in the process (default:
+            a thread is inside TensorFlow's ``execute.quick_execute``).
 
     Attributes:
         state: the :class:`WatchdogState`.
         fired: the message of the last abort, or None.
         deadlines_started: deadlines armed since creation (int; one per guarded
             collective run).
+        stale_dropped: traced deadlines dropped as stale (int).
     """
 
-    def __init__(self, abort: Callable[[str], None] = _abort_collectives) -> None:
+    def __init__(
+        self,
+        abort: Callable[[str], None] = _abort_collectives,
+        executing: Callable[[], bool] | None = None,
+    ) -> None:
         self._abort = abort
+        self._executing = executing or _executing_functions
         self._cond = threading.Condition()
-        self._deadlines: dict[object, tuple[float, float, str]] = {}
+        self._deadlines: dict[object, _Deadline] = {}
         self._thread: threading.Thread | None = None
         self.state = WatchdogState.IDLE
         self.fired: str | None = None
         self.deadlines_started = 0
+        self.stale_dropped = 0
 
-    def arm(self, key: object, seconds: float, what: str) -> None:
+    def arm(
+        self, key: object, seconds: float, what: str, scope: object = None, traced: bool = False
+    ) -> None:
         """Start (or restart) the deadline of collective ``key``.
 
-        A key armed again replaces its earlier deadline: a call site run again (the next
-        step) ends its previous run, also one that failed before disarming.
-
         Args:
-            key: any hashable naming one collective call site.
+            key: any hashable naming one collective call site (armed again: replaced).
             seconds: the time it may take, seconds (> 0).
-            what: the collective, for the message (e.g. ``"all_to_all group 7 instance 3"``).
+            what: the collective, for the message (e.g. ``"all_to_all (group 7, ...)"``).
+            scope: the id of the collective's ordering token, or None: arming ends every
+                other deadline of the same scope (see the class docstring).
+            traced: True when armed from a traced step (a host callback).
 
         Raises:
             ValueError: ``seconds`` is not > 0.
@@ -93,7 +122,12 @@ class CollectiveWatchdog:
         if not seconds > 0:
             raise ValueError(f"a collective deadline must be > 0 seconds, got {seconds}")
         with self._cond:
-            self._deadlines[key] = (time.monotonic() + seconds, seconds, what)
+            if scope is not None:
+                for other in [k for k, d in self._deadlines.items() if d.scope == scope]:
+                    del self._deadlines[other]
+            self._deadlines[key] = _Deadline(
+                time.monotonic() + seconds, seconds, what, scope, traced
+            )
             self.deadlines_started += 1
             if self._thread is None:
                 self._thread = threading.Thread(
@@ -109,7 +143,7 @@ class CollectiveWatchdog:
             self._deadlines.pop(key, None)
 
     def clear(self) -> None:
-        """Drop every deadline (e.g. after a step failed between an arm and its disarm)."""
+        """Drop every deadline."""
         with self._cond:
             self._deadlines.clear()
 
@@ -140,16 +174,20 @@ class CollectiveWatchdog:
                 if not self._deadlines:
                     self._cond.wait()
                     continue
-                key, (due, seconds, what) = min(self._deadlines.items(), key=lambda kv: kv[1][0])
-                wait = due - time.monotonic()
+                key, first = min(self._deadlines.items(), key=lambda kv: kv[1].due)
+                wait = first.due - time.monotonic()
                 if wait > 0:
                     self._cond.wait(wait)
                     continue
+                if first.traced and not self._executing():
+                    del self._deadlines[key]  # its step failed before the disarm
+                    self.stale_dropped += 1
+                    continue
                 self._deadlines.clear()
                 message = (
-                    f"zero_runtime: collective {what} did not complete within {seconds:g} s "
-                    "(collective_timeout_seconds): a peer stalled or never joined; the "
-                    "process's collectives are aborted"
+                    f"zero_runtime: collective {first.what} did not complete within "
+                    f"{first.seconds:g} s (collective_timeout_seconds): a peer stalled or "
+                    "never joined; the process's collectives are aborted"
                 )
                 self.fired = message
                 self.state = WatchdogState.FIRED
@@ -158,6 +196,18 @@ class CollectiveWatchdog:
                     self._abort(message)
                 finally:
                     self._cond.acquire()
+
+
+def _executing_functions() -> bool:
+    """True while some thread of the process is inside a ``tf.function`` call (TensorFlow's
+    ``execute.quick_execute``, through which every function call runs)."""
+    code = execute.quick_execute.__code__
+    for frame in sys._current_frames().values():
+        while frame is not None:
+            if frame.f_code is code:
+                return True
+            frame = frame.f_back
+    return False
 
 
 _KEYS = itertools.count(1)
@@ -198,8 +248,10 @@ def guard(
         return collective(flat)
     key = ("traced", next(_KEYS))
 
+    scope = id(token)
+
     def arm(_handle) -> list:
-        WATCHDOG.arm(key, seconds, what)
+        WATCHDOG.arm(key, seconds, what, scope=scope, traced=True)
         return []
 
     def disarm(_handle) -> list:
