@@ -19,6 +19,12 @@ are issued with ``timeout_seconds=0`` and this module keeps the guarantee instea
   token, after the device's previous collective) and another disarms it when its result
   exists.
 - :meth:`CollectiveWatchdog.deadline`: the same around an eager collective.
+- :func:`guard_strategy_collectives`: the same for a ``MultiWorkerMirroredStrategy``'s
+  own collectives (its launchers are wrapped).
+
+A traced collective whose step fails before its disarm leaves its deadline armed; such a
+deadline is dropped as stale, never enforced (see :class:`CollectiveWatchdog`), so a
+failed step does not abort the collectives of the steps after it.
 
 Cost per guarded collective: two host callbacks on TensorFlow's inter-op pool (no thread
 is created); the watchdog thread sleeps until the earliest deadline.
@@ -246,9 +252,7 @@ def guard(
     """
     if not seconds > 0:
         return collective(flat)
-    key = ("traced", next(_KEYS))
-
-    scope = id(token)
+    key, scope = ("traced", next(_KEYS)), id(token)
 
     def arm(_handle) -> list:
         WATCHDOG.arm(key, seconds, what, scope=scope, traced=True)
@@ -302,7 +306,9 @@ def guard_strategy_collectives(strategy: tf.distribute.Strategy, seconds: Callab
 
 
 def _wrap_launcher(launcher: Any, seconds: Callable[[], float]) -> None:
-    token = getattr(launcher, "_ordering_token", None) or device_token(launcher._device)
+    token = getattr(launcher, "_ordering_token", None)
+    if token is None:  # (``or`` would ask the variable's truth value)
+        token = device_token(launcher._device)
     all_reduce, all_gather = launcher.all_reduce, launcher._all_gather
 
     def what(kind: str) -> str:
