@@ -3,6 +3,8 @@ bucketed reduction and collective groups, on the session's 2 logical CPU devices
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -143,3 +145,131 @@ def test_group_validation():
 def test_collectives_need_replica_context(strategy):
     with strategy.scope(), pytest.raises(RuntimeError, match="replica context"):
         comm.all_gather_flat(tf.zeros([2]))
+
+
+def _num_threads() -> int:
+    """OS threads of this process (Linux: the ``Threads:`` line of /proc/self/status)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+
+
+@pytest.mark.parametrize("impl", ["all_to_all", "all_reduce"])
+def test_raw_collectives_start_no_thread_and_arm_one_deadline_each(strategy, impl):
+    """Issue #22 item 1: TensorFlow's per-op timeout started a sleeping OS thread per op and
+    per parameter resolution (+2 per collective per replica, alive for the timeout); now
+    the op has none and the process's one watchdog thread holds the deadline."""
+    group = comm.CollectiveGroup.create(strategy.extended.worker_devices, impl)
+    n = strategy.num_replicas_in_sync
+    data = _inputs(n)
+
+    @tf.function
+    def step(scale):
+        def replica_fn():
+            ctx = tf.distribute.get_replica_context()
+            flat = tf.gather(tf.constant(data), ctx.replica_id_in_sync_group) * scale
+            shard = comm.reduce_scatter_sum_flat(flat, group)
+            return comm.all_gather_flat(shard, group)  # 2 raw collectives when all_to_all
+
+        return strategy.run(replica_fn)
+
+    step(tf.constant(1.0))  # trace, warm the pools (and start the watchdog thread)
+    started, before = comm.WATCHDOG.deadlines_started, _num_threads()
+    runs = 60
+    for i in range(runs):
+        out = step(tf.constant(float(i)))
+    grown = _num_threads() - before
+    raw = 2 if impl == "all_to_all" else 1  # the all_reduce path reduces with the strategy
+    assert comm.WATCHDOG.deadlines_started - started == runs * n * raw  # none folded away
+    assert comm.WATCHDOG.armed == 0  # each disarmed when its collective completed
+    assert comm.WATCHDOG.fired is None
+    assert grown <= 2, f"{grown} threads more after {runs} steps"  # was 2 * raw * n * runs
+    got = np.concatenate([np.asarray(t) for t in strategy.experimental_local_results(out)])
+    np.testing.assert_allclose(got, np.tile(data.sum(axis=0) * (runs - 1), n), rtol=1e-6)
+
+
+def test_watchdog_aborts_once_when_a_deadline_passes():
+    """The watchdog's own thread: one deadline due calls ``abort`` once with a message
+    naming the collective and the timeout; disarmed and replaced deadlines never fire."""
+    calls: list[tuple[float, str]] = []
+    start = time.monotonic()
+    dog = comm.CollectiveWatchdog(abort=lambda msg: calls.append((time.monotonic(), msg)))
+    assert dog.state is comm.WatchdogState.IDLE
+    dog.arm("a", 0.3, "all_to_all (group 7, instance 1, replica 0)")
+    dog.arm("b", 0.2, "done in time")
+    dog.disarm("b")
+    dog.arm("a", 0.6, "all_to_all (group 7, instance 2, replica 0)")  # the call site again
+    assert dog.state is comm.WatchdogState.WATCHING and dog.armed == 1
+    with dog.deadline(5.0, "eager broadcast"):
+        assert dog.armed == 2
+    deadline = time.monotonic() + 10
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)  # nothing else is due
+    assert len(calls) == 1, calls
+    when, message = calls[0]
+    assert 0.55 <= when - start < 5.0
+    assert message.startswith("zero_runtime: collective all_to_all (group 7, instance 2,")
+    assert "within 0.6 s (collective_timeout_seconds)" in message
+    assert dog.state is comm.WatchdogState.FIRED and dog.fired == message and dog.armed == 0
+    with pytest.raises(ValueError, match="> 0 seconds"):
+        dog.arm("c", 0, "x")
+
+
+def test_watchdog_drops_stale_traced_deadlines_instead_of_aborting():
+    """A traced collective whose step failed never disarms: its deadline is dropped when a
+    later collective on the same ordering token is armed, or when it falls due while no
+    tf.function runs; it aborts only while one runs."""
+    calls: list[str] = []
+    running = [False]
+    dog = comm.CollectiveWatchdog(abort=calls.append, executing=lambda: running[0])
+    dog.arm("k1", 0.2, "first", scope=1, traced=True)
+    dog.arm("k2", 5.0, "later on the same token", scope=1, traced=True)
+    assert dog.armed == 1  # k1 superseded
+    dog.disarm("k2")
+    dog.arm("k3", 0.2, "failed step", scope=2, traced=True)
+    deadline = time.monotonic() + 10
+    while dog.stale_dropped == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert dog.stale_dropped == 1 and dog.armed == 0 and calls == []
+    running[0] = True
+    dog.arm("k4", 0.2, "stalled", scope=2, traced=True)
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(calls) == 1 and "collective stalled did not complete within 0.2 s" in calls[0]
+    assert dog.state is comm.WatchdogState.FIRED
+
+
+def test_a_failed_step_leaves_no_deadline_that_aborts_later(strategy):
+    """A step that fails while replica 0 waits in a guarded all-to-all (replica 1's input
+    fails) leaves that deadline armed; it is dropped as stale, and the next collectives
+    work after the deadline has passed."""
+    group = comm.CollectiveGroup.create(
+        strategy.extended.worker_devices, "all_to_all", timeout_seconds=0.5
+    )
+    n = strategy.num_replicas_in_sync
+    data = _inputs(n)
+
+    def check(fail, replica):
+        if fail and replica == 1:
+            time.sleep(0.2)  # replica 0 is in the collective by now
+            raise ValueError("replica 1 fails")
+        return np.float32(1.0)
+
+    @tf.function
+    def step(fail):
+        def replica_fn():
+            rid = tf.distribute.get_replica_context().replica_id_in_sync_group
+            ok = tf.ensure_shape(tf.numpy_function(check, [fail, rid], tf.float32), [])
+            return comm.reduce_scatter_sum_flat(tf.gather(tf.constant(data), rid) * ok, group)
+
+        return strategy.run(replica_fn)
+
+    step(tf.constant(False))
+    dropped = comm.WATCHDOG.stale_dropped
+    with pytest.raises(tf.errors.InvalidArgumentError, match="replica 1 fails"):
+        step(tf.constant(True))
+    assert comm.WATCHDOG.armed == 1  # replica 0's all-to-all never disarmed
+    time.sleep(1.5)  # its deadline passes with no step running
+    assert comm.WATCHDOG.stale_dropped == dropped + 1 and comm.WATCHDOG.fired is None
+    out = strategy.experimental_local_results(step(tf.constant(False)))
+    np.testing.assert_array_equal(np.asarray(out[0]), data.sum(axis=0)[:SHARD])

@@ -11,9 +11,12 @@ the same ZeRO machinery, over ``tf.distribute.MultiWorkerMirroredStrategy`` (TF'
   ZeRO method from ``ZeroInfinityStrategy`` and only replaces how the ``tf.distribute``
   base is initialised (``_init_distribute_base``) plus the two methods Keras 3.15 calls
   wrongly on a multi-worker strategy (:meth:`MultiWorkerZeroInfinityStrategy.reduce`);
-- every collective, the strategy's own (``CommunicationOptions.timeout_seconds``) and the
+- every collective, the strategy's own (``comm.guard_strategy_collectives``) and the
   runtime's raw ones (``CollectiveGroup.timeout_seconds``), fails after
-  ``config.collective_timeout_seconds`` instead of hanging on a stalled peer;
+  ``config.collective_timeout_seconds`` instead of hanging on a stalled peer: the
+  process's one :data:`zero_runtime.comm.WATCHDOG` thread enforces the deadlines (no
+  ``CommunicationOptions.timeout_seconds``: TensorFlow's timeout keeps an OS thread per
+  collective alive for the whole timeout, docs/multiworker.md);
 - a worker that dies or stalls ends the survivors with TensorFlow's error, and
   :func:`describe_failure` (printed by an ``excepthook`` for uncaught errors) names the
   rank that failed;
@@ -258,7 +261,8 @@ class MultiWorkerZeroInfinityStrategy(
       one CPU device per worker), so ``num_cpu_replicas`` must be 1 (a different value is
       logged and ignored); with GPUs, each worker's GPUs. ``num_replicas_in_sync`` counts
       the replicas of all workers; ``device_info`` only this worker's.
-    - collectives time out after ``config.collective_timeout_seconds``.
+    - the runtime's collectives time out after ``config.collective_timeout_seconds``
+      (one watchdog thread per process, :mod:`zero_runtime.comm.watchdog`).
     - implemented: everything the single-process strategy implements (stages 0-3, every
       ``offload_optimizer`` / ``offload_param`` tier, gradient accumulation at stages
       1-2), parity-tested against one process with the same global replica count
@@ -323,11 +327,13 @@ class MultiWorkerZeroInfinityStrategy(
         # No local_devices() here: listing logical devices initialises TensorFlow, and
         # MultiWorkerMirroredStrategy must configure the collective ops before that.
         on_gpu = bool(tf.config.list_physical_devices("GPU"))
+        # No timeout_seconds: TensorFlow would start a sleeping OS thread per collective
+        # for the whole timeout; the process's one watchdog thread keeps the deadlines.
         options = tf.distribute.experimental.CommunicationOptions(
             implementation=tf.distribute.experimental.CommunicationImplementation.RING,
-            timeout_seconds=config.collective_timeout_seconds,
         )
         tf.distribute.MultiWorkerMirroredStrategy.__init__(self, communication_options=options)
+        comm.guard_strategy_collectives(self, lambda: self.config.collective_timeout_seconds)
         install_failure_hook(cluster, config.collective_timeout_seconds)
         description = "device (GPU)" if on_gpu else "device (CPU stand-in)"
         return DeviceInfo(tuple(self.extended.worker_devices), not on_gpu, description)

@@ -10,15 +10,25 @@ from zero_runtime.comm.collectives import (
     shard_of,
 )
 from zero_runtime.comm.groups import REDUCE_SCATTER_IMPLS, CollectiveGroup, WorkerGroup
+from zero_runtime.comm.watchdog import (
+    WATCHDOG,
+    CollectiveWatchdog,
+    WatchdogState,
+    guard_strategy_collectives,
+)
 
 __all__ = [
     "REDUCE_SCATTER_IMPLS",
+    "WATCHDOG",
     "CollectiveGroup",
+    "CollectiveWatchdog",
+    "WatchdogState",
     "WorkerGroup",
     "all_gather_flat",
     "all_reduce_sum_flat",
     "broadcast_bytes",
     "gather_local_shards",
+    "guard_strategy_collectives",
     "reduce_buckets",
     "reduce_scatter_sum_flat",
     "shard_of",

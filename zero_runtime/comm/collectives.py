@@ -2,7 +2,10 @@
 
 Stateless functions only; the keys and ordering tokens of the raw collectives live in
 :class:`~zero_runtime.comm.groups.CollectiveGroup`, bucket bookkeeping in
-:mod:`zero_runtime.comm.buckets`. Vocabulary:
+:mod:`zero_runtime.comm.buckets`, deadlines in :mod:`zero_runtime.comm.watchdog`: every
+op is issued with ``timeout_seconds=0`` (TensorFlow's timeout costs an OS thread per op
+for the whole timeout) and its group's ``timeout_seconds`` is enforced by the process's
+one watchdog thread instead. Vocabulary:
 
 - *flat buffer*: all of a partition group's tensors reshaped to 1-D and concatenated in a
   fixed order, then zero-padded to ``num_replicas * shard_size`` elements.
@@ -20,6 +23,7 @@ import tensorflow as tf
 from tensorflow.python.ops import gen_collective_ops
 
 from zero_runtime.comm.groups import CollectiveGroup, WorkerGroup
+from zero_runtime.comm.watchdog import WATCHDOG, guard
 
 
 def all_reduce_sum_flat(flat: tf.Tensor, group: CollectiveGroup | None = None) -> tf.Tensor:
@@ -40,9 +44,7 @@ def all_reduce_sum_flat(flat: tf.Tensor, group: CollectiveGroup | None = None) -
     """
     ctx = _replica_context()
     if group is not None and ctx.num_replicas_in_sync > 1:
-        return gen_collective_ops.collective_reduce_v2(
-            flat, merge_op="Add", final_op="Id", **_raw_args(ctx, group)
-        )
+        return _raw(ctx, group, "all_reduce", flat, _reduce_v2)
     # tf.identity: a tf.function argument passed straight to all_reduce fails under
     # MultiWorkerMirroredStrategy ("destinations can not be empty", TF_NOTES section 1a).
     return ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.identity(flat))
@@ -99,14 +101,10 @@ def reduce_scatter_sum_flat(flat: tf.Tensor, group: CollectiveGroup | None) -> t
     shard_size = length // n
     if group is None or group.reduce_scatter_impl == "all_reduce" or n == 1:
         return shard_of(all_reduce_sum_flat(flat), shard_size)
-    common = _raw_args(ctx, group)
     if group.reduce_scatter_impl == "nccl":
-        return gen_collective_ops.collective_reduce_scatter_v2(
-            flat, merge_op="Add", final_op="Id", communication_hint="nccl", **common
-        )
-    rows = gen_collective_ops.collective_all_to_all_v2(
-        tf.reshape(flat, [n, shard_size]),
-        **common,  # (n, shard_size): row j -> replica j
+        return _raw(ctx, group, "reduce_scatter", flat, _reduce_scatter_v2)
+    rows = _raw(  # (n, shard_size): row j -> replica j
+        ctx, group, "all_to_all", tf.reshape(flat, [n, shard_size]), _all_to_all_v2
     )
     return tf.reduce_sum(rows, axis=0)  # (shard_size,)
 
@@ -124,7 +122,7 @@ def all_gather_flat(shard: tf.Tensor, group: CollectiveGroup | None = None) -> t
     """
     ctx = _replica_context()
     if group is not None and ctx.num_replicas_in_sync > 1:
-        return gen_collective_ops.collective_gather_v2(shard, **_raw_args(ctx, group))
+        return _raw(ctx, group, "all_gather", shard, gen_collective_ops.collective_gather_v2)
     return ctx.all_gather(tf.identity(shard), axis=0)
 
 
@@ -156,16 +154,18 @@ def gather_local_shards(local: Mapping[int, np.ndarray], group: WorkerGroup) -> 
     rows = np.stack([np.asarray(local[r], np.float32) for r in sorted(local)])  # (local, E)
     if group.group_size == 1:
         return rows
-    with tf.device(group.device):
+    instance = group.next_instance_key()
+    what = f"all_gather (worker group {group.group_key}, instance {instance})"
+    with tf.device(group.device), WATCHDOG.deadline(group.timeout_seconds, what):
         out = gen_collective_ops.collective_gather_v2(
             tf.constant(rows),
             group_size=group.group_size,
             group_key=group.group_key,
-            instance_key=group.next_instance_key(),
+            instance_key=instance,
             ordering_token=[],
-            timeout_seconds=group.timeout_seconds,
+            timeout_seconds=0,  # the watchdog's deadline, not a TensorFlow timer thread
         )
-    return out.numpy()  # (N, E): the workers' rows in rank order
+        return out.numpy()  # (N, E): the workers' rows in rank order
 
 
 def broadcast_bytes(payload: bytes | None, group: WorkerGroup, max_bytes: int) -> bytes:
@@ -202,30 +202,58 @@ def broadcast_bytes(payload: bytes | None, group: WorkerGroup, max_bytes: int) -
     if group.group_size == 1:
         out = buf
     else:
-        with tf.device(group.device):
+        instance = group.next_instance_key()
+        what = f"broadcast (worker group {group.group_key}, instance {instance})"
+        with tf.device(group.device), WATCHDOG.deadline(group.timeout_seconds, what):
             out = gen_collective_ops.collective_reduce_v2(
                 tf.constant(buf),
                 group_size=group.group_size,
                 group_key=group.group_key,
-                instance_key=group.next_instance_key(),
+                instance_key=instance,
                 ordering_token=[],
                 merge_op="Add",
                 final_op="Id",
-                timeout_seconds=group.timeout_seconds,
+                timeout_seconds=0,  # the watchdog's deadline, not a TensorFlow timer thread
             ).numpy()
     length = int(out[0])
     return bytes(out[1 : 1 + length].astype(np.uint8))
 
 
-def _raw_args(ctx: tf.distribute.ReplicaContext, group: CollectiveGroup) -> dict:
+def _raw(
+    ctx: tf.distribute.ReplicaContext, group: CollectiveGroup, kind: str, flat: tf.Tensor, op
+) -> tf.Tensor:
+    """``op(flat, **keys)``, a raw V2 collective of ``group``, under the group's deadline."""
     replica = _static_replica_id(ctx)
-    return dict(
+    instance = group.next_instance_key(replica)
+    args = dict(
         group_size=ctx.num_replicas_in_sync,
         group_key=group.group_key,
-        instance_key=group.next_instance_key(replica),
+        instance_key=instance,
         ordering_token=[group.token(replica)],
-        timeout_seconds=group.timeout_seconds,
+        timeout_seconds=0,  # the watchdog's deadline, not a TensorFlow timer thread
     )
+    what = f"{kind} (group {group.group_key}, instance {instance}, replica {replica})"
+    return guard(
+        lambda x: op(x, **args),
+        flat,
+        group.timeout_seconds,
+        what,
+        token=group.token_variable(replica),
+    )
+
+
+def _reduce_v2(flat: tf.Tensor, **args) -> tf.Tensor:
+    return gen_collective_ops.collective_reduce_v2(flat, merge_op="Add", final_op="Id", **args)
+
+
+def _reduce_scatter_v2(flat: tf.Tensor, **args) -> tf.Tensor:
+    return gen_collective_ops.collective_reduce_scatter_v2(
+        flat, merge_op="Add", final_op="Id", communication_hint="nccl", **args
+    )
+
+
+def _all_to_all_v2(flat: tf.Tensor, **args) -> tf.Tensor:
+    return gen_collective_ops.collective_all_to_all_v2(flat, **args)
 
 
 def _static_replica_id(ctx: tf.distribute.ReplicaContext) -> int:

@@ -45,7 +45,9 @@ class CollectiveGroup:
         devices: one device name per local replica, index = replica id.
         reduce_scatter_impl: one of :data:`REDUCE_SCATTER_IMPLS`.
         timeout_seconds: a collective that does not complete in this many seconds fails
-            (``DeadlineExceededError``), float > 0.
+            (``DeadlineExceededError``), float > 0; enforced by the process's
+            :data:`~zero_runtime.comm.watchdog.WATCHDOG`, not by TensorFlow (whose
+            per-op timeout keeps an OS thread alive per op for the whole timeout).
         tokens: one scalar float32 resource variable per device (the ordering token).
     """
 
@@ -127,7 +129,11 @@ class CollectiveGroup:
                 group holds only this worker's devices, so the token is
                 ``tokens[replica % len(devices)]`` (the identity in one process).
         """
-        return self.tokens[replica % len(self.tokens)].handle
+        return self.token_variable(replica).handle
+
+    def token_variable(self, replica: int):
+        """The ordering-token variable of ``replica`` (see :meth:`token`)."""
+        return self.tokens[replica % len(self.tokens)]
 
 
 @dataclasses.dataclass
@@ -145,7 +151,8 @@ class WorkerGroup:
         device: this worker's device taking part (e.g. its first replica's).
         group_size: number of workers (one device each).
         timeout_seconds: a call that does not complete in this many seconds fails with
-            ``DeadlineExceededError`` (float > 0).
+            ``DeadlineExceededError`` (float > 0; enforced by the process's
+            :data:`~zero_runtime.comm.watchdog.WATCHDOG`).
     """
 
     group_key: int

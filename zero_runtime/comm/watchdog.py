@@ -1,0 +1,354 @@
+"""One deadline thread per process for every collective the runtime issues.
+
+TensorFlow's own collective timeout (``timeout_seconds`` of the V2 collective ops and of
+``CommunicationOptions``) starts a sleeping OS thread per op and per parameter
+resolution (``Env::SchedClosureAfter``, a detached ``std::thread`` on POSIX) that lives
+for the whole timeout even when the op completes at once: at stage 2 on two CPU replicas
+that was 4 threads per step, at stage 3 12, so a 60 s timeout kept ~1,000 threads alive
+at ~5 steps/s and a fit under a 400-process limit aborted
+(``std::system_error: Resource temporarily unavailable``). So the runtime's collectives
+are issued with ``timeout_seconds=0`` and this module keeps the guarantee instead:
+
+- :class:`CollectiveWatchdog`: one daemon thread (started on first use, then reused)
+  holding the deadlines of the collectives in flight. A deadline that passes aborts the
+  process's collectives (``context.abort_collective_ops``, what TensorFlow's own timeout
+  and ``MultiWorkerMirroredStrategy``'s health check do): every pending and later
+  collective fails with ``DeadlineExceededError`` carrying the watchdog's message.
+- :func:`guard`: wraps one collective inside a traced step: a host callback arms the
+  collective's deadline when it can start (after its input exists and, with an ordering
+  token, after the device's previous collective) and another disarms it when its result
+  exists.
+- :meth:`CollectiveWatchdog.deadline`: the same around an eager collective.
+- :func:`guard_strategy_collectives`: the same for a ``MultiWorkerMirroredStrategy``'s
+  own collectives (its launchers are wrapped).
+
+A traced collective whose step fails before its disarm leaves its deadline armed; such a
+deadline is dropped as stale, never enforced (see :class:`CollectiveWatchdog`), so a
+failed step does not abort the collectives of the steps after it.
+
+Cost per guarded collective: two host callbacks on TensorFlow's inter-op pool (no thread
+is created); the watchdog thread sleeps until the earliest deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import itertools
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import tensorflow as tf
+from tensorflow.python.eager import context, execute
+from tensorflow.python.framework import errors
+from tensorflow.python.ops import resource_variable_ops
+
+
+class WatchdogState(enum.Enum):
+    """Lifecycle: IDLE (no thread yet) -> WATCHING (thread running) -> FIRED (a deadline
+    passed and the process's collectives were aborted; still watching)."""
+
+    IDLE = "idle"
+    WATCHING = "watching"
+    FIRED = "fired"
+
+
+def _abort_collectives(message: str) -> None:
+    context.context().abort_collective_ops(errors.DEADLINE_EXCEEDED, message)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Deadline:
+    due: float  # time.monotonic() seconds
+    seconds: float
+    what: str
+    scope: object  # the ordering token's id: its collectives run one at a time, or None
+    traced: bool  # armed from a traced step (its disarm never runs if the step fails)
+
+
+class CollectiveWatchdog:
+    """Deadlines of the collectives in flight, enforced by one reusable thread.
+
+    A traced collective's disarm never runs when its step fails first (TensorFlow cancels
+    the step's pending ops), so a traced deadline is dropped, not enforced, when it is
+    stale: when a later collective on the same ordering token is armed (the token runs
+    one at a time, so the earlier one has ended), or when it falls due while no thread
+    of the process is running a ``tf.function`` (no step, so no collective of a step, is
+    pending).
+
+    Args:
+        abort: called with the message when a deadline passes (default: abort this
+            process's collectives with ``DEADLINE_EXCEEDED``).
+        executing: returns True while a ``tf.function`` call runs in the process (default:
+            a thread is inside TensorFlow's ``execute.quick_execute``).
+
+    Attributes:
+        state: the :class:`WatchdogState`.
+        fired: the message of the last abort, or None.
+        deadlines_started: deadlines armed since creation (int; one per guarded
+            collective run).
+        stale_dropped: traced deadlines dropped as stale (int).
+    """
+
+    def __init__(
+        self,
+        abort: Callable[[str], None] = _abort_collectives,
+        executing: Callable[[], bool] | None = None,
+    ) -> None:
+        self._abort = abort
+        self._executing = executing or _executing_functions
+        self._cond = threading.Condition()
+        self._deadlines: dict[object, _Deadline] = {}
+        self._thread: threading.Thread | None = None
+        self.state = WatchdogState.IDLE
+        self.fired: str | None = None
+        self.deadlines_started = 0
+        self.stale_dropped = 0
+
+    def arm(
+        self, key: object, seconds: float, what: str, scope: object = None, traced: bool = False
+    ) -> None:
+        """Start (or restart) the deadline of collective ``key``.
+
+        Args:
+            key: any hashable naming one collective call site (armed again: replaced).
+            seconds: the time it may take, seconds (> 0).
+            what: the collective, for the message (e.g. ``"all_to_all (group 7, ...)"``).
+            scope: the id of the collective's ordering token, or None: arming ends every
+                other deadline of the same scope (see the class docstring).
+            traced: True when armed from a traced step (a host callback).
+
+        Raises:
+            ValueError: ``seconds`` is not > 0.
+        """
+        if not seconds > 0:
+            raise ValueError(f"a collective deadline must be > 0 seconds, got {seconds}")
+        with self._cond:
+            if scope is not None:
+                for other in [k for k, d in self._deadlines.items() if d.scope == scope]:
+                    del self._deadlines[other]
+            self._deadlines[key] = _Deadline(
+                time.monotonic() + seconds, seconds, what, scope, traced
+            )
+            self.deadlines_started += 1
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="zero_runtime-collective-watchdog", daemon=True
+                )
+                self._thread.start()
+                self.state = WatchdogState.WATCHING
+            self._cond.notify()
+
+    def disarm(self, key: object) -> None:
+        """End the deadline of collective ``key`` (it completed); unknown keys are ignored."""
+        with self._cond:
+            self._deadlines.pop(key, None)
+
+    def clear(self) -> None:
+        """Drop every deadline."""
+        with self._cond:
+            self._deadlines.clear()
+
+    @property
+    def armed(self) -> int:
+        """Number of collectives with a running deadline."""
+        with self._cond:
+            return len(self._deadlines)
+
+    @contextlib.contextmanager
+    def deadline(self, seconds: float, what: str) -> Iterator[None]:
+        """Arm a deadline for the eager collective(s) run inside the block.
+
+        Args:
+            seconds: the time the block may take, seconds (> 0).
+            what: the collective, for the message.
+        """
+        key = ("eager", next(_KEYS))
+        self.arm(key, seconds, what)
+        try:
+            yield
+        finally:
+            self.disarm(key)
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                if not self._deadlines:
+                    self._cond.wait()
+                    continue
+                key, first = min(self._deadlines.items(), key=lambda kv: kv[1].due)
+                wait = first.due - time.monotonic()
+                if wait > 0:
+                    self._cond.wait(wait)
+                    continue
+                if first.traced and not self._executing():
+                    del self._deadlines[key]  # its step failed before the disarm
+                    self.stale_dropped += 1
+                    continue
+                self._deadlines.clear()
+                message = (
+                    f"zero_runtime: collective {first.what} did not complete within "
+                    f"{first.seconds:g} s (collective_timeout_seconds): a peer stalled or "
+                    "never joined; the process's collectives are aborted"
+                )
+                self.fired = message
+                self.state = WatchdogState.FIRED
+                self._cond.release()
+                try:
+                    self._abort(message)
+                finally:
+                    self._cond.acquire()
+
+
+def _executing_functions() -> bool:
+    """True while some thread of the process is inside a ``tf.function`` call (TensorFlow's
+    ``execute.quick_execute``, through which every function call runs)."""
+    code = execute.quick_execute.__code__
+    for frame in sys._current_frames().values():
+        while frame is not None:
+            if frame.f_code is code:
+                return True
+            frame = frame.f_back
+    return False
+
+
+_KEYS = itertools.count(1)
+
+#: The process's watchdog (one thread for every strategy and group in the process).
+WATCHDOG = CollectiveWatchdog()
+
+
+def guard(
+    collective: Callable[[tf.Tensor], tf.Tensor],
+    flat: tf.Tensor,
+    seconds: float,
+    what: str,
+    token,
+) -> tf.Tensor:
+    """Build ``collective(flat)`` in a traced step under a :data:`WATCHDOG` deadline.
+
+    Two host callbacks (``tf.py_function``) take ``token``'s handle as an input: stateful
+    ops on a resource, so ``tf.function`` always runs them and orders them with the other
+    ops on that resource only (never with the step's other host callbacks, which could
+    chain one replica's callback behind another replica's collective). The arm runs after
+    ``flat`` exists and before the collective; the disarm after its result exists.
+
+    Args:
+        collective: builds the collective op on its input (issued with no TensorFlow
+            timeout).
+        flat: the collective's input tensor.
+        seconds: the deadline, seconds; 0 or less: no deadline, ``collective(flat)`` as is.
+        what: the collective, for the abort message.
+        token: a resource variable on the replica's device: the collective's ordering token
+            (the deadline then also starts after the device's previous collective), or
+            :func:`device_token`.
+
+    Returns:
+        ``collective(flat)``'s result.
+    """
+    if not seconds > 0:
+        return collective(flat)
+    key, scope = ("traced", next(_KEYS)), id(token)
+
+    def arm(_handle) -> list:
+        WATCHDOG.arm(key, seconds, what, scope=scope, traced=True)
+        return []
+
+    def disarm(_handle) -> list:
+        WATCHDOG.disarm(key)
+        return []
+
+    with tf.control_dependencies([flat]):
+        armed = tf.py_function(arm, [token.handle], [], name="arm_deadline")
+    with tf.control_dependencies([armed]):  # an Operation (no outputs)
+        out = collective(tf.identity(flat))
+    with tf.control_dependencies([out]):
+        tf.py_function(disarm, [token.handle], [], name="disarm_deadline")
+    return out
+
+
+def guard_strategy_collectives(strategy: tf.distribute.Strategy, seconds: Callable[[], float]):
+    """Put the collectives ``strategy`` issues itself under :data:`WATCHDOG` deadlines.
+
+    For a ``MultiWorkerMirroredStrategy`` built without ``CommunicationOptions.timeout_seconds``:
+    every dense all-reduce and all-gather of its cross-device ops (its replicas' and its
+    per-host ones; also Keras's loss/metric reductions and the distributed iterator's
+    "every worker has data" check at the start of each step) goes through one
+    ``CollectiveReplicaLauncher`` per device, whose ``all_reduce`` and ``_all_gather``
+    are wrapped here: traced, under :func:`guard` (the launcher's ordering token orders the
+    callbacks); eager, under :meth:`CollectiveWatchdog.deadline`.
+
+    Args:
+        strategy: a ``tf.distribute`` strategy with collective cross-device ops.
+        seconds: returns the deadline, seconds, when a collective is built (e.g. the
+            active config's ``collective_timeout_seconds``).
+
+    Raises:
+        RuntimeError: the strategy has no collective launchers (a TensorFlow version whose
+            ``tf.distribute`` internals differ from 2.21's).
+    """
+    launchers = [
+        launcher
+        for ops in (strategy.extended._cross_device_ops, strategy.extended._host_cross_device_ops)
+        for launcher in getattr(ops, "_launchers", ())
+    ]
+    if not launchers:
+        raise RuntimeError(
+            f"cannot put the collectives of {type(strategy).__name__} under a deadline: no "
+            "CollectiveReplicaLauncher found (tf.distribute internals differ from TF 2.21)"
+        )
+    for launcher in launchers:
+        _wrap_launcher(launcher, seconds)
+
+
+def _wrap_launcher(launcher: Any, seconds: Callable[[], float]) -> None:
+    token = getattr(launcher, "_ordering_token", None)
+    if token is None:  # (``or`` would ask the variable's truth value)
+        token = device_token(launcher._device)
+    all_reduce, all_gather = launcher.all_reduce, launcher._all_gather
+
+    def what(kind: str) -> str:
+        return f"strategy {kind} (group {launcher._group_key}, device {launcher._device})"
+
+    def guarded_all_reduce(input_tensor, control_input=None, options=None):
+        def op(x):
+            return all_reduce(x, control_input, options)
+
+        return _guarded(op, input_tensor, seconds(), what("all_reduce"), token)
+
+    def guarded_all_gather(input_tensor, options=None):
+        return _guarded(
+            lambda x: all_gather(x, options), input_tensor, seconds(), what("all_gather"), token
+        )
+
+    launcher.all_reduce = guarded_all_reduce
+    launcher._all_gather = guarded_all_gather
+
+
+def _guarded(op: Callable, flat, seconds: float, what: str, token) -> tf.Tensor:
+    if tf.executing_eagerly() and seconds > 0:
+        with WATCHDOG.deadline(seconds, what):
+            return op(flat)
+    return guard(op, tf.convert_to_tensor(flat), seconds, what, token)
+
+
+_DEVICE_TOKENS: dict[str, Any] = {}
+_DEVICE_TOKENS_LOCK = threading.Lock()
+
+
+def device_token(device: str):
+    """A scalar resource variable on ``device`` that orders a collective's deadline
+    callbacks (for collectives without an ordering token: the strategy's own). One per
+    device per process, created on first use."""
+    with _DEVICE_TOKENS_LOCK:
+        var = _DEVICE_TOKENS.get(device)
+        if var is None:
+            with tf.init_scope(), tf.device(device):
+                # ResourceVariable, not tf.Variable: a plain variable, not a strategy's.
+                var = resource_variable_ops.ResourceVariable(0.0, trainable=False)
+            _DEVICE_TOKENS[device] = var
+        return var
