@@ -77,9 +77,9 @@ def test_create_train_close_many_times_leaks_nothing(tmp_path, cpu_devices):
 
 
 # -- create / fit / close with NVMe tiers (issue #22, item 2) -----------------------------
-# TensorFlow's collective-timeout threads ("collective_ops") live for
-# collective_timeout_seconds after each collective whatever the strategy does (issue #22,
-# item 1, counted by its own test); every other OS thread of the process is counted.
+# TensorFlow's collective executor threads ("collective_ops") come and go on TensorFlow's
+# schedule (their growth per collective is issue #22 item 1, with its own test in
+# tests/test_fault_threads.py); every other OS thread of the process is counted.
 _TF_TIMEOUT_THREADS = "collective_ops"
 
 
