@@ -180,8 +180,63 @@ def test_cluster_from_env_reads_tf_config():
     with pytest.raises(ValueError, match="not valid JSON"):
         multiworker.cluster_from_env({"TF_CONFIG": "{"})
     bad = {"cluster": {"worker": ["h:1", "h:2"]}, "task": {"type": "worker", "index": 5}}
-    with pytest.raises(ValueError, match="not a chief/worker"):
+    with pytest.raises(ValueError, match=r"TF_CONFIG task.index=5 \(int\) is invalid"):
         multiworker.cluster_from_env({"TF_CONFIG": json.dumps(bad)})
+
+
+_TWO = {"worker": ["h:1", "h:2"]}
+# (TF_CONFIG, the fragment its error must hold): issue #22 item 5, '[1,2]' and 'null' were an
+# AttributeError, "index": "x" an error not naming TF_CONFIG, "index": 1.7 taken as rank 1.
+BAD_TF_CONFIGS = [
+    ("[1,2]", "TF_CONFIG=[1, 2] (list) is invalid: expected an object"),
+    ("null", "TF_CONFIG=null (NoneType) is invalid: expected an object"),
+    ('"worker"', 'TF_CONFIG="worker" (str) is invalid: expected an object'),
+    ("{", "TF_CONFIG is not valid JSON"),
+    ({"cluster": [1, 2]}, "TF_CONFIG cluster=[1, 2] (list) is invalid: expected an object"),
+    ({"cluster": {"worker": "h:1,h:2"}}, 'cluster.worker="h:1,h:2" (str) is invalid'),
+    ({"cluster": {"worker": ["h:1", 2]}}, "cluster.worker[1]=2 (int) is invalid"),
+    ({"cluster": {"worker": ["h:1", "h2"]}}, 'cluster.worker[1]="h2" (str) is invalid'),
+    ({"cluster": {"worker": ["h:1", "h:0"]}}, 'cluster.worker[1]="h:0" (str) is invalid'),
+    ({"cluster": {"worker": ["h:1", ":2"]}}, 'cluster.worker[1]=":2" (str) is invalid'),
+    ({"cluster": {"chief": ["h:1", "h:2"]}}, 'cluster.chief=["h:1", "h:2"] (list)'),
+    ({"cluster": _TWO}, "TF_CONFIG task=null (NoneType) is invalid: expected an object"),
+    ({"cluster": _TWO, "task": [0]}, "TF_CONFIG task=[0] (list) is invalid"),
+    (
+        {"cluster": _TWO, "task": {"index": 0}},
+        "task.type=null (NoneType) is invalid: expected 'worker'",
+    ),
+    ({"cluster": _TWO, "task": {"type": "ps", "index": 0}}, 'task.type="ps" (str) is invalid'),
+    ({"cluster": _TWO, "task": {"type": "chief", "index": 0}}, 'task.type="chief" (str)'),
+    ({"cluster": _TWO, "task": {"type": "worker"}}, "task.index=null (NoneType) is invalid"),
+    ({"cluster": _TWO, "task": {"type": "worker", "index": "x"}}, 'task.index="x" (str)'),
+    ({"cluster": _TWO, "task": {"type": "worker", "index": "1"}}, 'task.index="1" (str)'),
+    ({"cluster": _TWO, "task": {"type": "worker", "index": 1.7}}, "task.index=1.7 (float)"),
+    ({"cluster": _TWO, "task": {"type": "worker", "index": 1.0}}, "task.index=1.0 (float)"),
+    ({"cluster": _TWO, "task": {"type": "worker", "index": True}}, "task.index=true (bool)"),
+    ({"cluster": _TWO, "task": {"type": "worker", "index": -1}}, "task.index=-1 (int)"),
+    ({"cluster": _TWO, "task": {"type": "worker", "index": 2}}, "task.index=2 (int)"),
+]
+
+
+@pytest.mark.parametrize(("tf_config", "fragment"), BAD_TF_CONFIGS)
+def test_a_malformed_tf_config_is_named_with_what_is_accepted(tf_config, fragment):
+    raw = tf_config if isinstance(tf_config, str) else json.dumps(tf_config)
+    with pytest.raises(multiworker.TFConfigError) as info:
+        multiworker.cluster_from_env({"TF_CONFIG": raw})
+    message = str(info.value)
+    assert fragment in message, message
+    assert message.startswith("TF_CONFIG")
+    assert 'must be a JSON object {"cluster": {"chief": ["host:port"], "worker"' in message
+    if "task.index" in fragment:
+        assert "expected an int in [0, 1] (cluster.worker has 2)" in message
+    assert isinstance(info.value, ValueError)
+
+
+def test_the_strategy_refuses_a_malformed_tf_config(monkeypatch):
+    """The error reaches the user from ``ZeroInfinityStrategy(...)``, before TF starts."""
+    monkeypatch.setenv("TF_CONFIG", "null")
+    with pytest.raises(multiworker.TFConfigError, match="TF_CONFIG=null"):
+        zero_runtime.ZeroInfinityStrategy({"stage": 1})
 
 
 def test_without_tf_config_the_strategy_is_single_process(monkeypatch):
