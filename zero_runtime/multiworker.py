@@ -283,6 +283,9 @@ def install_failure_hook(cluster: ClusterInfo, timeout_seconds: float | None = N
         previous = sys.excepthook
 
         def hook(exc_type, exc, tb) -> None:
+            from zero_runtime import cluster_guard
+
+            cluster_guard.skip_exit_barrier()  # failing: the peers will not all come
             text = describe_failure(exc, cluster, timeout_seconds)
             if text:
                 print(f"zero_runtime: {text}", file=sys.stderr, flush=True)
@@ -385,7 +388,21 @@ class MultiWorkerZeroInfinityStrategy(
             implementation=tf.distribute.experimental.CommunicationImplementation.RING,
             timeout_seconds=config.collective_timeout_seconds,
         )
-        tf.distribute.MultiWorkerMirroredStrategy.__init__(self, communication_options=options)
+        from zero_runtime import cluster_guard  # start-up and exit waits, bounded
+
+        wait = cluster_guard.startup_timeout_seconds(config.collective_timeout_seconds)
+        cluster_guard.configure_coordination(wait)
+        try:
+            with cluster_guard.interruptible():
+                tf.distribute.MultiWorkerMirroredStrategy.__init__(
+                    self, communication_options=options
+                )
+        except tf.errors.OpError as exc:
+            why = cluster_guard.startup_failure(exc, wait, cluster.addresses, cluster.rank)
+            if why is None:
+                raise
+            raise TimeoutError(why) from None
+        cluster_guard.register_exit_barrier(wait, cluster.addresses, cluster.rank)
         install_failure_hook(cluster, config.collective_timeout_seconds)
         description = "device (GPU)" if on_gpu else "device (CPU stand-in)"
         return DeviceInfo(tuple(self.extended.worker_devices), not on_gpu, description)
