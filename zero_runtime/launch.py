@@ -146,6 +146,10 @@ def launch(
         0 when every worker exited 0; otherwise the status of the first worker that
         failed (the others are stopped: SIGTERM and SIGINT, then SIGKILL after
         ``TERMINATE_GRACE_SECONDS``). A worker killed by signal S gives ``128 + S``.
+        When the launcher itself receives one of :data:`FORWARDED_SIGNALS` (S; only
+        handled when ``launch`` runs in the main thread), every running worker is stopped
+        the same way and the status is ``128 + S``. Workers die with the thread that
+        started them (``PR_SET_PDEATHSIG`` = SIGKILL), e.g. when the launcher is SIGKILLed.
 
     Raises:
         ValueError: ``nproc`` < 1, an empty command, or a port range outside 1..65535.
