@@ -350,7 +350,7 @@ def test_a_peer_that_never_starts_ends_rank_0_within_the_startup_timeout(tmp_pat
     from zero_runtime import cluster_guard
 
     wait = cluster_guard.startup_timeout_seconds(TIMEOUT_S)
-    assert wait == 30.0
+    assert wait == 30.0 and cluster_guard.startup_timeout_seconds(60.0) == 180.0
     ports = launch.free_ports(4)  # (rank 0, never-started rank 1) x 2 clusters
     procs = [
         subprocess.Popen(

@@ -164,9 +164,7 @@ def skip_exit_barrier() -> None:
     _EXIT["skip"] = True
 
 
-def register_exit_barrier(
-    timeout_seconds: float, addresses: tuple[str, ...], rank: int, context: Any = None
-) -> None:
+def register_exit_barrier(timeout_seconds: float, rank: int, context: Any = None) -> None:
     """At normal interpreter exit, wait at :data:`EXIT_BARRIER_ID` for every worker.
 
     Registered once per process (``atexit``); skipped after :func:`skip_exit_barrier`
@@ -175,8 +173,7 @@ def register_exit_barrier(
 
     Args:
         timeout_seconds: the barrier's timeout, seconds.
-        addresses: every rank's ``host:port``.
-        rank: this worker's rank.
+        rank: this worker's rank (for the message).
         context: TensorFlow's eager context (default ``context.context()``).
     """
     with _EXIT_LOCK:

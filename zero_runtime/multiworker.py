@@ -14,6 +14,9 @@ the same ZeRO machinery, over ``tf.distribute.MultiWorkerMirroredStrategy`` (TF'
 - every collective, the strategy's own (``CommunicationOptions.timeout_seconds``) and the
   runtime's raw ones (``CollectiveGroup.timeout_seconds``), fails after
   ``config.collective_timeout_seconds`` instead of hanging on a stalled peer;
+- the cluster start-up (every task registering with TensorFlow's coordination service)
+  fails after ``max(30, 3 x collective_timeout_seconds)`` s naming the ranks not listening,
+  and workers that exit normally meet at an exit barrier (:mod:`zero_runtime.cluster_guard`);
 - a worker that dies or stalls ends the survivors with TensorFlow's error, and
   :func:`describe_failure` (printed by an ``excepthook`` for uncaught errors) names the
   rank that failed;
@@ -334,6 +337,10 @@ class MultiWorkerZeroInfinityStrategy(
     Raises:
         NotImplementedError: a configuration not implemented at all (see
             ``ZeroInfinityStrategy``).
+        TimeoutError: not every task of ``TF_CONFIG`` registered within
+            ``max(30, 3 x collective_timeout_seconds)`` s; the message names the ranks
+            where nothing listens.
+        TFConfigError: a malformed ``TF_CONFIG`` (from ``ZeroInfinityStrategy.__new__``).
     """
 
     cluster: ClusterInfo
@@ -402,7 +409,7 @@ class MultiWorkerZeroInfinityStrategy(
             if why is None:
                 raise
             raise TimeoutError(why) from None
-        cluster_guard.register_exit_barrier(wait, cluster.addresses, cluster.rank)
+        cluster_guard.register_exit_barrier(wait, cluster.rank)
         install_failure_hook(cluster, config.collective_timeout_seconds)
         description = "device (GPU)" if on_gpu else "device (CPU stand-in)"
         return DeviceInfo(tuple(self.extended.worker_devices), not on_gpu, description)
