@@ -21,7 +21,7 @@ text) and that ``zero_runtime/`` has no import circle::
     stage 3        stage3
     optimizers     optim
     shards         sharded_variable
-    services       memory, comm, telemetry, control, oom, estimator, capabilities
+    services       memory, comm, telemetry, control, oom, estimator, capabilities, cluster_guard
     foundations    config, devices, strategy_variants
 
 Only this package root may import from any layer (lazily, in ``__getattr__``). From
@@ -50,7 +50,16 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundations", ("config", "devices", "strategy_variants")),
     (
         "services",
-        ("memory", "comm", "telemetry", "control", "oom", "estimator", "capabilities"),
+        (
+            "memory",
+            "comm",
+            "telemetry",
+            "control",
+            "oom",
+            "estimator",
+            "capabilities",
+            "cluster_guard",
+        ),
     ),
     ("shards", ("sharded_variable",)),
     ("optimizers", ("optim",)),
