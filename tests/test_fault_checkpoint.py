@@ -22,9 +22,16 @@ from __future__ import annotations
 import errno
 import json
 import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
 
 import numpy as np
 import pytest
+import tensorflow as tf
 from helpers import checkpoint_job as job
 from helpers import faults
 
@@ -159,3 +166,189 @@ def test_a_shifted_segment_offset_is_refused_and_nothing_is_restored(tmp_path):
         manager.restore()
     _assert_bitwise(_snapshot(model), before)
     _close(strategy, model)
+
+
+CORRUPTIONS = {
+    # name: (file, how) -> the error names that file
+    "shard byte flipped": ("replica_00001.bin", lambda d: d[:5] + bytes([d[5] ^ 0xFF]) + d[6:]),
+    "shard truncated": ("replica_00000.bin", lambda d: d[:-4]),
+    "replicated truncated": ("replicated.bin", lambda d: d[:-1]),
+    "index truncated": ("index.json", lambda d: d[: len(d) // 2]),
+    "index value edited": ("index.json", lambda d: d.replace(b'"step": 2', b'"step": 3', 1)),
+    "index not UTF-8": ("index.json", lambda d: d.replace(b'"tag": "', b'"tag": "\xfe', 1)),
+}
+
+
+def test_corrupt_shards_and_indexes_are_named_nothing_is_lost_and_the_next_save_works(tmp_path):
+    """Each corruption of the newest checkpoint: restore raises ``CheckpointCorruptError``
+    naming the file, no variable changes, the older checkpoint still restores and the next
+    save publishes."""
+    strategy = _strategy(2, "nvme", str(tmp_path / "nvme"))
+    (tmp_path / "nvme").mkdir()
+    model = job.build(strategy)
+    job.train(model, 0, 1)
+    found = {}
+    for k, (name, (file, corrupt)) in enumerate(CORRUPTIONS.items()):
+        root = tmp_path / f"ckpt{k}"
+        manager = CheckpointManager(str(root), model, strategy, max_to_keep=5)
+        manager.save(tag="older")
+        older = _snapshot(model)
+        job.train(model, 1, 1)
+        manager.save(tag="newest")  # step 2
+        path = root / "newest" / file
+        path.write_bytes(corrupt(path.read_bytes()))
+        current = _snapshot(model)
+        with pytest.raises(CheckpointCorruptError) as info:
+            manager.restore()
+        found[name] = str(info.value)
+        assert str(path) in str(info.value) or f"'{file}'" in str(info.value), (name, info.value)
+        _assert_bitwise(_snapshot(model), current)  # nothing assigned
+        manager.restore("older")
+        _assert_bitwise(_snapshot(model), older)
+        assert manager.save(tag="next").tag == "next"
+        manager.restore()  # latest = next
+        _assert_bitwise(_snapshot(model), older)
+    print("corruption -> error:", found)
+    _close(strategy, model)
+
+
+# --- item 4: a failed step leaves nothing applied ------------------------------------------
+def _freeze_last_layer(model, strategy, frozen: bool) -> None:
+    """(Un)freeze the last Dense and recompile with the same (built) optimizer."""
+    model.layers[-1].trainable = not frozen
+    with strategy.scope():
+        model.compile(optimizer=model.optimizer, loss="mse")
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_step_failing_with_enospc_leaves_model_and_optimizer_exactly_as_before(
+    stage, small_fs, tmp_path
+):
+    """The NVMe swap directory on a full tmpfs: the step raises (ENOSPC writing the
+    optimizer states), and weights, every optimizer state and ``iterations`` are bitwise
+    as before it; a checkpoint saved then restores exactly that, and once there is room
+    the next step is the one an uninterrupted run takes.
+
+    New NVMe space is needed only by states written for the first time (the pool reuses a
+    page's slot). Stages 1-2: the last layer is frozen for 2 steps, then trained: its
+    states' first write hits the full disk mid-training. Stage 3: the first step, with
+    room for 8 pages, so the last blocks' updates in backward (parameter shards and
+    states) are written before a later block fails.
+    """
+    strategy = _strategy(stage, "nvme", str(small_fs))
+    model = job.build(strategy)
+    opt = model.optimizer
+    with strategy.scope():
+        opt.build(model.trainable_variables)
+    first = 0
+    if stage < 3:
+        _freeze_last_layer(model, strategy, True)
+        job.train(model, 0, 2)
+        _freeze_last_layer(model, strategy, False)
+        first = 2
+    before = _snapshot(model)
+    filler = faults.fill(small_fs)
+    if stage == 3:
+        os.truncate(filler, os.path.getsize(filler) - 8 * 4096)
+    with pytest.raises(tf.errors.ResourceExhaustedError, match="ENOSPC"):
+        job.train(model, first, 1)
+    _assert_bitwise(_snapshot(model), before)
+    # A checkpoint taken now restores, into a fresh model, exactly the state before.
+    root = tmp_path / "ckpt"
+    CheckpointManager(str(root), model, strategy).save()
+    nvme = tmp_path / "nvme2"
+    nvme.mkdir()
+    strategy2 = _strategy(stage, "nvme", str(nvme))
+    restored = job.build(strategy2, seed=99)
+    CheckpointManager(str(root), restored, strategy2).restore()
+    _assert_bitwise(_snapshot(restored), before)
+    # Room again: the failed step left no trace, the retry equals the restored model's.
+    filler.unlink()
+    job.train(model, first, 1)
+    job.train(restored, first, 1)
+    _assert_bitwise(_snapshot(model), _snapshot(restored))
+    assert int(opt.iterations.numpy()) == before["iterations"] + 1
+    _close(strategy2, restored)
+    _close(strategy, model)
+
+
+# --- kill -9 at random points of training and saving --------------------------------------
+KILL_JOB = os.path.join(os.path.dirname(__file__), "helpers", "kill_job.py")
+KILL_TRIALS = 5
+KILL_STEPS = 12  # job.TOTAL_STEPS global batches
+
+
+def _kill_children(trials: list[tuple], timeout: float = 300.0) -> list[str]:
+    """Start one training/saving child per ``(root, nvme, delay)`` at once (their start-up
+    overlaps); SIGKILL each ``delay`` s after its first checkpoint is published. Returns
+    the last line each printed (where its kill landed: ``train s`` or ``save s``)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, KILL_JOB, str(root), str(nvme), str(KILL_STEPS)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
+        for root, nvme, _ in trials
+    ]
+    last = [""] * len(procs)
+
+    def kill_later(k: int) -> None:
+        proc = procs[k]
+        for line in proc.stdout:
+            last[k] = line.strip()
+            if last[k] == "saved 1":  # traced, one checkpoint published: kill from here
+                break
+        time.sleep(trials[k][2])
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+        rest = proc.stdout.read().split("\n")
+        last[k] = next((x for x in reversed(rest) if x.strip()), last[k]).strip()
+
+    threads = [threading.Thread(target=kill_later, args=(k,)) for k in range(len(procs))]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            proc.stdout.close()
+    return last
+
+
+def test_kill_9_at_random_points_of_training_and_saving_resumes_bitwise(tmp_path):
+    """A child trains and saves every step; it is SIGKILLed at seeded random times
+    (``KILL_TRIALS``); each resume from ``latest`` trains to the end and must equal the
+    uninterrupted run bitwise (weights, optimizer states, ``iterations``)."""
+    rng = random.Random(22)
+    (tmp_path / "nvme").mkdir()
+    strategy = _strategy(2, "nvme", str(tmp_path / "nvme"))
+    model = job.build(strategy)
+    job.train(model, 0, KILL_STEPS)
+    reference = _snapshot(model)
+    _close(strategy, model)
+    trials = []
+    for t in range(KILL_TRIALS):
+        (tmp_path / f"nvme{t}").mkdir()
+        trials.append((tmp_path / f"ckpt{t}", tmp_path / f"nvme{t}", rng.uniform(0.0, 1.0)))
+    landed = _kill_children(trials)
+    outcomes = []
+    for (root, nvme, _), where in zip(trials, landed):
+        leftovers = sorted(n for n in os.listdir(root) if n.startswith(".tmp-"))
+        strategy = _strategy(2, "nvme", str(nvme))
+        model = job.build(strategy, seed=99)  # everything must come from the checkpoint
+        manager = CheckpointManager(str(root), model, strategy, max_to_keep=2)
+        step = manager.restore().step
+        job.train(model, step, KILL_STEPS - step)
+        _assert_bitwise(_snapshot(model), reference)
+        manager.save()  # and saving goes on (the dead save's .tmp- directory is pruned)
+        assert not [n for n in os.listdir(root) if n.startswith(".tmp-")]
+        outcomes.append((where, step, leftovers))
+        _close(strategy, model)
+    print(f"kill -9: {len(outcomes)}/{KILL_TRIALS} resumed bitwise: {outcomes}")

@@ -10,6 +10,15 @@ steps the host holds only the pool's (empty or cached) page slots.
 
 Tensor ids in the pool: ``"{prefix}/r{replica}/g{subgroup}/{slot}"``, kind
 ``'optimizer'``, float32 ``[subgroup elements]``.
+
+Steps are transactions (:class:`StepTransaction`): before a sub-group's states change for
+the first time in a step, its old values are kept in an undo journal on the host (a
+sub-group allocated by the step is noted as new), so a step that fails part-way (an NVMe
+write that hits ``ENOSPC``, a read error) is rolled back exactly: every state as before the
+step. The optimizer decides (:meth:`NvmeOptimizerState.resolve`) from its step counter:
+a step whose counter advanced commits (the journal is dropped), any other rolls back. The
+journal holds at most one slot set of the sub-groups the step updated (float32, on the
+host) until the step commits, right after the optimizer's ``iterations`` increments.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -32,12 +41,37 @@ _LIVE_SUBGROUPS = 3
 
 
 @dataclasses.dataclass
+class StepTransaction:
+    """The uncommitted step of one replica's shard.
+
+    Lifecycle: OPEN (``done`` False: updates of step ``step`` running; the stage-3 update
+    in backward makes several) -> DONE (the step's updates all finished: ``update(...,
+    count=True)`` or :meth:`NvmeOptimizerState.mark_updated`) -> committed or rolled back
+    by :meth:`NvmeOptimizerState.resolve` (or rolled back at once when an update fails).
+
+    Attributes:
+        step: the optimizer step (0-based) being applied, or None (a call without one:
+            committed when it returns).
+        done: every update of the step finished.
+        counted: the step was counted in ``updates`` (undone by a rollback).
+        undo: sub-group -> its slots' values before the step (float32 copies, slot
+            order), or None for a sub-group the step allocated (a rollback frees it).
+    """
+
+    step: int | None
+    done: bool = False
+    counted: bool = False
+    undo: dict[int, list[np.ndarray] | None] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
 class _Replica:
     """Bookkeeping of one replica's streamed shard (one record per replica)."""
 
     allocated: set[int] = dataclasses.field(default_factory=set)
     scratch: tuple[np.ndarray, np.ndarray] | None = None
     updates: int = 0
+    txn: StepTransaction | None = None
 
 
 class NvmeOptimizerState:
@@ -99,6 +133,11 @@ class NvmeOptimizerState:
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zr-wb")
         self._replicas: dict[int, _Replica] = {}
         self._lock = threading.Lock()
+        #: Called before the shard is read or overwritten from outside a step
+        #: (:meth:`read_shard`, :meth:`write_shard`, :meth:`slot_values`): the optimizer
+        #: resolves uncommitted steps there (its parameters too). None: a finished step
+        #: is committed, an unfinished one rolled back.
+        self.before_access: Callable[[], None] | None = None
 
     # -- sub-groups ---------------------------------------------------------------------
     @property
@@ -128,9 +167,107 @@ class NvmeOptimizerState:
         if j in rec.allocated:
             return
         start, end = self.subgroup_range(j)
-        for tid in self._ids(replica, j):
-            self.pool.allocate(tid, (end - start,), np.float32, kind="optimizer", tier="host")
+        if rec.txn is not None:
+            rec.txn.undo.setdefault(j, None)  # new in this step: a rollback frees it
+        done = []
+        try:
+            for tid in self._ids(replica, j):
+                self.pool.allocate(tid, (end - start,), np.float32, kind="optimizer", tier="host")
+                done.append(tid)
+        except BaseException:
+            for tid in done:
+                self.pool.free(tid)
+            raise
         rec.allocated.add(j)
+
+    # -- transactions --------------------------------------------------------------------
+    def _begin(self, rec: _Replica, replica: int, step: int | None) -> StepTransaction:
+        """The transaction an update of ``step`` joins: the open one of the same step (the
+        next block of a stage-3 update in backward), else a new one, after resolving the
+        previous (a finished step whose counter advanced commits; any other rolls back)."""
+        txn = rec.txn
+        if txn is not None:
+            if not txn.done and step is not None and txn.step == step:
+                return txn
+            self._settle(rec, replica, step)
+        rec.txn = StepTransaction(step)
+        return rec.txn
+
+    def _settle(self, rec: _Replica, replica: int, step: int | None) -> str | None:
+        txn = rec.txn
+        if txn is None:
+            return None
+        if txn.done and (step is None or txn.step is None or step > txn.step):
+            rec.txn = None  # commit: the journal is dropped
+            return "commit"
+        self._rollback(rec, replica)
+        return "rollback"
+
+    def _rollback(self, rec: _Replica, replica: int) -> None:
+        """Put back every sub-group the transaction changed (free those it allocated)."""
+        txn, rec.txn = rec.txn, None
+        if txn is None:
+            return
+        for j, old in txn.undo.items():
+            ids = self._ids(replica, j)
+            if old is None:
+                for tid in ids:
+                    try:
+                        self.pool.free(tid)
+                    except KeyError:  # its allocation failed part-way
+                        pass
+                rec.allocated.discard(j)
+            else:
+                for tid, values in zip(ids, old):
+                    self.pool.write(tid, values)
+        if txn.counted:
+            rec.updates -= 1
+
+    def begin(self, replica: int, step: int | None) -> str | None:
+        """Before an update of ``step``: 'continue' when ``replica``'s uncommitted step is
+        that step, still open (the next block of a stage-3 update in backward); else
+        resolve the uncommitted step as :meth:`resolve` does and return its outcome."""
+        rec = self._record(replica)
+        txn = rec.txn
+        if txn is not None and not txn.done and step is not None and txn.step == step:
+            return "continue"
+        return self._settle(rec, replica, step)
+
+    def resolve(self, replica: int, step: int | None) -> str | None:
+        """Commit or roll back ``replica``'s uncommitted step.
+
+        Args:
+            replica: the replica id.
+            step: the optimizer's committed step count now (``iterations // N``); None:
+                commit a finished step, roll back an unfinished one.
+
+        Returns:
+            'commit' (the step finished and ``step`` is past it), 'rollback' (every
+            state put back as before the step), or None (no uncommitted step).
+        """
+        rec = self._record(replica)
+        return self._settle(rec, replica, step)
+
+    def rollback(self, replica: int) -> bool:
+        """Roll back ``replica``'s uncommitted step, if any (True when there was one)."""
+        rec = self._record(replica)
+        had = rec.txn is not None
+        self._rollback(rec, replica)
+        return had
+
+    def uncommitted(self, replica: int) -> StepTransaction | None:
+        """``replica``'s uncommitted step, or None."""
+        return self._record(replica).txn
+
+    def _access(self) -> None:
+        """Resolve uncommitted steps before an outside read/write of the states."""
+        if self.before_access is not None:
+            self.before_access()
+            return
+        with self._lock:
+            replicas = list(self._replicas)
+        for r in replicas:
+            self.resolve(r, None)
 
     # -- the update ---------------------------------------------------------------------
     def update(
@@ -142,8 +279,12 @@ class NvmeOptimizerState:
         step_fn: StepFn,
         offset: int = 0,
         count: bool = True,
+        step: int | None = None,
     ) -> None:
         """Stream ``replica``'s shard through the host and update it over ``ranges``.
+
+        Part of the transaction of optimizer step ``step`` (see :class:`StepTransaction`):
+        if it raises, every state this step changed is put back first.
 
         Args:
             replica: the replica id.
@@ -156,13 +297,31 @@ class NvmeOptimizerState:
             step_fn: the optimizer's per-tile update.
             offset: shard-local element index of ``param[0]`` (default 0; see
                 :meth:`HostOptimizerState.update`).
-            count: count this call in :meth:`updates` (default True).
+            count: count this call in :meth:`updates` and finish the step (default True;
+                False for the stage-3 update in backward's blocks, finished by
+                :meth:`mark_updated`).
+            step: the optimizer step (0-based) this update belongs to; None (default):
+                a transaction of its own, committed when the call returns.
 
         Raises:
             zero_runtime.memory.PagingError: an NVMe read or write failed (including
-                ``NvmeFullError``); the write-behind's error is raised here.
+                ``NvmeFullError``); the write-behind's error is raised here, after the
+                step's changes to the states were rolled back.
         """
         rec = self._record(replica)
+        txn = self._begin(rec, replica, step)
+        try:
+            self._update(rec, txn, replica, ranges, param, grad, step_fn, offset)
+        except BaseException:
+            self._rollback(rec, replica)
+            raise
+        if count:
+            rec.updates += 1
+            txn.done = txn.counted = True
+            if step is None:
+                self._settle(rec, replica, None)
+
+    def _update(self, rec, txn, replica, ranges, param, grad, step_fn, offset) -> None:
         if rec.scratch is None:
             rec.scratch = (np.empty(self.tile, np.float32), np.empty(self.tile, np.float32))
         work = []  # (subgroup, [(start, end) within the sub-group's shard range])
@@ -177,7 +336,6 @@ class NvmeOptimizerState:
             for _, parts in work:
                 for s, e in parts:
                     run_tiles(step_fn, {}, rec.scratch, param, grad, s - offset, e - offset)
-            rec.updates += int(count)
             return
         pending: list[concurrent.futures.Future] = []
         if work:
@@ -189,6 +347,8 @@ class NvmeOptimizerState:
                 ids = self._ids(replica, j)
                 arrays = [self.pool.acquire(tid, writable=True) for tid in ids]
                 try:
+                    if j not in txn.undo:  # first change in this step: journal the old values
+                        txn.undo[j] = [np.array(a, np.float32, copy=True) for a in arrays]
                     lo, _ = self.subgroup_range(j)
                     for s, e in parts:
                         slots = {
@@ -201,15 +361,19 @@ class NvmeOptimizerState:
                         self.pool.release(tid)
                 pending.append(self._writer.submit(self.pool.evict, ids, "nvme"))  # write-behind
         finally:
-            for f in pending:
-                f.result()
-        rec.updates += int(count)
+            concurrent.futures.wait(pending)  # all of them, before a rollback touches pages
+        for f in pending:
+            f.result()  # the first write-behind error
 
     # -- accounting ---------------------------------------------------------------------
     def mark_updated(self, replica: int) -> None:
         """Count one completed update of ``replica``'s shard made of partial updates
-        (``update(..., count=False)``, the stage-3 update in backward)."""
-        self._record(replica).updates += 1
+        (``update(..., count=False)``, the stage-3 update in backward) and finish its
+        step's transaction (committed by :meth:`resolve` once the step counter moved)."""
+        rec = self._record(replica)
+        rec.updates += 1
+        if rec.txn is not None:
+            rec.txn.done = rec.txn.counted = True
 
     def updates(self, replica: int) -> int:
         """Completed updates of ``replica``'s shard."""
@@ -262,6 +426,7 @@ class NvmeOptimizerState:
         """
         if slot not in self.slot_names:
             raise KeyError(slot)
+        self._access()
         shards = []
         for r in range(self.layout.num_shards):
             allocated = self._record(r).allocated
@@ -288,6 +453,7 @@ class NvmeOptimizerState:
         """
         if slot not in self.slot_names:
             raise KeyError(f"unknown optimizer slot {slot!r}; slots: {self.slot_names}")
+        self._access()
         allocated = self._record(replica).allocated
         out = np.zeros(self.layout.shard_size, np.float32)
         for j in sorted(allocated):
@@ -316,6 +482,7 @@ class NvmeOptimizerState:
         values = _checked_shard(values, self.layout.shard_size, slot)
         if slot not in self.slot_names:
             raise KeyError(f"unknown optimizer slot {slot!r}; slots: {self.slot_names}")
+        self._access()
         rec = self._record(replica)
         for j in range(self.num_subgroups):
             self._ensure_allocated(rec, replica, j)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import threading
 import time
 from typing import Any
 
@@ -55,6 +56,7 @@ from zero_runtime.optim.device_state import DeviceOptimizerState
 from zero_runtime.optim.host_state import HostOptimizerState
 from zero_runtime.optim.layout import FlatLayout, layout_from_sharded
 from zero_runtime.optim.nvme_state import NvmeOptimizerState
+from zero_runtime.optim.transaction import StepJournals
 from zero_runtime.sharded_variable import ShardedVariable, ShardState
 
 
@@ -95,6 +97,8 @@ class ZeroOptimizerState:
         accumulators: per replica, the device gradient accumulator (float32
             ``[padded_total]`` at stage 1, ``[shard_size]`` at stage 2) when N > 1.
         runtime: the strategy's ``ZeroRuntime`` or None.
+        journals: the step transactions (:mod:`zero_runtime.optim.transaction`) when
+            the store has them (NVMe), else None.
     """
 
     config: ZeroConfig
@@ -105,6 +109,7 @@ class ZeroOptimizerState:
     devices: tuple[str, ...]
     accumulators: tuple[tf.Variable, ...]
     runtime: Any
+    journals: StepJournals | None = None
 
     @property
     def accumulation_steps(self) -> int:
@@ -192,6 +197,7 @@ class _PartitionedUpdate:
             self._zero = ZeroOptimizerState(
                 config, stage, layout, store, group, devices, tuple(accumulators), runtime
             )
+            self._zero_attach_journals()
             if runtime is not None:
                 runtime.register_optimizer(self)
 
@@ -213,6 +219,7 @@ class _PartitionedUpdate:
             layout = layout_from_sharded(self._zero3_variables, strategy.num_replicas_in_sync)
             store = self._zero_make_store(config, layout, devices)
             self._zero = ZeroOptimizerState(config, 3, layout, store, None, devices, (), runtime)
+            self._zero_attach_journals()
             if runtime is not None:
                 runtime.register_optimizer(self)
 
@@ -289,7 +296,7 @@ class _PartitionedUpdate:
             return done
         with tf.control_dependencies([done]):
             self._iterations.assign_add(1)
-            return tf.identity(done)
+        return self._zero_commit_op(replica, done)
 
     def _zero3_read_shards(self, variables, replica: int, wd=None, lr=None) -> np.ndarray:
         """``replica``'s shards of ``variables`` (ShardedVariables), concatenated: float32
@@ -298,6 +305,9 @@ class _PartitionedUpdate:
         variables it applies to (``_use_weight_decay``). Used by the end-of-step update
         (every variable) and the update in backward (one block's, backward_update.py)."""
         param = np.concatenate([v.read_shard(replica) for v in variables])
+        journals = self._zero.journals
+        if journals is not None:  # the step writes these shards: keep their old values
+            journals.record_params(replica, tuple(variables), param.copy())
         if wd is not None and self.weight_decay:
             wd, lr = np.float32(wd), np.float32(lr)
             off = 0
@@ -331,13 +341,83 @@ class _PartitionedUpdate:
         return np.int64(step)
 
     def _zero3_host_update(self, step, grad, wd, lr, *scalars, replica: int) -> np.int64:
-        start = time.perf_counter()
         zs = self._zero
-        param = self._zero3_read(wd, lr, replica=replica, decay=True)
-        step_fn = functools.partial(self._zero_host_step, scalars=scalars)
-        zs.store.update(replica, ((0, zs.layout.shard_size),), param, grad, step_fn)
-        del start
-        return self._zero3_write(step, param, replica)
+        self._zero_begin(replica, int(step))
+        try:
+            param = self._zero3_read(wd, lr, replica=replica, decay=True)
+            step_fn = functools.partial(self._zero_host_step, scalars=scalars)
+            zs.store.update(
+                replica, ((0, zs.layout.shard_size),), param, grad, step_fn, step=int(step)
+            )
+            return self._zero3_write(step, param, replica)
+        except BaseException:
+            self._zero_rollback(replica)
+            raise
+
+    # -- step transactions (zero_runtime.optim.transaction) -----------------------------
+    def _zero_attach_journals(self) -> None:
+        """Give an NVMe store's steps their journals (parameters at stage 3) and let the
+        store settle uncommitted steps before it is read or overwritten from outside."""
+        zs = self._zero
+        if isinstance(zs.store, NvmeOptimizerState):
+            zs.journals = StepJournals(self)
+            zs.store.before_access = self.zero_settle
+
+    def _zero_committed_step(self) -> int:
+        """The committed optimizer step count now: ``iterations // N`` (host int)."""
+        n = self._zero.accumulation_steps if self._zero is not None else 1
+        return int(self._iterations.numpy()) // n
+
+    def _zero_begin(self, replica: int, step: int) -> None:
+        if self._zero.journals is not None:
+            self._zero.journals.begin(replica, step)
+
+    def _zero_rollback(self, replica: int) -> None:
+        if self._zero.journals is not None:
+            self._zero.journals.rollback(replica)
+
+    def zero_settle(self) -> dict[int, str]:
+        """Commit or roll back every local replica's uncommitted step now, by the step
+        counter: a finished step whose ``iterations`` advanced commits, any other is rolled
+        back (states and stage-3 parameter shards bitwise as before it). Run by
+        ``ShardedModel.recover``, checkpoints, and reads of the states; a no-op without
+        step transactions (states not on NVMe).
+
+        Returns:
+            ``{replica: 'commit' | 'rollback'}`` for the replicas that had one.
+        """
+        zs = self._zero
+        if zs is None or zs.journals is None:
+            return {}
+        step = self._zero_committed_step()
+        out = {}
+        for replica in range(zs.layout.num_shards):
+            if zs.store.uncommitted(replica) is not None or zs.journals.pending(replica):
+                outcome = zs.journals.resolve(replica, step)
+                if outcome is not None:
+                    out[replica] = outcome
+        return out
+
+    def _zero_commit_op(self, replica: int, after: tf.Tensor) -> tf.Tensor:
+        """Graph: after ``iterations`` was incremented, commit ``replica``'s step (a host
+        call reading the counter). Returns ``after`` (identity) once it ran."""
+        if self._zero.journals is None:
+            return tf.identity(after)
+        counter = tf.convert_to_tensor(self._iterations)  # read after the increment
+        done = tf.numpy_function(
+            functools.partial(self._zero_commit, replica=replica),
+            [counter],
+            tf.int64,
+            stateful=True,
+            name="zero_step_commit",
+        )
+        with tf.control_dependencies([done]):
+            return tf.identity(after)
+
+    def _zero_commit(self, counter: np.ndarray, replica: int) -> np.int64:
+        n = self._zero.accumulation_steps
+        self._zero.journals.resolve(replica, int(counter) // n)
+        return np.int64(counter)
 
     def _zero_make_store(self, config: ZeroConfig, layout: FlatLayout, devices: tuple[str, ...]):
         tier = config.offload_optimizer
@@ -395,7 +475,36 @@ class _PartitionedUpdate:
             grads = [
                 tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads
             ]
-        return super().apply(grads, trainable_variables)
+        gates = _GATES.__dict__.setdefault("open", [])
+        depth = len(gates)
+        try:
+            result = super().apply(grads, trainable_variables)
+        finally:
+            while len(gates) > depth:  # closed after Keras's iterations.assign_add(1)
+                gates.pop().__exit__(None, None, None)
+        if self._zero is not None and self._zero.stage < 3 and tf.inside_function():
+            ctx = tf.distribute.get_replica_context()
+            if ctx is not None:  # commit this replica's step once iterations moved
+                self._zero_commit_op(_replica_id(), tf.constant(0))
+        return result
+
+    def _zero_gate_tokens(self) -> list:
+        """Tensors that must exist before Keras increments ``iterations`` this step (the
+        host updates' outputs): :meth:`_zero_open_gate` makes the increment wait for them."""
+        return _GATES.__dict__.setdefault("tokens", [])
+
+    def _zero_open_gate(self) -> None:
+        """Enter a control-dependency scope on this step's gate tokens; :meth:`apply`
+        leaves it after Keras's ``iterations.assign_add(1)``, so a step whose host update
+        raised does not count (and its states roll back, nvme_state.StepTransaction)."""
+        tokens = self._zero_gate_tokens()
+        if not tokens or not tf.inside_function():
+            tokens.clear()
+            return
+        gate = tf.control_dependencies(list(tokens))
+        tokens.clear()
+        gate.__enter__()
+        _GATES.__dict__.setdefault("open", []).append(gate)
 
     def _zero_step(self) -> tf.Tensor:
         """The optimizer step (0-based): ``iterations // N``, int64."""
@@ -410,8 +519,11 @@ class _PartitionedUpdate:
 
     def _backend_apply_gradients(self, grads: list, trainable_variables: list) -> None:
         zs = self._zero
+        self._zero_gate_tokens().clear()
         if zs is None or zs.accumulation_steps == 1:
-            return super()._backend_apply_gradients(grads, trainable_variables)
+            super()._backend_apply_gradients(grads, trainable_variables)
+            self._zero_open_gate()
+            return
         n_acc = zs.accumulation_steps
         lr = self._zero_learning_rate()
         by_pos = self._zero_by_pos(grads, trainable_variables)
@@ -428,9 +540,11 @@ class _PartitionedUpdate:
                 self._zero_weight_decay(trainable_variables, lr)
                 self._zero_apply_shard(total, active, lr, in_cond=True)
                 acc.assign(tf.zeros_like(acc))
+                return tf.constant(1)
 
             def accumulate():
                 acc.assign_add(shard)
+                return tf.constant(0)
 
         else:
             flat = tf.concat(self._zero_bucket_flats(by_pos), axis=0)  # (padded_total,)
@@ -446,11 +560,17 @@ class _PartitionedUpdate:
                 shard = self._zero_reduce(flats, grads_now, raw=True)
                 self._zero_apply_shard(shard, active, lr, in_cond=True)
                 acc.assign(tf.zeros_like(acc))
+                return tf.constant(1)
 
             def accumulate():
                 acc.assign_add(flat)
+                return tf.constant(0)
 
-        tf.cond(is_update, update, accumulate)
+        stepped = tf.cond(is_update, update, accumulate)
+        tokens = self._zero_gate_tokens()
+        tokens.clear()  # made inside the cond: the cond's output stands for them
+        tokens.append(stepped)
+        self._zero_open_gate()
 
     def _backend_update_step(self, grads: list, trainable_variables: list, learning_rate) -> None:
         if self._zero is None:
@@ -543,12 +663,24 @@ class _PartitionedUpdate:
             return tf.clip_by_value(shard, -self.clipvalue, self.clipvalue)
         return shard
 
+    def _zero_decays_in_update(self) -> bool:
+        """True when the host update applies the weight decay itself (states on the host
+        or NVMe, stages 1-2): Keras's own decay of the variables is then skipped."""
+        zs = self._zero
+        return zs is not None and zs.stage < 3 and not isinstance(zs.store, DeviceOptimizerState)
+
+    def _apply_weight_decay(self, variables):
+        if self._zero_decays_in_update():
+            return  # in the update (_zero_host_update)
+        return super()._apply_weight_decay(variables)
+
     def _zero_weight_decay(self, variables: list, learning_rate) -> None:
         """Keras's decoupled weight decay (``TFOptimizer._apply_weight_decay``:
         ``v -= v * wd * lr``) with the learning rate of the optimizer step rather than of
         the micro-step. Runs inside ``tf.cond``, where ``merge_call`` is not allowed, so
-        each replica updates its own copy of the (mirrored) variable."""
-        if self.weight_decay is None:
+        each replica updates its own copy of the (mirrored) variable. Skipped when the
+        host update applies it (:meth:`_zero_decays_in_update`)."""
+        if self.weight_decay is None or self._zero_decays_in_update():
             return
         for variable in variables:
             variable = _unwrap(variable)
@@ -593,14 +725,24 @@ class _PartitionedUpdate:
                     name="zero_step_clock",
                 )
         else:
-            host_fn = functools.partial(self._zero_host_update, replica=replica, active=active)
+            # AdamW's decoupled weight decay is applied here, in the update (not by Keras
+            # on the variables first), so a step that fails leaves the weights untouched.
+            decayed = tuple(
+                on and self.weight_decay is not None and self._use_weight_decay(v)
+                for on, v in zip(active, self._trainable_variables)
+            )
+            host_fn = functools.partial(
+                self._zero_host_update, replica=replica, active=active, decayed=decayed
+            )
+            wd = tf.cast(self.weight_decay if self.weight_decay else 0.0, tf.float32)
             new_shard = tf.numpy_function(
                 host_fn,
-                [step, grad_shard, param_shard, *scalars],
+                [step, grad_shard, param_shard, wd, tf.cast(lr, tf.float32), *scalars],
                 Tout=tf.float32,
                 stateful=True,
                 name="zero_host_update",
             )
+            self._zero_gate_tokens().append(new_shard)
         new_shard.set_shape([layout.shard_size])
         gathered = comm.all_gather_flat(new_shard, zs.group if in_cond else None)
         rows = tf.reshape(gathered, [n, layout.shard_size])
@@ -640,16 +782,24 @@ class _PartitionedUpdate:
         step: np.ndarray,
         grad: np.ndarray,
         param: np.ndarray,
+        wd: np.ndarray,
+        lr: np.ndarray,
         *scalars: np.ndarray,
         replica: int,
         active: tuple[bool, ...],
+        decayed: tuple[bool, ...],
     ) -> np.ndarray:
         start = time.perf_counter()
         zs = self._zero
         param = np.array(param, dtype=np.float32, copy=True)
+        if any(decayed):  # Keras: v - v * wd * lr, before the update
+            wd, lr = np.float32(wd), np.float32(lr)
+            for s, e in zs.layout.active_ranges(replica, decayed):
+                param[s:e] = param[s:e] - param[s:e] * wd * lr
         ranges = zs.layout.active_ranges(replica, active)
         step_fn = functools.partial(self._zero_host_step, scalars=scalars)
-        zs.store.update(replica, ranges, param, grad, step_fn)
+        self._zero_begin(replica, int(step))
+        zs.store.update(replica, ranges, param, grad, step_fn, step=int(step))
         if zs.runtime is not None:
             zs.runtime.on_shard_updated(self, replica, int(step), time.perf_counter() - start)
         return param
@@ -663,6 +813,11 @@ class _PartitionedUpdate:
 
     def _zero_device_step(self, slots, param, grad, scalars, mask) -> tf.Tensor:
         raise NotImplementedError
+
+
+#: Per thread (each replica's function is traced on its own thread): the gate tokens of
+#: the step being traced and the control-dependency scopes opened on them.
+_GATES = threading.local()
 
 
 def _unwrap(v):
