@@ -138,9 +138,15 @@ def save(
         result = _save_into(state, root, tmp, tag, step, nonce, coord, client_state, start)
     except BaseException as exc:
         # Nothing of a failed save stays: its temporary directory (and a half-written
-        # 'latest' pointer) go; published checkpoints and 'latest' were not touched.
-        shutil.rmtree(tmp, ignore_errors=True)
-        _remove_quietly(os.path.join(root, f"{ix.TEMP_PREFIX}{ix.LATEST_FILE}-{nonce}"))
+        # 'latest' pointer) go; published checkpoints and 'latest' were not touched. The
+        # directory is shared by the workers: the chief removes it, another worker only
+        # its own files (a dead chief's are pruned by the next save).
+        if coord.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            _remove_quietly(os.path.join(root, f"{ix.TEMP_PREFIX}{ix.LATEST_FILE}-{nonce}"))
+        else:
+            for replica in state.local_replicas:
+                _remove_quietly(os.path.join(tmp, ix.replica_file(replica)))
         if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
             raise _write_error(exc, root, tmp, _expected_bytes(state)) from exc
         raise

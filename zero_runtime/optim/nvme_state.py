@@ -34,34 +34,11 @@ from zero_runtime.memory import PagedBufferPool
 from zero_runtime.optim import kernels
 from zero_runtime.optim.host_state import StepFn, run_tiles
 from zero_runtime.optim.layout import FlatLayout
+from zero_runtime.optim.state_journal import StateTransactions, StepTransaction
 
 #: Sub-groups whose pages the host tier holds at once per replica: the one being
 #: updated, the one read ahead and the one being written behind.
 _LIVE_SUBGROUPS = 3
-
-
-@dataclasses.dataclass
-class StepTransaction:
-    """The uncommitted step of one replica's shard.
-
-    Lifecycle: OPEN (``done`` False: updates of step ``step`` running; the stage-3 update
-    in backward makes several) -> DONE (the step's updates all finished: ``update(...,
-    count=True)`` or :meth:`NvmeOptimizerState.mark_updated`) -> committed or rolled back
-    by :meth:`NvmeOptimizerState.resolve` (or rolled back at once when an update fails).
-
-    Attributes:
-        step: the optimizer step (0-based) being applied, or None (a call without one:
-            committed when it returns).
-        done: every update of the step finished.
-        counted: the step was counted in ``updates`` (undone by a rollback).
-        undo: sub-group -> its slots' values before the step (float32 copies, slot
-            order), or None for a sub-group the step allocated (a rollback frees it).
-    """
-
-    step: int | None
-    done: bool = False
-    counted: bool = False
-    undo: dict[int, list[np.ndarray] | None] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -74,7 +51,7 @@ class _Replica:
     txn: StepTransaction | None = None
 
 
-class NvmeOptimizerState:
+class NvmeOptimizerState(StateTransactions):
     """Optimizer-state shards paged to NVMe, updated sub-group by sub-group.
 
     Args:
@@ -179,95 +156,6 @@ class NvmeOptimizerState:
                 self.pool.free(tid)
             raise
         rec.allocated.add(j)
-
-    # -- transactions --------------------------------------------------------------------
-    def _begin(self, rec: _Replica, replica: int, step: int | None) -> StepTransaction:
-        """The transaction an update of ``step`` joins: the open one of the same step (the
-        next block of a stage-3 update in backward), else a new one, after resolving the
-        previous (a finished step whose counter advanced commits; any other rolls back)."""
-        txn = rec.txn
-        if txn is not None:
-            if not txn.done and step is not None and txn.step == step:
-                return txn
-            self._settle(rec, replica, step)
-        rec.txn = StepTransaction(step)
-        return rec.txn
-
-    def _settle(self, rec: _Replica, replica: int, step: int | None) -> str | None:
-        txn = rec.txn
-        if txn is None:
-            return None
-        if txn.done and (step is None or txn.step is None or step > txn.step):
-            rec.txn = None  # commit: the journal is dropped
-            return "commit"
-        self._rollback(rec, replica)
-        return "rollback"
-
-    def _rollback(self, rec: _Replica, replica: int) -> None:
-        """Put back every sub-group the transaction changed (free those it allocated)."""
-        txn, rec.txn = rec.txn, None
-        if txn is None:
-            return
-        for j, old in txn.undo.items():
-            ids = self._ids(replica, j)
-            if old is None:
-                for tid in ids:
-                    try:
-                        self.pool.free(tid)
-                    except KeyError:  # its allocation failed part-way
-                        pass
-                rec.allocated.discard(j)
-            else:
-                for tid, values in zip(ids, old):
-                    self.pool.write(tid, values)
-        if txn.counted:
-            rec.updates -= 1
-
-    def begin(self, replica: int, step: int | None) -> str | None:
-        """Before an update of ``step``: 'continue' when ``replica``'s uncommitted step is
-        that step, still open (the next block of a stage-3 update in backward); else
-        resolve the uncommitted step as :meth:`resolve` does and return its outcome."""
-        rec = self._record(replica)
-        txn = rec.txn
-        if txn is not None and not txn.done and step is not None and txn.step == step:
-            return "continue"
-        return self._settle(rec, replica, step)
-
-    def resolve(self, replica: int, step: int | None) -> str | None:
-        """Commit or roll back ``replica``'s uncommitted step.
-
-        Args:
-            replica: the replica id.
-            step: the optimizer's committed step count now (``iterations // N``); None:
-                commit a finished step, roll back an unfinished one.
-
-        Returns:
-            'commit' (the step finished and ``step`` is past it), 'rollback' (every
-            state put back as before the step), or None (no uncommitted step).
-        """
-        rec = self._record(replica)
-        return self._settle(rec, replica, step)
-
-    def rollback(self, replica: int) -> bool:
-        """Roll back ``replica``'s uncommitted step, if any (True when there was one)."""
-        rec = self._record(replica)
-        had = rec.txn is not None
-        self._rollback(rec, replica)
-        return had
-
-    def uncommitted(self, replica: int) -> StepTransaction | None:
-        """``replica``'s uncommitted step, or None."""
-        return self._record(replica).txn
-
-    def _access(self) -> None:
-        """Resolve uncommitted steps before an outside read/write of the states."""
-        if self.before_access is not None:
-            self.before_access()
-            return
-        with self._lock:
-            replicas = list(self._replicas)
-        for r in replicas:
-            self.resolve(r, None)
 
     # -- the update ---------------------------------------------------------------------
     def update(

@@ -27,10 +27,14 @@ replica's state sub-groups and (stage 3) parameter shards that the step changed.
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any
 
 import numpy as np
+import tensorflow as tf
+
+from zero_runtime.optim.nvme_state import NvmeOptimizerState
 
 
 class StepJournals:
@@ -95,3 +99,74 @@ class StepJournals:
         # its states back at once): the parameter shards written since go back too.
         for variables, old in reversed(entries):
             self.optimizer._zero3_write_shards(variables, replica, old)  # noqa: SLF001
+
+
+class TransactionalUpdate:
+    """The step transactions' hooks; mixed into the partitioned optimizer (which provides
+    ``_zero``, ``_iterations`` and ``_zero3_write_shards``)."""
+
+    _zero: Any = None
+
+    def _zero_attach_journals(self) -> None:
+        """Give an NVMe store's steps their journals (parameters at stage 3) and let the
+        store settle uncommitted steps before it is read or overwritten from outside."""
+        zs = self._zero
+        if isinstance(zs.store, NvmeOptimizerState):
+            zs.journals = StepJournals(self)
+            zs.store.before_access = self.zero_settle
+
+    def _zero_committed_step(self) -> int:
+        """The committed optimizer step count now: ``iterations // N`` (host int)."""
+        n = self._zero.accumulation_steps if self._zero is not None else 1
+        return int(self._iterations.numpy()) // n
+
+    def _zero_begin(self, replica: int, step: int) -> None:
+        if self._zero.journals is not None:
+            self._zero.journals.begin(replica, step)
+
+    def _zero_rollback(self, replica: int) -> None:
+        if self._zero.journals is not None:
+            self._zero.journals.rollback(replica)
+
+    def zero_settle(self) -> dict[int, str]:
+        """Commit or roll back every local replica's uncommitted step now, by the step
+        counter: a finished step whose ``iterations`` advanced commits, any other is rolled
+        back (states and stage-3 parameter shards bitwise as before it). Run by
+        ``ShardedModel.recover``, checkpoints, and reads of the states; a no-op without
+        step transactions (states not on NVMe).
+
+        Returns:
+            ``{replica: 'commit' | 'rollback'}`` for the replicas that had one.
+        """
+        zs = self._zero
+        if zs is None or zs.journals is None:
+            return {}
+        step = self._zero_committed_step()
+        out = {}
+        for replica in range(zs.layout.num_shards):
+            if zs.store.uncommitted(replica) is not None or zs.journals.pending(replica):
+                outcome = zs.journals.resolve(replica, step)
+                if outcome is not None:
+                    out[replica] = outcome
+        return out
+
+    def _zero_commit_op(self, replica: int, after: tf.Tensor) -> tf.Tensor:
+        """Graph: after ``iterations`` was incremented, commit ``replica``'s step (a host
+        call reading the counter). Returns ``after`` (identity) once it ran."""
+        if self._zero.journals is None:
+            return tf.identity(after)
+        counter = tf.convert_to_tensor(self._iterations)  # read after the increment
+        done = tf.numpy_function(
+            functools.partial(self._zero_commit, replica=replica),
+            [counter],
+            tf.int64,
+            stateful=True,
+            name="zero_step_commit",
+        )
+        with tf.control_dependencies([done]):
+            return tf.identity(after)
+
+    def _zero_commit(self, counter: np.ndarray, replica: int) -> np.int64:
+        n = self._zero.accumulation_steps
+        self._zero.journals.resolve(replica, int(counter) // n)
+        return np.int64(counter)
