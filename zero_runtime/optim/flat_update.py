@@ -93,25 +93,17 @@ class FlatShardUpdate:
         acc = zs.accumulators[replica % len(zs.accumulators)]  # global id -> local record
         is_update = tf.equal((self._iterations + 1) % n_acc, 0)
         if zs.stage >= 2:
-            shard = self._zero_reduce(self._zero_bucket_flats(by_pos), by_pos)
+            addend = self._zero_reduce(self._zero_bucket_flats(by_pos), by_pos)
 
-            def update():
-                total = (shard + acc) / n_acc  # as Keras: (g + acc_g) / steps
+            def apply_total(total):
                 total = self._zero_clip_shard(total)
                 self._zero_weight_decay(trainable_variables, lr)
                 self._zero_apply_shard(total, active, lr, in_cond=True)
-                acc.assign(tf.zeros_like(acc))
-                return tf.constant(1)
-
-            def accumulate():
-                acc.assign_add(shard)
-                return tf.constant(0)
 
         else:
-            flat = tf.concat(self._zero_bucket_flats(by_pos), axis=0)  # (padded_total,)
+            addend = tf.concat(self._zero_bucket_flats(by_pos), axis=0)  # (padded_total,)
 
-            def update():
-                total = (flat + acc) / n_acc
+            def apply_total(total):
                 grads_now = self._zero_unflatten(total, active)
                 clipped = self._clip_gradients([g for g in grads_now if g is not None])
                 it = iter(clipped)
@@ -120,12 +112,15 @@ class FlatShardUpdate:
                 flats = self._zero_bucket_flats(grads_now)
                 shard = self._zero_reduce(flats, grads_now, raw=True)
                 self._zero_apply_shard(shard, active, lr, in_cond=True)
-                acc.assign(tf.zeros_like(acc))
-                return tf.constant(1)
 
-            def accumulate():
-                acc.assign_add(flat)
-                return tf.constant(0)
+        def update():
+            apply_total((addend + acc) / n_acc)  # as Keras: (g + acc_g) / steps
+            acc.assign(tf.zeros_like(acc))
+            return tf.constant(1)
+
+        def accumulate():
+            acc.assign_add(addend)
+            return tf.constant(0)
 
         stepped = tf.cond(is_update, update, accumulate)
         tokens = self._zero_gate_tokens()
