@@ -279,9 +279,10 @@ KILL_STEPS = 12  # job.TOTAL_STEPS global batches
 
 
 def _kill_children(trials: list[tuple], timeout: float = 300.0) -> list[str]:
-    """Start one training/saving child per ``(root, nvme, delay)`` at once (their start-up
-    overlaps); SIGKILL each ``delay`` s after its first checkpoint is published. Returns
-    the last line each printed (where its kill landed: ``train s`` or ``save s``)."""
+    """Start one training/saving child per ``(root, nvme, mark, delay)`` at once (their
+    start-up overlaps); SIGKILL each ``delay`` s after it printed the line ``mark``
+    (``train s``: step s begins; ``save s``: the save after step s-1 begins). Returns the
+    last line each printed before it died (where the kill landed)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     procs = [
         subprocess.Popen(
@@ -291,7 +292,7 @@ def _kill_children(trials: list[tuple], timeout: float = 300.0) -> list[str]:
             text=True,
             env=env,
         )
-        for root, nvme, _ in trials
+        for root, nvme, _, _ in trials
     ]
     last = [""] * len(procs)
 
@@ -299,9 +300,9 @@ def _kill_children(trials: list[tuple], timeout: float = 300.0) -> list[str]:
         proc = procs[k]
         for line in proc.stdout:
             last[k] = line.strip()
-            if last[k] == "saved 1":  # traced, one checkpoint published: kill from here
+            if last[k] == trials[k][2]:
                 break
-        time.sleep(trials[k][2])
+        time.sleep(trials[k][3])
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
         rest = proc.stdout.read().split("\n")
@@ -323,9 +324,10 @@ def _kill_children(trials: list[tuple], timeout: float = 300.0) -> list[str]:
 
 
 def test_kill_9_at_random_points_of_training_and_saving_resumes_bitwise(tmp_path):
-    """A child trains and saves every step; it is SIGKILLed at seeded random times
-    (``KILL_TRIALS``); each resume from ``latest`` trains to the end and must equal the
-    uninterrupted run bitwise (weights, optimizer states, ``iterations``)."""
+    """A child trains and saves every step; it is SIGKILLed at seeded random points
+    (``KILL_TRIALS``: a random step, in its training or its save, plus 0-50 ms); each
+    resume from ``latest`` trains to the end and must equal the uninterrupted run bitwise
+    (weights, optimizer states, ``iterations``)."""
     rng = random.Random(22)
     (tmp_path / "nvme").mkdir()
     strategy = _strategy(2, "nvme", str(tmp_path / "nvme"))
@@ -336,10 +338,11 @@ def test_kill_9_at_random_points_of_training_and_saving_resumes_bitwise(tmp_path
     trials = []
     for t in range(KILL_TRIALS):
         (tmp_path / f"nvme{t}").mkdir()
-        trials.append((tmp_path / f"ckpt{t}", tmp_path / f"nvme{t}", rng.uniform(0.0, 1.0)))
+        mark = f"{rng.choice(['train', 'save'])} {rng.randint(2, KILL_STEPS - 1)}"
+        trials.append((tmp_path / f"ckpt{t}", tmp_path / f"nvme{t}", mark, rng.uniform(0, 0.05)))
     landed = _kill_children(trials)
     outcomes = []
-    for (root, nvme, _), where in zip(trials, landed):
+    for (root, nvme, _, _), where in zip(trials, landed):
         leftovers = sorted(n for n in os.listdir(root) if n.startswith(".tmp-"))
         strategy = _strategy(2, "nvme", str(nvme))
         model = job.build(strategy, seed=99)  # everything must come from the checkpoint
