@@ -355,3 +355,42 @@ def test_kill_9_at_random_points_of_training_and_saving_resumes_bitwise(tmp_path
         outcomes.append((where, step, leftovers))
         _close(strategy, model)
     print(f"kill -9: {len(outcomes)}/{KILL_TRIALS} resumed bitwise: {outcomes}")
+
+
+def test_nvme_store_steps_commit_by_the_counter_and_roll_back_bitwise(small_fs):
+    """The store alone (no TensorFlow step): an update of step s whose counter did not
+    move is rolled back; one whose counter moved commits; an update that hits ENOSPC
+    part-way (a new sub-group's first write on the full tmpfs) rolls itself back."""
+    from test_optim_state import _adam_step, _layout
+
+    from zero_runtime.memory import NvmeFullError
+    from zero_runtime.optim.nvme_state import NvmeOptimizerState
+
+    layout = _layout()
+    store = NvmeOptimizerState(
+        layout, ("m", "v"), str(small_fs), sub_group_size=300, page_size_bytes=65536
+    )
+    rng = np.random.default_rng(0)
+    n = layout.shard_size
+    grad = rng.standard_normal(n, dtype=np.float32)
+    first = ((0, 600),)  # sub-groups 0-1; 2-4 stay unallocated
+    store.update(0, first, np.zeros(n, np.float32), grad, _adam_step, step=0)
+    assert store.resolve(0, 1) == "commit" and store.updates(0) == 1
+    m0 = store.read_shard(0, "m")
+    store.update(0, first, np.zeros(n, np.float32), grad, _adam_step, step=1)
+    assert not np.array_equal(store.read_shard(0, "m"), m0)  # read: counter unknown, commit
+    store.update(0, first, np.zeros(n, np.float32), grad, _adam_step, step=2)
+    m2 = store.uncommitted(0).undo[0][0].copy()  # sub-group 0's momentum before step 2
+    assert store.resolve(0, 2) == "rollback"  # the counter stayed at 2: not applied
+    assert np.array_equal(store.read_shard(0, "m")[:300], m2) and store.updates(0) == 2
+    before = store.read_shard(0, "m")
+    filler = faults.fill(small_fs)
+    with pytest.raises(NvmeFullError):  # sub-groups 2-4 are written for the first time
+        store.update(0, ((0, n),), np.zeros(n, np.float32), grad, _adam_step, step=2)
+    assert store.uncommitted(0) is None and store.updates(0) == 2
+    assert store.read_shard(0, "m").tobytes() == before.tobytes()
+    assert store.state_bytes == 2 * 4 * 600  # the new sub-groups were freed
+    filler.unlink()
+    store.update(0, ((0, n),), np.zeros(n, np.float32), grad, _adam_step, step=2)
+    assert store.resolve(0, 3) == "commit" and store.state_bytes == 2 * 4 * n
+    store.close()

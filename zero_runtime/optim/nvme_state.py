@@ -206,8 +206,9 @@ class NvmeOptimizerState(StateTransactions):
         if count:
             rec.updates += 1
             txn.done = txn.counted = True
-            if step is None:
-                self._settle(rec, replica, None)
+        if step is None:  # a transaction of its own: committed now
+            txn.done = True
+            self._settle(rec, replica, None)
 
     def _update(self, rec, txn, replica, ranges, param, grad, step_fn, offset) -> None:
         if rec.scratch is None:
