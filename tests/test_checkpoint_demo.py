@@ -190,3 +190,27 @@ def test_a_non_utf8_index_stops_a_resume_with_status_2_and_blocks_no_save(full, 
     )
     assert read_index(str(root / "step00000006")).step == 6  # the damaged copy replaced
     assert (root / "latest").read_text() == "step00000006\n"
+
+
+def test_a_save_on_a_full_disk_stops_the_demo_with_status_2_naming_the_file(tmp_path, capsys):
+    """``--checkpoint-dir`` on a full file system (a filled 1 MiB tmpfs): the first save
+    fails; the demo exits 2 with the message (file, bytes needed and free), and no
+    ``.tmp-*`` directory is left."""
+    from helpers import faults
+
+    small = tmp_path / "small"
+    error = faults.mount_tmpfs(small, "1m")
+    if error is not None:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {error}")
+    try:
+        (small / "ckpt").mkdir()
+        faults.fill(small)
+        args = ["--steps", "3", "--checkpoint-dir", str(small / "ckpt")]
+        assert _main_in_process(tmp_path, *args) == 2
+        err = capsys.readouterr().err
+        assert "checkpoint save failed: the file system is full" in err, err
+        assert f"writing {small / 'ckpt' / '.tmp-step00000003-'}" in err, err
+        assert "bytes are free there now" in err
+        assert os.listdir(small / "ckpt") == []
+    finally:
+        faults.unmount(small)
