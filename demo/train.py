@@ -17,7 +17,9 @@ or damaged checkpoint, or one of another architecture, stops the job with status
 leaves the directory as it was.
 
 Exit status: 0 on success, 1 on out of memory (the post-mortem's path on stderr), 2 on bad
-arguments or an invalid config (message on stderr).
+arguments, an invalid config, a damaged, foreign or unwritable checkpoint (a save that
+failed, e.g. on a full disk: the message names the file; the published checkpoints stay as
+they were) (message on stderr).
 """
 # isort: skip_file  (the CPU allocator must be chosen before TensorFlow is imported)
 
@@ -171,10 +173,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
     print(f"demo.train: writing Memory Hierarchy summaries to {run_dir}", flush=True)
+    from zero_runtime.checkpoint import CheckpointError
+
     manager, done, samples, callbacks = None, 0, 0, []
     if args.checkpoint_dir:
-        from zero_runtime.checkpoint import CheckpointError
-
         try:
             manager, done, samples = _restore(args, gpt, strategy)
         except CheckpointError as exc:  # damaged, foreign or would be overwritten: stop
@@ -201,6 +203,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except (MemoryError, tf.errors.ResourceExhaustedError) as exc:  # out of memory: exit 1
         return _out_of_memory(strategy, exc)
+    except CheckpointError as exc:  # a save failed (disk full...): named, exit 2
+        strategy.close()
+        print(f"demo.train: error: {exc}", file=sys.stderr)
+        return 2
     strategy.close()
     losses = history.history["loss"]
     print(

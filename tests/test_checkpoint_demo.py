@@ -162,3 +162,55 @@ def test_resume_with_another_batch_size_continues_at_the_next_sequence(full, tmp
     x4, y4 = next(iter(data.make_dataset(tokens, 16, 4, seed=0).skip(3)))
     np.testing.assert_array_equal(x2.numpy(), x4.numpy()[:2])
     np.testing.assert_array_equal(y2.numpy(), y4.numpy()[:2])
+
+
+def test_a_non_utf8_index_stops_a_resume_with_status_2_and_blocks_no_save(full, tmp_path, capsys):
+    """A non-UTF-8 byte in an ``index.json`` escaped as ``UnicodeDecodeError`` (exit 1) and
+    broke every later save (pruning read each index). Now ``--resume`` onto it stops with
+    status 2 naming the file, nothing changed; a run resuming from an intact checkpoint
+    trains and saves over the damaged one."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(full, root)
+    index = root / "step00000006" / "index.json"
+    data = index.read_bytes()
+    at = data.index(b'"tag": "') + len(b'"tag": "')
+    index.write_bytes(data[:at] + b"\xff" + data[at + 1 :])
+    before = _tree(root)
+    assert (
+        _main_in_process(tmp_path, "--steps", "6", "--checkpoint-dir", str(root), "--resume") == 2
+    )
+    err = capsys.readouterr().err
+    assert f"{index}: damaged index: byte {at} is not UTF-8" in err, err
+    assert _tree(root) == before
+    assert _main_in_process(tmp_path, "--steps", "6", "--checkpoint-dir", str(root)) == 2
+    assert "already holds checkpoints ['step00000003', 'step00000006']" in capsys.readouterr().err
+    (root / "latest").write_text("step00000003\n")
+    assert (
+        _main_in_process(tmp_path, "--steps", "6", "--checkpoint-dir", str(root), "--resume") == 0
+    )
+    assert read_index(str(root / "step00000006")).step == 6  # the damaged copy replaced
+    assert (root / "latest").read_text() == "step00000006\n"
+
+
+def test_a_save_on_a_full_disk_stops_the_demo_with_status_2_naming_the_file(tmp_path, capsys):
+    """``--checkpoint-dir`` on a full file system (a filled 1 MiB tmpfs): the first save
+    fails; the demo exits 2 with the message (file, bytes needed and free), and no
+    ``.tmp-*`` directory is left."""
+    from helpers import faults
+
+    small = tmp_path / "small"
+    error = faults.mount_tmpfs(small, "1m")
+    if error is not None:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {error}")
+    try:
+        (small / "ckpt").mkdir()
+        faults.fill(small)
+        args = ["--steps", "3", "--checkpoint-dir", str(small / "ckpt")]
+        assert _main_in_process(tmp_path, *args) == 2
+        err = capsys.readouterr().err
+        assert "checkpoint save failed: the file system is full" in err, err
+        assert f"writing {small / 'ckpt' / '.tmp-step00000003-'}" in err, err
+        assert "bytes are free there now" in err
+        assert os.listdir(small / "ckpt") == []
+    finally:
+        faults.unmount(small)

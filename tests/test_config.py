@@ -8,6 +8,7 @@ import math
 import pathlib
 import warnings
 
+import psutil
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,6 +20,8 @@ from zero_runtime.config import (
     Tunable,
     ZeroConfig,
     ZeroConfigError,
+    ZeroConfigFileNotFoundError,
+    physical_memory_bytes,
     validate_tunable_update,
 )
 
@@ -86,7 +89,10 @@ INVALID = [
     ({"nvme_path": ""}, ["nvme_path=''", "non-empty string"]),
     ({"nvme_path": 3}, ["nvme_path=3", "got int"]),
     ({"page_size_bytes": 100_000}, ["page_size_bytes=100000", "power of two"]),
-    ({"page_size_bytes": 32_768}, ["page_size_bytes=32768", ">= 65536"]),
+    ({"page_size_bytes": 32_768}, ["page_size_bytes=32768", "[65536, 1_073_741_824]"]),
+    # issue #22 item 6: 1 TiB pages passed, and stage 3 then blamed a host budget never set
+    ({"page_size_bytes": 2**40}, ["page_size_bytes=1099511627776", "[65536, 1_073_741_824]"]),
+    ({"page_size_bytes": 2**31}, ["page_size_bytes=2147483648", "power-of-two int in"]),
     ({"device_budget_bytes": 0}, ["device_budget_bytes=0", ">= 1", "or None"]),
     ({"host_budget_bytes": -5}, ["host_budget_bytes=-5", "bytes"]),
     ({"nvme_budget_bytes": 1.5e9}, ["nvme_budget_bytes=1500000000.0", "got float"]),
@@ -177,6 +183,29 @@ def test_budget_must_hold_one_page():
     assert small_pages.host_budget_bytes == 1_048_576
 
 
+def test_page_size_bounds_are_accepted():
+    assert ZeroConfig(page_size_bytes=1 << 16).page_size_bytes == 65_536
+    assert ZeroConfig(page_size_bytes=1 << 30).page_size_bytes == 1_073_741_824
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("over", [1, 1 << 40])
+def test_host_budget_above_physical_memory_is_refused_at_every_stage(stage, over):
+    """Issue #22 item 6: accepted at stages 1-2 before (only stage 3's pool said no)."""
+    physical = physical_memory_bytes()
+    assert physical == psutil.virtual_memory().total
+    with pytest.raises(ZeroConfigError) as info:
+        ZeroConfig(stage=stage, host_budget_bytes=physical + over)
+    message = str(info.value)
+    assert f"host_budget_bytes={physical + over} is invalid" in message
+    assert f"physical memory, {physical} bytes" in message
+    assert f"[4194304, {physical}]" in message
+    assert info.value.key == "host_budget_bytes"
+    assert ZeroConfig(stage=stage, host_budget_bytes=physical).host_budget_bytes == physical
+    with pytest.raises(ZeroConfigError, match="physical memory"):  # live tuning too
+        validate_tunable_update(ZeroConfig(stage=stage), {"host_budget_bytes": physical + over})
+
+
 # -- dict / JSON ------------------------------------------------------------------------
 
 
@@ -228,6 +257,47 @@ def test_from_json_errors(tmp_path):
         ZeroConfig.from_json(tmp_path / "missing.json")
 
 
+# (loader, argument, exception type, fragments): JSON text that is not an object, and paths
+# where no file exists (issue #22 item 6: from_deepspeed("[1, 2]") was a FileNotFoundError)
+BAD_SOURCES = [
+    ("from_deepspeed", "[1, 2]", ZeroConfigError, ["must be an object, got list", "'[1, 2]'"]),
+    ("from_deepspeed", " null", ZeroConfigError, ["got NoneType", "JSON text ' null'"]),
+    ("from_deepspeed", "3", ZeroConfigError, ["got int", "JSON text '3'"]),
+    ("from_deepspeed", '"x"', ZeroConfigError, ["got str", "JSON text '\"x\"'"]),
+    ("from_deepspeed", "[1,", ZeroConfigError, ["invalid JSON in <string>"]),
+    ("from_json", "[1, 2]", ZeroConfigError, ["must be an object, got list", "'[1, 2]'"]),
+    ("from_json", "true", ZeroConfigError, ["got bool", "JSON text 'true'"]),
+    (
+        "from_deepspeed",
+        "no/such/ds_config.json",
+        ZeroConfigFileNotFoundError,
+        [
+            "DeepSpeed config 'no/such/ds_config.json' is neither JSON text nor the path of an "
+            "existing file"
+        ],
+    ),
+    (
+        "from_json",
+        pathlib.Path("no/such/zero.json"),
+        ZeroConfigFileNotFoundError,
+        ["config 'no/such/zero.json' is neither JSON text nor the path of an existing file"],
+    ),
+]
+
+
+@pytest.mark.parametrize(("loader", "source", "error", "fragments"), BAD_SOURCES)
+def test_a_source_that_is_not_a_json_object_is_named(loader, source, error, fragments):
+    with pytest.raises(error) as info:
+        getattr(ZeroConfig, loader)(source)
+    message = str(info.value)
+    for fragment in fragments + ["expected a JSON object as text", "or the path of a JSON file"]:
+        assert fragment in message, (fragment, message)
+    assert type(info.value) is error  # not a bare FileNotFoundError from open()
+    if error is ZeroConfigFileNotFoundError:  # catchable as either kind
+        assert isinstance(info.value, FileNotFoundError)
+        assert isinstance(info.value, ZeroConfigError)
+
+
 def test_replace_validates_and_suggests():
     base = ZeroConfig()
     assert base.replace(stage=3, offload_param="cpu").offload_param == "cpu"
@@ -249,6 +319,7 @@ def valid_configs(draw) -> ZeroConfig:
     nvme_path = draw(st.text(min_size=1).filter(str.strip)) if needs_path else None
     page = 1 << draw(st.integers(16, 30))
     budget = st.one_of(st.none(), st.integers(page, 1 << 50))
+    host_budget = st.one_of(st.none(), st.integers(page, max(page, physical_memory_bytes())))
     elements = st.integers(0, 10**12)
     positive = st.integers(1, 10**12)
     return ZeroConfig(
@@ -258,7 +329,7 @@ def valid_configs(draw) -> ZeroConfig:
         nvme_path=nvme_path,
         page_size_bytes=page,
         device_budget_bytes=draw(budget),
-        host_budget_bytes=draw(budget),
+        host_budget_bytes=draw(host_budget),
         nvme_budget_bytes=draw(budget),
         persistence_threshold=draw(elements),
         prefetch_bucket_size=draw(elements),

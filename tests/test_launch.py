@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -32,6 +34,9 @@ if mode == "stall" and rank == 0:  # the line multiworker's failure hook prints,
     sys.exit(1)
 if mode == "stall":
     time.sleep(60)  # the stalled peer: still running when rank 0 gives up
+if mode == "sleep":  # a worker that only stops when it is stopped
+    print("sleeping pid", os.getpid(), flush=True)
+    time.sleep(120)
 print("done", rank)
 """
 
@@ -117,3 +122,95 @@ def test_a_stall_is_blamed_on_the_stalled_rank_not_on_the_survivor(worker_script
         "running); stopping the other workers"
     ) in out.getvalue()
     assert elapsed < launch.TERMINATE_GRACE_SECONDS + 10  # SIGTERM+SIGINT stop the sleeper
+
+
+CLUSTER_JOB = os.path.join(os.path.dirname(__file__), "helpers", "cluster_job.py")
+
+
+def _start_launcher(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "zero_runtime.cli", "launch", "--nproc", "2", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # a stray signal to the test's group never reaches it
+    )
+
+
+def _worker_pids(launcher: subprocess.Popen, marker: str, lines: list[str]) -> list[int]:
+    """Read the launcher's output until both workers printed ``marker ... pid P``."""
+    pids: dict[int, int] = {}
+    deadline = time.monotonic() + 180
+    while len(pids) < 2 and time.monotonic() < deadline:
+        line = launcher.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        words = line.split()
+        if marker in line and "pid" in words:
+            pids[int(words[1].rstrip("]"))] = int(words[words.index("pid") + 1])
+    assert len(pids) == 2, "".join(lines)[-3000:]
+    return list(pids.values())
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pids: list[int], seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+def test_sigterm_to_the_launcher_stops_training_workers():
+    """Issue #22 item 5: ``kill <launcher>`` left both workers training, reparented to
+    init. The launcher now forwards the signal (SIGTERM + SIGINT to each worker's group,
+    SIGKILL after the grace period) and waits for them; its status is 128 + 15."""
+    launcher = _start_launcher([CLUSTER_JOB, "--steps", "100000"])
+    lines: list[str] = []
+    try:
+        pids = _worker_pids(launcher, "training", lines)
+        time.sleep(1.0)  # in fit
+        assert all(_alive(p) for p in pids)
+        launcher.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        rest, _ = launcher.communicate(timeout=launch.TERMINATE_GRACE_SECONDS + 20)
+        stopped_after = time.monotonic() - sent
+        survivors = _wait_gone(pids, 2.0)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for p in pids if "pids" in locals() else []:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+    output = "".join(lines) + rest
+    assert survivors == [], output[-3000:]
+    assert launcher.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert "[launcher] received SIGTERM; stopping 2 running worker(s)" in output
+    assert stopped_after < launch.TERMINATE_GRACE_SECONDS + 10, stopped_after
+    print(f"SIGTERM: launcher and both workers gone {stopped_after:.1f} s after the signal")
+
+
+def test_workers_die_with_a_killed_launcher(worker_script):
+    """A launcher killed outright (SIGKILL: nothing of it runs) takes its workers with it:
+    they were started with PR_SET_PDEATHSIG = SIGKILL."""
+    launcher = _start_launcher([worker_script, "sleep"])
+    lines: list[str] = []
+    pids: list[int] = []
+    try:
+        pids = _worker_pids(launcher, "sleeping", lines)
+        launcher.kill()
+        launcher.wait(timeout=10)
+        survivors = _wait_gone(pids, 5.0)
+    finally:
+        for p in pids:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+    assert survivors == [], "".join(lines)

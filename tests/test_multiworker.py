@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -180,8 +181,63 @@ def test_cluster_from_env_reads_tf_config():
     with pytest.raises(ValueError, match="not valid JSON"):
         multiworker.cluster_from_env({"TF_CONFIG": "{"})
     bad = {"cluster": {"worker": ["h:1", "h:2"]}, "task": {"type": "worker", "index": 5}}
-    with pytest.raises(ValueError, match="not a chief/worker"):
+    with pytest.raises(ValueError, match=r"TF_CONFIG task.index=5 \(int\) is invalid"):
         multiworker.cluster_from_env({"TF_CONFIG": json.dumps(bad)})
+
+
+_TWO = {"worker": ["h:1", "h:2"]}
+# (TF_CONFIG, the fragment its error must hold): issue #22 item 5, '[1,2]' and 'null' were an
+# AttributeError, "index": "x" an error not naming TF_CONFIG, "index": 1.7 taken as rank 1.
+BAD_TF_CONFIGS = [
+    ("[1,2]", "TF_CONFIG=[1, 2] (list) is invalid: expected an object"),
+    ("null", "TF_CONFIG=null (NoneType) is invalid: expected an object"),
+    ('"worker"', 'TF_CONFIG="worker" (str) is invalid: expected an object'),
+    ("{", "TF_CONFIG is not valid JSON"),
+    ({"cluster": [1, 2]}, "TF_CONFIG cluster=[1, 2] (list) is invalid: expected an object"),
+    ({"cluster": {"worker": "h:1,h:2"}}, 'cluster.worker="h:1,h:2" (str) is invalid'),
+    ({"cluster": {"worker": ["h:1", 2]}}, "cluster.worker[1]=2 (int) is invalid"),
+    ({"cluster": {"worker": ["h:1", "h2"]}}, 'cluster.worker[1]="h2" (str) is invalid'),
+    ({"cluster": {"worker": ["h:1", "h:0"]}}, 'cluster.worker[1]="h:0" (str) is invalid'),
+    ({"cluster": {"worker": ["h:1", ":2"]}}, 'cluster.worker[1]=":2" (str) is invalid'),
+    ({"cluster": {"chief": ["h:1", "h:2"]}}, 'cluster.chief=["h:1", "h:2"] (list)'),
+    ({"cluster": _TWO}, "TF_CONFIG task=null (NoneType) is invalid: expected an object"),
+    ({"cluster": _TWO, "task": [0]}, "TF_CONFIG task=[0] (list) is invalid"),
+    (
+        {"cluster": _TWO, "task": {"index": 0}},
+        "task.type=null (NoneType) is invalid: expected 'worker'",
+    ),
+    ({"cluster": _TWO, "task": {"type": "ps", "index": 0}}, 'task.type="ps" (str) is invalid'),
+    ({"cluster": _TWO, "task": {"type": "chief", "index": 0}}, 'task.type="chief" (str)'),
+    ({"cluster": _TWO, "task": {"type": "worker"}}, "task.index=null (NoneType) is invalid"),
+    ({"cluster": _TWO, "task": {"type": "worker", "index": "x"}}, 'task.index="x" (str)'),
+    ({"cluster": _TWO, "task": {"type": "worker", "index": "1"}}, 'task.index="1" (str)'),
+    ({"cluster": _TWO, "task": {"type": "worker", "index": 1.7}}, "task.index=1.7 (float)"),
+    ({"cluster": _TWO, "task": {"type": "worker", "index": 1.0}}, "task.index=1.0 (float)"),
+    ({"cluster": _TWO, "task": {"type": "worker", "index": True}}, "task.index=true (bool)"),
+    ({"cluster": _TWO, "task": {"type": "worker", "index": -1}}, "task.index=-1 (int)"),
+    ({"cluster": _TWO, "task": {"type": "worker", "index": 2}}, "task.index=2 (int)"),
+]
+
+
+@pytest.mark.parametrize(("tf_config", "fragment"), BAD_TF_CONFIGS)
+def test_a_malformed_tf_config_is_named_with_what_is_accepted(tf_config, fragment):
+    raw = tf_config if isinstance(tf_config, str) else json.dumps(tf_config)
+    with pytest.raises(multiworker.TFConfigError) as info:
+        multiworker.cluster_from_env({"TF_CONFIG": raw})
+    message = str(info.value)
+    assert fragment in message, message
+    assert message.startswith("TF_CONFIG")
+    assert 'must be a JSON object {"cluster": {"chief": ["host:port"], "worker"' in message
+    if "task.index" in fragment:
+        assert "expected an int in [0, 1] (cluster.worker has 2)" in message
+    assert isinstance(info.value, ValueError)
+
+
+def test_the_strategy_refuses_a_malformed_tf_config(monkeypatch):
+    """The error reaches the user from ``ZeroInfinityStrategy(...)``, before TF starts."""
+    monkeypatch.setenv("TF_CONFIG", "null")
+    with pytest.raises(multiworker.TFConfigError, match="TF_CONFIG=null"):
+        zero_runtime.ZeroInfinityStrategy({"stage": 1})
 
 
 def test_without_tf_config_the_strategy_is_single_process(monkeypatch):
@@ -270,3 +326,94 @@ def test_uneven_data_across_workers_is_a_clear_error_not_a_hang(tmp_path):
     assert "zero_runtime: worker rank 1 (127.0.0.1:" in outputs[0]
     assert elapsed < 60 + TIMEOUT_S, elapsed  # start-up (~15 s on 2 shared cores) + timeout
     print(f"uneven: both workers stopped {elapsed:.1f} s after launch")
+
+
+CLUSTER_JOB = os.path.join(os.path.dirname(__file__), "helpers", "cluster_job.py")
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+def test_a_peer_that_never_starts_ends_rank_0_within_the_startup_timeout(tmp_path):
+    """Issue #22 item 5: rank 0 of a 2-worker TF_CONFIG whose rank 1 never starts waited
+    > 150 s despite collective_timeout_seconds=10, deaf to SIGINT and SIGTERM. Now the wait
+    is bounded (max(30, 3 x 10) = 30 s) and names the missing rank; SIGINT during it ends
+    the process at once. Two lone rank-0 processes run side by side: one waits out the
+    timeout, the other is interrupted once it is waiting (its server port listens)."""
+    from zero_runtime import cluster_guard
+
+    wait = cluster_guard.startup_timeout_seconds(TIMEOUT_S)
+    assert wait == 30.0 and cluster_guard.startup_timeout_seconds(60.0) == 180.0
+    ports = launch.free_ports(4)  # (rank 0, never-started rank 1) x 2 clusters
+    procs = [
+        subprocess.Popen(
+            [sys.executable, CLUSTER_JOB],
+            env=dict(os.environ, TF_CONFIG=launch.tf_config(ports[2 * i : 2 * i + 2], 0)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    timed_out, interrupted = procs
+    try:
+        deadline = time.monotonic() + JOB_DEADLINE_S
+        while not _listening(ports[2]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)  # inside the registration wait
+        assert interrupted.poll() is None
+        interrupted.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        interrupted.wait(timeout=30)
+        stopped_after = time.monotonic() - sent
+        output, _ = timed_out.communicate(timeout=JOB_DEADLINE_S)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    assert interrupted.returncode == -signal.SIGINT, interrupted.returncode
+    assert stopped_after < 3.0, stopped_after
+    assert timed_out.returncode == 1, output[-3000:]
+    assert (
+        f"TimeoutError: the cluster did not start within 30 s: worker rank 0 waited for all 2 "
+        f"workers of TF_CONFIG to register (nothing listens at rank 1 (127.0.0.1:{ports[1]}))"
+    ) in output, output[-3000:]
+    assert "training" not in output
+    print(f"lone rank 0: SIGINT stopped it in {stopped_after:.2f} s; the other timed out")
+
+
+def test_a_clean_job_exits_without_a_crash_report(tmp_path):
+    """Issue #22 item 5: a successful job ended with rank 0 logging ``StartAbort
+    UNAVAILABLE ... The tasks have crashed`` when rank 1 left first (no shutdown barrier)
+    and rank 0 still worked for longer than the heartbeat timeout (10 s). Rank 0 lingers
+    13 s here; the exit barrier keeps rank 1 until rank 0 exits too."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zero_runtime.cli",
+            "launch",
+            "--nproc",
+            "2",
+            CLUSTER_JOB,
+            "--linger",
+            "13",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=JOB_DEADLINE_S,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert "[rank 0] rank 0 done" in output and "[rank 1] rank 1 done" in output
+    for line in output.splitlines():
+        assert "StartAbort" not in line and "unhealthy" not in line, line
+        assert "have crashed" not in line and "exit barrier failed" not in line, line

@@ -21,7 +21,8 @@ text) and that ``zero_runtime/`` has no import circle::
     stage 3        stage3
     optimizers     optim
     shards         sharded_variable
-    services       memory, comm, telemetry, control, oom, estimator, capabilities, lifecycle
+    services       memory, comm, telemetry, control, oom, estimator, capabilities,
+                   cluster_guard, lifecycle
     foundations    config, devices, strategy_variants
 
 Only this package root may import from any layer (lazily, in ``__getattr__``). From
@@ -58,6 +59,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "oom",
             "estimator",
             "capabilities",
+            "cluster_guard",
             "lifecycle",
         ),
     ),

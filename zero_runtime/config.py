@@ -28,6 +28,8 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
+import psutil
+
 __all__ = [
     "OFFLOAD_DEVICES",
     "TUNABLE_KEYS",
@@ -36,6 +38,8 @@ __all__ = [
     "Tunable",
     "ZeroConfig",
     "ZeroConfigError",
+    "ZeroConfigFileNotFoundError",
+    "physical_memory_bytes",
     "validate_tunable_update",
 ]
 
@@ -44,6 +48,13 @@ OFFLOAD_DEVICES: tuple[str, ...] = ("none", "cpu", "nvme")
 
 _KIB = 1024
 _MIB = 1024 * 1024
+_GIB = 1024 * _MIB
+
+MIN_PAGE_SIZE_BYTES = 64 * _KIB
+"""Smallest accepted ``page_size_bytes`` (the paged pool's minimum page)."""
+MAX_PAGE_SIZE_BYTES = _GIB
+"""Largest accepted ``page_size_bytes``: one page of 1 GiB already makes every tier's
+budget a multiple of a gigabyte; larger pages only make tiers that cannot hold one page."""
 
 
 class ZeroConfigError(ValueError):
@@ -68,6 +79,14 @@ class ZeroConfigError(ValueError):
         self.key = key
         self.value = value
         self.accepted = accepted
+
+
+class ZeroConfigFileNotFoundError(ZeroConfigError, FileNotFoundError):
+    """A config given as a path (not JSON text) where no file exists.
+
+    Both a ``ZeroConfigError`` (a ``ValueError``: bad input) and a ``FileNotFoundError``
+    (what ``open`` would raise), so either ``except`` catches it. ``value`` is the path.
+    """
 
 
 class DeepSpeedKeyIgnoredWarning(UserWarning):
@@ -132,7 +151,9 @@ _SPECS: Mapping[str, _Spec] = MappingProxyType(
         "offload_optimizer": _Spec("choice", "", choices=OFFLOAD_DEVICES),
         "offload_param": _Spec("choice", "", choices=OFFLOAD_DEVICES),
         "nvme_path": _Spec("path", "", nullable=True),
-        "page_size_bytes": _Spec("int", "bytes", 64 * _KIB, None, power_of_two=True),
+        "page_size_bytes": _Spec(
+            "int", "bytes", MIN_PAGE_SIZE_BYTES, MAX_PAGE_SIZE_BYTES, power_of_two=True
+        ),
         "device_budget_bytes": _Spec("int", "bytes", 1, None, nullable=True),
         "host_budget_bytes": _Spec("int", "bytes", 1, None, nullable=True),
         "nvme_budget_bytes": _Spec("int", "bytes", 1, None, nullable=True),
@@ -152,6 +173,12 @@ _SPECS: Mapping[str, _Spec] = MappingProxyType(
         "embedding_row_paging_threshold": _Spec("int", "elements", 1, _COUNT_MAX),
     }
 )
+
+
+def physical_memory_bytes() -> int:
+    """This machine's physical memory, bytes (``psutil.virtual_memory().total``): the
+    largest accepted ``host_budget_bytes``."""
+    return int(psutil.virtual_memory().total)
 
 
 def _is_numpy_bool(value: Any) -> bool:
@@ -267,11 +294,12 @@ class ZeroConfig:
         nvme_path: directory for the NVMe tier's files, str or None. Default None. Required
             when either offload is 'nvme'.
         page_size_bytes: size of one page of the paged buffer pool, bytes. Default 4 MiB
-            (4194304). Must be a power of two >= 64 KiB (65536).
+            (4194304). Must be a power of two in [64 KiB, 1 GiB] ([65536, 1073741824]).
         device_budget_bytes: bytes the runtime may place on the device tier, int >= 1, or
             None (default) meaning the tier's physical size. Must be >= ``page_size_bytes``.
         host_budget_bytes: bytes the runtime may place in host memory, int >= 1, or None
-            (default) meaning physical memory. Must be >= ``page_size_bytes``.
+            (default) meaning physical memory. Must be >= ``page_size_bytes`` and at most
+            this machine's physical memory (:func:`physical_memory_bytes`), at every stage.
         nvme_budget_bytes: bytes the runtime may write under ``nvme_path``, int >= 1, or None
             (default) meaning unbounded (the file system's free space).
             Must be >= ``page_size_bytes``.
@@ -312,7 +340,7 @@ class ZeroConfig:
         ZeroConfigError: on construction, for a value of the wrong type (bool is never an
             int and an int never a bool), out of range, not one of the choices, or a
             violated cross-field rule (offload_param needs stage 3; 'nvme' needs nvme_path;
-            budgets at least one page).
+            budgets at least one page; host_budget_bytes at most physical memory).
     """
 
     stage: int = 1
@@ -373,6 +401,17 @@ class ZeroConfig:
                     value=budget,
                     accepted=f"None or an int >= {self.page_size_bytes} (bytes)",
                 )
+        physical = physical_memory_bytes()
+        if self.host_budget_bytes is not None and self.host_budget_bytes > physical:
+            accepted = f"None or an int in [{self.page_size_bytes}, {physical}] (bytes)"
+            raise ZeroConfigError(
+                f"host_budget_bytes={self.host_budget_bytes!r} is invalid: expected "
+                f"{accepted}; it exceeds this machine's physical memory, {physical} bytes "
+                f"({physical / _GIB:.1f} GiB)",
+                key="host_budget_bytes",
+                value=self.host_budget_bytes,
+                accepted=accepted,
+            )
 
     # -- conversions ---------------------------------------------------------------
 
@@ -413,8 +452,11 @@ class ZeroConfig:
         """Load from JSON text (a string starting with ``{``) or from a JSON file path.
 
         Raises:
-            ZeroConfigError: invalid JSON, not an object, unknown keys, invalid values.
-            OSError: the file cannot be read.
+            ZeroConfigError: invalid JSON, not an object (e.g. ``"[1, 2]"``), unknown keys,
+                invalid values.
+            ZeroConfigFileNotFoundError: a path where no file exists (also a
+                ``FileNotFoundError``); the message names the path and what is accepted.
+            OSError: an existing file cannot be read.
         """
         return cls.from_dict(_load_json_object(path_or_str))
 
@@ -434,32 +476,84 @@ class ZeroConfig:
         Keys with no counterpart are ignored with one ``DeepSpeedKeyIgnoredWarning`` each.
 
         Raises:
-            ZeroConfigError: invalid values, or an ``"auto"`` value that has no sensible
-                default here.
+            ZeroConfigError: invalid values, an ``"auto"`` value that has no sensible
+                default here, JSON text that is not an object (e.g. ``"[1, 2]"``), or an
+                argument of another type.
+            ZeroConfigFileNotFoundError: a path where no file exists (also a
+                ``FileNotFoundError``); the message names it and what is accepted.
         """
         return _from_deepspeed(cls, ds_config)
 
 
-def _load_json_object(path_or_str: str | os.PathLike[str]) -> dict[str, Any]:
+def _load_json_object(path_or_str: str | os.PathLike[str], what: str = "config") -> dict[str, Any]:
     """Parse JSON text or a JSON file into a dict.
+
+    A string is JSON text when it starts with ``{`` or ``[``, or when it parses as JSON and
+    names no existing file (``"null"``, ``"3"``); otherwise it is a path.
+
+    Args:
+        path_or_str: JSON text, or the path of a JSON file.
+        what: what the input is, for messages (``"config"``, ``"DeepSpeed config"``).
 
     Raises:
         ZeroConfigError: invalid JSON or a top-level value that is not an object.
-        OSError: unreadable file.
+        ZeroConfigFileNotFoundError: a path (not JSON text) where no file exists; it is
+            both a ``ZeroConfigError`` and a ``FileNotFoundError``.
+        OSError: an existing file that cannot be read.
     """
-    if isinstance(path_or_str, str) and path_or_str.lstrip().startswith("{"):
-        text, source = path_or_str, "<string>"
+    accepted = (
+        "a JSON object as text (e.g. '{\"stage\": 2}') or the path of a JSON file holding one"
+    )
+    text = _json_text(path_or_str)
+    if text is not None:
+        source = "<string>"
     else:
         source = os.fspath(path_or_str)
+        if not os.path.exists(source):
+            raise ZeroConfigFileNotFoundError(
+                f"{what} {_shorten(source)} is neither JSON text nor the path of an existing "
+                f"file; expected {accepted}",
+                value=source,
+                accepted=accepted,
+            )
         with open(source, encoding="utf-8") as fh:
             text = fh.read()
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ZeroConfigError(f"invalid JSON in {source}: {e}") from None
+        raise ZeroConfigError(
+            f"invalid JSON in {source}: {e}; expected {accepted}", value=text, accepted=accepted
+        ) from None
     if not isinstance(obj, dict):
-        raise ZeroConfigError(f"JSON in {source} must be an object, got {type(obj).__name__}")
+        given = f"JSON text {_shorten(text)}" if source == "<string>" else f"file {source!r}"
+        raise ZeroConfigError(
+            f"JSON in {source} must be an object, got {type(obj).__name__} ({what} given: "
+            f"{given}); expected {accepted}",
+            value=obj,
+            accepted=accepted,
+        )
     return obj
+
+
+def _json_text(path_or_str: str | os.PathLike[str]) -> str | None:
+    """``path_or_str`` itself when it is JSON text rather than a path, else None."""
+    if not isinstance(path_or_str, str):
+        return None
+    stripped = path_or_str.strip()
+    if stripped.startswith(("{", "[")):
+        return path_or_str
+    if not stripped or os.path.exists(path_or_str):
+        return None
+    try:
+        json.loads(stripped)
+    except json.JSONDecodeError:
+        return None
+    return path_or_str
+
+
+def _shorten(text: str, limit: int = 80) -> str:
+    """``repr(text)``, cut to about ``limit`` characters."""
+    return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
 # --------------------------------------------------------------------------------------
@@ -824,7 +918,7 @@ def _from_deepspeed(
     if isinstance(ds_config, Mapping):
         ds: Mapping[str, Any] = ds_config
     elif isinstance(ds_config, (str, os.PathLike)):
-        ds = _load_json_object(ds_config)
+        ds = _load_json_object(ds_config, "DeepSpeed config")
     else:
         raise ZeroConfigError(
             "DeepSpeed config must be a mapping, JSON text or a path, got "

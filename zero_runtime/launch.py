@@ -6,10 +6,17 @@ index (TensorFlow's MultiWorkerMirroredStrategy reads it), streams every worker'
 prefixed by its rank, and, when one worker fails, stops all the others and exits with the
 failed worker's status. This is the single-machine counterpart of a cluster scheduler;
 the cluster format is TensorFlow's (``tf.distribute.cluster_resolver.TFConfigClusterResolver``).
+
+No worker outlives the launcher: SIGTERM or SIGINT to the launcher stops every worker
+(:func:`launch`), and a launcher killed outright (SIGKILL) takes its workers with it: each
+worker is started with ``PR_SET_PDEATHSIG`` = SIGKILL (Linux ``prctl``), so the kernel kills
+it when the launcher's thread that started it dies.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import dataclasses
 import enum
 import json
@@ -21,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import IO
 
 #: Seconds a worker gets to exit after SIGTERM + SIGINT before it is killed. Short on
@@ -34,6 +41,21 @@ TERMINATE_GRACE_SECONDS = 3.0
 #: A worker's own report that a peer failed (``multiworker.describe_failure``, printed by
 #: the failure hook as ``zero_runtime: worker rank R (host:port) <what it did>; ...``).
 _PEER_REPORT = re.compile(r"zero_runtime: (worker rank (\d+) \([^)]*\) [^;]*);")
+
+
+#: Signals the launcher forwards to its workers (it stops them all, then exits 128 + signal).
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+
+
+class LauncherSignalError(Exception):
+    """The launcher received one of :data:`FORWARDED_SIGNALS` (raised in its main thread)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"received {signal.Signals(signum).name}")
+        self.signum = signum
 
 
 class WorkerState(enum.Enum):
@@ -124,6 +146,10 @@ def launch(
         0 when every worker exited 0; otherwise the status of the first worker that
         failed (the others are stopped: SIGTERM and SIGINT, then SIGKILL after
         ``TERMINATE_GRACE_SECONDS``). A worker killed by signal S gives ``128 + S``.
+        When the launcher itself receives one of :data:`FORWARDED_SIGNALS` (S; only
+        handled when ``launch`` runs in the main thread), every running worker is stopped
+        the same way and the status is ``128 + S``. Workers die with the thread that
+        started them (``PR_SET_PDEATHSIG`` = SIGKILL), e.g. when the launcher is SIGKILLed.
 
     Raises:
         ValueError: ``nproc`` < 1, an empty command, or a port range outside 1..65535.
@@ -142,35 +168,84 @@ def launch(
     base_env = dict(os.environ if env is None else env)
     lock = threading.Lock()
     workers: list[Worker] = []
-    pumps: list[threading.Thread] = []
-    for rank in range(nproc):
-        worker_env = dict(
-            base_env,
-            TF_CONFIG=tf_config(ports, rank),
-            ZERO_RUNTIME_RANK=str(rank),
-            ZERO_RUNTIME_WORLD_SIZE=str(nproc),
-            PYTHONUNBUFFERED="1",
-        )
-        proc = subprocess.Popen(
-            list(command),
-            env=worker_env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            errors="replace",
-            start_new_session=True,  # its own process group: we stop the whole group
-        )
-        workers.append(Worker(rank, proc))
-        pump = threading.Thread(
-            target=_pump, args=(proc.stdout, workers[-1], out, lock), daemon=True
-        )
-        workers[-1].pump = pump
-        pump.start()
-        pumps.append(pump)
-    status = _supervise(workers, out, lock)
-    for pump in pumps:
-        pump.join(timeout=5)
+    restore = _forward_signals()
+    try:
+        for rank in range(nproc):
+            worker_env = dict(
+                base_env,
+                TF_CONFIG=tf_config(ports, rank),
+                ZERO_RUNTIME_RANK=str(rank),
+                ZERO_RUNTIME_WORLD_SIZE=str(nproc),
+                PYTHONUNBUFFERED="1",
+            )
+            workers.append(Worker(rank, _spawn(command, worker_env)))
+            pump = threading.Thread(
+                target=_pump, args=(workers[-1].process.stdout, workers[-1], out, lock), daemon=True
+            )
+            workers[-1].pump = pump
+            pump.start()
+        status = _supervise(workers, out, lock)
+    except (LauncherSignalError, KeyboardInterrupt) as stop:
+        signum = getattr(stop, "signum", signal.SIGINT)
+        with lock:
+            out.write(
+                f"[launcher] received {signal.Signals(signum).name}; stopping "
+                f"{sum(w.state is WorkerState.RUNNING for w in workers)} running worker(s)\n"
+            )
+            out.flush()
+        _stop_all(workers)
+        status = 128 + signum
+    finally:
+        restore()
+    for w in workers:
+        if w.pump is not None:
+            w.pump.join(timeout=5)
     return status
+
+
+def _spawn(command: Sequence[str], env: dict[str, str]) -> subprocess.Popen:
+    """Start one worker in its own session (we stop its whole process group), tied to this
+    thread's life by ``PR_SET_PDEATHSIG`` = SIGKILL."""
+    parent = os.getpid()
+
+    def die_with_parent() -> None:  # runs in the child between fork and exec
+        _LIBC.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before prctl took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return subprocess.Popen(
+        list(command),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        start_new_session=True,  # its own process group: we stop the whole group
+        preexec_fn=die_with_parent,  # a prctl call only: safe after fork
+    )
+
+
+def _forward_signals() -> Callable[[], None]:
+    """In the main thread, make :data:`FORWARDED_SIGNALS` raise :class:`LauncherSignalError`
+    (once: a second signal during the stop is ignored, the stop is bounded anyway).
+    Returns the function that restores the previous handlers (a no-op elsewhere: Python
+    only delivers signals to the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    raised = []
+
+    def handler(signum, frame) -> None:
+        if not raised:
+            raised.append(signum)
+            raise LauncherSignalError(signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in FORWARDED_SIGNALS}
+
+    def restore() -> None:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+    return restore
 
 
 def _pump(stream: IO[str], worker: Worker, out: IO[str], lock: threading.Lock) -> None:
@@ -186,37 +261,31 @@ def _pump(stream: IO[str], worker: Worker, out: IO[str], lock: threading.Lock) -
 
 def _supervise(workers: list[Worker], out: IO[str], lock: threading.Lock) -> int:
     """Wait for the workers; on the first failure stop the rest. Returns the job status."""
-    try:
-        while any(w.state is WorkerState.RUNNING for w in workers):
-            for w in workers:
-                if w.state is not WorkerState.RUNNING:
-                    continue
-                code = w.process.poll()
-                if code is None:
-                    continue
-                w.state, w.returncode = WorkerState.EXITED, code
-                if code != 0:
-                    if w.pump is not None:
-                        w.pump.join(timeout=2.0)  # its last lines may name a failed peer
-                    cause = ""
-                    if w.blames is not None:
-                        peer, what = w.blames
-                        alive = any(
-                            p.rank == peer and p.state is WorkerState.RUNNING for p in workers
-                        )
-                        cause = f" because {what}" + (" (it is still running)" if alive else "")
-                    with lock:
-                        out.write(
-                            f"[launcher] rank {w.rank} exited with status {_status(code)}"
-                            f"{cause}; stopping the other workers\n"
-                        )
-                        out.flush()
-                    _stop_all(workers)
-                    return _status(code)
-            time.sleep(0.05)
-    except KeyboardInterrupt:
-        _stop_all(workers)
-        return 128 + signal.SIGINT
+    while any(w.state is WorkerState.RUNNING for w in workers):
+        for w in workers:
+            if w.state is not WorkerState.RUNNING:
+                continue
+            code = w.process.poll()
+            if code is None:
+                continue
+            w.state, w.returncode = WorkerState.EXITED, code
+            if code != 0:
+                if w.pump is not None:
+                    w.pump.join(timeout=2.0)  # its last lines may name a failed peer
+                cause = ""
+                if w.blames is not None:
+                    peer, what = w.blames
+                    alive = any(p.rank == peer and p.state is WorkerState.RUNNING for p in workers)
+                    cause = f" because {what}" + (" (it is still running)" if alive else "")
+                with lock:
+                    out.write(
+                        f"[launcher] rank {w.rank} exited with status {_status(code)}"
+                        f"{cause}; stopping the other workers\n"
+                    )
+                    out.flush()
+                _stop_all(workers)
+                return _status(code)
+        time.sleep(0.05)
     return 0
 
 

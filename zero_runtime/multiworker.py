@@ -17,6 +17,9 @@ the same ZeRO machinery, over ``tf.distribute.MultiWorkerMirroredStrategy`` (TF'
   process's one :data:`zero_runtime.comm.WATCHDOG` thread enforces the deadlines (no
   ``CommunicationOptions.timeout_seconds``: TensorFlow's timeout keeps an OS thread per
   collective alive for the whole timeout, docs/multiworker.md);
+- the cluster start-up (every task registering with TensorFlow's coordination service)
+  fails after ``max(30, 3 x collective_timeout_seconds)`` s naming the ranks not listening,
+  and workers that exit normally meet at an exit barrier (:mod:`zero_runtime.cluster_guard`);
 - a worker that dies or stalls ends the survivors with TensorFlow's error, and
   :func:`describe_failure` (printed by an ``excepthook`` for uncaught errors) names the
   rank that failed;
@@ -90,8 +93,27 @@ class ClusterInfo:
         return self.rank == 0
 
 
+class TFConfigError(ValueError):
+    """``TF_CONFIG`` is malformed: the message names ``TF_CONFIG``, the bad value (by its
+    JSON path, e.g. ``task.index``) and what is accepted."""
+
+
+#: What :func:`cluster_from_env` accepts, quoted by its errors.
+TF_CONFIG_FORMAT = (
+    'a JSON object {"cluster": {"chief": ["host:port"], "worker": ["host:port", ...]}, '
+    '"task": {"type": "chief" or "worker", "index": int}}'
+)
+
+
 def cluster_from_env(environ: Mapping[str, str] | None = None) -> ClusterInfo | None:
     """The cluster ``TF_CONFIG`` names, or None when it names no multi-worker cluster.
+
+    ``TF_CONFIG`` is validated strictly: it must be a JSON object; ``cluster``, when
+    present, an object whose ``chief`` (at most one) and ``worker`` entries are lists of
+    ``"host:port"`` strings (port an int in [1, 65535]); for a cluster of more than one
+    chief/worker task, ``task`` must be an object whose ``type`` is ``"chief"`` or
+    ``"worker"`` and whose ``index`` is an int (not a bool, not a float, not a string) in
+    ``[0, len(cluster[type]))``.
 
     Args:
         environ: the environment to read (default ``os.environ``).
@@ -101,7 +123,9 @@ def cluster_from_env(environ: Mapping[str, str] | None = None) -> ClusterInfo | 
         else None (unset, empty, or a single task: single-process training).
 
     Raises:
-        ValueError: ``TF_CONFIG`` is not valid JSON, or its task is not in its cluster.
+        TFConfigError: (a ``ValueError``) ``TF_CONFIG`` is not valid JSON, not an object,
+            or any field above is malformed; the message names ``TF_CONFIG``, the field,
+            its value and what is accepted (:data:`TF_CONFIG_FORMAT`).
     """
     raw = (os.environ if environ is None else environ).get("TF_CONFIG", "").strip()
     if not raw:
@@ -109,22 +133,59 @@ def cluster_from_env(environ: Mapping[str, str] | None = None) -> ClusterInfo | 
     try:
         cfg = json.loads(raw)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"TF_CONFIG is not valid JSON: {exc}") from None
-    cluster = cfg.get("cluster") or {}
+        raise TFConfigError(
+            f"TF_CONFIG is not valid JSON ({exc}): {raw[:200]!r}; TF_CONFIG must be "
+            f"{TF_CONFIG_FORMAT}"
+        ) from None
+    if not isinstance(cfg, dict):
+        raise _tf_config_error("", cfg, "an object")
+    cluster = cfg.get("cluster", {})
+    if not isinstance(cluster, dict):
+        raise _tf_config_error("cluster", cluster, "an object of job name -> host:port list")
     addresses: list[str] = []
     offsets: dict[str, int] = {}
     for task_type in REPLICA_TASK_TYPES:
         offsets[task_type] = len(addresses)
-        addresses.extend(cluster.get(task_type) or [])
+        addresses.extend(_job_addresses(cluster, task_type))
     if len(addresses) <= 1:
         return None
-    task = cfg.get("task") or {}
-    task_type, index = task.get("type"), task.get("index", 0)
-    if task_type not in REPLICA_TASK_TYPES or not 0 <= int(index) < len(
-        cluster.get(task_type) or []
-    ):
-        raise ValueError(f"TF_CONFIG task {task!r} is not a chief/worker of its cluster")
-    return ClusterInfo(tuple(addresses), offsets[task_type] + int(index))
+    task = cfg.get("task")
+    if not isinstance(task, dict):
+        raise _tf_config_error("task", task, 'an object {"type": ..., "index": ...}')
+    task_type, index = task.get("type"), task.get("index")
+    jobs = [t for t in REPLICA_TASK_TYPES if cluster.get(t)]
+    if task_type not in jobs:
+        raise _tf_config_error("task.type", task_type, " or ".join(repr(t) for t in jobs))
+    size = len(cluster[task_type])
+    if type(index) is not int or not 0 <= index < size:  # noqa: E721 - bool/float are not ranks
+        raise _tf_config_error(
+            "task.index", index, f"an int in [0, {size - 1}] (cluster.{task_type} has {size})"
+        )
+    return ClusterInfo(tuple(addresses), offsets[task_type] + index)
+
+
+def _job_addresses(cluster: dict, job: str) -> list[str]:
+    """``cluster[job]`` checked to be a list of ``"host:port"`` strings ([] if absent)."""
+    entries = cluster.get(job, [])
+    if not isinstance(entries, list):
+        raise _tf_config_error(f"cluster.{job}", entries, 'a list of "host:port" strings')
+    if job == "chief" and len(entries) > 1:
+        raise _tf_config_error("cluster.chief", entries, "a list of at most one address")
+    for i, entry in enumerate(entries):
+        host, sep, port = entry.rpartition(":") if isinstance(entry, str) else ("", "", "")
+        if not (sep and host and port.isdigit() and 1 <= int(port) <= 65535):
+            raise _tf_config_error(
+                f"cluster.{job}[{i}]", entry, 'a "host:port" string, port in [1, 65535]'
+            )
+    return entries
+
+
+def _tf_config_error(field: str, value: Any, accepted: str) -> TFConfigError:
+    what = f"TF_CONFIG {field}" if field else "TF_CONFIG"
+    return TFConfigError(
+        f"{what}={json.dumps(value)} ({type(value).__name__}) is invalid: expected {accepted}; "
+        f"TF_CONFIG must be {TF_CONFIG_FORMAT}"
+    )
 
 
 def describe_failure(
@@ -228,6 +289,9 @@ def install_failure_hook(cluster: ClusterInfo, timeout_seconds: float | None = N
         previous = sys.excepthook
 
         def hook(exc_type, exc, tb) -> None:
+            from zero_runtime import cluster_guard
+
+            cluster_guard.skip_exit_barrier()  # failing: the peers will not all come
             text = describe_failure(exc, cluster, timeout_seconds)
             if text:
                 print(f"zero_runtime: {text}", file=sys.stderr, flush=True)
@@ -277,6 +341,10 @@ class MultiWorkerZeroInfinityStrategy(
     Raises:
         NotImplementedError: a configuration not implemented at all (see
             ``ZeroInfinityStrategy``).
+        TimeoutError: not every task of ``TF_CONFIG`` registered within
+            ``max(30, 3 x collective_timeout_seconds)`` s; the message names the ranks
+            where nothing listens.
+        TFConfigError: a malformed ``TF_CONFIG`` (from ``ZeroInfinityStrategy.__new__``).
     """
 
     cluster: ClusterInfo
@@ -332,8 +400,22 @@ class MultiWorkerZeroInfinityStrategy(
         options = tf.distribute.experimental.CommunicationOptions(
             implementation=tf.distribute.experimental.CommunicationImplementation.RING,
         )
-        tf.distribute.MultiWorkerMirroredStrategy.__init__(self, communication_options=options)
+        from zero_runtime import cluster_guard  # start-up and exit waits, bounded
+
+        wait = cluster_guard.startup_timeout_seconds(config.collective_timeout_seconds)
+        cluster_guard.configure_coordination(wait)
+        try:
+            with cluster_guard.interruptible():
+                tf.distribute.MultiWorkerMirroredStrategy.__init__(
+                    self, communication_options=options
+                )
+        except tf.errors.OpError as exc:
+            why = cluster_guard.startup_failure(exc, wait, cluster.addresses, cluster.rank)
+            if why is None:
+                raise
+            raise TimeoutError(why) from None
         comm.guard_strategy_collectives(self, lambda: self.config.collective_timeout_seconds)
+        cluster_guard.register_exit_barrier(wait, cluster.rank)
         install_failure_hook(cluster, config.collective_timeout_seconds)
         description = "device (GPU)" if on_gpu else "device (CPU stand-in)"
         return DeviceInfo(tuple(self.extended.worker_devices), not on_gpu, description)

@@ -54,6 +54,23 @@ def config(stage: int, offload: str, nvme: str | None = None, **extra) -> dict:
     return cfg
 
 
+def strategy_for(stage: int, offload: str, nvme: str | None = None, **extra):
+    """A ZeroInfinityStrategy of :func:`config` (stage 3: parameters on the host)."""
+    import zero_runtime
+
+    cfg = config(stage, offload, nvme, **extra)
+    if stage == 3:
+        cfg.setdefault("offload_param", "cpu")
+    return zero_runtime.ZeroInfinityStrategy(cfg)
+
+
+def close(strategy, model) -> None:
+    """Close the model (stage 3's ShardedModel holds a pool) and the strategy."""
+    if hasattr(model, "close"):
+        model.close()
+    strategy.close()
+
+
 def data():
     """Deterministic regression data: ``TOTAL_STEPS`` global batches of 8 x 6 -> 4."""
     import numpy as np

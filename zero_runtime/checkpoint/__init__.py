@@ -24,6 +24,7 @@ from zero_runtime.checkpoint.errors import (
     CheckpointError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
+    CheckpointWriteError,
 )
 from zero_runtime.checkpoint.export import consolidated_model, export
 from zero_runtime.checkpoint.index import CheckpointIndex, read_index
@@ -39,6 +40,7 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "CheckpointReader",
+    "CheckpointWriteError",
     "RestoreResult",
     "SaveResult",
     "ZeroBackupAndRestore",

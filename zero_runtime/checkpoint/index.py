@@ -24,11 +24,17 @@ states (ZeRO stage, ``num_shards``, ``kind`` 'flat' for stages 0-2 with the buck
 'rows' for stage 3 with each tensor's ``shard_dim`` and padded rows); a reader uses only
 the segments, so any number of replicas can restore it (re-partitioning). Parsing refuses a
 ``version`` newer than :data:`INDEX_VERSION` (as TensorBoard's plugin metadata does).
+
+Integrity: the files' SHA-256 cover the data; ``index_sha256`` (version 3) covers the index
+itself, the SHA-256 of the canonical JSON of every other field (:func:`index_digest`), so
+a changed segment offset, shape or file checksum is refused instead of restoring other
+values than were saved.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -37,10 +43,13 @@ from typing import Any
 from zero_runtime.checkpoint.errors import CheckpointCorruptError
 
 #: Schema version of ``index.json``; bump when a reader of the old version would misread.
-#: Version 2 adds sparse tensors (``sparse``: the segments cover some elements, the others
-#: are zero; the lazy optimizer states of row-paged embedding tables). An index without
-#: sparse tensors is written as version 1, which every reader reads.
-INDEX_VERSION = 2
+#: Version 2 added sparse tensors (``sparse``: the segments cover some elements, the others
+#: are zero; the lazy optimizer states of row-paged embedding tables); version 3 adds
+#: ``index_sha256``, the checksum of the index itself, required from version 3 on (versions
+#: 1 and 2, written before it existed, are read without it). Every index is written as 3.
+INDEX_VERSION = 3
+#: The index field holding the SHA-256 (hex) of the rest of the index (:func:`index_digest`).
+CHECKSUM_FIELD = "index_sha256"
 #: The ``format`` field of every index.
 INDEX_FORMAT = "zero_runtime.checkpoint"
 #: File names inside a checkpoint directory and its root.
@@ -154,10 +163,10 @@ class CheckpointIndex:
         return sum(f.bytes for f in self.files.values())
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON object written to ``index.json``."""
-        return {
+        """The JSON object written to ``index.json``, its checksum included."""
+        obj = {
             "format": INDEX_FORMAT,
-            "version": 2 if any(t.sparse for t in self.tensors) else 1,
+            "version": INDEX_VERSION,
             "tag": self.tag,
             "step": self.step,
             "created": self.created,
@@ -181,6 +190,8 @@ class CheckpointIndex:
             "model_config": self.model_config,
             "client_state": self.client_state,
         }
+        obj[CHECKSUM_FIELD] = index_digest(obj)
+        return obj
 
     @classmethod
     def from_json(cls, obj: dict[str, Any], where: str = "index") -> CheckpointIndex:
@@ -188,7 +199,9 @@ class CheckpointIndex:
 
         Raises:
             CheckpointCorruptError: not a checkpoint index, a version newer than
-                :data:`INDEX_VERSION`, or a missing/ill-typed field (named).
+                :data:`INDEX_VERSION`, a missing or wrong ``index_sha256`` (version 3; an
+                index edited or damaged after it was written), or a missing/ill-typed
+                field (named).
         """
         if not isinstance(obj, dict) or obj.get("format") != INDEX_FORMAT:
             raise CheckpointCorruptError(f"{where}: not a {INDEX_FORMAT} index")
@@ -198,6 +211,15 @@ class CheckpointIndex:
                 f"{where}: index version {version!r} is newer than this reader's "
                 f"{INDEX_VERSION}; upgrade zero_runtime"
             )
+        recorded = obj.get(CHECKSUM_FIELD)
+        if recorded is not None or version >= 3:  # present: always checked
+            actual = index_digest(obj)
+            if recorded != actual:
+                raise CheckpointCorruptError(
+                    f"{where}: index checksum mismatch: {CHECKSUM_FIELD} "
+                    f"{recorded!r} != sha256 of the index {actual} (the index was altered "
+                    "or damaged after it was written; nothing was restored)"
+                )
         try:
             tensors = tuple(
                 TensorRecord(
@@ -225,22 +247,39 @@ class CheckpointIndex:
                 model_config=obj.get("model_config"),
                 client_state=dict(obj.get("client_state") or {}),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CheckpointCorruptError(f"{where}: malformed index ({exc!r})") from None
 
 
+def index_digest(obj: dict[str, Any]) -> str:
+    """SHA-256 (hex) of an index object without its ``index_sha256`` field: of its
+    canonical JSON (sorted keys, no spaces, ASCII), so it survives re-formatting."""
+    rest = {k: v for k, v in obj.items() if k != CHECKSUM_FIELD}
+    text = json.dumps(rest, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
 def read_index(checkpoint_dir: str) -> CheckpointIndex:
-    """Read and parse ``<checkpoint_dir>/index.json``.
+    """Read, verify and parse ``<checkpoint_dir>/index.json``.
 
     Raises:
-        CheckpointCorruptError: the file is missing, not JSON, or not a valid index.
+        CheckpointCorruptError: the file is missing, unreadable, not UTF-8, not JSON, not a
+            valid index or fails its checksum; the message names the file.
     """
     path = os.path.join(checkpoint_dir, INDEX_FILE)
     try:
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
+        with open(path, "rb") as f:
+            raw = f.read()
     except FileNotFoundError:
         raise CheckpointCorruptError(f"{path}: index file missing") from None
-    except (OSError, json.JSONDecodeError) as exc:
+    except OSError as exc:
         raise CheckpointCorruptError(f"{path}: unreadable index ({exc})") from None
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise CheckpointCorruptError(
+            f"{path}: damaged index: byte {exc.start} is not UTF-8 ({exc.reason})"
+        ) from None
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise CheckpointCorruptError(f"{path}: damaged index: not JSON ({exc})") from None
     return CheckpointIndex.from_json(obj, where=path)

@@ -79,6 +79,10 @@ class TrainingState:
     def of(cls, model: keras.Model, optimizer: Any, strategy: Any) -> TrainingState:
         """Describe ``model``'s state, building ``optimizer`` first if needed.
 
+        An uncommitted optimizer step (one that raised: NVMe step transactions,
+        ``zero_runtime.optim.transaction``) is resolved first, so a checkpoint never holds
+        a half-applied step.
+
         Args:
             model: a built Keras model (or ``ShardedModel``).
             optimizer: its optimizer, or None.
@@ -93,6 +97,9 @@ class TrainingState:
             with strategy.scope():
                 optimizer.build(model.trainable_variables)
         zero = getattr(optimizer, "_zero", None) if optimizer is not None else None
+        settle = getattr(optimizer, "zero_settle", None)
+        if zero is not None and settle is not None:
+            settle()  # a failed step is rolled back before anything is read or written
         n = strategy.num_replicas_in_sync
         params = list(
             optimizer._trainable_variables if zero is not None else model.trainable_variables

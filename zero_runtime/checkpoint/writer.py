@@ -26,6 +26,7 @@ mid-save, tests/test_checkpoint_multiworker.py).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import logging
 import os
@@ -39,7 +40,11 @@ import numpy as np
 from zero_runtime.checkpoint import index as ix
 from zero_runtime.checkpoint import tables as tb
 from zero_runtime.checkpoint.coordination import coordinator_for
-from zero_runtime.checkpoint.errors import CheckpointCorruptError, CheckpointError
+from zero_runtime.checkpoint.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointWriteError,
+)
 from zero_runtime.checkpoint.partition import replica_pieces
 from zero_runtime.checkpoint.state import TrainingState
 
@@ -110,7 +115,11 @@ def save(
         ValueError: a bad tag or ``max_to_keep``.
         TypeError: ``client_state`` is not a JSON-serialisable dict (checked before any
             file is written).
-        OSError: the file system refused a write.
+        zero_runtime.checkpoint.CheckpointWriteError: (an ``OSError``) the file system
+            refused a write: the message names the file, and on a full disk
+            (``ENOSPC``/``EDQUOT``/``EFBIG``) the bytes needed and free. The save's
+            temporary directory is removed first; the published checkpoints and
+            ``latest`` are untouched and the next save works once there is room.
         tensorflow.errors.OpError: a peer worker failed or timed out (multi-worker).
     """
     start = time.perf_counter()
@@ -125,6 +134,47 @@ def save(
     coord = coordinator_for(state.strategy, timeout_seconds)
     nonce = coord.nonce(root)
     tmp = os.path.join(root, f"{ix.TEMP_PREFIX}{tag}-{nonce}")
+    try:
+        result = _save_into(state, root, tmp, tag, step, nonce, coord, client_state, start)
+    except BaseException as exc:
+        # Nothing of a failed save stays: its temporary directory (and a half-written
+        # 'latest' pointer) go; published checkpoints and 'latest' were not touched. The
+        # directory is shared by the workers: the chief removes it, another worker only
+        # its own files (a dead chief's are pruned by the next save).
+        if coord.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            _remove_quietly(os.path.join(root, f"{ix.TEMP_PREFIX}{ix.LATEST_FILE}-{nonce}"))
+        else:
+            for replica in state.local_replicas:
+                _remove_quietly(os.path.join(tmp, ix.replica_file(replica)))
+        if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
+            raise _write_error(exc, root, tmp, _expected_bytes(state)) from exc
+        raise
+    if coord.rank == 0 and max_to_keep is not None:
+        prune(root, max_to_keep, keep=tag)
+    if coord.rank == 0:
+        log.info(
+            "checkpoint %s: %d bytes written in %.3f s",
+            result.path,
+            result.bytes_written,
+            result.seconds,
+        )
+    return result
+
+
+def _save_into(
+    state: TrainingState,
+    root: str,
+    tmp: str,
+    tag: str,
+    step: int,
+    nonce: str,
+    coord: Any,
+    client_state: dict[str, Any] | None,
+    start: float,
+) -> SaveResult:
+    """Write this worker's files into ``tmp`` and (the chief) publish ``<root>/<tag>``;
+    :func:`save` without its clean-up and pruning. Raises OSError from the file system."""
     os.makedirs(tmp, exist_ok=True)
     files: dict[str, dict[str, Any]] = {}
     kill_after = int(os.environ.get(KILL_AFTER_FILES_ENV, "0") or 0)
@@ -170,11 +220,59 @@ def save(
     _fsync_dir(tmp)
     _publish(root, tmp, final, tag, nonce)
     coord.announce_published(nonce, tag)
-    if max_to_keep is not None:
-        prune(root, max_to_keep, keep=tag)
-    seconds = time.perf_counter() - start
-    log.info("checkpoint %s: %d bytes written in %.3f s", final, written, seconds)
-    return SaveResult(final, tag, step, written, seconds)
+    return SaveResult(final, tag, step, written, time.perf_counter() - start)
+
+
+def _expected_bytes(state: TrainingState) -> int:
+    """Bytes this worker's save writes at least: its replicas' files (parameter shard and
+    one shard per slot, float32; row-paged tables' rows and states come on top) and, on
+    the chief, ``replicated.bin``."""
+    per_file = 4 * state.layout.shard_size * (1 + len(state.slots))
+    total = per_file * len(state.local_replicas)
+    if state.rank == 0:
+        total += sum(int(np.asarray(v.numpy()).nbytes) for _, v in state.replicated)
+    return total
+
+
+#: errno values of a full file system or quota (and a file-size limit).
+_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+def _write_error(exc: OSError, root: str, tmp: str, needed: int) -> CheckpointWriteError:
+    """A :class:`CheckpointWriteError` for ``exc``: names the file (``exc.filename`` or the
+    temporary directory), the error, and for a full disk the bytes needed and free."""
+    path = exc.filename or tmp
+    what = exc.strerror or str(exc)
+    if exc.errno not in _FULL:
+        return CheckpointWriteError(
+            f"checkpoint save failed writing {path}: {what} (errno {exc.errno}); its "
+            f"temporary directory was removed and the published checkpoints under {root} "
+            "are unchanged",
+            exc.errno,
+            path,
+        )
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        free = None
+    room = f"{free} bytes are free there now" if free is not None else "free space unknown"
+    return CheckpointWriteError(
+        f"checkpoint save failed: the file system is full ({what}) writing {path}: this "
+        f"worker's save needs at least {needed} bytes and {room}; the partial save was "
+        f"removed and the published checkpoints under {root} are unchanged (free space "
+        "or lower max_to_keep, then save again)",
+        exc.errno,
+        path,
+        bytes_needed=needed,
+        bytes_free=free,
+    )
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _check_client_state(client_state: Any) -> None:
@@ -366,10 +464,14 @@ def _publish(root: str, tmp: str, final: str, tag: str, nonce: str) -> None:
     os.rename(tmp, final)
     _fsync_dir(root)
     pointer = os.path.join(root, f"{ix.TEMP_PREFIX}{ix.LATEST_FILE}-{nonce}")
-    with open(pointer, "w", encoding="utf-8") as f:
-        f.write(tag + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(pointer, "w", encoding="utf-8") as f:
+            f.write(tag + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        exc.filename = exc.filename or pointer
+        raise
     os.replace(pointer, os.path.join(root, ix.LATEST_FILE))
     _fsync_dir(root)
     if trash is not None:
@@ -391,7 +493,7 @@ def list_checkpoints(root: str) -> list[str]:
             continue
         try:
             created = ix.read_index(path).created
-        except CheckpointCorruptError:
+        except CheckpointCorruptError:  # damaged (not UTF-8, not JSON, checksum): by mtime
             created = os.path.getmtime(path)
         found.append((created, name))
     return [name for _, name in sorted(found)]
@@ -401,8 +503,8 @@ def prune(root: str, max_to_keep: int, keep: str | None = None) -> list[str]:
     """Delete published checkpoints beyond the newest ``max_to_keep`` and stale temporary
     directories; never ``keep`` nor the one ``latest`` names. Returns the deleted tags."""
     latest = None
-    try:
-        with open(os.path.join(root, ix.LATEST_FILE), encoding="utf-8") as f:
+    try:  # a damaged (non-UTF-8) 'latest' must not stop a save: it is replaced anyway
+        with open(os.path.join(root, ix.LATEST_FILE), encoding="utf-8", errors="replace") as f:
             latest = f.read().strip()
     except OSError:
         pass
@@ -446,29 +548,42 @@ def _sole_copy(root: str, name: str) -> bool:
 
 
 def _write_file(path: str, arrays: list[np.ndarray]) -> tuple[int, str]:
-    """Write arrays' raw bytes back to back, fsync; returns (bytes, SHA-256 hex)."""
+    """Write arrays' raw bytes back to back, fsync; returns (bytes, SHA-256 hex).
+
+    Raises:
+        OSError: the write, flush or fsync failed; ``filename`` is ``path``.
+    """
     h = hashlib.sha256()
     total = 0
-    with open(path, "wb") as f:
-        for a in arrays:
-            mv = memoryview(np.ascontiguousarray(a)).cast("B")
-            for s in range(0, len(mv), _WRITE_CHUNK):
-                chunk = mv[s : s + _WRITE_CHUNK]
-                f.write(chunk)
-                h.update(chunk)
-            total += len(mv)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "wb") as f:
+            for a in arrays:
+                mv = memoryview(np.ascontiguousarray(a)).cast("B")
+                for s in range(0, len(mv), _WRITE_CHUNK):
+                    chunk = mv[s : s + _WRITE_CHUNK]
+                    f.write(chunk)
+                    h.update(chunk)
+                total += len(mv)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        exc.filename = exc.filename or path  # write()/fsync() errors carry no path
+        raise
     return total, h.hexdigest()
 
 
 def _write_json_durably(path: str, obj: dict[str, Any]) -> None:
+    """Write ``obj`` as JSON (ASCII) and fsync. Raises OSError with ``filename`` set."""
     import json
 
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        exc.filename = exc.filename or path
+        raise
 
 
 def _fsync_dir(path: str) -> None:

@@ -27,9 +27,13 @@ the step's scalars; :meth:`update` once per block, in backward order (copy + que
 :meth:`finish` after the last, which waits for the queued updates (raising the first
 error), reports the step to the runtime and increments ``iterations``. A step that fails
 before its end leaves updates queued: :func:`settle` waits for them
-(``ShardedModel.recover`` calls it). The update threads belong to the optimizer's
-strategy: ``strategy.close()`` (or ``ShardedModel.close()``, :func:`close`) waits for
-their queued updates and stops them (:mod:`zero_runtime.lifecycle`).
+(``ShardedModel.recover`` calls it). With optimizer states on NVMe the step is a
+transaction (:mod:`zero_runtime.optim.transaction`): the blocks' parameter shards and
+states are journalled, committed after ``iterations`` increments, and put back bitwise
+when an update raised (:meth:`finish` rolls back before raising) or by :func:`settle`.
+The update threads belong to the optimizer's strategy: ``strategy.close()`` (or
+``ShardedModel.close()``, :func:`close`) waits for their queued updates and stops them
+(:mod:`zero_runtime.lifecycle`).
 
 The host update's seconds are not recorded as runtime compute (the end-of-step host
 update's are not either): counting it, which includes the NVMe state I/O, made every
@@ -120,7 +124,11 @@ class BackwardShardUpdate:
         fn = functools.partial(self._host_enqueue, tuple(variables))
         # Stateless, ordered by its inputs only: see zero_runtime.stage3.engine._host_call.
         done = host_function(
-            fn, [shard, after, *self._scalars], tf.float32, stateful=False, name="zero3_grad_d2h"
+            fn,
+            [shard, after, self.step, *self._scalars],
+            tf.float32,
+            stateful=False,
+            name="zero3_grad_d2h",
         )
         done.set_shape([])
         return done
@@ -135,32 +143,44 @@ class BackwardShardUpdate:
         step.set_shape([])
         with tf.control_dependencies([step]):
             self.optimizer._iterations.assign_add(1)  # noqa: SLF001
-            return tf.identity(step)
+        return self.optimizer._zero_commit_op(self.replica, step)  # noqa: SLF001
 
     # -- host side -----------------------------------------------------------------------
-    def _host_enqueue(self, variables: tuple, grad: np.ndarray, _after, *scalars) -> np.float32:
+    def _host_enqueue(
+        self, variables: tuple, grad: np.ndarray, _after, step, *scalars
+    ) -> np.float32:
         grad = np.array(grad, np.float32, copy=True)  # the input may alias the device buffer
-        _queue(self.optimizer, self.replica).submit(self._host_update, variables, grad, scalars)
+        _queue(self.optimizer, self.replica).submit(
+            self._host_update, variables, grad, int(step), scalars
+        )
         return np.float32(0.0)
 
-    def _host_update(self, variables: tuple, grad: np.ndarray, scalars: tuple) -> None:
+    def _host_update(self, variables: tuple, grad: np.ndarray, step: int, scalars: tuple) -> None:
         wd, lr, *rest = scalars
         opt, replica = self.optimizer, self.replica
         zs = opt.zero_state
         step_fn = functools.partial(opt._zero_host_step, scalars=rest)  # noqa: SLF001
+        opt._zero_begin(replica, step)  # noqa: SLF001 (joins the step's transaction)
         pos = 0
-        for run in _contiguous_runs(variables, self._offset):
-            n = sum(v.shard_elements for v in run)
-            off = self._offset[id(run[0])]
-            param = opt._zero3_read_shards(run, replica, wd, lr)  # noqa: SLF001 (decayed)
-            grad_run = grad[pos : pos + n]
-            zs.store.update(replica, ((off, off + n),), param, grad_run, step_fn, off, False)
-            opt._zero3_write_shards(run, replica, param)  # noqa: SLF001
-            pos += n
+        try:
+            for run in _contiguous_runs(variables, self._offset):
+                n = sum(v.shard_elements for v in run)
+                off = self._offset[id(run[0])]
+                param = opt._zero3_read_shards(run, replica, wd, lr)  # noqa: SLF001 (decayed)
+                grad_run = grad[pos : pos + n]
+                zs.store.update(
+                    replica, ((off, off + n),), param, grad_run, step_fn, off, False, step=step
+                )
+                opt._zero3_write_shards(run, replica, param)  # noqa: SLF001
+                pos += n
+        except BaseException:
+            opt._zero_rollback(replica)  # noqa: SLF001 (the blocks updated before, too)
+            raise
 
     def _host_finish(self, step, *_) -> np.int64:
         first = _queue(self.optimizer, self.replica).wait()
         if first is not None:
+            self.optimizer._zero_rollback(self.replica)  # noqa: SLF001 (blocks run since)
             raise first
         zs = self.optimizer.zero_state
         zs.store.mark_updated(self.replica)
@@ -176,11 +196,17 @@ def settle(optimizer: Any) -> int:
     by that step may still be running on the update threads and writing parameter
     shards; :meth:`~zero_runtime.stage3.model.ShardedModel.recover` calls this before the
     model is read, saved, restored or trained again. Errors of those updates are dropped
-    (the step already failed). Returns the number of updates waited for.
+    (the step already failed). With step transactions (optimizer states on NVMe) the
+    failed step is then rolled back (``optimizer.zero_settle``): parameter shards and
+    states exactly as before it. Returns the number of updates waited for.
     """
     with _QUEUES_LOCK:
         threads = _QUEUES.get(optimizer)
-    return threads.settle() if threads is not None else 0
+    waited = threads.settle() if threads is not None else 0
+    settle_steps = getattr(optimizer, "zero_settle", None)
+    if settle_steps is not None:  # roll back the failed step (NVMe states: transactions)
+        settle_steps()
+    return waited
 
 
 def close(optimizer: Any) -> int:

@@ -167,8 +167,13 @@ class HostOptimizerState:
         step_fn: StepFn,
         offset: int = 0,
         count: bool = True,
+        step: int | None = None,
     ) -> None:
         """Update ``replica``'s shard in place over the shard-local ``ranges``.
+
+        Not transactional (``step`` is accepted for the stores' common signature and
+        ignored): a host update only fails on a bug, not on I/O; the NVMe store's steps
+        are transactions (:class:`~zero_runtime.optim.nvme_state.StepTransaction`).
 
         Args:
             replica: the replica id.
@@ -184,7 +189,9 @@ class HostOptimizerState:
                 block's elements at a time.
             count: count this call in :meth:`updates` (default True; False for the
                 partial updates of one step but its last).
+            step: ignored (see above).
         """
+        del step
         shard = self.begin_update(replica)
         slots = shard.slots
         if offset:

@@ -10,6 +10,15 @@ steps the host holds only the pool's (empty or cached) page slots.
 
 Tensor ids in the pool: ``"{prefix}/r{replica}/g{subgroup}/{slot}"``, kind
 ``'optimizer'``, float32 ``[subgroup elements]``.
+
+Steps are transactions (:class:`StepTransaction`): before a sub-group's states change for
+the first time in a step, its old values are kept in an undo journal on the host (a
+sub-group allocated by the step is noted as new), so a step that fails part-way (an NVMe
+write that hits ``ENOSPC``, a read error) is rolled back exactly: every state as before the
+step. The optimizer decides (:meth:`NvmeOptimizerState.resolve`) from its step counter:
+a step whose counter advanced commits (the journal is dropped), any other rolls back. The
+journal holds at most one slot set of the sub-groups the step updated (float32, on the
+host) until the step commits, right after the optimizer's ``iterations`` increments.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -25,6 +34,7 @@ from zero_runtime.memory import PagedBufferPool
 from zero_runtime.optim import kernels
 from zero_runtime.optim.host_state import StepFn, run_tiles
 from zero_runtime.optim.layout import FlatLayout
+from zero_runtime.optim.state_journal import StateTransactions, StepTransaction
 
 #: Sub-groups whose pages the host tier holds at once per replica: the one being
 #: updated, the one read ahead and the one being written behind.
@@ -38,9 +48,10 @@ class _Replica:
     allocated: set[int] = dataclasses.field(default_factory=set)
     scratch: tuple[np.ndarray, np.ndarray] | None = None
     updates: int = 0
+    txn: StepTransaction | None = None
 
 
-class NvmeOptimizerState:
+class NvmeOptimizerState(StateTransactions):
     """Optimizer-state shards paged to NVMe, updated sub-group by sub-group.
 
     Args:
@@ -99,6 +110,11 @@ class NvmeOptimizerState:
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zr-wb")
         self._replicas: dict[int, _Replica] = {}
         self._lock = threading.Lock()
+        #: Called before the shard is read or overwritten from outside a step
+        #: (:meth:`read_shard`, :meth:`write_shard`, :meth:`slot_values`): the optimizer
+        #: resolves uncommitted steps there (its parameters too). None: a finished step
+        #: is committed, an unfinished one rolled back.
+        self.before_access: Callable[[], None] | None = None
 
     # -- sub-groups ---------------------------------------------------------------------
     @property
@@ -128,8 +144,17 @@ class NvmeOptimizerState:
         if j in rec.allocated:
             return
         start, end = self.subgroup_range(j)
-        for tid in self._ids(replica, j):
-            self.pool.allocate(tid, (end - start,), np.float32, kind="optimizer", tier="host")
+        if rec.txn is not None:
+            rec.txn.undo.setdefault(j, None)  # new in this step: a rollback frees it
+        done = []
+        try:
+            for tid in self._ids(replica, j):
+                self.pool.allocate(tid, (end - start,), np.float32, kind="optimizer", tier="host")
+                done.append(tid)
+        except BaseException:
+            for tid in done:
+                self.pool.free(tid)
+            raise
         rec.allocated.add(j)
 
     # -- the update ---------------------------------------------------------------------
@@ -142,8 +167,12 @@ class NvmeOptimizerState:
         step_fn: StepFn,
         offset: int = 0,
         count: bool = True,
+        step: int | None = None,
     ) -> None:
         """Stream ``replica``'s shard through the host and update it over ``ranges``.
+
+        Part of the transaction of optimizer step ``step`` (see :class:`StepTransaction`):
+        if it raises, every state this step changed is put back first.
 
         Args:
             replica: the replica id.
@@ -156,13 +185,32 @@ class NvmeOptimizerState:
             step_fn: the optimizer's per-tile update.
             offset: shard-local element index of ``param[0]`` (default 0; see
                 :meth:`HostOptimizerState.update`).
-            count: count this call in :meth:`updates` (default True).
+            count: count this call in :meth:`updates` and finish the step (default True;
+                False for the stage-3 update in backward's blocks, finished by
+                :meth:`mark_updated`).
+            step: the optimizer step (0-based) this update belongs to; None (default):
+                a transaction of its own, committed when the call returns.
 
         Raises:
             zero_runtime.memory.PagingError: an NVMe read or write failed (including
-                ``NvmeFullError``); the write-behind's error is raised here.
+                ``NvmeFullError``); the write-behind's error is raised here, after the
+                step's changes to the states were rolled back.
         """
         rec = self._record(replica)
+        txn = self._begin(rec, replica, step)
+        try:
+            self._update(rec, txn, replica, ranges, param, grad, step_fn, offset)
+        except BaseException:
+            self._rollback(rec, replica)
+            raise
+        if count:
+            rec.updates += 1
+            txn.done = txn.counted = True
+        if step is None:  # a transaction of its own: committed now
+            txn.done = True
+            self._settle(rec, replica, None)
+
+    def _update(self, rec, txn, replica, ranges, param, grad, step_fn, offset) -> None:
         if rec.scratch is None:
             rec.scratch = (np.empty(self.tile, np.float32), np.empty(self.tile, np.float32))
         work = []  # (subgroup, [(start, end) within the sub-group's shard range])
@@ -177,7 +225,6 @@ class NvmeOptimizerState:
             for _, parts in work:
                 for s, e in parts:
                     run_tiles(step_fn, {}, rec.scratch, param, grad, s - offset, e - offset)
-            rec.updates += int(count)
             return
         pending: list[concurrent.futures.Future] = []
         if work:
@@ -189,6 +236,8 @@ class NvmeOptimizerState:
                 ids = self._ids(replica, j)
                 arrays = [self.pool.acquire(tid, writable=True) for tid in ids]
                 try:
+                    if j not in txn.undo:  # first change in this step: journal the old values
+                        txn.undo[j] = [np.array(a, np.float32, copy=True) for a in arrays]
                     lo, _ = self.subgroup_range(j)
                     for s, e in parts:
                         slots = {
@@ -201,15 +250,19 @@ class NvmeOptimizerState:
                         self.pool.release(tid)
                 pending.append(self._writer.submit(self.pool.evict, ids, "nvme"))  # write-behind
         finally:
-            for f in pending:
-                f.result()
-        rec.updates += int(count)
+            concurrent.futures.wait(pending)  # all of them, before a rollback touches pages
+        for f in pending:
+            f.result()  # the first write-behind error
 
     # -- accounting ---------------------------------------------------------------------
     def mark_updated(self, replica: int) -> None:
         """Count one completed update of ``replica``'s shard made of partial updates
-        (``update(..., count=False)``, the stage-3 update in backward)."""
-        self._record(replica).updates += 1
+        (``update(..., count=False)``, the stage-3 update in backward) and finish its
+        step's transaction (committed by :meth:`resolve` once the step counter moved)."""
+        rec = self._record(replica)
+        rec.updates += 1
+        if rec.txn is not None:
+            rec.txn.done = rec.txn.counted = True
 
     def updates(self, replica: int) -> int:
         """Completed updates of ``replica``'s shard."""
@@ -262,6 +315,7 @@ class NvmeOptimizerState:
         """
         if slot not in self.slot_names:
             raise KeyError(slot)
+        self._access()
         shards = []
         for r in range(self.layout.num_shards):
             allocated = self._record(r).allocated
@@ -288,6 +342,7 @@ class NvmeOptimizerState:
         """
         if slot not in self.slot_names:
             raise KeyError(f"unknown optimizer slot {slot!r}; slots: {self.slot_names}")
+        self._access()
         allocated = self._record(replica).allocated
         out = np.zeros(self.layout.shard_size, np.float32)
         for j in sorted(allocated):
@@ -316,6 +371,7 @@ class NvmeOptimizerState:
         values = _checked_shard(values, self.layout.shard_size, slot)
         if slot not in self.slot_names:
             raise KeyError(f"unknown optimizer slot {slot!r}; slots: {self.slot_names}")
+        self._access()
         rec = self._record(replica)
         for j in range(self.num_subgroups):
             self._ensure_allocated(rec, replica, j)

@@ -38,9 +38,7 @@ Vocabulary (flat buffer, bucket, piece, shard) as in :mod:`zero_runtime.optim.la
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
-import time
 from typing import Any
 
 import keras
@@ -50,13 +48,17 @@ from tensorflow.python.ops import resource_variable_ops
 
 from zero_runtime import comm, estimator
 from zero_runtime.config import ZeroConfig
-from zero_runtime.lifecycle import ClosePhase, host_function, resources_of
+from zero_runtime.lifecycle import ClosePhase, resources_of
 from zero_runtime.optim import kernels
 from zero_runtime.optim.device_state import DeviceOptimizerState
+from zero_runtime.optim.flat_update import FlatShardUpdate, iteration_gate
 from zero_runtime.optim.host_state import HostOptimizerState
 from zero_runtime.optim.layout import FlatLayout, layout_from_sharded
 from zero_runtime.optim.nvme_state import NvmeOptimizerState
-from zero_runtime.sharded_variable import ShardedVariable, ShardState, is_deferred
+from zero_runtime.optim.replica_context import replica_id
+from zero_runtime.optim.shard_update import ShardedUpdate
+from zero_runtime.optim.transaction import StepJournals, TransactionalUpdate
+from zero_runtime.sharded_variable import ShardedVariable, is_deferred
 
 _BaseOptimizer = keras.optimizers.Optimizer
 _OPTIMIZER_IDS = itertools.count()
@@ -88,6 +90,8 @@ class ZeroOptimizerState:
         accumulators: per replica, the device gradient accumulator (float32
             ``[padded_total]`` at stage 1, ``[shard_size]`` at stage 2) when N > 1.
         runtime: the strategy's ``ZeroRuntime`` or None.
+        journals: the step transactions (:mod:`zero_runtime.optim.transaction`) when
+            the store has them (NVMe), else None.
     """
 
     config: ZeroConfig
@@ -98,6 +102,7 @@ class ZeroOptimizerState:
     devices: tuple[str, ...]
     accumulators: tuple[tf.Variable, ...]
     runtime: Any
+    journals: StepJournals | None = None
 
     @property
     def accumulation_steps(self) -> int:
@@ -110,8 +115,14 @@ class ZeroOptimizerState:
         return sum(4 * int(a.shape[0]) for a in self.accumulators)
 
 
-class _PartitionedUpdate:
+class _PartitionedUpdate(FlatShardUpdate, ShardedUpdate, TransactionalUpdate):
     """Mixin holding the ZeRO update; combine with a Keras optimizer class.
+
+    Lifecycle: unbuilt -> :meth:`build` (the ZeRO state, or stock Keras below the
+    fallback size) -> steps (:class:`~zero_runtime.optim.flat_update.FlatShardUpdate` at
+    stages 1-2, :class:`~zero_runtime.optim.shard_update.ShardedUpdate` at stage 3, each
+    a transaction with NVMe states: :class:`~zero_runtime.optim.transaction.
+    TransactionalUpdate`).
 
     Subclasses define ``_zero_slots`` (names of state buffers), ``_zero_scalars(lr)``,
     ``_zero_host_step(slots, scratch, param, grad, scalars)`` (numpy, in place, one tile)
@@ -185,6 +196,7 @@ class _PartitionedUpdate:
             self._zero = ZeroOptimizerState(
                 config, stage, layout, store, group, devices, tuple(accumulators), runtime
             )
+            self._zero_attach_journals()
             if runtime is not None:
                 runtime.register_optimizer(self)
 
@@ -206,131 +218,14 @@ class _PartitionedUpdate:
             layout = layout_from_sharded(self._zero3_variables, strategy.num_replicas_in_sync)
             store = self._zero_make_store(config, layout, devices)
             self._zero = ZeroOptimizerState(config, 3, layout, store, None, devices, (), runtime)
+            self._zero_attach_journals()
             if runtime is not None:
                 runtime.register_optimizer(self)
-
-    @property
-    def _zero3_variables(self) -> list:
-        """Stage 3: the ShardedVariables this optimizer updates densely (row-paged
-        embedding tables, ``row_paged``, update their touched rows themselves:
-        zero_runtime/stage3/embedding.py)."""
-        return [v for v in self._trainable_variables if not getattr(v, "row_paged", False)]
 
     def _var_key(self, variable):
         if isinstance(variable, ShardedVariable):
             return id(variable)  # Keras's TF key reads .value, which would gather
         return super()._var_key(variable)
-
-    def apply_shard_gradients(self, grads: dict[int, tf.Tensor], count: bool = True) -> tf.Tensor:
-        """Stage 3: update this replica's parameter shards with its reduced gradient shards.
-
-        Runs in replica context (inside the stage-3 train step). The parameters stay
-        partitioned: each replica reads its shards from the pool, updates them with the
-        optimizer state on the ``offload_optimizer`` tier, and writes them back; nothing
-        is all-gathered (ZeRO, SC20, section 5.3). Learning-rate schedules and AdamW's
-        decoupled weight decay behave as Keras's (same operation order); the iteration
-        counter is Keras's.
-
-        Clipping is not done here: the stage-3 train step clips the reduced shards
-        first (:func:`zero_runtime.stage3.clipping.clip_shards`).
-
-        Args:
-            grads: ``{id(variable): float32 [shard_elements]}``, the replica's reduced
-                (summed over replicas) gradient shard of every trainable variable.
-            count: increment ``iterations`` here (default True). False inside
-                ``tf.cond`` (gradient accumulation), where the caller increments it after
-                the cond (a mirrored variable's update is a ``merge_call``).
-
-        Returns:
-            An int64 scalar, the optimizer step, that exists once the shards are written.
-        """
-        zs = self._zero
-        replica = _replica_id()
-        order = self._zero3_variables
-        grad_shard = tf.concat([grads[id(v)] for v in order], axis=0)  # (shard_size,)
-        lr = self._zero_learning_rate()
-        scalars = self._zero_scalars(lr)
-        step = self._zero_step()
-        wd = tf.cast(self.weight_decay if self.weight_decay else 0.0, tf.float32)
-        lr32 = tf.cast(lr, tf.float32)
-        if isinstance(zs.store, DeviceOptimizerState):
-            param = host_function(
-                functools.partial(self._zero3_read, replica=replica, decay=True),
-                [wd, lr32],
-                tf.float32,
-                stateful=True,
-                name="zero3_read_shards",
-            )
-            param.set_shape([zs.layout.shard_size])
-            new = self._zero_device_step(zs.store.slots(replica), param, grad_shard, scalars, None)
-            done = host_function(
-                functools.partial(self._zero3_write, replica=replica),
-                [step, new],
-                tf.int64,
-                stateful=True,
-                name="zero3_write_shards",
-            )
-        else:
-            done = host_function(
-                functools.partial(self._zero3_host_update, replica=replica),
-                [step, grad_shard, wd, lr32, *scalars],
-                tf.int64,
-                stateful=True,
-                name="zero3_host_update",
-            )
-        if not count:
-            return done
-        with tf.control_dependencies([done]):
-            self._iterations.assign_add(1)
-            return tf.identity(done)
-
-    def _zero3_read_shards(self, variables, replica: int, wd=None, lr=None) -> np.ndarray:
-        """``replica``'s shards of ``variables`` (ShardedVariables), concatenated: float32
-        ``[sum(v.shard_elements)]``. With ``wd`` and ``lr`` given (and a weight decay set)
-        Keras's decoupled weight decay ``v - v * wd * lr`` is applied first to the
-        variables it applies to (``_use_weight_decay``). Used by the end-of-step update
-        (every variable) and the update in backward (one block's, backward_update.py)."""
-        param = np.concatenate([v.read_shard(replica) for v in variables])
-        if wd is not None and self.weight_decay:
-            wd, lr = np.float32(wd), np.float32(lr)
-            off = 0
-            for v in variables:
-                end = off + v.shard_elements
-                if self._use_weight_decay(v):  # Keras: v - v * wd * lr
-                    param[off:end] = param[off:end] - param[off:end] * wd * lr
-                off = end
-        return param
-
-    def _zero3_write_shards(self, variables, replica: int, param: np.ndarray) -> None:
-        """Write ``param`` (as :meth:`_zero3_read_shards` returned it, updated) back to
-        ``replica``'s shards of ``variables``; a persistent gathered copy, now stale, is
-        released first."""
-        off = 0
-        for v in variables:
-            if v.state(replica) is ShardState.GATHERED:  # persistent copies go stale
-                v.release(replica)
-            v.write_shard(replica, param[off : off + v.shard_elements])
-            off += v.shard_elements
-
-    def _zero3_read(self, wd, lr, replica: int, decay: bool) -> np.ndarray:
-        if not decay:
-            return self._zero3_read_shards(self._zero3_variables, replica)
-        return self._zero3_read_shards(self._zero3_variables, replica, wd, lr)
-
-    def _zero3_write(self, step, param: np.ndarray, replica: int) -> np.int64:
-        self._zero3_write_shards(self._zero3_variables, replica, param)
-        if self._zero.runtime is not None:
-            self._zero.runtime.on_shard_updated(self, replica, int(step), 0.0)
-        return np.int64(step)
-
-    def _zero3_host_update(self, step, grad, wd, lr, *scalars, replica: int) -> np.int64:
-        start = time.perf_counter()
-        zs = self._zero
-        param = self._zero3_read(wd, lr, replica=replica, decay=True)
-        step_fn = functools.partial(self._zero_host_step, scalars=scalars)
-        zs.store.update(replica, ((0, zs.layout.shard_size),), param, grad, step_fn)
-        del start
-        return self._zero3_write(step, param, replica)
 
     def _zero_make_store(self, config: ZeroConfig, layout: FlatLayout, devices: tuple[str, ...]):
         tier = config.offload_optimizer
@@ -392,7 +287,13 @@ class _PartitionedUpdate:
             grads = [
                 tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads
             ]
-        return super().apply(grads, trainable_variables)
+        with iteration_gate():  # closed after Keras's iterations.assign_add(1)
+            result = super().apply(grads, trainable_variables)
+        if self._zero is not None and self._zero.stage < 3 and tf.inside_function():
+            ctx = tf.distribute.get_replica_context()
+            if ctx is not None:  # commit this replica's step once iterations moved
+                self._zero_commit_op(replica_id(), tf.constant(0))
+        return result
 
     def _zero_step(self) -> tf.Tensor:
         """The optimizer step (0-based): ``iterations // N``, int64."""
@@ -405,252 +306,6 @@ class _PartitionedUpdate:
             return schedule(self._zero_step())
         return self.learning_rate
 
-    def _backend_apply_gradients(self, grads: list, trainable_variables: list) -> None:
-        zs = self._zero
-        if zs is None or zs.accumulation_steps == 1:
-            return super()._backend_apply_gradients(grads, trainable_variables)
-        n_acc = zs.accumulation_steps
-        lr = self._zero_learning_rate()
-        by_pos = self._zero_by_pos(grads, trainable_variables)
-        active = tuple(g is not None for g in by_pos)
-        replica = _replica_id()
-        acc = zs.accumulators[replica % len(zs.accumulators)]  # global id -> local record
-        is_update = tf.equal((self._iterations + 1) % n_acc, 0)
-        if zs.stage >= 2:
-            shard = self._zero_reduce(self._zero_bucket_flats(by_pos), by_pos)
-
-            def update():
-                total = (shard + acc) / n_acc  # as Keras: (g + acc_g) / steps
-                total = self._zero_clip_shard(total)
-                self._zero_weight_decay(trainable_variables, lr)
-                self._zero_apply_shard(total, active, lr, in_cond=True)
-                acc.assign(tf.zeros_like(acc))
-
-            def accumulate():
-                acc.assign_add(shard)
-
-        else:
-            flat = tf.concat(self._zero_bucket_flats(by_pos), axis=0)  # (padded_total,)
-
-            def update():
-                total = (flat + acc) / n_acc
-                grads_now = self._zero_unflatten(total, active)
-                clipped = self._clip_gradients([g for g in grads_now if g is not None])
-                it = iter(clipped)
-                grads_now = [next(it) if g is not None else None for g in grads_now]
-                self._zero_weight_decay(trainable_variables, lr)
-                flats = self._zero_bucket_flats(grads_now)
-                shard = self._zero_reduce(flats, grads_now, raw=True)
-                self._zero_apply_shard(shard, active, lr, in_cond=True)
-                acc.assign(tf.zeros_like(acc))
-
-            def accumulate():
-                acc.assign_add(flat)
-
-        tf.cond(is_update, update, accumulate)
-
-    def _backend_update_step(self, grads: list, trainable_variables: list, learning_rate) -> None:
-        if self._zero is None:
-            return super()._backend_update_step(grads, trainable_variables, learning_rate)
-        by_pos = self._zero_by_pos(grads, trainable_variables)
-        active = tuple(g is not None for g in by_pos)
-        shard = self._zero_reduce(self._zero_bucket_flats(by_pos), by_pos)
-        self._zero_apply_shard(shard, active, learning_rate)
-
-    # -- pieces of the step --------------------------------------------------------------
-    def _zero_by_pos(self, grads: list, trainable_variables: list) -> list:
-        """Gradients in layout order (None for variables without one), densified."""
-        index = {id(_unwrap(v)): i for i, v in enumerate(self._trainable_variables)}
-        by_pos: list[Any] = [None] * len(self._zero.layout.sizes)
-        for g, v in zip(grads, trainable_variables):
-            if g is not None:
-                # Sparse gradients (tf.IndexedSlices from embedding lookups) are densified
-                # per replica: the dense update of the summed gradient (see docs/parity.md).
-                by_pos[index[id(_unwrap(v))]] = (
-                    tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
-                )
-        return by_pos
-
-    def _zero_bucket_flats(self, by_pos: list) -> list[tf.Tensor]:
-        """One padded float32 ``[n * piece_size_b]`` buffer per bucket, in bucket order."""
-        layout = self._zero.layout
-        flats = []
-        for b in layout.buckets:
-            parts = [
-                tf.reshape(tf.cast(by_pos[i], tf.float32), [-1])
-                if by_pos[i] is not None
-                else tf.zeros([layout.sizes[i]], tf.float32)
-                for i in range(b.var_start, b.var_end)
-            ]
-            pad = b.padded_size(layout.num_shards) - b.size
-            if pad:
-                parts.append(tf.zeros([pad], tf.float32))
-            flats.append(tf.concat(parts, axis=0) if len(parts) > 1 else parts[0])
-        return flats
-
-    def _zero_unflatten(self, flat: tf.Tensor, active: tuple[bool, ...]) -> list:
-        """Per-variable tensors (None where inactive) from a padded flat buffer."""
-        layout = self._zero.layout
-        return [
-            tf.reshape(flat[off : off + size], shape) if on else None
-            for off, size, shape, on in zip(layout.offsets, layout.sizes, layout.shapes, active)
-        ]
-
-    def _zero_reduce(
-        self, bucket_flats: list[tf.Tensor], by_pos: list, raw: bool = False
-    ) -> tf.Tensor:
-        """Reduce the buckets (backward order) and return this replica's gradient shard,
-        float32 ``[shard_size]`` (``raw``: the runtime's own collectives, inside tf.cond)."""
-        zs = self._zero
-        pieces = comm.reduce_buckets(
-            list(reversed(bucket_flats)),
-            scatter=zs.stage >= 2,
-            group=zs.group,
-            overlap=zs.config.overlap_comm,
-            wait_for=[g for g in by_pos if g is not None],
-            raw=raw,
-        )
-        pieces.reverse()  # bucket order == shard order
-        return tf.concat(pieces, axis=0) if len(pieces) > 1 else pieces[0]
-
-    def _zero_clip_shard(self, shard: tf.Tensor) -> tf.Tensor:
-        """Clip a reduced gradient shard as Keras clips a gradient list, norms across shards.
-
-        Used at stage 2 with accumulation, where no replica holds a full gradient: the
-        global norm is ``sqrt(all_reduce(sum(shard ** 2)))`` (of the summed gradient, not
-        of each replica's gradient as stock Keras under MirroredStrategy).
-
-        Raises:
-            NotImplementedError: ``clipnorm`` (per-variable norms across shards).
-        """
-        if self.clipnorm and self.clipnorm > 0:
-            raise NotImplementedError(
-                "clipnorm with stage 2 and gradient accumulation is not supported; "
-                "use global_clipnorm or clipvalue"
-            )
-        if self.global_clipnorm and self.global_clipnorm > 0:
-            sq = comm.all_reduce_sum_flat(
-                tf.reshape(tf.reduce_sum(tf.square(shard)), [1]), self._zero.group
-            )
-            use_norm = tf.sqrt(sq[0])
-            clip = tf.cast(self.global_clipnorm, tf.float32)
-            scale = clip * tf.minimum(1.0 / use_norm, 1.0 / clip) + (use_norm - use_norm)
-            return shard * scale
-        if self.clipvalue and self.clipvalue > 0:
-            return tf.clip_by_value(shard, -self.clipvalue, self.clipvalue)
-        return shard
-
-    def _zero_weight_decay(self, variables: list, learning_rate) -> None:
-        """Keras's decoupled weight decay (``TFOptimizer._apply_weight_decay``:
-        ``v -= v * wd * lr``) with the learning rate of the optimizer step rather than of
-        the micro-step. Runs inside ``tf.cond``, where ``merge_call`` is not allowed, so
-        each replica updates its own copy of the (mirrored) variable."""
-        if self.weight_decay is None:
-            return
-        for variable in variables:
-            variable = _unwrap(variable)
-            if self._use_weight_decay(variable):
-                local = _local_copy(variable)
-                lr = tf.cast(learning_rate, local.dtype)
-                wd = tf.cast(self.weight_decay, local.dtype)
-                local.assign_sub(local * wd * lr)
-
-    def _zero_apply_shard(
-        self, grad_shard: tf.Tensor, active: tuple[bool, ...], lr, in_cond: bool = False
-    ) -> None:
-        """Update this replica's parameter shard with ``grad_shard``, all-gather the shards
-        and assign the active variables (each replica its own copy when ``in_cond``:
-        ``merge_call`` is not allowed inside ``tf.cond``; the values are identical)."""
-        zs = self._zero
-        layout = zs.layout
-        n = layout.num_shards
-        all_vars = [_unwrap(v) for v in self._trainable_variables]
-        param_flats = self._zero_bucket_flats([tf.cast(v, tf.float32) for v in all_vars])
-        pieces = [comm.shard_of(f, b.piece_size) for f, b in zip(param_flats, layout.buckets)]
-        param_shard = tf.concat(pieces, axis=0) if len(pieces) > 1 else pieces[0]
-        replica = _replica_id()
-        scalars = self._zero_scalars(lr)
-        step = self._zero_step()
-        if isinstance(zs.store, DeviceOptimizerState):
-            mask = None
-            if not all(active):
-                m = np.zeros(layout.shard_size, bool)
-                for s, e in layout.active_ranges(replica, active):
-                    m[s:e] = True
-                mask = tf.constant(m)
-            new_shard = self._zero_device_step(
-                zs.store.slots(replica), param_shard, grad_shard, scalars, mask
-            )
-            with tf.control_dependencies([new_shard]):
-                host_function(
-                    functools.partial(self._zero_tick, replica=replica),
-                    [step],
-                    tf.int64,
-                    stateful=True,
-                    name="zero_step_clock",
-                )
-        else:
-            host_fn = functools.partial(self._zero_host_update, replica=replica, active=active)
-            new_shard = host_function(
-                host_fn,
-                [step, grad_shard, param_shard, *scalars],
-                tf.float32,
-                stateful=True,
-                name="zero_host_update",
-            )
-        new_shard.set_shape([layout.shard_size])
-        gathered = comm.all_gather_flat(new_shard, zs.group if in_cond else None)
-        rows = tf.reshape(gathered, [n, layout.shard_size])
-        chosen = []
-        for b in layout.buckets:
-            bucket = tf.reshape(rows[:, b.shard_offset : b.shard_offset + b.piece_size], [-1])
-            for i in range(b.var_start, b.var_end):
-                if active[i]:
-                    off = layout.offsets[i] - b.flat_offset
-                    value = tf.reshape(bucket[off : off + layout.sizes[i]], layout.shapes[i])
-                    chosen.append((value, all_vars[i]))
-        if not chosen:
-            return
-        if in_cond:
-            for value, var in chosen:
-                local = _local_copy(var)
-                local.assign(tf.cast(value, local.dtype))
-            return
-
-        def _assign(distribution, values_and_vars):
-            for value, var in values_and_vars:
-                distribution.extended.update(
-                    var, lambda a, b: a.assign(tf.cast(b, a.dtype)), args=(value,), group=False
-                )
-
-        tf.__internal__.distribute.interim.maybe_merge_call(
-            _assign, self._distribution_strategy, chosen
-        )
-
-    def _zero_tick(self, step: np.ndarray, replica: int) -> np.int64:
-        if self._zero.runtime is not None:
-            self._zero.runtime.on_shard_updated(self, replica, int(step), 0.0)
-        return np.int64(step)
-
-    def _zero_host_update(
-        self,
-        step: np.ndarray,
-        grad: np.ndarray,
-        param: np.ndarray,
-        *scalars: np.ndarray,
-        replica: int,
-        active: tuple[bool, ...],
-    ) -> np.ndarray:
-        start = time.perf_counter()
-        zs = self._zero
-        param = np.array(param, dtype=np.float32, copy=True)
-        ranges = zs.layout.active_ranges(replica, active)
-        step_fn = functools.partial(self._zero_host_step, scalars=scalars)
-        zs.store.update(replica, ranges, param, grad, step_fn)
-        if zs.runtime is not None:
-            zs.runtime.on_shard_updated(self, replica, int(step), time.perf_counter() - start)
-        return param
-
     # Subclass hooks ---------------------------------------------------------------------
     def _zero_scalars(self, learning_rate) -> list[tf.Tensor]:
         raise NotImplementedError
@@ -660,24 +315,6 @@ class _PartitionedUpdate:
 
     def _zero_device_step(self, slots, param, grad, scalars, mask) -> tf.Tensor:
         raise NotImplementedError
-
-
-def _unwrap(v):
-    return v.value if isinstance(v, keras.Variable) else v
-
-
-def _local_copy(variable):
-    """This replica's component of a mirrored variable (the variable itself otherwise)."""
-    get = getattr(variable, "_get_on_device_or_primary", None)
-    return get() if get is not None else variable
-
-
-def _replica_id() -> int:
-    ctx = tf.distribute.get_replica_context()
-    rid = tf.get_static_value(ctx.replica_id_in_sync_group)
-    if rid is None:
-        raise RuntimeError("the partitioned optimizer needs a static replica id")
-    return int(rid)
 
 
 def _plain_variable(initial: tf.Tensor) -> tf.Variable:

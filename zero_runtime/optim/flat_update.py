@@ -1,0 +1,361 @@
+"""Stages 1-2: the ZeRO update of a flat parameter buffer (a mixin of the partitioned
+optimizer, :mod:`zero_runtime.optim.partitioned`).
+
+The replica's gradients are flattened bucket by bucket (:mod:`.layout`) and reduced
+(stage 1 all-reduce, stage 2 reduce-scatter: :mod:`zero_runtime.comm`), its shard is
+updated on the optimizer-state tier (device ops, or a host call for 'cpu'/'nvme' states),
+and the new shards are all-gathered into the replicated variables. Gradient accumulation
+is done here (:meth:`FlatShardUpdate._backend_apply_gradients`).
+
+A host update's output gates Keras's ``iterations.assign_add(1)``
+(:func:`iteration_gate`): a step whose update raised is not counted, and its NVMe states
+roll back (:mod:`.transaction`). AdamW's decoupled weight decay is applied inside the host
+update for the same reason (the variables change only when the step's shards are assigned).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from zero_runtime import comm
+from zero_runtime.lifecycle import host_function
+from zero_runtime.optim.device_state import DeviceOptimizerState
+from zero_runtime.optim.replica_context import local_copy, replica_id, unwrap
+
+#: Per thread (each replica's function is traced on its own thread): the gate tokens of
+#: the step being traced and the control-dependency scopes opened on them.
+_GATES = threading.local()
+
+
+def _open_gates() -> list:
+    return _GATES.__dict__.setdefault("open", [])
+
+
+@contextlib.contextmanager
+def iteration_gate() -> Iterator[None]:
+    """Around Keras's ``apply``: the control-dependency scopes the update opened on its
+    host calls (:meth:`FlatShardUpdate._zero_open_gate`) are closed on the way out, after
+    Keras's ``iterations.assign_add(1)`` was traced inside them."""
+    gates = _open_gates()
+    depth = len(gates)
+    try:
+        yield
+    finally:
+        while len(gates) > depth:
+            gates.pop().__exit__(None, None, None)
+
+
+class FlatShardUpdate:
+    """The stage 1-2 update; mixed into the partitioned optimizer (which provides
+    ``_zero``, ``_zero_step``, ``_zero_learning_rate``, the subclass hooks
+    ``_zero_scalars``/``_zero_host_step``/``_zero_device_step`` and, from
+    :class:`~zero_runtime.optim.transaction.TransactionalUpdate`, ``_zero_begin``)."""
+
+    _zero: Any = None
+
+    def _zero_gate_tokens(self) -> list:
+        """Tensors that must exist before Keras increments ``iterations`` this step (the
+        host updates' outputs): :meth:`_zero_open_gate` makes the increment wait for them."""
+        return _GATES.__dict__.setdefault("tokens", [])
+
+    def _zero_open_gate(self) -> None:
+        """Enter a control-dependency scope on this step's gate tokens; :meth:`apply`
+        leaves it after Keras's ``iterations.assign_add(1)``, so a step whose host update
+        raised does not count (and its states roll back, nvme_state.StepTransaction)."""
+        tokens = self._zero_gate_tokens()
+        if not tokens or not tf.inside_function():
+            tokens.clear()
+            return
+        gate = tf.control_dependencies(list(tokens))
+        tokens.clear()
+        gate.__enter__()
+        _open_gates().append(gate)
+
+    def _backend_apply_gradients(self, grads: list, trainable_variables: list) -> None:
+        zs = self._zero
+        self._zero_gate_tokens().clear()
+        if zs is None or zs.accumulation_steps == 1:
+            super()._backend_apply_gradients(grads, trainable_variables)
+            self._zero_open_gate()
+            return
+        n_acc = zs.accumulation_steps
+        lr = self._zero_learning_rate()
+        by_pos = self._zero_by_pos(grads, trainable_variables)
+        active = tuple(g is not None for g in by_pos)
+        replica = replica_id()
+        acc = zs.accumulators[replica % len(zs.accumulators)]  # global id -> local record
+        is_update = tf.equal((self._iterations + 1) % n_acc, 0)
+        if zs.stage >= 2:
+            addend = self._zero_reduce(self._zero_bucket_flats(by_pos), by_pos)
+
+            def apply_total(total):
+                total = self._zero_clip_shard(total)
+                self._zero_weight_decay(trainable_variables, lr)
+                self._zero_apply_shard(total, active, lr, in_cond=True)
+
+        else:
+            addend = tf.concat(self._zero_bucket_flats(by_pos), axis=0)  # (padded_total,)
+
+            def apply_total(total):
+                grads_now = self._zero_unflatten(total, active)
+                clipped = self._clip_gradients([g for g in grads_now if g is not None])
+                it = iter(clipped)
+                grads_now = [next(it) if g is not None else None for g in grads_now]
+                self._zero_weight_decay(trainable_variables, lr)
+                flats = self._zero_bucket_flats(grads_now)
+                shard = self._zero_reduce(flats, grads_now, raw=True)
+                self._zero_apply_shard(shard, active, lr, in_cond=True)
+
+        def update():
+            apply_total((addend + acc) / n_acc)  # as Keras: (g + acc_g) / steps
+            acc.assign(tf.zeros_like(acc))
+            return tf.constant(1)
+
+        def accumulate():
+            acc.assign_add(addend)
+            return tf.constant(0)
+
+        stepped = tf.cond(is_update, update, accumulate)
+        tokens = self._zero_gate_tokens()
+        tokens.clear()  # made inside the cond: the cond's output stands for them
+        tokens.append(stepped)
+        self._zero_open_gate()
+
+    def _backend_update_step(self, grads: list, trainable_variables: list, learning_rate) -> None:
+        if self._zero is None:
+            return super()._backend_update_step(grads, trainable_variables, learning_rate)
+        by_pos = self._zero_by_pos(grads, trainable_variables)
+        active = tuple(g is not None for g in by_pos)
+        shard = self._zero_reduce(self._zero_bucket_flats(by_pos), by_pos)
+        self._zero_apply_shard(shard, active, learning_rate)
+
+    def _zero_by_pos(self, grads: list, trainable_variables: list) -> list:
+        """Gradients in layout order (None for variables without one), densified."""
+        index = {id(unwrap(v)): i for i, v in enumerate(self._trainable_variables)}
+        by_pos: list[Any] = [None] * len(self._zero.layout.sizes)
+        for g, v in zip(grads, trainable_variables):
+            if g is not None:
+                # Sparse gradients (tf.IndexedSlices from embedding lookups) are densified
+                # per replica: the dense update of the summed gradient (see docs/parity.md).
+                by_pos[index[id(unwrap(v))]] = (
+                    tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+                )
+        return by_pos
+
+    def _zero_bucket_flats(self, by_pos: list) -> list[tf.Tensor]:
+        """One padded float32 ``[n * piece_size_b]`` buffer per bucket, in bucket order."""
+        layout = self._zero.layout
+        flats = []
+        for b in layout.buckets:
+            parts = [
+                tf.reshape(tf.cast(by_pos[i], tf.float32), [-1])
+                if by_pos[i] is not None
+                else tf.zeros([layout.sizes[i]], tf.float32)
+                for i in range(b.var_start, b.var_end)
+            ]
+            pad = b.padded_size(layout.num_shards) - b.size
+            if pad:
+                parts.append(tf.zeros([pad], tf.float32))
+            flats.append(tf.concat(parts, axis=0) if len(parts) > 1 else parts[0])
+        return flats
+
+    def _zero_unflatten(self, flat: tf.Tensor, active: tuple[bool, ...]) -> list:
+        """Per-variable tensors (None where inactive) from a padded flat buffer."""
+        layout = self._zero.layout
+        return [
+            tf.reshape(flat[off : off + size], shape) if on else None
+            for off, size, shape, on in zip(layout.offsets, layout.sizes, layout.shapes, active)
+        ]
+
+    def _zero_reduce(
+        self, bucket_flats: list[tf.Tensor], by_pos: list, raw: bool = False
+    ) -> tf.Tensor:
+        """Reduce the buckets (backward order) and return this replica's gradient shard,
+        float32 ``[shard_size]`` (``raw``: the runtime's own collectives, inside tf.cond)."""
+        zs = self._zero
+        pieces = comm.reduce_buckets(
+            list(reversed(bucket_flats)),
+            scatter=zs.stage >= 2,
+            group=zs.group,
+            overlap=zs.config.overlap_comm,
+            wait_for=[g for g in by_pos if g is not None],
+            raw=raw,
+        )
+        pieces.reverse()  # bucket order == shard order
+        return tf.concat(pieces, axis=0) if len(pieces) > 1 else pieces[0]
+
+    def _zero_clip_shard(self, shard: tf.Tensor) -> tf.Tensor:
+        """Clip a reduced gradient shard as Keras clips a gradient list, norms across shards.
+
+        Used at stage 2 with accumulation, where no replica holds a full gradient: the
+        global norm is ``sqrt(all_reduce(sum(shard ** 2)))`` (of the summed gradient, not
+        of each replica's gradient as stock Keras under MirroredStrategy).
+
+        Raises:
+            NotImplementedError: ``clipnorm`` (per-variable norms across shards).
+        """
+        if self.clipnorm and self.clipnorm > 0:
+            raise NotImplementedError(
+                "clipnorm with stage 2 and gradient accumulation is not supported; "
+                "use global_clipnorm or clipvalue"
+            )
+        if self.global_clipnorm and self.global_clipnorm > 0:
+            sq = comm.all_reduce_sum_flat(
+                tf.reshape(tf.reduce_sum(tf.square(shard)), [1]), self._zero.group
+            )
+            use_norm = tf.sqrt(sq[0])
+            clip = tf.cast(self.global_clipnorm, tf.float32)
+            scale = clip * tf.minimum(1.0 / use_norm, 1.0 / clip) + (use_norm - use_norm)
+            return shard * scale
+        if self.clipvalue and self.clipvalue > 0:
+            return tf.clip_by_value(shard, -self.clipvalue, self.clipvalue)
+        return shard
+
+    def _zero_decays_in_update(self) -> bool:
+        """True when the host update applies the weight decay itself (states on the host
+        or NVMe, stages 1-2): Keras's own decay of the variables is then skipped."""
+        zs = self._zero
+        return zs is not None and zs.stage < 3 and not isinstance(zs.store, DeviceOptimizerState)
+
+    def _apply_weight_decay(self, variables):
+        if self._zero_decays_in_update():
+            return  # in the update (_zero_host_update)
+        return super()._apply_weight_decay(variables)
+
+    def _zero_weight_decay(self, variables: list, learning_rate) -> None:
+        """Keras's decoupled weight decay (``TFOptimizer._apply_weight_decay``:
+        ``v -= v * wd * lr``) with the learning rate of the optimizer step rather than of
+        the micro-step. Runs inside ``tf.cond``, where ``merge_call`` is not allowed, so
+        each replica updates its own copy of the (mirrored) variable. Skipped when the
+        host update applies it (:meth:`_zero_decays_in_update`)."""
+        if self.weight_decay is None or self._zero_decays_in_update():
+            return
+        for variable in variables:
+            variable = unwrap(variable)
+            if self._use_weight_decay(variable):
+                local = local_copy(variable)
+                lr = tf.cast(learning_rate, local.dtype)
+                wd = tf.cast(self.weight_decay, local.dtype)
+                local.assign_sub(local * wd * lr)
+
+    def _zero_apply_shard(
+        self, grad_shard: tf.Tensor, active: tuple[bool, ...], lr, in_cond: bool = False
+    ) -> None:
+        """Update this replica's parameter shard with ``grad_shard``, all-gather the shards
+        and assign the active variables (each replica its own copy when ``in_cond``:
+        ``merge_call`` is not allowed inside ``tf.cond``; the values are identical)."""
+        zs = self._zero
+        layout = zs.layout
+        n = layout.num_shards
+        all_vars = [unwrap(v) for v in self._trainable_variables]
+        param_flats = self._zero_bucket_flats([tf.cast(v, tf.float32) for v in all_vars])
+        pieces = [comm.shard_of(f, b.piece_size) for f, b in zip(param_flats, layout.buckets)]
+        param_shard = tf.concat(pieces, axis=0) if len(pieces) > 1 else pieces[0]
+        replica = replica_id()
+        scalars = self._zero_scalars(lr)
+        step = self._zero_step()
+        if isinstance(zs.store, DeviceOptimizerState):
+            mask = None
+            if not all(active):
+                m = np.zeros(layout.shard_size, bool)
+                for s, e in layout.active_ranges(replica, active):
+                    m[s:e] = True
+                mask = tf.constant(m)
+            new_shard = self._zero_device_step(
+                zs.store.slots(replica), param_shard, grad_shard, scalars, mask
+            )
+            with tf.control_dependencies([new_shard]):
+                host_function(
+                    functools.partial(self._zero_tick, replica=replica),
+                    [step],
+                    tf.int64,
+                    stateful=True,
+                    name="zero_step_clock",
+                )
+        else:
+            # AdamW's decoupled weight decay is applied here, in the update (not by Keras
+            # on the variables first), so a step that fails leaves the weights untouched.
+            decayed = tuple(
+                on and self.weight_decay is not None and self._use_weight_decay(v)
+                for on, v in zip(active, self._trainable_variables)
+            )
+            host_fn = functools.partial(
+                self._zero_host_update, replica=replica, active=active, decayed=decayed
+            )
+            wd = tf.cast(self.weight_decay if self.weight_decay else 0.0, tf.float32)
+            new_shard = host_function(
+                host_fn,
+                [step, grad_shard, param_shard, wd, tf.cast(lr, tf.float32), *scalars],
+                tf.float32,
+                stateful=True,
+                name="zero_host_update",
+            )
+            self._zero_gate_tokens().append(new_shard)
+        new_shard.set_shape([layout.shard_size])
+        gathered = comm.all_gather_flat(new_shard, zs.group if in_cond else None)
+        rows = tf.reshape(gathered, [n, layout.shard_size])
+        chosen = []
+        for b in layout.buckets:
+            bucket = tf.reshape(rows[:, b.shard_offset : b.shard_offset + b.piece_size], [-1])
+            for i in range(b.var_start, b.var_end):
+                if active[i]:
+                    off = layout.offsets[i] - b.flat_offset
+                    value = tf.reshape(bucket[off : off + layout.sizes[i]], layout.shapes[i])
+                    chosen.append((value, all_vars[i]))
+        if not chosen:
+            return
+        if in_cond:
+            for value, var in chosen:
+                local = local_copy(var)
+                local.assign(tf.cast(value, local.dtype))
+            return
+
+        def _assign(distribution, values_and_vars):
+            for value, var in values_and_vars:
+                distribution.extended.update(
+                    var, lambda a, b: a.assign(tf.cast(b, a.dtype)), args=(value,), group=False
+                )
+
+        tf.__internal__.distribute.interim.maybe_merge_call(
+            _assign, self._distribution_strategy, chosen
+        )
+
+    def _zero_tick(self, step: np.ndarray, replica: int) -> np.int64:
+        if self._zero.runtime is not None:
+            self._zero.runtime.on_shard_updated(self, replica, int(step), 0.0)
+        return np.int64(step)
+
+    def _zero_host_update(
+        self,
+        step: np.ndarray,
+        grad: np.ndarray,
+        param: np.ndarray,
+        wd: np.ndarray,
+        lr: np.ndarray,
+        *scalars: np.ndarray,
+        replica: int,
+        active: tuple[bool, ...],
+        decayed: tuple[bool, ...],
+    ) -> np.ndarray:
+        start = time.perf_counter()
+        zs = self._zero
+        param = np.array(param, dtype=np.float32, copy=True)
+        if any(decayed):  # Keras: v - v * wd * lr, before the update
+            wd, lr = np.float32(wd), np.float32(lr)
+            for s, e in zs.layout.active_ranges(replica, decayed):
+                param[s:e] = param[s:e] - param[s:e] * wd * lr
+        ranges = zs.layout.active_ranges(replica, active)
+        step_fn = functools.partial(self._zero_host_step, scalars=scalars)
+        self._zero_begin(replica, int(step))
+        zs.store.update(replica, ranges, param, grad, step_fn, step=int(step))
+        if zs.runtime is not None:
+            zs.runtime.on_shard_updated(self, replica, int(step), time.perf_counter() - start)
+        return param
