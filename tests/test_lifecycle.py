@@ -23,6 +23,7 @@ import zero_runtime
 
 CYCLES = 6
 MIB = 1 << 20
+_WATCHDOG_THREAD = "zero_runtime-collective-watchdog"  # one per process, reused
 
 
 def _train_once(strategy) -> None:
@@ -63,11 +64,15 @@ def test_create_train_close_many_times_leaks_nothing(tmp_path, cpu_devices):
     ours = _growth_per_cycle(zero)
     assert os.listdir(nvme) == []  # every pool removed its files on close
     # TensorFlow's own executor threads show up as threading._DummyThread once they have run
-    # a host update (tf.numpy_function); they belong to TensorFlow's pools, not to us.
+    # a host update (tf.numpy_function); they belong to TensorFlow's pools, not to us. The
+    # collective watchdog is one thread per process, started at the first step and reused
+    # by every strategy after (zero_runtime/comm/watchdog.py).
     left = [
         t.name
         for t in threading.enumerate()
-        if t.ident not in threads_before and not isinstance(t, threading._DummyThread)
+        if t.ident not in threads_before
+        and not isinstance(t, threading._DummyThread)
+        and t.name != _WATCHDOG_THREAD
     ]
     assert left == []  # no writer, emitter or I/O thread outlives its strategy
     reference = _growth_per_cycle(lambda i: Mirrored(cpu_devices))

@@ -21,9 +21,8 @@ text) and that ``zero_runtime/`` has no import circle::
     stage 3        stage3
     optimizers     optim
     shards         sharded_variable
-    services       memory, comm, telemetry, control, oom, estimator, capabilities,
-                   cluster_guard, lifecycle
-    foundations    config, devices, strategy_variants
+    services       memory, comm, telemetry, control, oom, estimator, capabilities, cluster_guard
+    foundations    config, devices, strategy_variants, lifecycle
 
 Only this package root may import from any layer (lazily, in ``__getattr__``). From
 ``tb_plugin`` the runtime imports only the data contract (``tb_plugin.metadata``) and its
@@ -48,7 +47,7 @@ __version__ = "0.1.0"
 #: The layers of ``zero_runtime``, lowest first: ``(name, top-level modules and packages)``.
 #: A unit may import units of lower layers only (tests/test_layering.py).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("foundations", ("config", "devices", "strategy_variants")),
+    ("foundations", ("config", "devices", "strategy_variants", "lifecycle")),
     (
         "services",
         (
@@ -60,7 +59,6 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "estimator",
             "capabilities",
             "cluster_guard",
-            "lifecycle",
         ),
     ),
     ("shards", ("sharded_variable",)),
