@@ -92,7 +92,14 @@ def framework_memory_bytes(info: DeviceInfo) -> tuple[float, float]:
 
     On a GPU host this sums ``get_memory_info('GPU:i')`` over the local GPUs; on the CPU
     stand-in the logical CPU devices share one allocator, so ``CPU:0`` covers them all.
+    On the CPU stand-in, ``TF_CPU_ALLOCATOR_USE_BFC`` set to a false value (``0``,
+    ``false``) turns the reading off (NaN): some TensorFlow builds keep CPU allocator
+    statistics without the BFC allocator (measured with tensorflow-cpu 2.21.0 on this
+    machine, where the variable had no effect), and a user who switched them off gets the
+    runtime's own accounting, as documented.
     """
+    if info.is_standin and bfc_refused():
+        return math.nan, math.nan
     names = (
         [info.memory_info_device]
         if info.is_standin
@@ -112,3 +119,9 @@ def framework_memory_bytes(info: DeviceInfo) -> tuple[float, float]:
 def bfc_requested() -> bool:
     """True when the CPU BFC allocator was requested through the environment."""
     return os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").lower() in ("1", "true")
+
+
+def bfc_refused() -> bool:
+    """True when the environment switches the CPU BFC allocator off explicitly
+    (``TF_CPU_ALLOCATOR_USE_BFC`` is ``0`` or ``false``, any case)."""
+    return os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").lower() in ("0", "false")
