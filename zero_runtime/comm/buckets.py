@@ -86,7 +86,8 @@ def reduce_buckets(
                 pieces.append(reduce_scatter_sum_flat(flat, group))
             else:
                 summed = all_reduce_sum_flat(flat, group if raw else None)
-                pieces.append(shard_of(summed, int(flat.shape[0]) // n))
+                size = flat.shape[0]  # static from the optimizer's layout
+                pieces.append(shard_of(summed, (size or tf.shape(flat)[0]) // n))
     return pieces
 
 
