@@ -13,6 +13,7 @@ from helpers.mirrored import Mirrored
 
 from zero_runtime import comm
 from zero_runtime.optim.layout import FlatLayout
+from zero_runtime.runtime.accounting import Accounting
 from zero_runtime.telemetry.comm import collective_bytes
 
 SHARD = 5
@@ -148,6 +149,9 @@ def test_reduce_scatter_of_unknown_length_falls_back_to_all_reduce_once(strategy
     zs = SimpleNamespace(layout=layout, stage=2, group=group, accumulation_steps=1)
     moved = collective_bytes(zs, n)  # the telemetry names the implementation used
     assert (moved["all_reduce_calls"], moved["reduce_scatter_calls"]) == (n, 0)
+    accounting = Accounting(SimpleNamespace(devices=strategy.extended.worker_devices))
+    accounting.add_optimizer(SimpleNamespace(zero_state=zs))
+    assert accounting.reduce_scatter_impl() == "all_reduce"  # what run_info names
     warnings = [r for r in caplog.records if "cannot serve" in r.getMessage()]
     assert len(warnings) == 1 and "'all_to_all'" in warnings[0].getMessage()
 
