@@ -2,9 +2,9 @@
 
 Two models whose gradients have shapes TensorFlow cannot know when it traces the step:
 
-- ``dense3d``: ``Input((None, 8)) -> Dense(16) -> Dense(4)`` on 3-D input, fed a data set
-  whose last batch is smaller (``batch(8)`` without ``drop_remainder``: the batch
-  dimension is None);
+- ``dense3d``: ``Input((None, 8)) -> Dense(16) -> Dense(4)`` on 3-D input, fed numpy
+  arrays of 20 samples in batches of 8 (the last batch is smaller: the batch dimension
+  is None);
 - ``gpt``: a small GPT-style functional transformer (token projection, one block of causal
   self-attention, an MLP, residual connections, LayerNormalization) with an unknown
   sequence length, fed batches of two sequence lengths and a smaller last batch.
@@ -68,11 +68,11 @@ def _gpt() -> keras.Model:
     return keras.Model(tokens, keras.layers.Dense(VOCAB, name="lm_head")(x))
 
 
-def _dense3d_data() -> tf.data.Dataset:
+def _dense3d_data() -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.RandomState(1)
     x = rng.randn(20, 5, 8).astype("float32")
     y = rng.randint(0, CLASSES, (20, 5)).astype("int32")
-    return tf.data.Dataset.from_tensor_slices((x, y)).batch(8)  # 8, 8, 4: batch None
+    return x, y  # numpy, fit in batches of 8: 8, 8, 4 (batch None)
 
 
 def _gpt_data() -> tf.data.Dataset:
@@ -82,7 +82,8 @@ def _gpt_data() -> tf.data.Dataset:
         x = rng.randint(0, VOCAB, (n, length + 1)).astype("int32")
         return tf.data.Dataset.from_tensor_slices((x[:, :-1], x[:, 1:]))
 
-    # 8 + 8 sequences of 7 tokens, then 4 of 5 tokens: batch and sequence length None.
+    # batch(8) without drop_remainder: 8 + 8 sequences of 7 tokens, then 4 of 5 tokens;
+    # batch and sequence length None.
     return part(16, 7).batch(8).concatenate(part(4, 5).batch(8))
 
 
@@ -97,7 +98,11 @@ def _fit(strategy, name: str) -> keras.Model:
             optimizer=keras.optimizers.get("adam"),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
-    model.fit(data(), epochs=EPOCHS, verbose=0, shuffle=False)
+    feed = data()
+    if isinstance(feed, tuple):  # numpy whose length is not a multiple of the batch
+        model.fit(*feed, batch_size=8, epochs=EPOCHS, verbose=0, shuffle=False)
+    else:
+        model.fit(feed, epochs=EPOCHS, verbose=0, shuffle=False)
     return model
 
 
