@@ -4,6 +4,7 @@ bucketed reduction and collective groups, on the session's 2 logical CPU devices
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -11,6 +12,9 @@ import tensorflow as tf
 from helpers.mirrored import Mirrored
 
 from zero_runtime import comm
+from zero_runtime.optim.layout import FlatLayout
+from zero_runtime.runtime.accounting import Accounting
+from zero_runtime.telemetry.comm import collective_bytes
 
 SHARD = 5
 
@@ -42,6 +46,21 @@ def _run(strategy, fn):
     return [np.asarray(t) for t in strategy.experimental_local_results(out)], data
 
 
+def _run_outputs(strategy, fn, data: np.ndarray) -> list[list[np.ndarray]]:
+    """Run ``fn(replica's row of data)`` (a sequence of tensors) on each replica inside a
+    tf.function; ``[output][replica]`` numpy arrays."""
+
+    @tf.function
+    def step():
+        def replica_fn():
+            ctx = tf.distribute.get_replica_context()
+            return fn(tf.gather(tf.constant(data), ctx.replica_id_in_sync_group))
+
+        return strategy.run(replica_fn)
+
+    return [[np.asarray(t) for t in strategy.experimental_local_results(x)] for x in step()]
+
+
 @pytest.mark.parametrize("impl", ["all_to_all", "all_reduce"])
 def test_reduce_scatter_gives_each_replica_its_summed_shard(strategy, impl):
     group = comm.CollectiveGroup.create(strategy.extended.worker_devices, impl)
@@ -71,18 +90,7 @@ def test_raw_all_reduce_and_all_gather_match_the_strategy_ones(strategy):
 
     n = strategy.num_replicas_in_sync
     data = _inputs(n)
-
-    @tf.function
-    def step():
-        def replica_fn():
-            ctx = tf.distribute.get_replica_context()
-            return fn(tf.gather(tf.constant(data), ctx.replica_id_in_sync_group))
-
-        return strategy.run(replica_fn)
-
-    raw_sum, sum_, raw_gather, gather = (
-        [np.asarray(t) for t in strategy.experimental_local_results(x)] for x in step()
-    )
+    raw_sum, sum_, raw_gather, gather = _run_outputs(strategy, fn, data)
     for r in range(n):
         np.testing.assert_array_equal(raw_sum[r], data.sum(axis=0))
         np.testing.assert_array_equal(raw_sum[r], sum_[r])
@@ -106,19 +114,46 @@ def test_reduce_buckets(strategy, overlap, scatter):
     data = _inputs(n)[:, :n_elems]
     assert data.shape[1] == n_elems
 
-    @tf.function
-    def step():
-        def replica_fn():
-            ctx = tf.distribute.get_replica_context()
-            return fn(tf.gather(tf.constant(data), ctx.replica_id_in_sync_group))
-
-        return strategy.run(replica_fn)
-
-    pieces = [[np.asarray(t) for t in strategy.experimental_local_results(x)] for x in step()]
+    pieces = _run_outputs(strategy, fn, data)
     total = data.sum(axis=0)
     for r in range(n):
         np.testing.assert_array_equal(pieces[0][r], total[: 2 * n][r * 2 : (r + 1) * 2])
         np.testing.assert_array_equal(pieces[1][r], total[2 * n :][r * 3 : (r + 1) * 3])
+
+
+def test_reduce_scatter_of_unknown_length_falls_back_to_all_reduce_once(strategy, caplog):
+    """A buffer whose length is unknown at trace time cannot be viewed as [n, shard] for
+    the all-to-all: it is all-reduced and sliced, the group names the implementation used,
+    and one warning is logged (both replicas trace it, and two buckets need it)."""
+    group = comm.CollectiveGroup.create(strategy.extended.worker_devices, "all_to_all")
+    n = strategy.num_replicas_in_sync
+
+    def fn(flat):
+        unknown = tf.boolean_mask(flat, flat > -1.0)  # every element, length None
+        assert unknown.shape[0] is None
+        return comm.reduce_buckets(
+            [unknown, unknown[: 2 * n]], scatter=True, group=group, overlap=True
+        )
+
+    data = _inputs(n)
+
+    caplog.set_level("WARNING", logger="zero_runtime.comm.collectives")
+    pieces = _run_outputs(strategy, fn, data)
+    total = data.sum(axis=0)
+    for r in range(n):
+        np.testing.assert_array_equal(pieces[0][r], total[r * SHARD : (r + 1) * SHARD])
+        np.testing.assert_array_equal(pieces[1][r], total[: 2 * n][r * 2 : (r + 1) * 2])
+    assert (group.reduce_scatter_impl, group.fallback_impl) == ("all_to_all", "all_reduce")
+    assert group.impl_used == "all_reduce"
+    layout = FlatLayout.from_variables([SimpleNamespace(shape=(10,), path="v")], n)
+    zs = SimpleNamespace(layout=layout, stage=2, group=group, accumulation_steps=1)
+    moved = collective_bytes(zs, n)  # the telemetry names the implementation used
+    assert (moved["all_reduce_calls"], moved["reduce_scatter_calls"]) == (n, 0)
+    accounting = Accounting(SimpleNamespace(devices=strategy.extended.worker_devices))
+    accounting.add_optimizer(SimpleNamespace(zero_state=zs))
+    assert accounting.reduce_scatter_impl() == "all_reduce"  # what run_info names
+    warnings = [r for r in caplog.records if "cannot serve" in r.getMessage()]
+    assert len(warnings) == 1 and "'all_to_all'" in warnings[0].getMessage()
 
 
 def test_group_keys_and_instance_keys():

@@ -355,3 +355,7 @@ def test_stage2_telemetry_counts_gradient_shard(tmp_path):
     )
     assert {r["optimizer_tier"] for r in placement["variables"]} == {"nvme"}
     assert "ZeRO-2" in placement["variables"][0]["partitioning"]
+    info = json.loads(
+        tensor_util.make_ndarray(acc.Tensors(metadata.TAG_RUN_INFO)[-1].tensor_proto).item()
+    )
+    assert info["reduce_scatter_impl"] == "all_to_all"  # the implementation stage 2 ran

@@ -9,6 +9,22 @@ Inside a Keras train step the optimizer hook sees every gradient at once, but it
 TensorFlow's executor can start it as soon as those exist, while the backward ops of
 earlier layers still run. With ``overlap=False`` every collective also waits for all
 gradients (a control dependency), i.e. the reductions are issued at the end.
+
+Trace order and the replica barrier. ``MirroredStrategy`` traces its replicas one after
+another in the same graph, each up to its next ``merge_call``; the strategy's own
+collectives are merge calls, the runtime's raw ones (stage 2's reduce-scatter) are not.
+``tf.function``'s automatic control dependencies chain every stateful op that has no
+resource input (``Assert``, ``tf.print``, host callbacks) in that trace order, across
+replicas. Without a barrier, replica 0's ops after its reduce-scatter (its shard update's
+host callback) were traced before replica 1's forward pass, so the ``Assert`` that
+``tf.nn.sparse_softmax_cross_entropy_with_logits`` adds when a shape is unknown at trace
+time (any transformer fed a batch or sequence length of ``None``) waited for replica 0's
+update, which waited for replica 0's all-to-all, which waited for replica 1's forward
+pass: a deadlock (the watchdog's ``DeadlineExceededError`` after
+``collective_timeout_seconds``). :func:`replica_barrier` (a no-op ``merge_call`` before
+the raw collectives) makes every replica trace its gradients before any replica traces
+what follows its reduce-scatter, so that chain never points from one replica's
+post-collective ops back into another replica's pre-collective ones.
 """
 
 from __future__ import annotations
@@ -48,7 +64,9 @@ def reduce_buckets(
         wait_for: tensors that must exist before any collective starts when
             ``overlap=False`` (all the step's gradients).
         raw: issue the all-reduce path with ``group``'s raw collectives too (required
-            inside ``tf.cond``, where the strategy's own collectives cannot run).
+            inside ``tf.cond``, where the strategy's own collectives cannot run). False
+            (default) means "not inside ``tf.cond``": a reduce-scatter is then preceded
+            by :func:`replica_barrier`.
 
     Returns:
         One float32 ``[piece_size_b]`` tensor per bucket, same order as ``buckets``.
@@ -57,6 +75,8 @@ def reduce_buckets(
         RuntimeError: called outside replica context.
     """
     n = tf.distribute.get_replica_context().num_replicas_in_sync
+    if scatter and not raw:
+        replica_barrier()
     barrier = [] if overlap else [t for t in wait_for if t is not None]
     pieces = []
     for flat in buckets:
@@ -66,5 +86,24 @@ def reduce_buckets(
                 pieces.append(reduce_scatter_sum_flat(flat, group))
             else:
                 summed = all_reduce_sum_flat(flat, group if raw else None)
-                pieces.append(shard_of(summed, int(flat.shape[0]) // n))
+                size = flat.shape[0]  # static from the optimizer's layout
+                pieces.append(shard_of(summed, (size or tf.shape(flat)[0]) // n))
     return pieces
+
+
+def replica_barrier() -> None:
+    """Trace-time barrier of the replicas (a no-op ``merge_call``); nothing runs at step time.
+
+    Every replica's ops built before the call are traced before any replica's ops built
+    after it (see the module docstring for why stage 2 needs this before its raw
+    collectives). Not allowed inside ``tf.cond`` (a ``merge_call`` is not); without
+    merge calls (a strategy that does not support them) it does nothing.
+
+    Raises:
+        RuntimeError: called outside replica context.
+    """
+    if tf.distribute.get_replica_context() is None:
+        raise RuntimeError("replica_barrier must be called in replica context")
+    tf.__internal__.distribute.interim.maybe_merge_call(
+        lambda _strategy: None, tf.distribute.get_strategy()
+    )

@@ -16,6 +16,7 @@ one watchdog thread instead. Vocabulary:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
 import numpy as np
@@ -24,6 +25,8 @@ from tensorflow.python.ops import gen_collective_ops
 
 from zero_runtime.comm.groups import CollectiveGroup, WorkerGroup
 from zero_runtime.comm.watchdog import WATCHDOG, guard
+
+log = logging.getLogger(__name__)
 
 
 def all_reduce_sum_flat(flat: tf.Tensor, group: CollectiveGroup | None = None) -> tf.Tensor:
@@ -55,7 +58,8 @@ def shard_of(flat: tf.Tensor, shard_size: int) -> tf.Tensor:
 
     Args:
         flat: tensor ``[num_replicas * shard_size]``.
-        shard_size: elements per shard (int > 0).
+        shard_size: elements per shard (int > 0, or an int32 scalar tensor when the
+            length of ``flat`` is not known at trace time).
 
     Returns:
         ``flat[r * shard_size : (r + 1) * shard_size]`` for this replica ``r``.
@@ -89,14 +93,26 @@ def reduce_scatter_sum_flat(flat: tf.Tensor, group: CollectiveGroup | None) -> t
         float32 ``[shard_size]``: ``sum_r flat_r[i * shard_size : (i + 1) * shard_size]``
         on replica ``i``.
 
+    A buffer whose length is not known at trace time cannot be viewed as ``[n,
+    shard_size]`` (all-to-all) nor given to the native kernel: it is all-reduced and
+    sliced instead, the group records it (``group.fallback_impl = 'all_reduce'``, named by
+    ``group.impl_used`` and the collective telemetry) and a warning is logged once per
+    group. The partitioned optimizer never makes such a buffer: it flattens gradients to
+    the variables' static sizes (zero_runtime/optim/flat_update.py).
+
     Raises:
         RuntimeError: called outside replica context.
-        ValueError: the length of ``flat`` is not static or not divisible by n.
+        ValueError: the length of ``flat`` is static but not divisible by n.
     """
     ctx = _replica_context()
     n = ctx.num_replicas_in_sync
     length = flat.shape[0]
-    if length is None or length % n:
+    if length is None:
+        if group is not None and group.reduce_scatter_impl != "all_reduce":
+            _note_fallback(group, "a flat buffer whose length is unknown at trace time")
+        shard_size = tf.shape(flat)[0] // n
+        return shard_of(all_reduce_sum_flat(flat), shard_size)
+    if length % n:
         raise ValueError(f"flat buffer length {length} is not a static multiple of {n}")
     shard_size = length // n
     if group is None or group.reduce_scatter_impl == "all_reduce" or n == 1:
@@ -107,6 +123,20 @@ def reduce_scatter_sum_flat(flat: tf.Tensor, group: CollectiveGroup | None) -> t
         ctx, group, "all_to_all", tf.reshape(flat, [n, shard_size]), _all_to_all_v2
     )
     return tf.reduce_sum(rows, axis=0)  # (shard_size,)
+
+
+def _note_fallback(group: CollectiveGroup, why: str) -> None:
+    """Record on ``group`` that a reduce-scatter ran as an all-reduce; log it once."""
+    if group.fallback_impl is None:
+        log.warning(
+            "zero_runtime: reduce-scatter implementation %r (group %d) cannot serve %s; "
+            "using 'all_reduce' plus a slice for it (same result, the whole buffer on "
+            "every replica for the duration of the collective)",
+            group.reduce_scatter_impl,
+            group.group_key,
+            why,
+        )
+    group.fallback_impl = "all_reduce"
 
 
 def all_gather_flat(shard: tf.Tensor, group: CollectiveGroup | None = None) -> tf.Tensor:

@@ -49,6 +49,10 @@ class CollectiveGroup:
             :data:`~zero_runtime.comm.watchdog.WATCHDOG`, not by TensorFlow (whose
             per-op timeout keeps an OS thread alive per op for the whole timeout).
         tokens: one scalar float32 resource variable per device (the ordering token).
+        fallback_impl: None, or 'all_reduce' once a reduce-scatter of this group was
+            given a buffer its implementation cannot serve (a length not known at trace
+            time) and ran as an all-reduce plus a slice instead
+            (:func:`~zero_runtime.comm.reduce_scatter_sum_flat`, which logs it once).
     """
 
     group_key: int
@@ -56,6 +60,7 @@ class CollectiveGroup:
     reduce_scatter_impl: str
     timeout_seconds: float
     tokens: tuple = ()
+    fallback_impl: str | None = None
     _counters: dict[int, itertools.count] = dataclasses.field(default_factory=dict)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
@@ -103,6 +108,12 @@ class CollectiveGroup:
                     # (as tf.distribute's own CollectiveReplicaLauncher does).
                     tokens.append(resource_variable_ops.ResourceVariable(0.0, trainable=False))
         return cls(next(_GROUP_KEYS), devices, impl, float(timeout_seconds), tuple(tokens))
+
+    @property
+    def impl_used(self) -> str:
+        """The reduce-scatter implementation the group's collectives run: ``fallback_impl``
+        when one was needed, else ``reduce_scatter_impl``."""
+        return self.fallback_impl or self.reduce_scatter_impl
 
     @property
     def group_size(self) -> int:

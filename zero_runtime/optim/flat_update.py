@@ -151,12 +151,17 @@ class FlatShardUpdate:
         return by_pos
 
     def _zero_bucket_flats(self, by_pos: list) -> list[tf.Tensor]:
-        """One padded float32 ``[n * piece_size_b]`` buffer per bucket, in bucket order."""
+        """One padded float32 ``[n * piece_size_b]`` buffer per bucket, in bucket order.
+
+        Each gradient is reshaped to its variable's element count from the layout (the
+        variables' static shapes), not ``[-1]``: a gradient's shape may be unknown at
+        trace time (a ``Dense`` on 3-D input with a batch or sequence length of None),
+        and the collectives need a static buffer length."""
         layout = self._zero.layout
         flats = []
         for b in layout.buckets:
             parts = [
-                tf.reshape(tf.cast(by_pos[i], tf.float32), [-1])
+                tf.reshape(tf.cast(by_pos[i], tf.float32), [layout.sizes[i]])
                 if by_pos[i] is not None
                 else tf.zeros([layout.sizes[i]], tf.float32)
                 for i in range(b.var_start, b.var_end)

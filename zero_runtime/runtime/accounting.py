@@ -66,6 +66,13 @@ class Accounting:
         """The registered stage-3 engines whose pool is still open."""
         return [e for e in self.stage3_engines if not e.pool.closed]
 
+    def reduce_scatter_impl(self) -> str | None:
+        """How stage 2 reduce-scatters gradients: the implementation the first registered
+        optimizer's collective group runs (``CollectiveGroup.impl_used``: 'nccl',
+        'all_to_all', or 'all_reduce', also after a fallback), or None without one."""
+        groups = [o.zero_state.group for o in self.optimizers if o.zero_state.stage == 2]
+        return next((g.impl_used for g in groups if g is not None), None)
+
     def close_stores(self) -> None:
         """Close every optimizer's state store (e.g. the NVMe pool's files)."""
         for opt in self.optimizers:

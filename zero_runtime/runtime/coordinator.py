@@ -106,6 +106,7 @@ class ZeroRuntime:
         self.postmortem = PostMortem(logdir, device, num_replicas, publish=self._publish_oom)
         self.host_margin_bytes = oom.host_margin_bytes()
         oom.install_excepthook(self)
+        self._run_info_impl: str | None = None  # the reduce-scatter run_info last named
         self._write_run_info()
 
     # -- the parts' public faces (kept for callers of the one-object runtime) -------------
@@ -162,6 +163,7 @@ class ZeroRuntime:
         self._observe_store(optimizer.zero_state.store)
         if self.summaries is not None:
             self.summaries.estimate(self.estimate(optimizer))
+        self._write_run_info(only_if_changed=True)  # names the reduce-scatter used
 
     def register_stage3_engine(self, engine: Any) -> None:
         """Track a :class:`~zero_runtime.stage3.Stage3Engine` (called by the engine).
@@ -231,6 +233,7 @@ class ZeroRuntime:
         if self.state is not RuntimeState.OPEN:
             return
         step = end.step
+        self._write_run_info(only_if_changed=True)  # e.g. a reduce-scatter fell back
         trace = self.collector.profiler.stop()  # the sampled window ends with this step
         if self.telemetry_enabled and step % self.config.telemetry_every_n_steps == 0:
             stats = self.collector.collect(
@@ -375,11 +378,14 @@ class ZeroRuntime:
         return self.recorder.last(1)[0].step + 1 if len(self.recorder) else 0
 
     # -- summaries and lifecycle ---------------------------------------------------------
-    def _write_run_info(self) -> None:
-        if self.summaries is not None:
-            self.summaries.run_info(
-                self.config, self.num_replicas, self.device, self.fallback_mirrored
-            )
+    def _write_run_info(self, only_if_changed: bool = False) -> None:
+        impl = self.accounting.reduce_scatter_impl()
+        if self.summaries is None or (only_if_changed and impl == self._run_info_impl):
+            return
+        self._run_info_impl = impl
+        self.summaries.run_info(
+            self.config, self.num_replicas, self.device, self.fallback_mirrored, impl
+        )
 
     def flush(self) -> None:
         """Write queued summaries to disk (waits for the background emitter first)."""

@@ -8,7 +8,7 @@ the *input* buffer of each call, per replica, summed over the local replicas, in
   (once per optimizer step);
 - stage 2: one ``reduce_scatter`` per bucket, ``4 * padded_total`` per micro-batch, so
   ``N * 4 * padded_total`` per optimizer step (an ``all_reduce`` instead when the group's
-  implementation is 'all_reduce');
+  implementation is, or fell back to, 'all_reduce': ``CollectiveGroup.impl_used``);
 - both: one ``all_gather`` of the updated shard, ``4 * shard_size``.
 
 The scalar all-reduce of the gradient norm (stage 2 with accumulation and
@@ -42,7 +42,7 @@ def collective_bytes(zero_state: Any, local_replicas: int) -> dict[str, float]:
     acc = max(1, int(zero_state.accumulation_steps))
     out = {f"{k}_{u}": 0.0 for k in COLLECTIVE_KINDS for u in ("bytes", "calls")}
     if zero_state.stage >= 2:
-        impl = getattr(zero_state.group, "reduce_scatter_impl", "all_reduce")
+        impl = getattr(zero_state.group, "impl_used", "all_reduce")
         kind = (
             "all_reduce" if impl == "all_reduce" or zero_state.group is None else "reduce_scatter"
         )

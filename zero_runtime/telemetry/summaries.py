@@ -37,11 +37,19 @@ class RunSummaries:
         self._emitter = BackgroundEmitter(self._write_step)
 
     def run_info(
-        self, config: ZeroConfig, num_replicas: int, device: DeviceInfo, fallback_mirrored: bool
+        self,
+        config: ZeroConfig,
+        num_replicas: int,
+        device: DeviceInfo,
+        fallback_mirrored: bool,
+        reduce_scatter_impl: str | None = None,
     ) -> None:
         """``memory_hierarchy/run_info`` at step 0 (at start and whenever it changes): the
         stage, replicas, devices and the nature of the device tier, the config, whether
-        the strategy runs as plain mirrored, and the host's physical memory (bytes)."""
+        the strategy runs as plain mirrored, the host's physical memory (bytes) and, once a
+        stage-2 optimizer is built, ``reduce_scatter_impl``: the implementation its
+        reduce-scatter runs ('nccl', 'all_to_all' or 'all_reduce', also after a fallback;
+        zero_runtime.comm.reduce_scatter_sum_flat)."""
         info = {
             "stage": config.stage,
             "num_replicas": num_replicas,
@@ -53,6 +61,8 @@ class RunSummaries:
             "config": config.to_dict(),
             "host_total_bytes": psutil.virtual_memory().total,
         }
+        if reduce_scatter_impl is not None:
+            info["reduce_scatter_impl"] = reduce_scatter_impl
         self._writer.json(metadata.TAG_RUN_INFO, 0, info)
 
     def estimate(self, estimate: Mapping[str, Any]) -> None:
