@@ -26,9 +26,10 @@ import keras
 import tensorflow as tf
 from tensorflow.python.eager import record  # is a GradientTape recording (no public API)
 
-# Frames searched above the optimizer's build for the trainer (``_symbolic_build`` is one
-# frame up in Keras 3.15; ``compile_from_config`` one; a LossScaleOptimizer adds one).
-_MAX_FRAMES = 6
+# Frames searched above trainer_to_shard for the trainer. Keras 3.15: autoshard_stage3,
+# the optimizer's build, then ``_symbolic_build`` (or ``compile_from_config``), the 4th;
+# the margin covers a LossScaleOptimizer or a decorator around build.
+_MAX_FRAMES = 10
 
 CUSTOM_LOOP_FORM = (
     "strategy.run(model.train_step, args=(batch,)) inside a tf.function, after "

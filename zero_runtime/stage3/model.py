@@ -87,6 +87,9 @@ class ShardedModel(keras.Model):
 
         # The user's own object trains at stage 3 too (model.fit, strategy.run(model.train_step)).
         autoshard.bind(model, inner_train_step, self.engine.forward)
+        for name in ("fit", "train_on_batch", "evaluate", "predict"):  # recover on errors
+            own = getattr(type(model), name).__get__(model)
+            object.__setattr__(model, name, functools.partial(self._recovering, own))
 
     @property
     def update_in_backward(self) -> bool | None:
