@@ -22,7 +22,7 @@ text) and that ``zero_runtime/`` has no import circle::
     optimizers     optim
     shards         sharded_variable
     services       memory, comm, telemetry, control, oom, estimator, capabilities, cluster_guard
-    foundations    config, devices, strategy_variants
+    foundations    config, devices, strategy_variants, lifecycle
 
 Only this package root may import from any layer (lazily, in ``__getattr__``). From
 ``tb_plugin`` the runtime imports only the data contract (``tb_plugin.metadata``) and its
@@ -41,13 +41,13 @@ if "tensorflow" not in sys.modules:
 
 from zero_runtime.config import ZeroConfig, ZeroConfigError  # noqa: E402
 
-__all__ = ["ZeroConfig", "ZeroConfigError", "ZeroInfinityStrategy"]
+__all__ = ["StrategyClosedError", "ZeroConfig", "ZeroConfigError", "ZeroInfinityStrategy"]
 __version__ = "0.1.0"
 
 #: The layers of ``zero_runtime``, lowest first: ``(name, top-level modules and packages)``.
 #: A unit may import units of lower layers only (tests/test_layering.py).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("foundations", ("config", "devices", "strategy_variants")),
+    ("foundations", ("config", "devices", "strategy_variants", "lifecycle")),
     (
         "services",
         (
@@ -80,6 +80,10 @@ def __getattr__(name: str) -> Any:
         from zero_runtime.strategy import ZeroInfinityStrategy
 
         return ZeroInfinityStrategy
+    if name == "StrategyClosedError":  # a strategy used after close(): docs/zero_stages.md
+        from zero_runtime.lifecycle import StrategyClosedError
+
+        return StrategyClosedError
     if name == "checkpoint":  # sharded checkpoints (imports TensorFlow): docs/checkpoint.md
         import importlib
 

@@ -54,6 +54,7 @@ import tensorflow as tf
 from keras.src.backend.common.stateless_scope import get_stateless_scope, in_stateless_scope
 from keras.src.backend.tensorflow.core import Variable as _KerasTFVariable
 
+from zero_runtime.lifecycle import host_function
 from zero_runtime.memory import PagedBufferPool
 
 #: Tier of a shard's pages for each ``offload_param`` value.
@@ -204,7 +205,7 @@ class ShardedVariable(_KerasTFVariable):
             fn = self.gather_on_demand
             if len(self.local_replicas) < self.num_shards:
                 fn = self._remote_read_in_graph  # traced (Keras's symbolic build), never run
-            out = tf.numpy_function(fn, [], tf.float32, stateful=True)
+            out = host_function(fn, [], tf.float32, stateful=True)
             out.set_shape(self._logical_shape)
             return self._maybe_autocast(out)
         return self._maybe_autocast(tf.constant(self.gather_on_demand()))

@@ -26,11 +26,9 @@ says so.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import itertools
 import os
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,6 +40,7 @@ from zero_runtime.capabilities import IMPLEMENTED, IMPLEMENTED_STAGE3_PARAM, che
 from zero_runtime.comm import REDUCE_SCATTER_IMPLS
 from zero_runtime.config import ZeroConfig
 from zero_runtime.devices import DeviceInfo, local_devices
+from zero_runtime.lifecycle import ClosePhase, Resources
 from zero_runtime.optim.partitioned import PARTITIONED_BY_NAME
 from zero_runtime.runtime import ZeroRuntime
 
@@ -73,6 +72,9 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
         config: the active :class:`ZeroConfig`.
         device_info: the replica devices and whether the device tier is a CPU stand-in.
         runtime: the :class:`ZeroRuntime` (step clock, accounting, telemetry).
+        resources: the :class:`zero_runtime.lifecycle.Resources` recording what the
+            strategy created (stage-3 engines and pools, optimizer stores, update threads,
+            the runtime) and its lifecycle state; :meth:`close` releases them.
 
     Raises:
         zero_runtime.config.ZeroConfigError: an invalid config value.
@@ -146,6 +148,7 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
         self._initial_config = config
         self.reduce_scatter_impl = reduce_scatter_impl
         self._collective_key_base = next(_COLLECTIVE_KEY_BASES)
+        self.resources = Resources(f"{type(self).__name__}(stage={config.stage})")
         self.device_info: DeviceInfo = self._init_distribute_base(config, num_cpu_replicas)
         self.runtime = ZeroRuntime(
             config,
@@ -154,7 +157,7 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
             self._runtime_logdir(logdir),
             fallback_mirrored=config.stage == 0,
         )
-        atexit.register(_close_runtime, weakref.ref(self.runtime))
+        self.resources.adopt(self.runtime, ClosePhase.TELEMETRY, "runtime")
 
     @property
     def config(self) -> ZeroConfig:
@@ -194,19 +197,6 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
         if self.partitioned:
             stack.enter_context(keras.saving.CustomObjectScope(PARTITIONED_BY_NAME))
         return stack
-
-    def run(self, fn, args=(), kwargs=None, options=None):
-        """``tf.distribute`` ``run``; at stage 3 it refuses, before the step is traced,
-        Keras's own ``train_step`` of a model that is not sharded (a model compiled with
-        a stock Keras optimizer instance, e.g. ``keras.optimizers.Adam()``, which would
-        train replicated while the config and telemetry say stage 3).
-
-        Raises:
-            ValueError: that case, naming the model, its optimizer and what to pass.
-        """
-        if self.config.stage == 3:
-            _refuse_unsharded_keras_step(fn)
-        return super().run(fn, args=args, kwargs=kwargs, options=options)
 
     def write_postmortem(self, exc: BaseException) -> str | None:
         """Write the OOM post-mortem for an error caught by the caller (docs/oom.md).
@@ -328,9 +318,44 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
 
         return CheckpointManager(directory, model, self).restore(tag)
 
+    def run(self, fn, args=(), kwargs=None, options=None):
+        """``tf.distribute.Strategy.run``.
+
+        At stage 3 it refuses, before the step is traced, Keras's own ``train_step`` of a
+        model that is not sharded (a model compiled with a stock Keras optimizer
+        instance, e.g. ``keras.optimizers.Adam()``, which would train replicated while
+        the config and telemetry say stage 3).
+
+        Raises:
+            zero_runtime.lifecycle.StrategyClosedError: after :meth:`close`.
+            ValueError: that stage-3 case, naming the model, its optimizer and what to pass.
+        """
+        self.resources.check_open("run a step")
+        if self.config.stage == 3:
+            _refuse_unsharded_keras_step(fn)
+        with self.resources.tracing():  # gradient registrations, released by close()
+            return super().run(fn, args=args, kwargs=kwargs, options=options)
+
+    def experimental_distribute_dataset(self, dataset, options=None):
+        """As ``tf.distribute.Strategy``'s (Keras's fit/evaluate/predict call it first);
+        raises :class:`~zero_runtime.lifecycle.StrategyClosedError` after :meth:`close`."""
+        self.resources.check_open("distribute a dataset (fit, evaluate or predict)")
+        return super().experimental_distribute_dataset(dataset, options=options)
+
     def close(self) -> None:
-        """Flush and close the telemetry; the strategy must not run steps afterwards."""
-        self.runtime.close()
+        """Release everything the strategy created; idempotent (a second call is a no-op).
+
+        In this order (:class:`zero_runtime.lifecycle.ClosePhase`): stage 3's update
+        threads (after their queued block updates), stage-3 engines (their pools: prefetch
+        and I/O threads, pages, NVMe slab files and descriptors), optimizer-state stores
+        (write-behind thread, NVMe pool), then the telemetry (flushed and closed last).
+        Afterwards :meth:`run`, ``fit``/``evaluate``/``predict``, :meth:`shard_model`
+        and the host calls of steps traced before raise
+        :class:`zero_runtime.lifecycle.StrategyClosedError`. Stage 0-2 models keep their
+        weights (Keras variables, readable in :meth:`scope`); stage-3 weights (their
+        shards) are gone.
+        """
+        self.resources.close()
 
 
 def _refuse_unsharded_keras_step(fn: Any) -> None:
@@ -350,9 +375,3 @@ def _refuse_unsharded_keras_step(fn: Any) -> None:
             "'adamw' or 'sgd' (or zero_runtime.optim.Adam(...)), or call "
             "strategy.shard_model(model) first"
         )
-
-
-def _close_runtime(ref: weakref.ref) -> None:
-    runtime = ref()
-    if runtime is not None:
-        runtime.close()

@@ -13,10 +13,13 @@ Public API::
         pool.release("w")
         counters = pool.step_boundary(step)   # PageCounters
 
-Modules: :mod:`.page_table` (pages, states, the one record), :mod:`.tiers` (slots and
-storage), :mod:`.io` (slab files, async I/O), :mod:`.policy` (victim ranking),
-:mod:`.pool` (placement, eviction, prefetch), :mod:`.counters`, :mod:`.errors`.
-See ``docs/paging.md``.
+Modules, one owner each: :mod:`.page_table` (pages, states, the one record and its
+state machine), :mod:`.transitions` (every page move between tiers), :mod:`.placement`
+(the placement loop, victims, out-of-memory), :mod:`.io` (slab files, the I/O
+scheduler), :mod:`.prefetch` (the prefetch queue and thread), :mod:`.access` (bytes in
+and out of pages), :mod:`.tiers` (slots and storage), :mod:`.policy` (victim ranking),
+:mod:`.reports` (placement, usage, OOM snapshots), :mod:`.counters`, :mod:`.errors`;
+:mod:`.pool` is the façade over them. See ``docs/paging.md``.
 """
 
 from zero_runtime.memory.counters import PageCounters, TierUsage

@@ -30,6 +30,8 @@ from zero_runtime.memory.counters import CounterAccumulator
 from zero_runtime.memory.errors import PageStateError
 
 KINDS = ("param", "grad", "optimizer", "activation", "other")
+TIER_ORDER = ("device", "host", "nvme")  # top to bottom
+LEVEL = {name: i for i, name in enumerate(TIER_ORDER)}  # tier -> depth (0: top)
 
 
 class PageState(enum.Enum):

@@ -31,6 +31,10 @@ before its end leaves updates queued: :func:`settle` waits for them
 transaction (:mod:`zero_runtime.optim.transaction`): the blocks' parameter shards and
 states are journalled, committed after ``iterations`` increments, and put back bitwise
 when an update raised (:meth:`finish` rolls back before raising) or by :func:`settle`.
+The update threads belong to the optimizer's strategy: ``strategy.close()`` (or
+``ShardedModel.close()``, :func:`close`) waits for their queued updates and stops them
+(:mod:`zero_runtime.lifecycle`).
+
 The host update's seconds are not recorded as runtime compute (the end-of-step host
 update's are not either): counting it, which includes the NVMe state I/O, made every
 step's overlap ratio 1.0.
@@ -47,6 +51,13 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from zero_runtime.lifecycle import (
+    ClosePhase,
+    LifecycleState,
+    StrategyClosedError,
+    host_function,
+    resources_of,
+)
 from zero_runtime.optim.device_state import DeviceOptimizerState
 
 
@@ -112,7 +123,7 @@ class BackwardShardUpdate:
         """
         fn = functools.partial(self._host_enqueue, tuple(variables))
         # Stateless, ordered by its inputs only: see zero_runtime.stage3.engine._host_call.
-        done = tf.numpy_function(
+        done = host_function(
             fn,
             [shard, after, self.step, *self._scalars],
             tf.float32,
@@ -126,7 +137,7 @@ class BackwardShardUpdate:
         """End the replica's update: report the step to the runtime (telemetry), then
         increment ``iterations``. ``after``: tensors that must exist first (the last
         block's token, row-paged tables' updates). Returns the int64 optimizer step."""
-        step = tf.numpy_function(
+        step = host_function(
             self._host_finish, [self.step, *after], tf.int64, stateful=True, name="zero3_finish"
         )
         step.set_shape([])
@@ -190,12 +201,24 @@ def settle(optimizer: Any) -> int:
     states exactly as before it. Returns the number of updates waited for.
     """
     with _QUEUES_LOCK:
-        queues = list(_QUEUES.get(optimizer, {}).values())
-    waited = sum(q.discard() for q in queues)
+        threads = _QUEUES.get(optimizer)
+    waited = threads.settle() if threads is not None else 0
     settle_steps = getattr(optimizer, "zero_settle", None)
     if settle_steps is not None:  # roll back the failed step (NVMe states: transactions)
         settle_steps()
     return waited
+
+
+def close(optimizer: Any) -> int:
+    """Stop ``optimizer``'s update threads after their queued updates (idempotent).
+
+    Called by ``ShardedModel.close`` and, through the strategy's
+    :class:`~zero_runtime.lifecycle.Resources` (phase ``UPDATES``), by
+    ``strategy.close()``. Returns the number of queued updates waited for.
+    """
+    with _QUEUES_LOCK:
+        threads = _QUEUES.get(optimizer)
+    return threads.close() if threads is not None else 0
 
 
 class _UpdateQueue:
@@ -228,19 +251,76 @@ class _UpdateQueue:
         concurrent.futures.wait(pending)
         return len(pending)
 
+    def shutdown(self) -> None:
+        """Stop the thread (after the updates it runs)."""
+        self.executor.shutdown(wait=True)
 
-_QUEUES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+class _UpdateThreads:
+    """The update queues of one optimizer, one per local replica, and their lifecycle.
+
+    States (:class:`~zero_runtime.lifecycle.LifecycleState`): OPEN (queues made on first
+    use) -> CLOSED (:meth:`close`: queued updates waited for, threads stopped; a new
+    update raises :class:`~zero_runtime.lifecycle.StrategyClosedError`).
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.state = LifecycleState.OPEN
+        self._queues: dict[int, _UpdateQueue] = {}
+        self._lock = threading.Lock()
+
+    def queue(self, replica: int) -> _UpdateQueue:
+        """The queue of ``replica`` (created at first use).
+
+        Raises:
+            StrategyClosedError: after :meth:`close`.
+        """
+        with self._lock:
+            if self.state is not LifecycleState.OPEN:
+                raise StrategyClosedError(
+                    f"{self.name}: the update in backward ran after its model or strategy "
+                    "was closed"
+                )
+            if replica not in self._queues:
+                self._queues[replica] = _UpdateQueue(replica)
+            return self._queues[replica]
+
+    def settle(self) -> int:
+        """Wait for the queued updates of every replica, dropping their errors."""
+        with self._lock:
+            queues = list(self._queues.values())
+        return sum(q.discard() for q in queues)
+
+    def close(self) -> int:
+        """OPEN -> CLOSED: wait for the queued updates, stop the threads; idempotent.
+        Returns the number of updates waited for."""
+        with self._lock:
+            if self.state is LifecycleState.CLOSED:
+                return 0
+            self.state = LifecycleState.CLOSED
+            queues, self._queues = list(self._queues.values()), {}
+        waited = sum(q.discard() for q in queues)
+        for q in queues:
+            q.shutdown()
+        return waited
+
+
+_QUEUES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> threads
 _QUEUES_LOCK = threading.Lock()
 
 
 def _queue(optimizer: Any, replica: int) -> _UpdateQueue:
-    """The update queue of ``(optimizer, replica)``, created at first use and dropped
-    with the optimizer."""
+    """The update queue of ``(optimizer, replica)``, created at first use; the
+    optimizer's threads are owned by its strategy (closed by ``strategy.close()``)."""
     with _QUEUES_LOCK:
-        per = _QUEUES.setdefault(optimizer, {})
-        if replica not in per:
-            per[replica] = _UpdateQueue(replica)
-        return per[replica]
+        threads = _QUEUES.get(optimizer)
+        if threads is None:
+            threads = _QUEUES[optimizer] = _UpdateThreads(f"{optimizer.name} update threads")
+            owner = resources_of(getattr(optimizer, "_distribution_strategy", None))
+            if owner is not None:
+                owner.adopt(threads, ClosePhase.UPDATES, threads.name)
+    return threads.queue(replica)
 
 
 def _contiguous_runs(variables: tuple, offset: dict) -> list[list]:

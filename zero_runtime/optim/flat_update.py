@@ -26,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from zero_runtime import comm
+from zero_runtime.lifecycle import host_function
 from zero_runtime.optim.device_state import DeviceOptimizerState
 from zero_runtime.optim.replica_context import local_copy, replica_id, unwrap
 
@@ -272,10 +273,10 @@ class FlatShardUpdate:
                 zs.store.slots(replica), param_shard, grad_shard, scalars, mask
             )
             with tf.control_dependencies([new_shard]):
-                tf.numpy_function(
+                host_function(
                     functools.partial(self._zero_tick, replica=replica),
                     [step],
-                    Tout=tf.int64,
+                    tf.int64,
                     stateful=True,
                     name="zero_step_clock",
                 )
@@ -290,10 +291,10 @@ class FlatShardUpdate:
                 self._zero_host_update, replica=replica, active=active, decayed=decayed
             )
             wd = tf.cast(self.weight_decay if self.weight_decay else 0.0, tf.float32)
-            new_shard = tf.numpy_function(
+            new_shard = host_function(
                 host_fn,
                 [step, grad_shard, param_shard, wd, tf.cast(lr, tf.float32), *scalars],
-                Tout=tf.float32,
+                tf.float32,
                 stateful=True,
                 name="zero_host_update",
             )

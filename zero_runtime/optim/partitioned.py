@@ -48,6 +48,7 @@ from tensorflow.python.ops import resource_variable_ops
 
 from zero_runtime import comm, estimator
 from zero_runtime.config import ZeroConfig
+from zero_runtime.lifecycle import ClosePhase, resources_of
 from zero_runtime.optim import kernels
 from zero_runtime.optim.device_state import DeviceOptimizerState
 from zero_runtime.optim.flat_update import FlatShardUpdate, iteration_gate
@@ -239,7 +240,7 @@ class _PartitionedUpdate(FlatShardUpdate, ShardedUpdate, TransactionalUpdate):
         if tier == "none":
             return DeviceOptimizerState(layout, self._zero_slots, devices)
         if tier == "nvme":
-            return NvmeOptimizerState(
+            store = NvmeOptimizerState(
                 layout,
                 self._zero_slots,
                 nvme_path=str(config.nvme_path),
@@ -248,6 +249,10 @@ class _PartitionedUpdate(FlatShardUpdate, ShardedUpdate, TransactionalUpdate):
                 nvme_budget_bytes=config.nvme_budget_bytes,
                 prefix=f"{type(self).__name__}{next(_OPTIMIZER_IDS)}",
             )
+            owner = resources_of(self._distribution_strategy)  # strategy.close() closes it
+            if owner is not None:
+                owner.adopt(store, ClosePhase.OPTIMIZER_STATES, f"{self.name} NVMe states")
+            return store
         return HostOptimizerState(layout, self._zero_slots)
 
     @property

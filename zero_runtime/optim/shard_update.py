@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from zero_runtime.lifecycle import host_function
 from zero_runtime.optim.device_state import DeviceOptimizerState
 from zero_runtime.optim.replica_context import replica_id
 from zero_runtime.sharded_variable import ShardState
@@ -68,7 +69,7 @@ class ShardedUpdate:
         wd = tf.cast(self.weight_decay if self.weight_decay else 0.0, tf.float32)
         lr32 = tf.cast(lr, tf.float32)
         if isinstance(zs.store, DeviceOptimizerState):
-            param = tf.numpy_function(
+            param = host_function(
                 functools.partial(self._zero3_read, replica=replica, decay=True),
                 [wd, lr32],
                 tf.float32,
@@ -77,7 +78,7 @@ class ShardedUpdate:
             )
             param.set_shape([zs.layout.shard_size])
             new = self._zero_device_step(zs.store.slots(replica), param, grad_shard, scalars, None)
-            done = tf.numpy_function(
+            done = host_function(
                 functools.partial(self._zero3_write, replica=replica),
                 [step, new],
                 tf.int64,
@@ -85,7 +86,7 @@ class ShardedUpdate:
                 name="zero3_write_shards",
             )
         else:
-            done = tf.numpy_function(
+            done = host_function(
                 functools.partial(self._zero3_host_update, replica=replica),
                 [step, grad_shard, wd, lr32, *scalars],
                 tf.int64,

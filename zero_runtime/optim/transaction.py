@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from zero_runtime.lifecycle import host_function
 from zero_runtime.optim.nvme_state import NvmeOptimizerState
 
 
@@ -156,7 +157,7 @@ class TransactionalUpdate:
         if self._zero.journals is None:
             return tf.identity(after)
         counter = tf.convert_to_tensor(self._iterations)  # read after the increment
-        done = tf.numpy_function(
+        done = host_function(
             functools.partial(self._zero_commit, replica=replica),
             [counter],
             tf.int64,

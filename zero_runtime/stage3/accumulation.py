@@ -27,6 +27,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
 
+from zero_runtime.lifecycle import host_function
+
 ACCUMULATOR_TIER = {"none": "device", "cpu": "host", "nvme": "host"}  # offload_optimizer ->
 
 
@@ -95,7 +97,7 @@ class ShardAccumulator:
                 return tf.where(is_update, total, tf.zeros_like(total))
         # Stateless, ordered by data only (engine._host_call explains why: a stateful host
         # call of replica 1 would wait for replica 0's collectives); its output is used.
-        out = tf.numpy_function(
+        out = host_function(
             functools.partial(self._host_step, replica % len(self._host)),
             [grad, is_update],
             tf.float32,

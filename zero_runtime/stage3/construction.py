@@ -55,6 +55,7 @@ import tensorflow as tf
 from keras.src.backend.common import global_state
 from keras.src.backend.common.stateless_scope import get_stateless_scope
 
+from zero_runtime.lifecycle import host_function
 from zero_runtime.sharded_variable import is_deferred  # defined below optim and stage3
 
 #: Device on which deferred initializers run (host memory on a GPU machine; on a CPU-only
@@ -86,7 +87,7 @@ class HostValue:
         if tuple(shape) != self.array.shape:
             raise ValueError(f"HostValue of shape {self.array.shape} read as {tuple(shape)}")
         if tf.inside_function():
-            out = tf.numpy_function(lambda: self.array, [], dtype, stateful=False)
+            out = host_function(lambda: self.array, [], dtype, stateful=False)
             out.set_shape(self.array.shape)
             return out
         return tf.constant(self.array, dtype)

@@ -72,6 +72,7 @@ from keras.src.backend.tensorflow.core import Variable as _KerasTFVariable
 
 from zero_runtime import comm
 from zero_runtime.config import ZeroConfig
+from zero_runtime.lifecycle import host_function
 from zero_runtime.memory import PagedBufferPool
 from zero_runtime.sharded_variable import (
     PARAM_TIER,
@@ -427,7 +428,7 @@ class RowPagedEmbedding:
     def _lookup(self, x, replica: int):
         ids = tf.reshape(tf.cast(x, tf.int32), [-1])  # (L,)
         all_ids = comm.all_gather_flat(ids)  # (N * L,), replica order
-        uniq, inv, owned = tf.numpy_function(
+        uniq, inv, owned = host_function(
             functools.partial(self._fetch_rows, replica),
             [all_ids],
             [tf.int32, tf.int32, tf.float32],
@@ -472,7 +473,7 @@ class RowPagedEmbedding:
         scalars = optimizer._zero_scalars(lr)  # noqa: SLF001 (reads iterations before +1)
         decay = bool(optimizer.weight_decay) and optimizer._use_weight_decay(self.table)  # noqa: SLF001
         wd = tf.cast(optimizer.weight_decay if decay else 0.0, tf.float32)
-        return tf.numpy_function(
+        return host_function(
             functools.partial(self._update_rows, optimizer, replica),
             [uniq, grad, wd, lr, *scalars],
             tf.int64,

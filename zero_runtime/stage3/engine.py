@@ -40,6 +40,13 @@ import tensorflow as tf
 
 from zero_runtime import comm
 from zero_runtime.config import ZeroConfig
+from zero_runtime.lifecycle import (
+    ClosePhase,
+    LifecycleState,
+    StrategyClosedError,
+    host_function,
+    resources_of,
+)
 from zero_runtime.memory import PageCounters, PagedBufferPool, PoolOutOfMemoryError, TierUsage
 from zero_runtime.sharded_variable import PARAM_TIER, ShardedVariable, ShardState
 from zero_runtime.stage3 import construction
@@ -175,6 +182,8 @@ class Stage3Engine:
             with ``offload_param='none'``); a row-paged table counts its row cache, not
             the table (``embedding.row_paging_budget``, docs/zero_stages.md).
         last_step: the :class:`PoolStep` of the last closed step (None before).
+        state: OPEN, then CLOSED after :meth:`close` (the strategy's ``close()`` closes
+            it, phase ``MODELS``: :mod:`zero_runtime.lifecycle`).
 
     Raises:
         ValueError: an unbuilt model, a non-chain functional model, a weight shared by
@@ -204,8 +213,14 @@ class Stage3Engine:
         # Frozen (non-trainable) weights are not sharded: replicated on every replica's
         # device like MirroredStrategy's, and counted on that tier (placement_rows).
         self.frozen = tuple(v for v in model.weights if not v.trainable)
+        self.resources = resources_of(strategy)  # the owner of the pool and host calls
+        if self.resources is not None:
+            self.resources.check_open(f"shard model {model.name!r}")
+        self.state = LifecycleState.OPEN
         self.tier = PARAM_TIER[config.offload_param]
         self.pool = self._make_pool(layers, config)
+        if self.resources is not None:
+            self.resources.adopt(self, ClosePhase.MODELS, f"stage-3 engine of {model.name!r}")
         remote = len(self.local_replicas) < self.num_shards  # shards on other workers
         # Multi-worker: the group of the eager all-gather that reads a variable outside a
         # step (created here, in the same order on every worker, like every group key).
@@ -874,8 +889,22 @@ class Stage3Engine:
             self._steps_done.clear()
         return counts
 
+    def check_open(self, action: str) -> None:
+        """Raise :class:`~zero_runtime.lifecycle.StrategyClosedError` naming ``action``
+        after :meth:`close`."""
+        if self.state is not LifecycleState.OPEN:
+            raise StrategyClosedError(
+                f"cannot {action}: the stage-3 model was closed (ShardedModel.close() or "
+                "strategy.close()) and its parameter shards are gone"
+            )
+
     def close(self) -> None:
-        """Close the pool (removes its NVMe file). The model's weights are lost."""
+        """OPEN -> CLOSED: close the pool (prefetch and I/O threads stopped, pages freed,
+        NVMe slab file and its descriptors removed). The model's weights are lost.
+        Idempotent."""
+        if self.state is LifecycleState.CLOSED:
+            return
+        self.state = LifecycleState.CLOSED
         self.pool.close()
 
 
@@ -1002,9 +1031,10 @@ def _host_call(fn, inputs: list, tout, name: str = "zero3_host"):
     (``_dep``), so it is neither constant-folded nor merged, and runs when its inputs
     exist. A call made for its side effect must feed a value that is used (Grappler
     prunes control dependencies on stateless ops): the releases return 0.0, added to
-    the block's output.
+    the block's output. The strategy the step is traced under owns ``fn``
+    (:func:`zero_runtime.lifecycle.host_function`), so the graph does not keep it alive.
     """
-    return tf.numpy_function(fn, inputs, tout, stateful=False, name=name)
+    return host_function(fn, inputs, tout, stateful=False, name=name)
 
 
 def _replica_id() -> int:

@@ -24,6 +24,7 @@ from keras.src import tree
 from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from zero_runtime.lifecycle import host_function
 from zero_runtime.optim import backward_update
 from zero_runtime.optim.backward_update import BackwardShardUpdate
 from zero_runtime.stage3 import autoshard
@@ -150,7 +151,7 @@ class ShardedModel(keras.Model):
                     grads = {k: tf.identity(g) for k, g in grads.items()}
             done = self._apply_gradients(opt, grads, replica)
         with tf.control_dependencies([done]):
-            end = tf.numpy_function(
+            end = host_function(
                 functools.partial(_end_step, self.engine, replica),
                 [done],
                 tf.int64,
@@ -199,7 +200,7 @@ class ShardedModel(keras.Model):
         def accumulate_only():
             # After the micro-step's gradients exist (a data input): release the
             # persistent copies (the update would have), return -1.
-            out = tf.numpy_function(
+            out = host_function(
                 functools.partial(_micro_step_end, engine, replica),
                 [flat],
                 tf.int64,
@@ -266,6 +267,7 @@ class ShardedModel(keras.Model):
         return self._recovering(super().predict, *args, **kwargs)
 
     def _recovering(self, fn, *args, **kwargs):
+        self.engine.check_open(f"{fn.__name__} {self.name!r}")
         try:
             return fn(*args, **kwargs)
         except BaseException:
@@ -273,7 +275,19 @@ class ShardedModel(keras.Model):
             raise
 
     def close(self) -> None:
-        """Release the engine's pool (NVMe file included)."""
+        """Release what this model holds before its strategy closes; idempotent.
+
+        Stops its optimizer's update threads (after their queued block updates:
+        :func:`zero_runtime.optim.backward_update.close`), then closes the engine's pool
+        (prefetch and I/O threads, pages, NVMe slab file). The weights are lost (save a
+        checkpoint first); ``fit``/``evaluate``/``predict`` then raise
+        :class:`~zero_runtime.lifecycle.StrategyClosedError`. ``strategy.close()`` does
+        this for every model of the strategy; the optimizer's state store is the
+        strategy's too (closed by ``strategy.close()``).
+        """
+        opt = getattr(self, "optimizer", None)
+        if opt is not None:
+            backward_update.close(opt)
         self.engine.close()
 
 

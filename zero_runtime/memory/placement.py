@@ -1,0 +1,361 @@
+"""Placement: bringing pages to a target tier, making room by moving victims down.
+
+Terms in :mod:`.page_table`. :meth:`Placement.settle` is the one placement loop behind
+the pool's ``allocate``, ``acquire``, ``evict``, ``prefetch`` and ``set_device_budget``:
+it moves each page one hop at a time toward its target (NVMe <-> host <-> device) through
+:class:`~zero_runtime.memory.transitions.TierTransitions`; when the next tier has no
+free slot, it moves *victims* (unpinned pages of other tensors, ranked by
+:class:`~zero_runtime.memory.policy.EvictionPolicy`) one tier down. When nothing can move
+and no I/O is pending, a blocking caller gets ``PoolOutOfMemoryError`` with a snapshot
+(:func:`~zero_runtime.memory.reports.oom_snapshot`).
+
+Called under the pool's lock; it waits only on the pool's condition variable, so I/O
+threads can record completions meanwhile. A blocking caller short of slots counts itself
+in :attr:`Placement.starved`, which makes the prefetcher step aside.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from zero_runtime.memory.counters import CounterAccumulator
+from zero_runtime.memory.errors import PoolOutOfMemoryError
+from zero_runtime.memory.io import IoJob
+from zero_runtime.memory.page_table import (
+    HOLDS,
+    IN_FLIGHT,
+    LEVEL,
+    RESIDENT,
+    TIER_ORDER,
+    PageRecord,
+    PageState,
+    PageTable,
+    TensorEntry,
+)
+from zero_runtime.memory.policy import EvictionPolicy
+from zero_runtime.memory.tiers import SlotTier
+from zero_runtime.memory.transitions import SnapshotFn, TierTransitions
+
+S = PageState
+
+WAIT_SLICE_SECONDS = 0.25  # seconds; waits re-check their condition at least this often
+
+
+class Placement:
+    """Owner of where pages go: the placement loop, victim choice and OOM decisions.
+
+    Args:
+        table: the page table.
+        tiers: tier name -> tier.
+        has_nvme: whether the pool has an NVMe tier (the host tier's pages can go down).
+        transitions: the owner of page moves.
+        policy: the eviction policy (victim ranking).
+        cond: the pool's condition variable (its lock held by every caller).
+        check_open: raises ``PoolClosedError`` once the pool is closed.
+        snapshot: builds an OOM snapshot ``(nbytes, tensor_id, tier, reason)``.
+        counters: where acquires count prefetch hits/misses and stalls, and a device
+            shrink its evictions.
+
+    Attributes:
+        starved: blocking callers now waiting for slots (the prefetcher yields while > 0).
+    """
+
+    def __init__(
+        self,
+        table: PageTable,
+        tiers: dict[str, SlotTier],
+        has_nvme: bool,
+        transitions: TierTransitions,
+        policy: EvictionPolicy,
+        cond: threading.Condition,
+        check_open: Callable[[], None],
+        snapshot: SnapshotFn,
+        counters: CounterAccumulator,
+    ) -> None:
+        self._table = table
+        self._tiers = tiers
+        self._has_nvme = has_nvme
+        self._moves = transitions
+        self._policy = policy
+        self._cond = cond
+        self._check_open = check_open
+        self._snapshot = snapshot
+        self._counters = counters
+        self._page_size = tiers["host"].page_size
+        self.starved = 0
+
+    # --- the loop -------------------------------------------------------------------------
+    def settle(
+        self,
+        pages: list[PageRecord],
+        target: str,
+        exclude: set[str],
+        *,
+        advisory: bool,
+        down_only: bool = False,
+        limit: float | None = None,
+    ) -> bool:
+        """Move ``pages`` to ``target`` hop by hop, making room as needed.
+
+        Waits on the condition. Pages of ``exclude`` tensors are never chosen as
+        victims; with ``limit``, only pages whose next use is further than ``limit``
+        are. Returns True when done. Advisory callers (prefetch) count a page read
+        already on its way to the host as done, and get False instead of an error when
+        stuck, when a job failed, or when a blocking caller is starved.
+
+        Raises:
+            PoolOutOfMemoryError: (blocking callers) nothing can make room.
+            PagingError: (blocking callers) an NVMe job of this call failed.
+            KeyError: a page's tensor was freed meanwhile.
+            PoolClosedError: the pool closed meanwhile.
+        """
+        pages = list({id(p): p for p in pages}.values())  # a tensor may be listed twice
+        jobs: list[IoJob] = []
+        starving = False
+        try:
+            while True:
+                self._check_open()
+                for job in jobs:
+                    if job.done and job.error is not None:
+                        if advisory:
+                            return False
+                        raise job.error
+                if advisory and self.starved:
+                    return False
+                todo = []
+                for p in pages:
+                    if p.state is S.FREED:
+                        if advisory:
+                            return False
+                        raise KeyError(f"tensor {p.tensor_id!r} was freed while being placed")
+                    issued = advisory and target == "host" and p.state is S.IN_FLIGHT_IN
+                    if not (issued or _placed(p, target, down_only)):
+                        todo.append(p)
+                if not todo:
+                    return True
+                acted = False
+                lacking: dict[str, list[PageRecord]] = {name: [] for name in TIER_ORDER}
+                for p in todo:
+                    if p.state in IN_FLIGHT:
+                        continue
+                    dst = _next_hop(p, target)
+                    tier = self._tiers[dst]
+                    if tier.has_free():
+                        self._moves.hop(p, dst, tier.take(), jobs, evicting=False)
+                        acted = True
+                    else:
+                        lacking[dst].append(p)
+                if not advisory and starving != any(lacking.values()):
+                    starving = not starving
+                    self.starved += 1 if starving else -1
+                if any(lacking.values()):
+                    acted = self._make_room(lacking, exclude, jobs, limit) or acted
+                if acted:
+                    continue
+                if not self._moves.io_busy():
+                    if advisory:
+                        return False
+                    raise self.out_of_memory(pages, target, lacking, exclude)
+                self._cond.wait(WAIT_SLICE_SECONDS)
+        finally:
+            if starving:
+                self.starved -= 1
+                self._cond.notify_all()
+
+    def bring(self, entry: TensorEntry, tier: str) -> None:
+        """Settle ``entry``'s pages on ``tier`` for an acquire (the caller pinned it).
+
+        Each page counts as a prefetch hit (already on ``tier``, or being read to the
+        host) or a miss (brought by this call); the time waited counts as stall seconds.
+
+        Raises:
+            as :meth:`settle` (blocking).
+        """
+        start = time.perf_counter()
+        state = RESIDENT[tier]
+        hits = sum(
+            1
+            for p in entry.pages
+            if p.state is state or (tier == "host" and p.state is S.IN_FLIGHT_IN)
+        )
+        waited = any(p.state is not state for p in entry.pages)
+        self.settle(entry.pages, tier, {entry.tensor_id}, advisory=False)
+        self._counters.add("prefetch_hits", hits)
+        self._counters.add("prefetch_misses", len(entry.pages) - hits)
+        if waited:
+            self._counters.add("stall_seconds", time.perf_counter() - start)
+
+    def shrink_device(self, new: int) -> int:
+        """Set the device tier to ``new`` page slots, first moving the excess pages to the
+        host by the eviction policy (counted as evictions). Returns the pages moved.
+
+        Raises:
+            PoolOutOfMemoryError: more pages must move than are unpinned on the device
+                (nothing changed), or the host cannot take them.
+        """
+        device = self._tiers["device"]
+        excess = device.used - new
+        victims = self.victims("device", excess, set(), None) if excess > 0 else []
+        if len(victims) < excess:
+            reason = (
+                f"cannot shrink the device tier to {new} page slots: {device.used} "
+                f"are in use and only {len(victims)} can move down (the rest are pinned)"
+            )
+            raise PoolOutOfMemoryError(
+                self._snapshot(excess * self._page_size, "", "device", reason)
+            )
+        device.resize(new)
+        if victims:
+            self.settle(victims, "host", set(), advisory=False, down_only=True)
+            self._counters.add("evictions", len(victims))
+        return len(victims)
+
+    def evict(self, entries: list[TensorEntry], to_tier: str) -> None:
+        """Move ``entries``' pages down to ``to_tier`` (pages already lower stay); waits,
+        with all their I/O issued first.
+
+        Raises:
+            ValueError: a tensor is pinned or acquired (nothing moved).
+            as :meth:`settle` (blocking).
+        """
+        for entry in entries:
+            if entry.pinned:
+                raise ValueError(f"tensor {entry.tensor_id!r} is pinned or acquired")
+        pages = [p for e in entries for p in e.pages]
+        ids = {e.tensor_id for e in entries}
+        self.settle(pages, to_tier, ids, advisory=False, down_only=True)
+
+    def wait_settled(self, entry: TensorEntry) -> None:
+        """Wait until none of ``entry``'s pages is in flight.
+
+        Raises:
+            KeyError: the tensor was freed meanwhile.
+            PoolClosedError: the pool closed meanwhile.
+        """
+        while entry.in_flight():
+            self._check_open()
+            self._cond.wait(WAIT_SLICE_SECONDS)
+        if entry.tensor_id not in self._table:
+            raise KeyError(f"tensor {entry.tensor_id!r} was freed while waiting")
+
+    # --- room -----------------------------------------------------------------------------
+    def below(self, tier: str) -> str | None:
+        """The tier under ``tier`` that its pages can move to, or None."""
+        if tier == "device":
+            return "host"
+        if tier == "host" and self._has_nvme:
+            return "nvme"
+        return None
+
+    def _coming_free(self, tier: str) -> int:
+        """Slots of ``tier`` that jobs in flight will free when they finish."""
+        if tier == "host":
+            return self._table.count(S.IN_FLIGHT_OUT)
+        if tier == "nvme":
+            return self._table.count(S.IN_FLIGHT_IN)
+        return 0
+
+    def _make_room(
+        self,
+        lacking: dict[str, list[PageRecord]],
+        exclude: set[str],
+        jobs: list[IoJob],
+        limit: float | None,
+    ) -> bool:
+        """Start moving victims down for the slots ``lacking`` asks for, top tier first
+        (a device victim that finds the host full is added to the host's wants)."""
+        acted = False
+        for name in TIER_ORDER:
+            need = len(lacking[name]) - self._coming_free(name)
+            lower = self.below(name)
+            if need <= 0 or lower is None:
+                continue
+            for victim in self.victims(name, need, exclude, limit):
+                lower_tier = self._tiers[lower]
+                if lower_tier.has_free():
+                    self._moves.hop(victim, lower, lower_tier.take(), jobs, evicting=True)
+                    acted = True
+                else:
+                    lacking[lower].append(victim)
+        return acted
+
+    def victims(
+        self, tier: str, n: int, exclude: set[str], limit: float | None
+    ) -> list[PageRecord]:
+        """The ``n`` pages of other, unpinned tensors to evict first from ``tier``."""
+        state = RESIDENT[tier]
+        candidates = (
+            p
+            for e in self._table.entries()
+            if not e.pinned and e.tensor_id not in exclude
+            for p in e.pages
+            if p.state is state
+        )
+        return self._policy.choose(candidates, n, limit)
+
+    # --- refusals -------------------------------------------------------------------------
+    def check_fits(self, entry: TensorEntry, tier: str) -> None:
+        """Fail fast when the tensor cannot fit on ``tier`` beside other pinned pages.
+
+        Raises:
+            PoolOutOfMemoryError: naming the pages needed and held.
+        """
+        slots = self._tiers[tier].n_slots
+        if slots is None:
+            return
+        pinned = sum(
+            1
+            for e in self._table.entries()
+            if e.pinned and e is not entry
+            for p in e.pages
+            if tier in HOLDS[p.state]
+        )
+        if len(entry.pages) > slots - pinned:
+            reason = (
+                f"the tensor needs {len(entry.pages)} pages and the {tier} tier has {slots} "
+                f"page slots, {pinned} of them held by pinned or acquired tensors"
+            )
+            raise PoolOutOfMemoryError(
+                self._snapshot(len(entry.pages) * self._page_size, entry.tensor_id, tier, reason)
+            )
+
+    def out_of_memory(
+        self,
+        pages: list[PageRecord],
+        target: str,
+        lacking: dict[str, list[PageRecord]],
+        exclude: set[str],
+    ) -> PoolOutOfMemoryError:
+        """The error of a placement that cannot proceed, with the stuck tier's reason."""
+        stuck = next((name for name in TIER_ORDER if lacking[name]), target)
+        tier = self._tiers[stuck]
+        lower = self.below(stuck)
+        reason = f"the {stuck} tier is full ({tier.used} of {tier.n_slots} page slots)"
+        if lower is None:
+            reason += "; it is the lowest tier" if stuck == "nvme" else "; there is no NVMe tier"
+        elif not self.victims(stuck, 1, exclude, None):
+            reason += "; none of its pages can move down (all pinned, acquired or requested)"
+        else:
+            reason += f"; the {lower} tier below is full too"
+        tensor_ids = list(dict.fromkeys(p.tensor_id for p in pages))
+        request = len(pages) * self._page_size
+        return PoolOutOfMemoryError(self._snapshot(request, ",".join(tensor_ids), target, reason))
+
+
+def _placed(page: PageRecord, target: str, down_only: bool) -> bool:
+    if page.state is RESIDENT[target]:
+        return True
+    return (
+        down_only
+        and page.state in (S.ON_DEVICE, S.ON_HOST, S.ON_NVME)
+        and LEVEL[page.tier] > LEVEL[target]
+    )
+
+
+def _next_hop(page: PageRecord, target: str) -> str:
+    if page.state is S.UNPLACED:
+        return target
+    here = LEVEL[page.tier]
+    return TIER_ORDER[here + 1] if LEVEL[target] > here else TIER_ORDER[here - 1]
