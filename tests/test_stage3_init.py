@@ -26,6 +26,7 @@ from helpers.reference_optimizers import DenseGradAdam
 
 import zero_runtime
 from demo.model import GPTConfig, build_gpt
+from zero_runtime.sharded_variable import ShardedVariable
 from zero_runtime.stage3 import construction
 
 PAGE = 65536
@@ -173,8 +174,10 @@ def test_zero_init_initializes_what_it_does_not_shard(tmp_path, cpu_devices):
 
 
 def test_misuse_names_the_fix(tmp_path, cpu_devices):
-    """A zero_init model trained without shard_model, and a model sharded twice, are clear
-    ValueErrors (were an AttributeError deep in the optimizer and a bare KeyError at the
+    """A zero_init model trained without shard_model is sharded by its first fit (issue
+    #15: each deferred variable initialized straight into its shards; it was a
+    ValueError asking for shard_model, and before that an AttributeError deep in the
+    optimizer); a model sharded twice is a clear ValueError (was a bare KeyError at the
     first step)."""
     strategy = zero_runtime.ZeroInfinityStrategy(_config("cpu", tmp_path))
     with strategy.zero_init():
@@ -182,11 +185,14 @@ def test_misuse_names_the_fix(tmp_path, cpu_devices):
     with strategy.scope():
         model.compile(optimizer="sgd", loss="mse")
     x, y = np.ones((4, 4), np.float32), np.zeros((4, 3), np.float32)
-    with pytest.raises(ValueError, match=r"zero_init\(\).*strategy\.shard_model"):
-        model.fit(x, y, batch_size=4, epochs=1, verbose=0)
-    sharded = strategy.shard_model(model)
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    assert all(isinstance(v, ShardedVariable) for v in model.trainable_variables)
+    assert not construction.is_deferred(model.layers[0].kernel)
     with pytest.raises(ValueError, match="already sharded"):
         strategy.shard_model(model)
+    with strategy.scope():
+        other = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="e")])
+    sharded = strategy.shard_model(other)
     with pytest.raises(ValueError, match="already sharded"):
         strategy.shard_model(sharded)
     strategy.close()

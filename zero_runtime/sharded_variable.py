@@ -228,8 +228,19 @@ class ShardedVariable(_KerasTFVariable):
 
     @property
     def handle(self):
-        """Not available: a sharded variable has no single TensorFlow resource."""
-        raise AttributeError(f"ShardedVariable {self.path!r} has no resource handle")
+        """Not available: a sharded variable has no single TensorFlow resource.
+
+        A ``tf.GradientTape`` over a stage-3 model's ``trainable_variables`` asks for it
+        (``tape.gradient``), so the message names the supported custom-loop form.
+        """
+        raise AttributeError(
+            f"ShardedVariable {self.path!r} has no resource handle: at ZeRO stage 3 the "
+            "parameters are sharded and gathered block by block, so a tf.GradientTape "
+            "over model.trainable_variables cannot differentiate them. Train with "
+            "model.fit, or in a custom loop with strategy.run(model.train_step, "
+            "args=(batch,)) inside a tf.function (docs/zero_stages.md, 'Custom training "
+            "loops at stage 3')"
+        )
 
     # -- geometry ------------------------------------------------------------------------
     @property

@@ -229,6 +229,11 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
     def shard_model(self, model: keras.Model) -> keras.Model:
         """Stage 3: wrap a built model for block-by-block training with sharded parameters.
 
+        The explicit form: at stage 3 a model created and compiled inside ``scope()`` is
+        sharded by its first ``fit``/``train_on_batch``/``evaluate`` anyway
+        (:meth:`autoshard_stage3`). Either way the model's own object trains at stage 3
+        afterwards (``model.fit``, ``strategy.run(model.train_step, ...)``).
+
         The model may be built inside ``scope()`` (replicated, then sharded and the
         originals freed) or inside :meth:`zero_init` (each deferred variable initialized
         straight into its shards); this may be called inside either.
@@ -245,6 +250,36 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
 
         with self.scope(), suspended():
             return ShardedModel(model, self)
+
+    def autoshard_stage3(self, optimizer: Any, variables: list) -> list:
+        """Stage 3 without ``shard_model``: shard the model whose optimizer is being built.
+
+        Called by the partitioned optimizer's ``build`` when the config says stage 3 and
+        the variables are not sharded yet: Keras's ``fit``/``train_on_batch``/``evaluate``
+        build the optimizer of a model created in ``scope()`` before their first trace
+        (``Trainer._symbolic_build``). That model is sharded in place
+        (:meth:`shard_model`); its own ``fit`` then runs the stage-3 step. See
+        :mod:`zero_runtime.stage3.autoshard` and docs/zero_stages.md.
+
+        Args:
+            optimizer: the partitioned optimizer being built.
+            variables: the unsharded variables it was given (``model.trainable_variables``).
+
+        Returns:
+            The model's trainable variables after sharding (ShardedVariables).
+
+        Raises:
+            ValueError: no model to shard (a custom loop, or a model created outside
+                ``scope()``), a model that is not a chain (naming the layer), tied
+                weights, or a non-float32 weight; nothing is changed.
+            NotImplementedError: a layer stage 3 cannot run yet (BatchNormalization,
+                dropout), naming it; nothing is changed.
+        """
+        from zero_runtime.stage3 import autoshard
+
+        model = autoshard.trainer_to_shard(optimizer, variables)
+        self.shard_model(model)
+        return list(model.trainable_variables)
 
     def save_checkpoint(
         self,
@@ -284,9 +319,20 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
         return CheckpointManager(directory, model, self).restore(tag)
 
     def run(self, fn, args=(), kwargs=None, options=None):
-        """``tf.distribute.Strategy.run``; raises
-        :class:`~zero_runtime.lifecycle.StrategyClosedError` after :meth:`close`."""
+        """``tf.distribute.Strategy.run``.
+
+        At stage 3 it refuses, before the step is traced, Keras's own ``train_step`` of a
+        model that is not sharded (a model compiled with a stock Keras optimizer
+        instance, e.g. ``keras.optimizers.Adam()``, which would train replicated while
+        the config and telemetry say stage 3).
+
+        Raises:
+            zero_runtime.lifecycle.StrategyClosedError: after :meth:`close`.
+            ValueError: that stage-3 case, naming the model, its optimizer and what to pass.
+        """
         self.resources.check_open("run a step")
+        if self.config.stage == 3:
+            _refuse_unsharded_keras_step(fn)
         with self.resources.tracing():  # gradient registrations, released by close()
             return super().run(fn, args=args, kwargs=kwargs, options=options)
 
@@ -310,3 +356,22 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
         shards) are gone.
         """
         self.resources.close()
+
+
+def _refuse_unsharded_keras_step(fn: Any) -> None:
+    """Raise when ``fn`` is Keras's own ``train_step`` of an unsharded model (stage 3)."""
+    while hasattr(fn, "__wrapped__"):  # Keras wraps the step (functools.wraps)
+        fn = fn.__wrapped__
+    model = getattr(fn, "__self__", None)
+    if (
+        isinstance(model, keras.Model)
+        and getattr(fn, "__name__", "") == "train_step"
+        and not getattr(model, "_zero_stage3_sharded", False)
+    ):
+        raise ValueError(
+            f"stage 3: model {model.name!r} would train with Keras's own train_step, its "
+            f"parameters replicated: its optimizer {type(model.optimizer).__name__} is not "
+            "a partitioned one. Compile it inside strategy.scope() with optimizer='adam', "
+            "'adamw' or 'sgd' (or zero_runtime.optim.Adam(...)), or call "
+            "strategy.shard_model(model) first"
+        )

@@ -141,12 +141,23 @@ class _PartitionedUpdate(FlatShardUpdate, ShardedUpdate, TransactionalUpdate):
         Raises:
             NotImplementedError: ``amsgrad=True`` (Adam), or EMA with accumulation.
             ValueError: a variable built inside ``strategy.zero_init()`` has no value yet
-                (the model was not passed through ``strategy.shard_model``).
+                (the model was not passed through ``strategy.shard_model``); at stage 3,
+                unsharded variables the strategy cannot shard (``autoshard_stage3``).
+            NotImplementedError: at stage 3, a layer the engine cannot run yet.
             zero_runtime.memory.NvmePathError: ``offload_optimizer='nvme'`` with an
                 unusable ``nvme_path``.
         """
         if self.built:
             return
+        strategy = self._distribution_strategy
+        runtime = getattr(strategy, "runtime", None)
+        config = runtime.config if runtime is not None else ZeroConfig()
+        if config.stage == 3 and not all(isinstance(v, ShardedVariable) for v in variables):
+            # Stage 3 through plain compile/fit (also a model built in zero_init()): the
+            # strategy shards the model that is building this optimizer
+            # (zero_runtime/stage3/autoshard.py), or refuses before the first step; never
+            # the stage-1/2 update below.
+            variables = strategy.autoshard_stage3(self, list(variables))
         deferred = [v for v in variables if is_deferred(v)]
         if deferred:
             raise ValueError(
@@ -154,9 +165,6 @@ class _PartitionedUpdate(FlatShardUpdate, ShardedUpdate, TransactionalUpdate):
                 "strategy.zero_init() and have no value until sharded: train the model "
                 "returned by strategy.shard_model(model), not the model itself"
             )
-        strategy = self._distribution_strategy
-        runtime = getattr(strategy, "runtime", None)
-        config = runtime.config if runtime is not None else ZeroConfig()
         if variables and all(isinstance(v, ShardedVariable) for v in variables):
             self._zero3_build(variables, strategy, runtime, config)
             return

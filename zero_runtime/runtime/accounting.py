@@ -226,7 +226,8 @@ class Accounting:
     ) -> dict[str, TierStats]:
         """Close the stage-3 pools' step: their page counters are added to ``pages``,
         their placement rows kept for :meth:`placement`, and the tiers rebuilt from their
-        accounting (:func:`zero_runtime.stage3.telemetry.stage3_tiers`)."""
+        accounting (:func:`zero_runtime.stage3.telemetry.stage3_tiers`), with the
+        engines' frozen weights on the device tier."""
         from zero_runtime.stage3.telemetry import stage3_tiers  # lazy: stage 3 only
 
         records = [e.close_step(step) for e in engines]
@@ -235,7 +236,9 @@ class Accounting:
                 pages[name] = pages.get(name, 0.0) + value
         opt_tier = OPTIMIZER_TIER[config.offload_optimizer]
         self._stage3_rows = [row for e in engines for row in e.placement_rows(opt_tier)]
-        return stage3_tiers(tiers, records, float(self.grad_bytes()))
+        # Frozen weights are replicated on each local replica's device, outside the pool.
+        frozen = sum(e.frozen_bytes for e in engines) * self.local_replicas
+        return stage3_tiers(tiers, records, float(self.grad_bytes()), float(frozen))
 
     # -- placement -----------------------------------------------------------------------
     def placement(self, offload_optimizer: str) -> dict[str, Any]:

@@ -206,7 +206,13 @@ class Stage3Engine:
             getattr(strategy, "local_replica_ids", range(len(self.devices)))
         )
         layers = _chain_layers(model)
-        _check_unshared(layers)  # before anything is replaced: a refusal changes nothing
+        # Every refusal before anything is replaced: a refused model is left unchanged.
+        _check_unshared(layers)
+        for layer in layers:
+            _check_supported(layer)
+        # Frozen (non-trainable) weights are not sharded: replicated on every replica's
+        # device like MirroredStrategy's, and counted on that tier (placement_rows).
+        self.frozen = tuple(v for v in model.weights if not v.trainable)
         self.resources = resources_of(strategy)  # the owner of the pool and host calls
         if self.resources is not None:
             self.resources.check_open(f"shard model {model.name!r}")
@@ -232,7 +238,6 @@ class Stage3Engine:
         # the batch's rows move (zero_runtime/stage3/embedding.py); block without gathers.
         self.row_paged: dict[int, RowPagedEmbedding] = {}
         for i, layer in enumerate(layers):
-            _check_supported(layer)
             if row_paging_applies(layer, config):
                 old = layer.embeddings
                 self.row_paged[i] = RowPagedEmbedding(
@@ -837,7 +842,28 @@ class Stage3Engine:
             )
         # One row per row-paged table: its row pages' bytes per tier, rows/pages touched.
         rows.extend(e.placement_row() for e in self.row_paged.values())
+        for v in self.frozen:  # replicated on the device, no gradient, no optimizer state
+            nbytes = _nbytes(v)
+            rows.append(
+                {
+                    "name": v.path,
+                    "shape": list(v.shape),
+                    "dtype": str(np.dtype(v.dtype)),
+                    "bytes": nbytes,
+                    "partitioning": "frozen, replicated (not trainable: not sharded)",
+                    "shard_bytes_per_replica": nbytes,
+                    "param_tier": "device",
+                    "grad_tier": "none",
+                    "optimizer_tier": "none",
+                }
+            )
         return rows
+
+    @property
+    def frozen_bytes(self) -> int:
+        """Bytes of the frozen (non-trainable) weights one replica holds on its device:
+        they are replicated, not sharded (``frozen``)."""
+        return sum(_nbytes(v) for v in self.frozen)
 
     def recover(self) -> dict[str, int]:
         """Return every local replica's variables to SHARDED/RELEASED after a failed step.
@@ -883,22 +909,39 @@ class Stage3Engine:
 
 
 def _chain_layers(model: keras.Model) -> list:
+    """The top-level layers of ``model`` as a chain of blocks (each consumes the output
+    of the one before).
+
+    Raises:
+        ValueError: a model that is not a ``keras.Sequential`` or a functional chain,
+            naming the first layer that breaks the chain and why.
+    """
     layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
     if isinstance(model, keras.Sequential):
         return layers
-    # A functional model: top-level layers must form a chain (each consumes the previous).
-    try:
-        inputs = model.inputs
-        h = inputs[0] if len(inputs) == 1 else None
-        for layer in layers:
-            if h is None or layer._inbound_nodes[0].input_tensors[0] is not h:  # noqa: SLF001
-                raise ValueError
-            h = layer.output
-    except (ValueError, AttributeError, IndexError) as exc:
+    why = "stage 3 runs a keras.Sequential or a functional model whose top-level layers "
+    why += "form a single chain (docs/zero_stages.md)"
+    inputs = getattr(model, "inputs", None)
+    if not inputs or not hasattr(model, "_operations"):
         raise ValueError(
-            f"model {model.name!r}: stage 3 runs a keras.Sequential or a functional model "
-            "whose top-level layers form a single chain"
-        ) from exc
+            f"model {model.name!r} ({type(model).__name__}) is not a functional model: {why}"
+        )
+    if len(inputs) != 1:
+        raise ValueError(f"model {model.name!r} has {len(inputs)} inputs: {why}")
+    h = inputs[0]
+    for layer in layers:
+        nodes = layer._inbound_nodes  # noqa: SLF001
+        args = nodes[0].input_tensors if len(nodes) == 1 else []
+        if len(args) != 1 or args[0] is not h:
+            reason = (
+                f"is called {len(nodes)} times"
+                if len(nodes) != 1
+                else f"takes {len(args)} inputs"
+                if len(args) != 1
+                else "does not take the previous layer's output (a residual or branching graph)"
+            )
+            raise ValueError(f"model {model.name!r}: layer {layer.name!r} {reason}: {why}")
+        h = layer.output
     return layers
 
 
@@ -927,7 +970,9 @@ def _check_supported(layer: keras.layers.Layer) -> None:
     for sub in layer._flatten_layers(include_self=True):  # noqa: SLF001
         if isinstance(sub, keras.layers.BatchNormalization):
             raise NotImplementedError(
-                f"stage 3: {sub.name!r} (BatchNormalization) updates state in call"
+                f"stage 3: layer {sub.name!r} (BatchNormalization) updates its moving "
+                "statistics in call, which the recomputed backward would repeat; not "
+                "implemented at stage 3 yet (train it at stage 1 or 2)"
             )
         if isinstance(sub, keras.layers.Dropout) and sub.rate > 0:
             raise NotImplementedError(
@@ -964,6 +1009,10 @@ def _replace_variable(layer: keras.layers.Layer, old, new) -> None:
                 for key, item in list(value.items()):
                     if item is old:
                         value[key] = new
+
+
+def _nbytes(v) -> int:
+    return math.prod(v.shape) * np.dtype(v.dtype).itemsize
 
 
 def _dep(t: tf.Tensor) -> tf.Tensor:

@@ -27,6 +27,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from zero_runtime.lifecycle import host_function
 from zero_runtime.optim import backward_update
 from zero_runtime.optim.backward_update import BackwardShardUpdate
+from zero_runtime.stage3 import autoshard
 from zero_runtime.stage3.accumulation import ShardAccumulator
 from zero_runtime.stage3.clipping import clip_shards, clipping_active
 from zero_runtime.stage3.engine import Stage3Engine
@@ -71,14 +72,25 @@ class ShardedModel(keras.Model):
             raise ValueError("ShardedModel needs a ZeroInfinityStrategy with stage=3")
         if isinstance(model, ShardedModel) or getattr(model, "_zero_stage3_sharded", False):
             raise ValueError(
-                f"model {model.name!r} is already sharded by shard_model: train the "
-                "ShardedModel it returned (its .inner is this model) instead of sharding twice"
+                f"model {model.name!r} is already sharded (by shard_model, or by its first "
+                "fit/evaluate at stage 3): train the model itself, or the ShardedModel "
+                "shard_model returned (its .inner is this model), instead of sharding twice"
             )
         super().__init__(name=kwargs.pop("name", f"{model.name}_zero3"), **kwargs)
         self.engine = Stage3Engine(model, strategy)
         self.inner = model
-        object.__setattr__(model, "_zero_stage3_sharded", True)  # not a tracked attribute
+        for m in (model, self):  # not tracked attributes; read by strategy.run at stage 3
+            object.__setattr__(m, "_zero_stage3_sharded", True)
         self.accumulator: ShardAccumulator | None = None  # built at the first step (N > 1)
+
+        def inner_train_step(data):  # the stage-3 step with the user's model's compile state
+            return self.train_step_for(model, data)
+
+        # The user's own object trains at stage 3 too (model.fit, strategy.run(model.train_step)).
+        autoshard.bind(model, inner_train_step, self.engine.forward)
+        for name in ("fit", "train_on_batch", "evaluate", "predict"):  # recover on errors
+            own = getattr(type(model), name).__get__(model)
+            object.__setattr__(model, name, functools.partial(self._recovering, own))
 
     @property
     def update_in_backward(self) -> bool | None:
@@ -98,17 +110,23 @@ class ShardedModel(keras.Model):
     def train_step(self, data):
         """One stage-3 step on this replica's batch: forward/backward per block, the
         gradient shards' update, Keras's loss tracker and metrics (as Keras's train_step)."""
+        return self.train_step_for(self, data)
+
+    def train_step_for(self, trainer: keras.Model, data):
+        """:meth:`train_step` with ``trainer``'s optimizer, loss, loss tracker and metrics:
+        this wrapper's (``sharded.fit``) or the wrapped model's (``model.fit`` on the
+        user's own object, which :func:`zero_runtime.stage3.autoshard.bind` points here)."""
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        opt = self.optimizer
+        opt = trainer.optimizer
         if not opt.built:
             with tf.init_scope():
                 opt.build(self.trainable_variables)
 
         def loss_fn(y_pred):
-            loss = self._compute_loss(
+            loss = trainer._compute_loss(
                 x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
             )
-            self._loss_tracker.update_state(
+            trainer._loss_tracker.update_state(
                 loss_module.unscale_loss_for_distribution(loss),
                 sample_weight=tf.shape(next(i for i in tree.flatten(x) if i is not None))[0],
             )
@@ -141,7 +159,7 @@ class ShardedModel(keras.Model):
             )
         with tf.control_dependencies([end]):
             y_pred = tf.identity(y_pred)
-        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return trainer.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _apply_gradients(self, opt, grads: dict, replica: int) -> tf.Tensor:
         """Accumulate (N > 1), clip and apply the replica's reduced gradient shards.

@@ -15,9 +15,10 @@ during the step, ``base`` = the partitioned optimizer's own record of the tier):
   optimizer, ``4 * shard_size`` per local replica (ZeRO, SC20, section 5.3), held by
   TensorFlow; with the update in backward (zero_runtime/optim/backward_update.py) one
   block's shard at a time, ``4 * max_block_shard_elements`` per local replica
-  (``ZeroRuntime.grad_bytes``); ``optimizer`` = base's device optimizer states + T's
-  'optimizer' pages; ``other`` = T's other kinds; ``used`` = their sum; ``peak`` = P +
-  grad + optimizer;
+  (``ZeroRuntime.grad_bytes``); frozen (non-trainable) weights, replicated on every
+  replica's device and not in the pool, are added to ``param``; ``optimizer`` = base's
+  device optimizer states + T's 'optimizer' pages; ``other`` = T's other kinds;
+  ``used`` = their sum; ``peak`` = P + grad + optimizer;
   ``capacity`` = the pool's device capacity (``device_budget_bytes``, or the engine's
   default). Activations held by TensorFlow are not in the pool and not counted.
 - host and nvme: base's optimizer states and scratch + T's pages ('param' = the shards
@@ -37,7 +38,10 @@ _OPTIMIZER_KINDS = ("optimizer",)
 
 
 def stage3_tiers(
-    base: Mapping[str, TierStats], records: Sequence, grad_device_bytes: float
+    base: Mapping[str, TierStats],
+    records: Sequence,
+    grad_device_bytes: float,
+    frozen_device_bytes: float = 0.0,
 ) -> dict[str, TierStats]:
     """The tiers record of a stage-3 step.
 
@@ -47,6 +51,9 @@ def stage3_tiers(
         records: the step's :class:`~zero_runtime.stage3.engine.PoolStep` of each
             stage-3 engine in the process.
         grad_device_bytes: bytes of reduced gradient shards of the local replicas.
+        frozen_device_bytes: bytes of the frozen (non-trainable) weights the local
+            replicas hold on the device, replicated (``Stage3Engine.frozen_bytes`` x
+            local replicas; default 0): counted as device ``param`` bytes.
 
     Returns:
         ``{"device"|"host"|"nvme": TierStats}`` (bytes; NaN where unknown).
@@ -71,11 +78,12 @@ def stage3_tiers(
         base_opt = _finite(b.optimizer_bytes)
         if name == "device":
             grad = float(grad_device_bytes)
+            frozen = float(frozen_device_bytes)
             out[name] = TierStats(
-                used_bytes=used + grad + base_opt,
+                used_bytes=used + grad + base_opt + frozen,
                 capacity_bytes=capacity if math.isfinite(capacity) else math.nan,
-                peak_bytes=peak + grad + base_opt,
-                param_bytes=param,
+                peak_bytes=peak + grad + base_opt + frozen,
+                param_bytes=param + frozen,
                 grad_bytes=grad,
                 optimizer_bytes=base_opt + optimizer,
                 other_bytes=other,

@@ -1,0 +1,241 @@
+"""``ZeroConfig(stage=3)`` is enough: plain compile/fit shards the model (issue #15, item 1).
+
+A model created and compiled inside ``strategy.scope()`` is sharded by its first
+``fit``/``train_on_batch``/``evaluate`` (zero_runtime/stage3/autoshard.py), and the
+user's own object trains at stage 3: same losses and weights as the explicit
+``strategy.shard_model`` and, within docs/parity.md's stage-3 bound, as MirroredStrategy
+with Keras's Adam. A model stage 3 cannot run is refused before its first step, naming
+the layer, with nothing changed; a custom ``tf.GradientTape`` loop gets a message naming
+the supported form; frozen weights are counted on the device tier they sit on.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers.mirrored import Mirrored
+
+import zero_runtime
+from zero_runtime.sharded_variable import ShardedVariable
+
+BATCH = 8  # global batch
+STEPS = 4
+CONFIG = {
+    "stage": 3,
+    "offload_param": "cpu",
+    "offload_optimizer": "cpu",
+    "page_size_bytes": 65536,
+    "persistence_threshold": 20,  # the 4-element bias persistent, the rest gathered
+    "collective_timeout_seconds": 20,
+}
+
+
+def _data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.RandomState(0)
+    x = rng.standard_normal((STEPS * BATCH, 8)).astype("float32")  # [32, 8]
+    return x, (x[:, :4] * 2.0 - x[:, 4:]).astype("float32")  # [32, 4]
+
+
+def _sequential() -> keras.Model:
+    """Dense chain with a frozen middle layer (its 16x16 kernel + bias stay replicated)."""
+    keras.utils.set_random_seed(1)
+    frozen = keras.layers.Dense(16, activation="tanh", name="frozen")
+    model = keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation="relu", name="d0"),
+            frozen,
+            keras.layers.Dense(4, name="head"),
+        ]
+    )
+    frozen.trainable = False
+    return model
+
+
+def _functional() -> keras.Model:
+    keras.utils.set_random_seed(2)
+    i = keras.Input((8,))
+    h = keras.layers.Dense(16, activation="relu", name="d0")(i)
+    h = keras.layers.Dense(16, activation="relu", name="d1")(h)
+    return keras.Model(i, keras.layers.Dense(4, name="head")(h))
+
+
+def _fit(strategy, make_model, explicit: bool = False):
+    with strategy.scope():
+        model = make_model()
+        trained = strategy.shard_model(model) if explicit else model
+        trained.compile(optimizer="adam", loss="mse")
+    x, y = _data()
+    history = trained.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+    return model, history.history["loss"]
+
+
+def _rel(w: np.ndarray, r: np.ndarray) -> float:
+    return float(np.max(np.abs(w - r)) / max(float(np.max(np.abs(r))), 1e-12))
+
+
+@pytest.mark.parametrize("make_model", [_sequential, _functional], ids=["sequential", "functional"])
+def test_plain_fit_at_stage3_runs_stage3_like_shard_model(make_model, cpu_devices):
+    mirrored = Mirrored(cpu_devices)
+    with mirrored.scope():
+        ref = make_model()
+        ref.compile(optimizer=keras.optimizers.Adam(), loss="mse")
+    x, y = _data()
+    ref.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+
+    explicit_strategy = zero_runtime.ZeroInfinityStrategy(CONFIG)
+    explicit, explicit_losses = _fit(explicit_strategy, make_model, explicit=True)
+    explicit_weights = explicit.get_weights()
+    explicit_strategy.close()
+
+    strategy = zero_runtime.ZeroInfinityStrategy(CONFIG)
+    model, losses = _fit(strategy, make_model)  # no shard_model: plain compile/fit
+    try:
+        # The user's own object was sharded in place and trained at stage 3.
+        assert model.trainable_variables
+        assert all(isinstance(v, ShardedVariable) for v in model.trainable_variables)
+        assert model.optimizer.zero_state.stage == 3
+        assert int(model.optimizer.iterations.numpy()) == STEPS
+        rows = strategy.runtime.placement()["variables"]
+        sharded = [r for r in rows if "(ZeRO-3)" in r["partitioning"]]
+        assert len(sharded) == len(model.trainable_variables)
+        assert not [r for r in rows if "ZeRO-1" in r["partitioning"]]
+        assert not [r for r in rows if "ZeRO-2" in r["partitioning"]]
+        last = strategy.runtime.recorder.last(1)[0]
+        assert last.stage == 3 and not last.fallback_mirrored
+        # evaluate/predict on the same object run the sharded forward.
+        assert np.isfinite(model.evaluate(x, y, batch_size=BATCH, verbose=0))
+        assert model.predict(x[:BATCH], batch_size=BATCH, verbose=0).shape == (BATCH, 4)
+        weights = model.get_weights()
+    finally:
+        strategy.close()
+    np.testing.assert_allclose(losses, explicit_losses, rtol=1e-6, atol=0)
+    for w, e in zip(weights, explicit_weights):
+        np.testing.assert_allclose(w, e, rtol=1e-6, atol=1e-7)
+    worst = max(_rel(w, r) for w, r in zip(weights, ref.get_weights()))
+    print(f"{make_model.__name__}: max |dw| / max |w| vs Mirrored {worst:.3g}")
+    assert worst <= 1e-4  # docs/parity.md, stage 3
+
+
+def test_frozen_weights_are_in_the_stage3_tier_record(cpu_devices):
+    strategy = zero_runtime.ZeroInfinityStrategy(CONFIG)
+    model, _ = _fit(strategy, _sequential)
+    try:
+        frozen = model.get_layer("frozen")
+        frozen_bytes = 4 * (16 * 16 + 16)  # kernel + bias, float32, per replica
+        rows = {r["name"]: r for r in strategy.runtime.placement()["variables"]}
+        for v in frozen.weights:
+            row = rows[v.path]
+            assert row["partitioning"].startswith("frozen, replicated")
+            assert row["param_tier"] == "device" and row["grad_tier"] == "none"
+            assert row["shard_bytes_per_replica"] == row["bytes"] == 4 * int(np.prod(v.shape))
+        engine_rec = strategy.runtime.accounting.stage3_engines[0].last_step
+        device = strategy.runtime.recorder.last(1)[0].tiers["device"]
+        pool_param = engine_rec.usage["device"].bytes_by_kind.get("param", 0)
+        assert device.param_bytes == pool_param + frozen_bytes * len(cpu_devices)
+    finally:
+        strategy.close()
+
+
+def _residual() -> keras.Model:
+    i = keras.Input((8,))
+    h = keras.layers.Dense(8, name="d0")(i)
+    h = keras.layers.Add(name="residual_add")([i, h])
+    return keras.Model(i, keras.layers.Dense(4, name="head")(h))
+
+
+def _batchnorm() -> keras.Model:
+    return keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16, name="d0"),
+            keras.layers.BatchNormalization(name="bn"),
+            keras.layers.Dense(4, name="head"),
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    ("make_model", "error", "match"),
+    [
+        (_residual, ValueError, "layer 'residual_add' takes 2 inputs"),
+        (_batchnorm, NotImplementedError, "layer 'bn' \\(BatchNormalization\\)"),
+    ],
+    ids=["residual", "batchnorm"],
+)
+def test_unsupported_model_is_refused_before_the_first_step(make_model, error, match):
+    strategy = zero_runtime.ZeroInfinityStrategy(CONFIG)
+    try:
+        with strategy.scope():
+            model = make_model()
+            model.compile(optimizer="adam", loss="mse")
+        before = model.get_weights()
+        x, y = _data()
+        for _ in range(2):  # and again: never falls back to another stage
+            with pytest.raises(error, match=match):
+                model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+        assert not any(isinstance(v, ShardedVariable) for v in model.weights)
+        for w, b in zip(model.get_weights(), before):
+            np.testing.assert_array_equal(w, b)
+        assert int(model.optimizer.iterations.numpy()) == 0
+        assert len(strategy.runtime.recorder) == 0  # no step ran
+    finally:
+        strategy.close()
+
+
+def test_custom_gradient_tape_loop_names_the_supported_form():
+    strategy = zero_runtime.ZeroInfinityStrategy(CONFIG)
+    x, y = _data()
+    batch = (x[:BATCH], y[:BATCH])
+    try:
+        with strategy.scope():
+            model = _functional()
+            # A custom loop's optimizer over the unsharded model: refused, not stage 1/2.
+            opt = keras.optimizers.get("adam")
+            with pytest.raises(ValueError, match=r"strategy\.run\(model\.train_step"):
+                opt.build(model.trainable_variables)
+            model.compile(optimizer="adam", loss="mse")
+        model.train_on_batch(*batch)  # sharded here
+        assert all(isinstance(v, ShardedVariable) for v in model.trainable_variables)
+
+        @tf.function
+        def tape_step(x, y):
+            def replica_fn(x, y):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
+                return tape.gradient(loss, model.trainable_variables)
+
+            return strategy.run(replica_fn, args=(x, y))
+
+        with pytest.raises(RuntimeError, match=r"strategy\.run\(model\.train_step"):
+            tape_step(*batch)  # at the tape's first use of the model, before any gather
+
+        @tf.function
+        def supported_step(data):  # the documented form (docs/zero_stages.md)
+            return strategy.run(model.train_step, args=(data,))
+
+        logs = supported_step(batch)
+        assert np.isfinite(float(strategy.reduce("MEAN", logs["loss"], axis=None)))
+        assert int(model.optimizer.iterations.numpy()) == 2
+    finally:
+        strategy.close()
+
+
+def test_stock_keras_optimizer_at_stage3_is_refused_before_the_first_step():
+    """A keras.optimizers.Adam() instance is Keras's own: fit would train replicated."""
+    strategy = zero_runtime.ZeroInfinityStrategy(CONFIG)
+    try:
+        with strategy.scope():
+            model = _functional()
+            model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
+        before = model.get_weights()
+        x, y = _data()
+        with pytest.raises(ValueError, match="would train with Keras's own train_step"):
+            model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+        for w, b in zip(model.get_weights(), before):
+            np.testing.assert_array_equal(w, b)
+        assert int(model.optimizer.iterations.numpy()) == 0
+    finally:
+        strategy.close()
