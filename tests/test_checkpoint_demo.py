@@ -199,9 +199,7 @@ def test_a_save_on_a_full_disk_stops_the_demo_with_status_2_naming_the_file(tmp_
     from helpers import faults
 
     small = tmp_path / "small"
-    error = faults.mount_tmpfs(small, "1m")
-    if error is not None:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {error}")
+    faults.mount_tmpfs_or_skip(small, "size=1m")
     try:
         (small / "ckpt").mkdir()
         faults.fill(small)

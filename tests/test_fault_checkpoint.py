@@ -46,10 +46,7 @@ from zero_runtime.checkpoint import (
 def small_fs(tmp_path):
     """A 1 MiB tmpfs under tmp_path (unmounted after the test)."""
     target = tmp_path / "small"
-    error = faults.mount_tmpfs(target, "1m")
-    if error is not None:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {error}")
-    yield target
+    yield faults.mount_tmpfs_or_skip(target, "size=1m")
     faults.unmount(target)
 
 

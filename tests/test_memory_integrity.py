@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import faults
 
 from zero_runtime.memory import (
     NvmeFullError,
@@ -45,21 +46,13 @@ def tmpfs(tmp_path):
     mounted: list[Path] = []
 
     def mount(name: str, options: str) -> Path:
-        target = tmp_path / name
-        target.mkdir()
-        result = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)],
-            capture_output=True,
-            text=True,
-        )
-        if result.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
+        target = faults.mount_tmpfs_or_skip(tmp_path / name, options)
         mounted.append(target)
         return target
 
     yield mount
     for target in mounted:
-        subprocess.run(["umount", "-l", str(target)], check=False)
+        faults.unmount(target)
 
 
 # --- checksums ------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Real faults for the fault tests: a small file system that fills up, and filling it.
 
-:func:`mount_tmpfs` mounts a tmpfs of a given size (this needs root, as in CI's container;
-the caller skips when ``mount`` is refused); :func:`fill` writes a filler file until the
-file system reports ``ENOSPC``, so the next write anywhere on it fails for real.
+:func:`mount_tmpfs` mounts a tmpfs (this needs root, as in CI's container);
+:func:`mount_tmpfs_or_skip` skips the test when ``mount`` is refused; :func:`fill` writes
+a filler file until the file system reports ``ENOSPC``, so the next write anywhere on it
+fails for real.
 """
 
 from __future__ import annotations
@@ -13,16 +14,30 @@ import subprocess
 from pathlib import Path
 
 
-def mount_tmpfs(target: Path, size: str) -> str | None:
-    """Mount a tmpfs of ``size`` (``mount -o size=``: ``"1m"``, ``"256k"``) on ``target``
-    (created if missing). Returns None on success, else ``mount``'s error message."""
+def mount_tmpfs(target: Path, options: str) -> str | None:
+    """Mount a tmpfs with ``mount -o options`` (``"size=1m"``, ``"ro,size=1m"``) on
+    ``target`` (created if missing). Returns None on success, else ``mount``'s error."""
     target.mkdir(parents=True, exist_ok=True)
     result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(target)],
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)],
         capture_output=True,
         text=True,
     )
     return None if result.returncode == 0 else (result.stderr.strip() or "mount failed")
+
+
+def mount_tmpfs_or_skip(target: Path, options: str) -> Path:
+    """:func:`mount_tmpfs`, skipping the calling test when ``mount`` is refused.
+
+    Mounting needs root: these tests run as root, as CI's container does (``.ci/run``),
+    and are skipped only for a non-root developer, with ``mount``'s reason.
+    """
+    import pytest
+
+    error = mount_tmpfs(target, options)
+    if error is not None:
+        pytest.skip(f"needs root to mount a tmpfs (runs as root, e.g. in CI): {error}")
+    return target
 
 
 def unmount(target: Path) -> None:
