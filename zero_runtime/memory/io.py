@@ -268,9 +268,16 @@ class IoScheduler:
         self._file = file
         self._depth = queue_depth
         self._on_complete = on_complete
+        self._listeners: list[Callable[[IoJob], None]] = []
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zr-io")
         self._pending: collections.deque[IoJob] = collections.deque()
         self._outstanding = 0
+
+    def add_listener(self, listener: Callable[[IoJob], None]) -> None:
+        """Call ``listener(job)`` for every finished job (its ``op``, ``payload`` bytes,
+        ``seconds``, ``error``), on the I/O thread, before the pool processes it; a
+        listener must be quick and must not take the pool's lock."""
+        self._listeners.append(listener)
 
     def submit(self, job: IoJob) -> None:
         """Queue ``job``; never blocks. Call under the pool's lock."""
@@ -303,6 +310,8 @@ class IoScheduler:
         except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
             job.error = exc
         job.seconds = time.perf_counter() - start
+        for listener in self._listeners:
+            listener(job)
         self._on_complete(job)
 
     def shutdown(self) -> None:

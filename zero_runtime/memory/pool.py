@@ -48,7 +48,7 @@ import psutil
 from zero_runtime.memory.access import PageAccess
 from zero_runtime.memory.counters import CounterAccumulator, PageCounters, TierUsage
 from zero_runtime.memory.errors import OomSnapshot, PoolClosedError
-from zero_runtime.memory.io import IoScheduler
+from zero_runtime.memory.io import IoJob
 from zero_runtime.memory.page_table import (
     KINDS,
     LEVEL,
@@ -409,10 +409,15 @@ class PagedBufferPool:
         """The :class:`PoolState`."""
         return self._state
 
-    @property
-    def _io(self) -> IoScheduler | None:
-        """The I/O scheduler (None without NVMe); the runtime observes its completions."""
-        return self._p.moves.io
+    def add_io_listener(self, listener: Callable[[IoJob], None]) -> bool:
+        """Observe every finished NVMe job (:meth:`IoScheduler.add_listener`): telemetry
+        turns them into page moves and I/O intervals. Returns False (nothing registered)
+        for a pool without an NVMe tier."""
+        io = self._p.moves.io
+        if io is None:
+            return False
+        io.add_listener(listener)
+        return True
 
     def __enter__(self) -> PagedBufferPool:
         self._check_open()

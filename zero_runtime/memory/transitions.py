@@ -73,7 +73,7 @@ class TierTransitions:
 
     Attributes:
         io: the I/O scheduler (None without an NVMe tier); its ``_on_complete`` is
-            :meth:`on_io_complete`.
+            :meth:`on_io_complete` (observers: ``IoScheduler.add_listener``).
     """
 
     def __init__(

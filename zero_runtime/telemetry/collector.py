@@ -116,34 +116,28 @@ class TelemetryCollector:
         self.timeline.add("compute", end - seconds, end)
 
     def watch_io(self, store: Any) -> None:
-        """Watch a store's pool: its NVMe I/O becomes ``comm`` intervals and page moves.
+        """Watch a store's pool: its NVMe I/O becomes ``comm`` intervals and page moves
+        (through ``PagedBufferPool.add_io_listener``). A store without a pool, or whose
+        pool has no NVMe tier, is left alone."""
+        pool = getattr(store, "pool", None)
+        if pool is not None:
+            pool.add_io_listener(self._record_io)
 
-        The pool has no public completion hook yet, so the I/O scheduler's completion
-        callback (an attribute of our own scheduler object, ``store.pool._io``) is wrapped.
-        A store without a pool is left alone.
-        """
-        sched = getattr(getattr(store, "pool", None), "_io", None)
-        if sched is None or not hasattr(sched, "_on_complete"):
-            return
-        inner = sched._on_complete
-
-        def on_complete(job: Any, _inner=inner) -> None:
-            end = time.time()
-            self.timeline.add("comm", end - job.seconds, end)
-            self.page_moves.append(
-                {
-                    "wall_time": end,
-                    "direction": "h2n" if job.op == "write" else "n2h",
-                    "bytes": int(job.payload),
-                    "tensor": getattr(job.page, "tensor_id", None),
-                    "page": getattr(job.page, "index", None),
-                    "seconds": float(job.seconds),
-                    "ok": job.error is None,
-                }
-            )
-            _inner(job)
-
-        sched._on_complete = on_complete
+    def _record_io(self, job: Any) -> None:
+        """One finished NVMe job (an ``IoJob``) as an interval and a page move."""
+        end = time.time()
+        self.timeline.add("comm", end - job.seconds, end)
+        self.page_moves.append(
+            {
+                "wall_time": end,
+                "direction": "h2n" if job.op == "write" else "n2h",
+                "bytes": int(job.payload),
+                "tensor": getattr(job.page, "tensor_id", None),
+                "page": getattr(job.page, "index", None),
+                "seconds": float(job.seconds),
+                "ok": job.error is None,
+            }
+        )
 
     def _timing(
         self, step_seconds: float, pages: dict[str, float], trace: TraceIntervals | None
