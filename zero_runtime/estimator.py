@@ -1,16 +1,44 @@
-"""Memory model: bytes of model states per replica on each tier (device, host, NVMe).
+"""Memory model: bytes per replica on each tier (device, host, NVMe).
 
-Source: S. Rajbhandari, J. Rasley, O. Ruwase, Y. He, "ZeRO: Memory Optimizations Toward
-Training Trillion Parameter Models", SC20 (arXiv:1910.02054), section 3.1 (model states of
-mixed-precision Adam) and section 5.1 / Figure 1 (memory per device for each stage).
+Two accountings, chosen with ``accounting=``:
 
-Notation (as in the paper):
+``"sc20"`` -- S. Rajbhandari, J. Rasley, O. Ruwase, Y. He, "ZeRO: Memory Optimizations
+Toward Training Trillion Parameter Models", SC20 (arXiv:1910.02054), section 3.1 (model
+states of mixed-precision Adam: 2 + 2 + 12 = 16 bytes per parameter) and section 5.1 /
+Figure 1 / Table 1 (memory per device for each stage). Model states only; gradients stay on
+the device whatever the offload. This is also the layout of this runtime, which trains
+float32 and keeps the reduced gradient shard on the device under offload, so the
+telemetry's predicted-vs-measured figures use it.
+
+``"sc21"`` -- S. Rajbhandari, O. Ruwase, J. Rasley, S. Smith, Y. He, "ZeRO-Infinity:
+Breaking the GPU Memory Wall for Extreme Scale Deep Learning", SC21 (arXiv:2104.07857),
+section 3.1 (mixed-precision Adam keeps 20 bytes per parameter: 2 fp16 parameter, 2 fp16
+gradient, 4 fp32 parameter, 4 momentum, 4 variance and 4 fp32 gradient) and section 3.2
+(model-state working memory: parameters and gradients of the largest operator), and
+DeepSpeed's ``estimate_zero2_model_states_mem_needs``
+(``deepspeed/runtime/zero/stage_1_and_2.py``) and ``estimate_zero3_model_states_mem_needs``
+(``deepspeed/runtime/zero/stage3.py``). Differences from SC20:
+
+- mixed precision adds the fp32 gradient copy (4 bytes per parameter, "fp32_grads"),
+  partitioned with the optimizer states and on their tier. Float32 training has no copy
+  (the gradient already is fp32): 4 + 4 + 8 = 16 bytes per parameter with Adam.
+- under optimizer offload the gradient partition lives with the optimizer states (DeepSpeed
+  copies each reduced bucket to the host fp32 gradient buffer): at stage >= 2 no gradient
+  term stays on the device (its reduce bucket is transient); at stage 1 the device keeps
+  the full low-precision gradient (stage 1 does not partition gradients) and the host
+  the fp32 partition.
+- stage 3 adds the working memory of the largest unit (``largest_unit_params``):
+  gathered parameters plus their gradients, ``(p + g) * largest`` bytes (SC21 section 3.2;
+  DeepSpeed's ``largest_layer_memory = 4 * largest_layer_params`` is the same for
+  p = g = 2).
+
+Notation (as in the papers):
 
 - Ψ (``num_params``): parameter count, elements.
 - N_d (``num_replicas``): data-parallel degree.
 - K: bytes of optimizer state per parameter (``OPTIMIZER_STATE_BYTES``).
 
-Per replica, with p = bytes per parameter, g = bytes per gradient:
+SC20 accounting per replica, with p = bytes per parameter, g = bytes per gradient:
 
 ====== ==================================== ====================================
 stage  formula (bytes)                      Ψ=7.5e9, N_d=64, mixed Adam (p=g=2, K=12)
@@ -21,6 +49,10 @@ stage  formula (bytes)                      Ψ=7.5e9, N_d=64, mixed Adam (p=g=2,
 3      (p + g + K) Ψ / N_d                  1.9 GB
 ====== ==================================== ====================================
 
+SC21 accounting, mixed Adam, no offload: stage 0 20Ψ; 1 4Ψ + 16Ψ/N_d; 2 2Ψ + 18Ψ/N_d
+(= DeepSpeed's zero2 formula); 3 20Ψ/N_d + 4 L (L = largest unit; DeepSpeed: 18Ψ/N_d +
+4 L, which leaves out the fp16 gradient partition).
+
 (GB = 1e9 bytes, as in the paper.) A partitioned term is ``bytes_per_param *
 ceil(Ψ / N_d)``: the largest shard, so the result is an integer upper bound per replica.
 
@@ -29,6 +61,9 @@ Precision:
 - ``"mixed"``: fp16/bf16 parameters (p = 2) and gradients (g = 2); the optimizer keeps an
   fp32 master copy of the parameters, so K includes 4 bytes of master weights.
 - ``"fp32"``: fp32 parameters (p = 4) and gradients (g = 4); no separate master copy.
+  Keras' ``mixed_float16`` / ``mixed_bfloat16`` policies keep float32 variables, so their
+  model states are ``"fp32"``; the 2-byte compute copy of a gathered unit is working
+  memory (``estimate_for_model``).
 
 Optimizer state K (bytes per parameter):
 
@@ -46,10 +81,10 @@ optimizer states in stage 1), so K = 4 (master) + 4 (momentum) = 8.
 
 Offload: ``offload_optimizer`` moves the optimizer-state term (K, partitioned per the
 stage) and ``offload_param`` moves the parameter term to the host ('cpu') or NVMe
-('nvme'). Gradients are always counted on the device: the reduced gradient shard is
-produced there, so this is an upper bound for the device tier. Activations, temporary
-buffers and fragmentation are not model states and are not counted, except the stage-3
-working set added by ``estimate_for_model``.
+('nvme'). Page rounding (``page_size_bytes``): terms on the host or NVMe tier live in
+the paged pool, whose tensors take whole pages, so each unit's share of such a term is
+rounded up to a multiple of the page size (``estimate`` treats a term as one unit).
+Activations and fragmentation are not counted.
 
 This module does not import TensorFlow or Keras at import time.
 """
@@ -79,6 +114,9 @@ __all__ = [
 
 PRECISIONS: tuple[str, ...] = ("mixed", "fp32")
 """Accepted ``precision`` values."""
+
+ACCOUNTINGS: tuple[str, ...] = ("sc20", "sc21")
+"""Accepted ``accounting`` values (module docstring)."""
 
 _PARAM_BYTES: Mapping[str, int] = {"mixed": 2, "fp32": 4}  # bytes per parameter element
 _GRAD_BYTES: Mapping[str, int] = {"mixed": 2, "fp32": 4}  # bytes per gradient element
@@ -152,8 +190,12 @@ class ModelEstimate:
         largest_block_name: that layer's name ('' if the model has no layer with weights).
         persistent_params: elements kept replicated under stage 3 (weights with fewer
             elements than ``config.persistence_threshold``); 0 for stages < 3.
-        working_set_bytes: stage-3 bytes of gathered parameters (largest consecutive pair
-            of blocks, the second capped at ``config.prefetch_bucket_size``); 0 otherwise.
+        working_set_bytes: device working memory, bytes (``estimate_for_model``); 0 if
+            none.
+        precision: the precision of the model states ('fp32' or 'mixed').
+        compute_bytes: bytes per element of the compute dtype (2 under Keras'
+            ``mixed_float16`` / ``mixed_bfloat16``, else ``p``).
+        accounting: 'sc20' or 'sc21'.
     """
 
     tiers: TierEstimate
@@ -163,6 +205,15 @@ class ModelEstimate:
     largest_block_name: str
     persistent_params: int
     working_set_bytes: int
+    precision: str = "fp32"
+    compute_bytes: int = 4
+    accounting: str = "sc20"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable dict: the tier estimate and the counts above."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["tiers"] = self.tiers.to_dict()
+        return out
 
 
 def _check_positive_int(name: str, value: Any) -> int:
@@ -179,50 +230,104 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...] | Mapping[str,
     return value
 
 
-def _term(tier: str, bytes_per_param: int, elements: int, divisor: int) -> dict[str, Any]:
-    return {
+def _round_up(n: int, page: int | None) -> int:
+    return -(-n // page) * page if page else n
+
+
+def _term(
+    tier: str,
+    bytes_per_param: int,
+    elements: int,
+    divisor: int,
+    *,
+    units: list[int] | None = None,
+    page_size_bytes: int | None = None,
+) -> dict[str, Any]:
+    """One state term. Off the device with ``page_size_bytes``: each unit's share
+    (``bytes_per_param * ceil(unit / divisor)``) rounded up to whole pages."""
+    paged = page_size_bytes if tier != "device" else None
+    if not elements:
+        nbytes = 0
+    elif paged:
+        nbytes = sum(
+            _round_up(bytes_per_param * math.ceil(u / divisor), paged)
+            for u in (units or [elements])
+            if u
+        )
+    else:
+        nbytes = bytes_per_param * math.ceil(elements / divisor)
+    term = {
         "tier": tier,
-        "bytes": bytes_per_param * math.ceil(elements / divisor) if elements else 0,
+        "bytes": nbytes,
         "bytes_per_param": bytes_per_param,
         "elements": elements,
         "divisor": divisor,
     }
+    if paged:
+        term["page_size_bytes"] = paged
+    return term
 
 
-def _estimate(
-    num_params: int,
-    num_replicas: int,
-    stage: int,
-    offload_optimizer: str,
-    offload_param: str,
-    precision: str,
-    optimizer: str,
-    *,
-    trainable_params: int,
-    persistent_params: int = 0,
-    working_set_bytes: int = 0,
-) -> TierEstimate:
-    """The formula of the module docstring, with the refinements ``estimate_for_model``
-    knows about (trainable subset, stage-3 persistent parameters, working set)."""
-    n = num_replicas
-    p, g = _PARAM_BYTES[precision], _GRAD_BYTES[precision]
-    k = OPTIMIZER_STATE_BYTES[optimizer][precision]
-    partitioned_params = num_params - persistent_params if stage >= 3 else num_params
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    """Validated inputs of one estimate (elements and bytes as in ``estimate``)."""
+
+    num_params: int
+    num_replicas: int
+    stage: int
+    offload_optimizer: str
+    offload_param: str
+    precision: str
+    optimizer: str
+    accounting: str = "sc20"
+    trainable_params: int | None = None
+    persistent_params: int = 0
+    working_set_bytes: int = 0
+    page_size_bytes: int | None = None
+    param_units: list[int] | None = None  # partitioned elements per unit (page rounding)
+    trainable_units: list[int] | None = None
+
+
+def _estimate(i: _Inputs) -> TierEstimate:
+    """The formulas of the module docstring for validated inputs."""
+    n, stage = i.num_replicas, i.stage
+    p, g = _PARAM_BYTES[i.precision], _GRAD_BYTES[i.precision]
+    k = OPTIMIZER_STATE_BYTES[i.optimizer][i.precision]
+    trainable = i.num_params if i.trainable_params is None else i.trainable_params
+    partitioned_params = i.num_params - i.persistent_params if stage >= 3 else i.num_params
+    opt_tier = _TIER_OF[i.offload_optimizer]
+    paging = {"page_size_bytes": i.page_size_bytes}
     breakdown = {
-        "params": _term(_TIER_OF[offload_param], p, partitioned_params, n if stage >= 3 else 1),
-        "grads": _term("device", g, trainable_params, n if stage >= 2 else 1),
-        "optimizer_states": _term(
-            _TIER_OF[offload_optimizer], k, trainable_params, n if stage >= 1 else 1
+        "params": _term(
+            _TIER_OF[i.offload_param],
+            p,
+            partitioned_params,
+            n if stage >= 3 else 1,
+            units=i.param_units,
+            **paging,
         ),
     }
-    if stage >= 3 and persistent_params:
-        breakdown["persistent_params"] = _term("device", p, persistent_params, 1)
-    if working_set_bytes:
+    sc21 = i.accounting == "sc21"
+    grads_offloaded = sc21 and opt_tier != "device"
+    if not (grads_offloaded and stage >= 2):
+        breakdown["grads"] = _term("device", g, trainable, n if stage >= 2 else 1)
+    if sc21 and (grads_offloaded or i.precision == "mixed"):
+        # SC21's fp32 gradient copy (mixed precision), or under offload the fp32 gradient
+        # partition the host-side update reads; on the optimizer's tier, partitioned as it.
+        breakdown["fp32_grads"] = _term(
+            opt_tier, 4, trainable, n if stage >= 1 else 1, units=i.trainable_units, **paging
+        )
+    breakdown["optimizer_states"] = _term(
+        opt_tier, k, trainable, n if stage >= 1 else 1, units=i.trainable_units, **paging
+    )
+    if stage >= 3 and i.persistent_params:
+        breakdown["persistent_params"] = _term("device", p, i.persistent_params, 1)
+    if i.working_set_bytes:
         breakdown["working_set"] = {
             "tier": "device",
-            "bytes": working_set_bytes,
+            "bytes": i.working_set_bytes,
             "bytes_per_param": 1,
-            "elements": working_set_bytes // p,
+            "elements": i.working_set_bytes,
             "divisor": 1,
         }
     totals = dict.fromkeys(TIERS, 0)
@@ -232,7 +337,12 @@ def _estimate(
 
 
 def _check_inputs(
-    stage: Any, offload_optimizer: Any, offload_param: Any, precision: Any, optimizer: Any
+    stage: Any,
+    offload_optimizer: Any,
+    offload_param: Any,
+    precision: Any,
+    optimizer: Any,
+    accounting: Any = "sc20",
 ) -> None:
     if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage <= 3:
         raise ValueError(f"stage={stage!r} is invalid: expected an int in [0, 3]")
@@ -240,6 +350,7 @@ def _check_inputs(
     _check_choice("offload_param", offload_param, OFFLOAD_DEVICES)
     _check_choice("precision", precision, PRECISIONS)
     _check_choice("optimizer", optimizer, OPTIMIZER_STATE_BYTES)
+    _check_choice("accounting", accounting, ACCOUNTINGS)
     if offload_param != "none" and stage != 3:
         raise ZeroConfigError(
             f"offload_param={offload_param!r} is invalid with stage={stage}: parameter "
@@ -250,6 +361,12 @@ def _check_inputs(
         )
 
 
+def _check_page(page_size_bytes: Any) -> int | None:
+    if page_size_bytes is None:
+        return None
+    return _check_positive_int("page_size_bytes", page_size_bytes)
+
+
 def estimate(
     num_params: int,
     num_replicas: int,
@@ -258,8 +375,12 @@ def estimate(
     offload_param: str = "none",
     precision: str = "mixed",
     optimizer: str = "adam",
+    *,
+    accounting: str = "sc20",
+    largest_unit_params: int = 0,
+    page_size_bytes: int | None = None,
 ) -> TierEstimate:
-    """Bytes of model states per replica on each tier, by the ZeRO paper's formula.
+    """Bytes per replica on each tier, by the SC20 or SC21 accounting (module docstring).
 
     Args:
         num_params: Ψ, parameter count (elements), int >= 1.
@@ -273,10 +394,18 @@ def estimate(
             Default 'mixed'.
         optimizer: 'adam' | 'adamw' | 'sgd_momentum' | 'sgd' (K table in the module
             docstring). Default 'adam'.
+        accounting: 'sc20' (default: the ZeRO paper's model states; this runtime's
+            layout) or 'sc21' (ZeRO-Infinity / DeepSpeed: fp32 gradient copy, gradients
+            with offloaded optimizer states, stage-3 working memory).
+        largest_unit_params: elements of the largest wrapping unit (DeepSpeed's
+            ``largest_layer_params``), int >= 0; with 'sc21' at stage 3 it adds
+            ``(p + g) * largest_unit_params`` device bytes of working memory. Default 0.
+        page_size_bytes: page size of the paged pool, bytes; None (default) rounds
+            nothing, else host and NVMe terms are rounded up to whole pages.
 
     Returns:
-        TierEstimate with integer bytes per replica; e.g. Ψ=7.5e9, N_d=64, mixed Adam:
-        stage 0: 120_000_000_000; 1: 31_406_250_000; 2: 16_640_625_000;
+        TierEstimate with integer bytes per replica; e.g. Ψ=7.5e9, N_d=64, mixed Adam,
+        'sc20': stage 0: 120_000_000_000; 1: 31_406_250_000; 2: 16_640_625_000;
         3: 1_875_000_000 device bytes (ZeRO paper, Figure 1).
 
     Raises:
@@ -285,16 +414,29 @@ def estimate(
     """
     _check_positive_int("num_params", num_params)
     _check_positive_int("num_replicas", num_replicas)
-    _check_inputs(stage, offload_optimizer, offload_param, precision, optimizer)
+    _check_inputs(stage, offload_optimizer, offload_param, precision, optimizer, accounting)
+    if isinstance(largest_unit_params, bool) or not isinstance(largest_unit_params, int) or (
+        not 0 <= largest_unit_params <= num_params
+    ):
+        raise ValueError(
+            f"largest_unit_params={largest_unit_params!r} is invalid: expected an int in "
+            f"[0, num_params={num_params}]"
+        )
+    p, g = _PARAM_BYTES[precision], _GRAD_BYTES[precision]
+    working = (p + g) * largest_unit_params if accounting == "sc21" and stage >= 3 else 0
     return _estimate(
-        num_params,
-        num_replicas,
-        stage,
-        offload_optimizer,
-        offload_param,
-        precision,
-        optimizer,
-        trainable_params=num_params,
+        _Inputs(
+            num_params,
+            num_replicas,
+            stage,
+            offload_optimizer,
+            offload_param,
+            precision,
+            optimizer,
+            accounting=accounting,
+            working_set_bytes=working,
+            page_size_bytes=_check_page(page_size_bytes),
+        )
     )
 
 
@@ -304,15 +446,23 @@ def estimate_for_config(
     config: ZeroConfig,
     precision: str = "mixed",
     optimizer: str = "adam",
+    *,
+    accounting: str = "sc20",
+    largest_unit_params: int = 0,
+    page_rounding: bool = False,
 ) -> TierEstimate:
     """``estimate`` with stage and offload devices taken from ``config``.
 
     Args:
         num_params: Ψ, elements, int >= 1.
         num_replicas: N_d, int >= 1.
-        config: supplies ``stage``, ``offload_optimizer``, ``offload_param``.
+        config: supplies ``stage``, ``offload_optimizer``, ``offload_param`` and, with
+            ``page_rounding``, ``page_size_bytes``.
         precision: 'mixed' (default) or 'fp32'.
         optimizer: see ``estimate``. Default 'adam'.
+        accounting: 'sc20' (default) or 'sc21', see ``estimate``.
+        largest_unit_params: see ``estimate``. Default 0.
+        page_rounding: round host/NVMe terms to ``config.page_size_bytes``. Default False.
 
     Raises:
         ValueError: as ``estimate``.
@@ -325,6 +475,9 @@ def estimate_for_config(
         config.offload_param,
         precision,
         optimizer,
+        accounting=accounting,
+        largest_unit_params=largest_unit_params,
+        page_size_bytes=config.page_size_bytes if page_rounding else None,
     )
 
 
@@ -359,36 +512,136 @@ def _num_elements(variable: Any) -> int:
     return math.prod(int(d) for d in variable.shape)
 
 
+_DTYPE_BYTES: Mapping[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+def policy_precision(policy: Any) -> tuple[str, int]:
+    """``(precision, compute_bytes)`` of a Keras ``DTypePolicy``.
+
+    Keras keeps float32 variables under ``float32`` and under the mixed policies
+    (``mixed_float16``, ``mixed_bfloat16``): their model states are 'fp32'; the mixed
+    policies compute in a 2-byte dtype, so each layer call casts its weights (a transient
+    2-byte copy, counted as working memory by ``estimate_for_model``).
+
+    Raises:
+        ValueError: a policy whose variables are not float32 (e.g. ``bfloat16``: 2-byte
+            variables without an fp32 master copy are not modelled).
+    """
+    variable_dtype = str(getattr(policy, "variable_dtype", "float32"))
+    compute_dtype = str(getattr(policy, "compute_dtype", variable_dtype))
+    if variable_dtype != "float32":
+        raise ValueError(
+            f"dtype policy {getattr(policy, 'name', policy)!r} keeps {variable_dtype} "
+            "variables, which the estimator does not model; expected float32 variables "
+            "('float32', 'mixed_float16' or 'mixed_bfloat16'), or pass precision="
+        )
+    return "fp32", _DTYPE_BYTES.get(compute_dtype, 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unit:
+    name: str
+    params: int  # elements of the weights first seen in this unit
+    gathered: int  # of which partitioned under stage 3 (not persistent)
+    trainable: int  # of which trainable
+    gathered_trainable: int
+
+
+def _units(model: Any, persistent: Any) -> list[_Unit]:
+    """The top-level layers with their own (first-seen) weights, in order."""
+    trainable_ids = {id(v) for v in model.trainable_weights}
+    seen: set[int] = set()
+    units = []
+    for layer in model.layers:
+        weights = [v for v in layer.weights if id(v) not in seen]
+        seen.update(id(v) for v in weights)
+        size = [(v, _num_elements(v)) for v in weights]
+        units.append(
+            _Unit(
+                layer.name,
+                sum(n for _, n in size),
+                sum(n for v, n in size if not persistent(n)),
+                sum(n for v, n in size if id(v) in trainable_ids),
+                sum(n for v, n in size if id(v) in trainable_ids and not persistent(n)),
+            )
+        )
+    return units
+
+
+def _working_set(
+    units: list[_Unit], stage: int, accounting: str, p: int, g: int, c: int, prefetch: int
+) -> int:
+    """Device working memory, bytes (see ``estimate_for_model``)."""
+    cast = c if c < p else 0  # a narrower compute dtype: a cast copy per layer call
+    if stage < 3:
+        if accounting != "sc21" or not cast:
+            return 0
+        return cast * max((u.params for u in units), default=0)
+    gathered = [u.gathered for u in units]
+    following = gathered[1:] + [0]
+    if accounting == "sc20":
+        return p * max((b + min(nxt, prefetch) for b, nxt in zip(gathered, following)), default=0)
+    return max(
+        (
+            (p + cast) * u.gathered + g * u.gathered_trainable + p * min(nxt, prefetch)
+            for u, nxt in zip(units, following)
+        ),
+        default=0,
+    )
+
+
 def estimate_for_model(
     model: keras.Model,
     config: ZeroConfig,
     num_replicas: int,
-    precision: str = "fp32",
+    precision: str | None = "fp32",
     optimizer: str | None = None,
+    *,
+    accounting: str = "sc20",
+    page_rounding: bool = False,
 ) -> ModelEstimate:
-    """Per-replica estimate for a built Keras model, with the stage-3 working set.
+    """Per-replica estimate for a built Keras model, with the working memory.
 
     Counting (all in elements; a weight shared by several layers counts once):
 
     - Ψ = elements of ``model.trainable_weights`` + ``model.non_trainable_weights``.
       Gradients and optimizer states cover only the trainable weights.
-    - Blocks are the top-level layers (``model.layers``), in order; a block's size is
-      the elements of its weights. ``largest_block_params`` is the largest block.
+    - Units are the top-level layers (``model.layers``), in order (the stage-3 engine's
+      blocks); a unit's size is the elements of its weights. ``largest_block_params`` is
+      the largest unit.
     - Stage 3 only: weights with fewer elements than ``config.persistence_threshold``
       stay replicated on the device ("persistent_params", p bytes each, not divided by
-      N_d); the rest is partitioned. The working set is the gathered parameters at the
-      worst point of a forward pass: ``max_i(b_i + min(b_{i+1},
-      config.prefetch_bucket_size)) * p`` bytes, with ``b_i`` the partitioned elements of
-      block i (the gathered block plus the prefetched next block), added to the device
-      tier as "working_set".
+      N_d); the rest is partitioned.
+    - Working memory ("working_set", device), with ``b_i`` the partitioned elements of
+      unit i, ``t_i`` its partitioned trainable elements and ``P`` =
+      ``config.prefetch_bucket_size``:
+
+      - 'sc20', stage 3: gathered parameters of a unit and the prefetched next one,
+        ``p * max_i(b_i + min(b_{i+1}, P))``.
+      - 'sc21', stage 3: SC21 section 3.2's parameters and gradients of the largest unit,
+        plus the prefetched next unit and, under a Keras mixed policy, the 2-byte cast of
+        the gathered weights: ``max_i((p + c) b_i + g t_i + p min(b_{i+1}, P))``, with
+        ``c`` = 2 under a mixed policy, else 0.
+      - 'sc21', stages 0-2 under a Keras mixed policy: the cast copy of the largest unit,
+        ``2 * largest_block_params``; otherwise none.
+
+      The working memory is per replica: on the CPU stand-in every local replica gathers
+      its own copy, so a process holds ``local_replicas`` times it.
+    - ``page_rounding``: host and NVMe terms are rounded up to ``config.page_size_bytes``
+      per unit (each unit's shard is at least one page in the paged pool).
 
     Args:
-        model: a built ``keras.Model`` (it must have weights).
-        config: supplies stage, offload devices, persistence threshold and prefetch size.
+        model: a built ``keras.Model`` (it must have weights; they need not be
+            initialised: ``build_model_abstractly`` builds one without allocating them).
+        config: supplies stage, offload devices, persistence threshold, prefetch size and
+            page size.
         num_replicas: N_d, int >= 1.
-        precision: 'fp32' (default; Keras' default float32 policy) or 'mixed'.
+        precision: 'fp32' (default), 'mixed', or None: from the model's dtype policy
+            (``policy_precision``).
         optimizer: key of ``OPTIMIZER_STATE_BYTES``; None (default) infers it from
             ``model.optimizer`` with ``optimizer_kind``, or 'adam' if not compiled.
+        accounting: 'sc20' (default) or 'sc21' (module docstring).
+        page_rounding: see above. Default False.
 
     Returns:
         ModelEstimate.
@@ -401,8 +654,23 @@ def estimate_for_model(
     if optimizer is None:
         compiled = getattr(model, "optimizer", None)
         optimizer = optimizer_kind(compiled) if compiled is not None else "adam"
+    policy = getattr(model, "dtype_policy", None)
+    if precision is None:
+        precision, compute = policy_precision(policy)
+    else:
+        compute = _PARAM_BYTES.get(precision, 4)
+        if precision == "fp32" and policy is not None:
+            try:
+                compute = policy_precision(policy)[1]
+            except ValueError:
+                pass
     _check_inputs(
-        config.stage, config.offload_optimizer, config.offload_param, precision, optimizer
+        config.stage,
+        config.offload_optimizer,
+        config.offload_param,
+        precision,
+        optimizer,
+        accounting,
     )
 
     trainable = {id(v): v for v in model.trainable_weights}
@@ -417,42 +685,39 @@ def estimate_for_model(
     stage3 = config.stage >= 3
     threshold = config.persistence_threshold
 
-    def persistent(v: Any) -> bool:
-        return stage3 and _num_elements(v) < threshold
+    def persistent(n: int) -> bool:
+        return stage3 and n < threshold
 
-    persistent_params = sum(_num_elements(v) for v in everything.values() if persistent(v))
+    persistent_params = sum(
+        _num_elements(v) for v in everything.values() if persistent(_num_elements(v))
+    )
+    units = _units(model, persistent)
+    largest = max(units, key=lambda u: u.params, default=None)
+    largest_params, largest_name = (largest.params, largest.name) if largest else (0, "")
+    if largest_params == 0:
+        largest_name = ""
 
-    largest_params, largest_name = 0, ""
-    gathered: list[int] = []  # partitioned elements per block, in layer order
-    seen: set[int] = set()
-    for layer in model.layers:
-        weights = [v for v in layer.weights if id(v) not in seen]
-        seen.update(id(v) for v in weights)
-        size = sum(_num_elements(v) for v in weights)
-        if size > largest_params:
-            largest_params, largest_name = size, layer.name
-        gathered.append(sum(_num_elements(v) for v in weights if not persistent(v)))
-
-    p = _PARAM_BYTES[precision]
-    working_set = 0
-    if stage3 and gathered:
-        prefetch = config.prefetch_bucket_size
-        pairs = [
-            b + min(nxt, prefetch) for b, nxt in zip(gathered, gathered[1:] + [0], strict=True)
-        ]
-        working_set = max(pairs) * p
-
+    p, g = _PARAM_BYTES[precision], _GRAD_BYTES[precision]
+    working_set = _working_set(
+        units, config.stage, accounting, p, g, compute, config.prefetch_bucket_size
+    )
     tiers = _estimate(
-        num_params,
-        num_replicas,
-        config.stage,
-        config.offload_optimizer,
-        config.offload_param,
-        precision,
-        optimizer,
-        trainable_params=trainable_params,
-        persistent_params=persistent_params,
-        working_set_bytes=working_set,
+        _Inputs(
+            num_params,
+            num_replicas,
+            config.stage,
+            config.offload_optimizer,
+            config.offload_param,
+            precision,
+            optimizer,
+            accounting=accounting,
+            trainable_params=trainable_params,
+            persistent_params=persistent_params,
+            working_set_bytes=working_set,
+            page_size_bytes=config.page_size_bytes if page_rounding else None,
+            param_units=[u.gathered if stage3 else u.params for u in units],
+            trainable_units=[u.trainable for u in units],
+        )
     )
     return ModelEstimate(
         tiers=tiers,
@@ -462,4 +727,7 @@ def estimate_for_model(
         largest_block_name=largest_name,
         persistent_params=persistent_params,
         working_set_bytes=working_set,
+        precision=precision,
+        compute_bytes=compute,
+        accounting=accounting,
     )
