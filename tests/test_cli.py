@@ -13,7 +13,7 @@ import pytest
 from zero_runtime import cli
 from zero_runtime.cli import COMMANDS, Command, format_bytes, main, parse_count
 
-PAPER = ["estimate", "--params", "7.5e9", "--replicas", "64"]
+PAPER = ["estimate", "--params", "7.5e9", "--replicas", "64", "--accounting", "sc20"]
 
 
 def run(capsys, argv):
@@ -45,6 +45,7 @@ def test_estimate_json_paper_example(capsys, stage, device_bytes):
         "offload_param": "none",
         "precision": "mixed",
         "optimizer": "adam",
+        "accounting": "sc20",
         "config": None,
         "config_kind": None,
     }
@@ -130,8 +131,8 @@ BAD = [
     ([*PAPER, "--stage", "5"], "argument --stage: invalid choice: 5"),
     ([*PAPER, "--stage", "1", "--offload-param", "gpu"], "invalid choice: 'gpu'"),
     ([*PAPER, "--stage", "2", "--offload-param", "cpu"], "requires stage 3"),
-    (PAPER, "--stage is required unless --config is given"),
-    (["estimate", "--replicas", "2", "--stage", "1"], "the following arguments are required"),
+    (PAPER, "--stage is required unless --config, --model or a budget is given"),
+    (["estimate", "--replicas", "2", "--stage", "1"], "give exactly one of --params N and --model"),
     ([*PAPER, "--config", "/nonexistent/zero.json"], "cannot read config file"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     ([], "the following arguments are required: COMMAND"),

@@ -102,14 +102,21 @@ if TYPE_CHECKING:  # pragma: no cover
     import keras
 
 __all__ = [
+    "ACCOUNTINGS",
+    "CHOICES",
     "OPTIMIZER_STATE_BYTES",
     "PRECISIONS",
+    "Budgets",
     "ModelEstimate",
     "TierEstimate",
+    "build_model_abstractly",
     "estimate",
+    "estimate_choices",
     "estimate_for_config",
     "estimate_for_model",
     "optimizer_kind",
+    "policy_precision",
+    "smallest_fit",
 ]
 
 PRECISIONS: tuple[str, ...] = ("mixed", "fp32")
@@ -599,6 +606,9 @@ def estimate_for_model(
     *,
     accounting: str = "sc20",
     page_rounding: bool = False,
+    stage: int | None = None,
+    offload_optimizer: str | None = None,
+    offload_param: str | None = None,
 ) -> ModelEstimate:
     """Per-replica estimate for a built Keras model, with the working memory.
 
@@ -642,6 +652,10 @@ def estimate_for_model(
             ``model.optimizer`` with ``optimizer_kind``, or 'adam' if not compiled.
         accounting: 'sc20' (default) or 'sc21' (module docstring).
         page_rounding: see above. Default False.
+        stage: overrides ``config.stage`` (None, the default, keeps it), e.g. to try
+            every choice with one config.
+        offload_optimizer: overrides ``config.offload_optimizer`` (None keeps it).
+        offload_param: overrides ``config.offload_param`` (None keeps it).
 
     Returns:
         ModelEstimate.
@@ -651,6 +665,9 @@ def estimate_for_model(
             state size cannot be inferred.
     """
     _check_positive_int("num_replicas", num_replicas)
+    stage = config.stage if stage is None else stage
+    offload_optimizer = offload_optimizer or config.offload_optimizer
+    offload_param = offload_param or config.offload_param
     if optimizer is None:
         compiled = getattr(model, "optimizer", None)
         optimizer = optimizer_kind(compiled) if compiled is not None else "adam"
@@ -665,9 +682,9 @@ def estimate_for_model(
             except ValueError:
                 pass
     _check_inputs(
-        config.stage,
-        config.offload_optimizer,
-        config.offload_param,
+        stage,
+        offload_optimizer,
+        offload_param,
         precision,
         optimizer,
         accounting,
@@ -682,7 +699,7 @@ def estimate_for_model(
         raise ValueError("model has no weights: build it (call it on an input) first")
     trainable_params = sum(_num_elements(v) for v in trainable.values())
 
-    stage3 = config.stage >= 3
+    stage3 = stage >= 3
     threshold = config.persistence_threshold
 
     def persistent(n: int) -> bool:
@@ -699,15 +716,15 @@ def estimate_for_model(
 
     p, g = _PARAM_BYTES[precision], _GRAD_BYTES[precision]
     working_set = _working_set(
-        units, config.stage, accounting, p, g, compute, config.prefetch_bucket_size
+        units, stage, accounting, p, g, compute, config.prefetch_bucket_size
     )
     tiers = _estimate(
         _Inputs(
             num_params,
             num_replicas,
-            config.stage,
-            config.offload_optimizer,
-            config.offload_param,
+            stage,
+            offload_optimizer,
+            offload_param,
             precision,
             optimizer,
             accounting=accounting,
@@ -731,3 +748,143 @@ def estimate_for_model(
         compute_bytes=compute,
         accounting=accounting,
     )
+
+
+# --------------------------------------------------------------------------------------
+# Every stage/offload choice, and the smallest one that fits
+# --------------------------------------------------------------------------------------
+
+_OFFLOAD_RANK: Mapping[str, int] = {"none": 0, "cpu": 1, "nvme": 2}
+
+CHOICES: tuple[tuple[int, str, str], ...] = tuple(
+    sorted(
+        (
+            (stage, opt, param)
+            for stage in range(4)
+            for opt in OFFLOAD_DEVICES
+            for param in OFFLOAD_DEVICES
+            if param == "none" or stage == 3
+        ),
+        key=lambda c: (_OFFLOAD_RANK[c[2]], _OFFLOAD_RANK[c[1]], c[0]),
+    )
+)
+"""Every valid ``(stage, offload_optimizer, offload_param)``, smallest first: least
+parameter offload, then least optimizer offload, then lowest stage (offload costs
+bandwidth, partitioning costs collectives: a higher stage is preferred to an offload)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Budgets:
+    """Memory available, bytes; None means unlimited.
+
+    Attributes:
+        device_bytes: per device (one replica), int >= 1 or None.
+        host_bytes: per process (shared by ``local_replicas`` replicas), or None.
+        nvme_bytes: per process, or None.
+        local_replicas: replicas per process, int >= 1 (default 1).
+    """
+
+    device_bytes: int | None = None
+    host_bytes: int | None = None
+    nvme_bytes: int | None = None
+    local_replicas: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("device_bytes", "host_bytes", "nvme_bytes"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_positive_int(name, value)
+        _check_positive_int("local_replicas", self.local_replicas)
+
+    def shortfall(self, tiers: TierEstimate) -> dict[str, int]:
+        """Tier -> bytes missing (> 0) for ``tiers`` (a per-replica estimate); empty if it
+        fits. Host and NVMe needs are ``local_replicas`` times the per-replica bytes."""
+        needs = {
+            "device": (tiers.device_bytes, self.device_bytes),
+            "host": (tiers.host_bytes * self.local_replicas, self.host_bytes),
+            "nvme": (tiers.nvme_bytes * self.local_replicas, self.nvme_bytes),
+        }
+        return {
+            tier: need - budget
+            for tier, (need, budget) in needs.items()
+            if budget is not None and need > budget
+        }
+
+
+def estimate_choices(
+    estimate_one: Any, budgets: Budgets | None = None
+) -> list[dict[str, Any]]:
+    """Run ``estimate_one(stage, offload_optimizer, offload_param) -> TierEstimate`` for
+    every entry of ``CHOICES`` (smallest first).
+
+    Returns:
+        One dict per choice: ``stage``, ``offload_optimizer``, ``offload_param``,
+        ``device_bytes``, ``host_bytes``, ``nvme_bytes`` (per replica), ``shortfall``
+        (tier -> missing bytes, see ``Budgets.shortfall``; empty without budgets) and
+        ``fits`` (bool).
+    """
+    budgets = budgets or Budgets()
+    rows = []
+    for stage, opt, param in CHOICES:
+        tiers = estimate_one(stage, opt, param)
+        short = budgets.shortfall(tiers)
+        rows.append(
+            {
+                "stage": stage,
+                "offload_optimizer": opt,
+                "offload_param": param,
+                "device_bytes": tiers.device_bytes,
+                "host_bytes": tiers.host_bytes,
+                "nvme_bytes": tiers.nvme_bytes,
+                "shortfall": short,
+                "fits": not short,
+            }
+        )
+    return rows
+
+
+def smallest_fit(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The first row of ``estimate_choices`` that fits, or None."""
+    return next((row for row in rows if row["fits"]), None)
+
+
+def build_model_abstractly(factory: Any) -> keras.Model:
+    """Call ``factory()`` (returns a built ``keras.Model``) without initialising weights.
+
+    The call runs in ``keras.StatelessScope(initialize_variables=False)``: Keras then
+    creates each variable with its shape and dtype but defers its initializer, so no
+    weight buffer is allocated (measured with Keras 3.15 / TF 2.21: a 1000 x 200000
+    Dense kernel, 800 MB, leaves the process's peak RSS unchanged). Layers are still
+    built (shape inference runs on symbolic ``keras.Input`` tensors); only a factory that
+    computes on real values (calls the model on data, loads weights) allocates.
+
+    The model is for counting only: its variables stay uninitialised, and reading one
+    raises.
+
+    Raises:
+        ValueError: ``factory`` does not return a ``keras.Model`` with weights, or it
+            reads a variable's value.
+    """
+    import keras  # noqa: PLC0415 -- keeps this module free of Keras at import time
+
+    try:
+        with keras.StatelessScope(initialize_variables=False):
+            model = factory()
+    except ValueError as e:
+        if "stateless scope" in str(e):
+            raise ValueError(
+                f"{getattr(factory, '__name__', factory)!r} uses weight values while it "
+                f"builds the model (Keras: {e}); build it from keras.Input shapes only"
+            ) from None
+        raise
+    if not isinstance(model, keras.Model):
+        raise ValueError(
+            f"{getattr(factory, '__name__', factory)!r} returned {type(model).__name__}, "
+            "expected a keras.Model"
+        )
+    if not model.weights:
+        raise ValueError(
+            f"{getattr(factory, '__name__', factory)!r} returned a model without weights: "
+            "build it (give it a keras.Input) inside the function"
+        )
+    return model
