@@ -113,9 +113,7 @@ def test_sc21_one_trillion_parameters_on_one_dgx2_node():
 # -- DeepSpeed's estimators, written out as references ----------------------------------
 
 
-def ds_estimate_zero2(
-    total_params, num_gpus_per_node=1, num_nodes=1, cpu_offload=True, buffer=1.5
-):
+def ds_estimate_zero2(total_params, num_gpus_per_node=1, num_nodes=1, cpu_offload=True, buffer=1.5):
     """deepspeed/runtime/zero/stage_1_and_2.py::estimate_zero2_model_states_mem_needs
     -> (cpu_mem per node, gpu_mem per GPU), bytes."""
     total_gpus = num_nodes * num_gpus_per_node

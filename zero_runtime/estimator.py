@@ -200,8 +200,8 @@ class ModelEstimate:
         working_set_bytes: device working memory, bytes (``estimate_for_model``); 0 if
             none.
         precision: the precision of the model states ('fp32' or 'mixed').
-        compute_bytes: bytes per element of the compute dtype (2 under Keras'
-            ``mixed_float16`` / ``mixed_bfloat16``, else ``p``).
+        compute_bytes: bytes per element of the narrowest compute dtype of a unit (2
+            under Keras' ``mixed_float16`` / ``mixed_bfloat16``, else ``p``).
         accounting: 'sc20' or 'sc21'.
     """
 
@@ -422,8 +422,10 @@ def estimate(
     _check_positive_int("num_params", num_params)
     _check_positive_int("num_replicas", num_replicas)
     _check_inputs(stage, offload_optimizer, offload_param, precision, optimizer, accounting)
-    if isinstance(largest_unit_params, bool) or not isinstance(largest_unit_params, int) or (
-        not 0 <= largest_unit_params <= num_params
+    if (
+        isinstance(largest_unit_params, bool)
+        or not isinstance(largest_unit_params, int)
+        or (not 0 <= largest_unit_params <= num_params)
     ):
         raise ValueError(
             f"largest_unit_params={largest_unit_params!r} is invalid: expected an int in "
@@ -552,10 +554,12 @@ class _Unit:
     gathered: int  # of which partitioned under stage 3 (not persistent)
     trainable: int  # of which trainable
     gathered_trainable: int
+    compute_bytes: int  # bytes per element of the layer's compute dtype
 
 
-def _units(model: Any, persistent: Any) -> list[_Unit]:
-    """The top-level layers with their own (first-seen) weights, in order."""
+def _units(model: Any, persistent: Any, strict_policy: bool) -> list[_Unit]:
+    """The top-level layers with their own (first-seen) weights, in order. A layer whose
+    dtype policy is not modelled raises (``strict_policy``) or computes in 4 bytes."""
     trainable_ids = {id(v) for v in model.trainable_weights}
     seen: set[int] = set()
     units = []
@@ -563,6 +567,13 @@ def _units(model: Any, persistent: Any) -> list[_Unit]:
         weights = [v for v in layer.weights if id(v) not in seen]
         seen.update(id(v) for v in weights)
         size = [(v, _num_elements(v)) for v in weights]
+        policy = getattr(layer, "dtype_policy", None)
+        try:
+            compute = policy_precision(policy)[1] if policy is not None and size else 4
+        except ValueError:
+            if strict_policy:
+                raise
+            compute = 4
         units.append(
             _Unit(
                 layer.name,
@@ -570,27 +581,31 @@ def _units(model: Any, persistent: Any) -> list[_Unit]:
                 sum(n for v, n in size if not persistent(n)),
                 sum(n for v, n in size if id(v) in trainable_ids),
                 sum(n for v, n in size if id(v) in trainable_ids and not persistent(n)),
+                compute,
             )
         )
     return units
 
 
 def _working_set(
-    units: list[_Unit], stage: int, accounting: str, p: int, g: int, c: int, prefetch: int
+    units: list[_Unit], stage: int, accounting: str, p: int, g: int, prefetch: int
 ) -> int:
     """Device working memory, bytes (see ``estimate_for_model``)."""
-    cast = c if c < p else 0  # a narrower compute dtype: a cast copy per layer call
+
+    def cast(u: _Unit) -> int:  # a narrower compute dtype: a cast copy per layer call
+        return u.compute_bytes if u.compute_bytes < p else 0
+
     if stage < 3:
-        if accounting != "sc21" or not cast:
+        if accounting != "sc21":
             return 0
-        return cast * max((u.params for u in units), default=0)
+        return max((cast(u) * u.params for u in units), default=0)
     gathered = [u.gathered for u in units]
     following = gathered[1:] + [0]
     if accounting == "sc20":
         return p * max((b + min(nxt, prefetch) for b, nxt in zip(gathered, following)), default=0)
     return max(
         (
-            (p + cast) * u.gathered + g * u.gathered_trainable + p * min(nxt, prefetch)
+            (p + cast(u)) * u.gathered + g * u.gathered_trainable + p * min(nxt, prefetch)
             for u, nxt in zip(units, following)
         ),
         default=0,
@@ -646,8 +661,10 @@ def estimate_for_model(
         config: supplies stage, offload devices, persistence threshold, prefetch size and
             page size.
         num_replicas: N_d, int >= 1.
-        precision: 'fp32' (default), 'mixed', or None: from the model's dtype policy
-            (``policy_precision``).
+        precision: 'fp32' (default), 'mixed', or None: from the layers' dtype policies
+            (``policy_precision``: float32 variables, so 'fp32', and each layer's compute
+            dtype for its cast copy; a policy with other variables raises). With 'fp32'
+            given, the layers' compute dtypes are still read (unmodelled ones count 4).
         optimizer: key of ``OPTIMIZER_STATE_BYTES``; None (default) infers it from
             ``model.optimizer`` with ``optimizer_kind``, or 'adam' if not compiled.
         accounting: 'sc20' (default) or 'sc21' (module docstring).
@@ -671,16 +688,8 @@ def estimate_for_model(
     if optimizer is None:
         compiled = getattr(model, "optimizer", None)
         optimizer = optimizer_kind(compiled) if compiled is not None else "adam"
-    policy = getattr(model, "dtype_policy", None)
-    if precision is None:
-        precision, compute = policy_precision(policy)
-    else:
-        compute = _PARAM_BYTES.get(precision, 4)
-        if precision == "fp32" and policy is not None:
-            try:
-                compute = policy_precision(policy)[1]
-            except ValueError:
-                pass
+    inferred = precision is None
+    precision = "fp32" if inferred else precision
     _check_inputs(
         stage,
         offload_optimizer,
@@ -708,16 +717,17 @@ def estimate_for_model(
     persistent_params = sum(
         _num_elements(v) for v in everything.values() if persistent(_num_elements(v))
     )
-    units = _units(model, persistent)
+    units = _units(model, persistent, strict_policy=inferred)
+    if precision != "fp32":  # explicit 'mixed': 2-byte storage, no separate cast copy
+        units = [dataclasses.replace(u, compute_bytes=_PARAM_BYTES[precision]) for u in units]
+    compute = min((u.compute_bytes for u in units if u.params), default=4)
     largest = max(units, key=lambda u: u.params, default=None)
     largest_params, largest_name = (largest.params, largest.name) if largest else (0, "")
     if largest_params == 0:
         largest_name = ""
 
     p, g = _PARAM_BYTES[precision], _GRAD_BYTES[precision]
-    working_set = _working_set(
-        units, stage, accounting, p, g, compute, config.prefetch_bucket_size
-    )
+    working_set = _working_set(units, stage, accounting, p, g, config.prefetch_bucket_size)
     tiers = _estimate(
         _Inputs(
             num_params,
@@ -811,9 +821,7 @@ class Budgets:
         }
 
 
-def estimate_choices(
-    estimate_one: Any, budgets: Budgets | None = None
-) -> list[dict[str, Any]]:
+def estimate_choices(estimate_one: Any, budgets: Budgets | None = None) -> list[dict[str, Any]]:
     """Run ``estimate_one(stage, offload_optimizer, offload_param) -> TierEstimate`` for
     every entry of ``CHOICES`` (smallest first).
 
