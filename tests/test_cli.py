@@ -309,3 +309,38 @@ def test_estimate_model_bad_arguments(capsys, argv, fragment):
 )
 def test_parse_bytes(text, value):
     assert cli.parse_bytes(text) == value
+
+
+def test_estimate_deepspeed_legacy_cpu_offload_offloads(tmp_path, capsys):
+    path = tmp_path / "legacy.json"
+    path.write_text('{"zero_optimization": {"stage": 2, "cpu_offload": true}}', encoding="utf-8")
+    data, err = run_json(capsys, [*PAPER, "--config", str(path)])
+    assert err == ""
+    assert (data["inputs"]["stage"], data["inputs"]["offload_optimizer"]) == (2, "cpu")
+    assert data["host_bytes"] == 1_406_250_000  # 12Ψ/64 on the host (SC20 accounting)
+
+
+@pytest.mark.parametrize(
+    ("content", "fragment"),
+    [
+        ('{"zero_optimisation": {"stage": 3}}', "did you mean 'zero_optimization'?"),
+        ('{"zero_optimization": {"stgae": 3}}', "did you mean 'stage'?"),
+    ],
+)
+def test_estimate_deepspeed_typo_exits_2(tmp_path, capsys, content, fragment):
+    path = tmp_path / "typo.json"
+    path.write_text(content, encoding="utf-8")
+    code, out, err = run(capsys, [*PAPER, "--config", str(path)])
+    assert code == 2 and out == ""
+    assert fragment in err
+
+
+def test_estimate_hidden_size_resolves_auto(tmp_path, capsys):
+    path = tmp_path / "auto.json"
+    zero = '{"stage": 3, "stage3_param_persistence_threshold": "auto"}'
+    path.write_text(f'{{"zero_optimization": {zero}}}', encoding="utf-8")
+    argv = ["estimate", "--model", f"{MODELS}:small_mixed", "--replicas", "2", "--json"]
+    code, out, err = run(capsys, [*argv, "--config", str(path), "--hidden-size", "8"])
+    assert code == 0 and err == ""  # resolved: no "auto" note
+    # persistence threshold 80: the 64-, 32- and 8-element biases stay replicated.
+    assert json.loads(out)["model"]["persistent_params"] == 104

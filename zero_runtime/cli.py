@@ -27,6 +27,7 @@ from zero_runtime.config import (
     DeepSpeedKeyIgnoredWarning,
     ZeroConfig,
     ZeroConfigError,
+    looks_like_deepspeed,
 )
 from zero_runtime.estimator import (
     ACCOUNTINGS,
@@ -167,10 +168,12 @@ def format_bytes(n: int) -> str:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def load_config_file(path: str) -> tuple[ZeroConfig, str]:
-    """Load a ZeroConfig JSON or a DeepSpeed JSON (detected by a ``zero_optimization``
-    key). Returns the config and its kind ("zero" or "deepspeed"). DeepSpeed keys that
-    are ignored or "auto" are reported on stderr, one ``zero-runtime: note:`` line each.
+def load_config_file(path: str, hidden_size: int | None = None) -> tuple[ZeroConfig, str]:
+    """Load a ZeroConfig JSON or a DeepSpeed JSON (detected by a DeepSpeed section such as
+    ``zero_optimization``, or a misspelling of one: ``config.looks_like_deepspeed``).
+    Returns the config and its kind ("zero" or "deepspeed"). DeepSpeed keys that are
+    ignored or "auto" are reported on stderr, one ``zero-runtime: note:`` line each.
+    ``hidden_size`` resolves DeepSpeed's "auto" bucket sizes as the HF Trainer does.
 
     Raises:
         UsageError: unreadable file, invalid JSON or an invalid config.
@@ -185,11 +188,11 @@ def load_config_file(path: str) -> tuple[ZeroConfig, str]:
     if not isinstance(obj, dict):
         raise UsageError(f"config file {path!r} must hold a JSON object")
     try:
-        if "zero_optimization" not in obj:
+        if not looks_like_deepspeed(obj):
             return ZeroConfig.from_dict(obj), "zero"
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", DeepSpeedKeyIgnoredWarning)
-            config = ZeroConfig.from_deepspeed(obj)
+            config = ZeroConfig.from_deepspeed(obj, hidden_size=hidden_size)
     except ZeroConfigError as e:
         raise UsageError(f"invalid config file {path!r}: {e}") from None
     for w in caught:  # one short line each on stderr, not Python's warning format
@@ -307,6 +310,15 @@ def _estimate_add_arguments(parser: argparse.ArgumentParser) -> None:
         help="ZeroConfig JSON or DeepSpeed JSON (has a zero_optimization key); "
         "supplies stage and offload devices unless given on the command line",
     )
+    parser.add_argument(
+        "--hidden-size",
+        type=positive_int,
+        default=None,
+        metavar="H",
+        help="the model's hidden size: resolves a DeepSpeed config's \"auto\" "
+        "reduce_bucket_size (H*H), stage3_prefetch_bucket_size (0.9*H*H) and "
+        "stage3_param_persistence_threshold (10*H) as the Hugging Face Trainer does",
+    )
 
 
 def _load_model_factory(spec: str) -> Callable[[], Any]:
@@ -400,7 +412,7 @@ def _estimate_run(args: argparse.Namespace) -> int:
     config_kind = None
     config = ZeroConfig(offload_optimizer="none")
     if args.config is not None:
-        config, config_kind = load_config_file(args.config)
+        config, config_kind = load_config_file(args.config, args.hidden_size)
         stage = config.stage
         offload_optimizer, offload_param = config.offload_optimizer, config.offload_param
     if args.stage is not None:
