@@ -297,17 +297,37 @@ def estimate(
     Returns:
         ``{"per_replica": TierEstimate.to_dict(), "local_replicas": int,
         "per_process": {"device_bytes", "host_bytes", "nvme_bytes"}, "num_params": int,
-        "precision": "fp32", "optimizer": kind, "source": str}``. ``per_process`` is the
-        per-replica figure times ``local_replicas``.
+        "precision": "fp32", "optimizer": kind, "source": str, "per_process_peak":
+        {"device_bytes", "host_bytes", "nvme_bytes"}, "peak_source": str}``.
+        ``per_process`` is the per-replica figure times ``local_replicas``.
+        ``per_process_peak`` is the predicted in-step peak of model states: every replica
+        holds its full fp32 gradient (4 bytes x Ψ) between the backward pass and the
+        reduce-scatter. Stages 0-1 count it already (SC20: gΨ); at stage 2, which counts
+        only the reduced shard, the device peak adds ``4 Ψ`` per local replica. Host and
+        NVMe peaks equal their boundary figures. At stage 3 the gathered units are not
+        known here and the device peak is None. Activations are not counted.
     """
     num_params = optimizer.flat_layout.total
     kind = estimator.optimizer_kind(optimizer)
     est = estimator.estimate_for_config(
         num_params, num_replicas, config, precision="fp32", optimizer=kind
     )
+    # Stages 0-1 already count the full gradient; stage 2 counts only the reduced shard.
+    transient_grad = {0: 0, 1: 0, 2: 4 * num_params}.get(config.stage)
     return {
         "per_replica": est.to_dict(),
         "local_replicas": local_replicas,
+        "per_process_peak": {
+            "device_bytes": (
+                None
+                if transient_grad is None
+                else (est.device_bytes + transient_grad) * local_replicas
+            ),
+            "host_bytes": est.host_bytes * local_replicas,
+            "nvme_bytes": est.nvme_bytes * local_replicas,
+        },
+        "peak_source": "model states with each replica's full fp32 gradient before its "
+        "reduce-scatter (stages 0-2; none at stage 3); activations not counted",
         "per_process": {
             "device_bytes": est.device_bytes * local_replicas,
             "host_bytes": est.host_bytes * local_replicas,
@@ -316,8 +336,7 @@ def estimate(
         "num_params": num_params,
         "precision": "fp32",
         "optimizer": kind,
-        "source": "ZeRO (Rajbhandari et al., SC20) sections 3.1 and 5.1, "
-        "zero_runtime.estimator",
+        "source": "ZeRO (Rajbhandari et al., SC20) sections 3.1 and 5.1, zero_runtime.estimator",
     }
 
 
