@@ -344,3 +344,16 @@ def test_estimate_hidden_size_resolves_auto(tmp_path, capsys):
     assert code == 0 and err == ""  # resolved: no "auto" note
     # persistence threshold 80: the 64-, 32- and 8-element biases stay replicated.
     assert json.loads(out)["model"]["persistent_params"] == 104
+
+
+def test_estimate_model_factory_that_compiles_is_refused_clearly(capsys):
+    argv = ["estimate", "--model", f"{MODELS}:compiled_sgd", "--replicas", "1", "--stage", "0"]
+    code, out, err = run(capsys, argv)
+    assert code == 2 and out == ""
+    assert "'compiled_sgd' creates or reads a variable Keras cannot defer" in err
+    assert "without model.compile()" in err and "--optimizer" in err
+    # The optimizer is chosen on the command line instead: SGD with momentum, K = 4.
+    argv = ["estimate", "--model", f"{MODELS}:small_mixed", "--replicas", "1", "--stage", "0"]
+    data, _ = run_json(capsys, [*argv, "--optimizer", "sgd_momentum", "--accounting", "sc20"])
+    assert data["inputs"]["optimizer"] == "sgd_momentum"
+    assert data["device_bytes"] == (4 + 4 + 4) * 3_432

@@ -435,7 +435,7 @@ def _estimate_run(args: argparse.Namespace) -> int:
         "offload_optimizer": offload_optimizer,
         "offload_param": offload_param,
         "precision": one.precision if one.model_info is None else one.model_info.precision,
-        "optimizer": one.optimizer or "adam",
+        "optimizer": one.optimizer if one.model_info is None else one.model_info.optimizer,
         "accounting": args.accounting,
         "config": args.config,
         "config_kind": config_kind,

@@ -203,6 +203,7 @@ class ModelEstimate:
         compute_bytes: bytes per element of the narrowest compute dtype of a unit (2
             under Keras' ``mixed_float16`` / ``mixed_bfloat16``, else ``p``).
         accounting: 'sc20' or 'sc21'.
+        optimizer: the key of ``OPTIMIZER_STATE_BYTES`` counted.
     """
 
     tiers: TierEstimate
@@ -215,6 +216,7 @@ class ModelEstimate:
     precision: str = "fp32"
     compute_bytes: int = 4
     accounting: str = "sc20"
+    optimizer: str = "adam"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable dict: the tier estimate and the counts above."""
@@ -757,6 +759,7 @@ def estimate_for_model(
         precision=precision,
         compute_bytes=compute,
         accounting=accounting,
+        optimizer=optimizer,
     )
 
 
@@ -871,7 +874,8 @@ def build_model_abstractly(factory: Any) -> keras.Model:
 
     Raises:
         ValueError: ``factory`` does not return a ``keras.Model`` with weights, or it
-            reads a variable's value.
+            reads a variable's value or creates one Keras cannot defer (``compile`` does:
+            the optimizer's iteration counter).
     """
     import keras  # noqa: PLC0415 -- keeps this module free of Keras at import time
 
@@ -880,9 +884,12 @@ def build_model_abstractly(factory: Any) -> keras.Model:
             model = factory()
     except ValueError as e:
         if "stateless scope" in str(e):
+            first = str(e).split(". ")[0]
             raise ValueError(
-                f"{getattr(factory, '__name__', factory)!r} uses weight values while it "
-                f"builds the model (Keras: {e}); build it from keras.Input shapes only"
+                f"{getattr(factory, '__name__', factory)!r} creates or reads a variable "
+                f"Keras cannot defer (Keras: {first}): build the model from keras.Input "
+                "shapes only, without model.compile() (which creates the optimizer's "
+                "variables) or calls on data; choose the optimizer with --optimizer"
             ) from None
         raise
     if not isinstance(model, keras.Model):

@@ -38,3 +38,11 @@ def small_mixed() -> keras.Model:
 def not_a_model() -> int:
     """Returns an int: the CLI must reject it."""
     return 3
+
+
+def compiled_sgd() -> keras.Model:
+    """Ψ = 110 (Dense(10 -> 10)), compiled with SGD(momentum=0.9): ``compile`` creates a
+    variable Keras cannot defer, so the CLI must refuse it with a clear message."""
+    model = keras.Sequential([keras.Input((10,)), keras.layers.Dense(10, name="d")])
+    model.compile(optimizer=keras.optimizers.SGD(momentum=0.9), loss="mse")
+    return model
