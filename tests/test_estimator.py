@@ -381,3 +381,43 @@ def test_choices_and_smallest_fit():
     assert per_process.shortfall(one(3, "cpu", "none")) == {"host": 8 * 10**9 - 2 * 10**9}
     with pytest.raises(ValueError, match="device_bytes=0 is invalid"):
         Budgets(device_bytes=0)
+
+
+@pytest.mark.parametrize(
+    ("shape", "page", "n"),
+    [((50_000, 256), 4 * 2**20, 2), ((1_000, 64), 65_536, 4), ((3, 10), 65_536, 2)],
+)
+def test_row_cache_bytes_is_the_engines_row_cache(shape, page, n):
+    from zero_runtime.estimator import row_cache_bytes
+    from zero_runtime.stage3.embedding import row_paging_budget
+
+    budget = row_paging_budget(shape, page, n, local=1)
+    assert row_cache_bytes(shape, page, n) == budget.cache_pages * page
+
+
+def test_stage_3_row_paged_embedding_is_not_gathered(keras):
+    from zero_runtime.estimator import build_model_abstractly, row_cache_bytes
+
+    def factory():
+        return keras.Sequential(
+            [
+                keras.Input((8,), dtype="int32"),
+                keras.layers.Embedding(50_000, 256, name="emb"),  # 12.8M >= 10M threshold
+                keras.layers.Dense(64, name="d"),  # 16_448
+            ]
+        )
+
+    model = build_model_abstractly(factory)
+    config = ZeroConfig(stage=3, offload_optimizer="cpu", offload_param="cpu")
+    config = config.replace(persistence_threshold=0)
+    result = estimate_for_model(model, config, 2, accounting="sc21")
+    b = result.tiers.breakdown
+    # Only 'd' is gathered (params + grads, fp32); the table stays in row pages.
+    assert result.working_set_bytes == 8 * 16_448
+    assert b["row_cache"]["bytes"] == row_cache_bytes((50_000, 256), 4 * 2**20, 2)
+    assert b["row_cache"]["bytes"] == 2 * 4 * 2**20  # 7 row pages a shard -> the 2-page minimum
+    # Below the threshold the embedding is an ordinary gathered unit.
+    small = config.replace(embedding_row_paging_threshold=20_000_000)
+    plain = estimate_for_model(model, small, 2, accounting="sc21")
+    assert plain.working_set_bytes == 8 * 12_800_000 + 4 * 16_448
+    assert "row_cache" not in plain.tiers.breakdown

@@ -211,6 +211,7 @@ _TERM_LABELS = {
     "optimizer_states": "optimizer states",
     "persistent_params": "persistent params",
     "working_set": "working memory",
+    "row_cache": "embedding row cache",
 }
 
 
@@ -460,7 +461,9 @@ def _estimate_run(args: argparse.Namespace) -> int:
     rows = [("term", "formula", "tier", "bytes", "human")]
     for name, term in result.breakdown.items():
         divisor = f" / {term['divisor']}" if term["divisor"] > 1 else ""
-        formula = f"{term['bytes_per_param']}Ψ{divisor}" if name != "working_set" else ""
+        formula = (
+            "" if name in ("working_set", "row_cache") else f"{term['bytes_per_param']}Ψ{divisor}"
+        )
         rows.append(
             (
                 _TERM_LABELS.get(name, name),

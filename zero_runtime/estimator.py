@@ -116,6 +116,7 @@ __all__ = [
     "estimate_for_model",
     "optimizer_kind",
     "policy_precision",
+    "row_cache_bytes",
     "smallest_fit",
 ]
 
@@ -295,6 +296,7 @@ class _Inputs:
     page_size_bytes: int | None = None
     param_units: list[int] | None = None  # partitioned elements per unit (page rounding)
     trainable_units: list[int] | None = None
+    row_cache_bytes: int = 0  # stage 3: row caches of row-paged embeddings, device
 
 
 def _estimate(i: _Inputs) -> TierEstimate:
@@ -331,6 +333,14 @@ def _estimate(i: _Inputs) -> TierEstimate:
     )
     if stage >= 3 and i.persistent_params:
         breakdown["persistent_params"] = _term("device", p, i.persistent_params, 1)
+    if i.row_cache_bytes:
+        breakdown["row_cache"] = {
+            "tier": "device",
+            "bytes": i.row_cache_bytes,
+            "bytes_per_param": 1,
+            "elements": i.row_cache_bytes,
+            "divisor": 1,
+        }
     if i.working_set_bytes:
         breakdown["working_set"] = {
             "tier": "device",
@@ -557,11 +567,51 @@ class _Unit:
     trainable: int  # of which trainable
     gathered_trainable: int
     compute_bytes: int  # bytes per element of the layer's compute dtype
+    table_shape: tuple[int, int] | None = None  # a row-paged embedding's (V, C); not gathered
 
 
-def _units(model: Any, persistent: Any, strict_policy: bool) -> list[_Unit]:
+# The stage-3 engine's row cache of a row-paged embedding (zero_runtime/stage3/embedding.py:
+# ROW_CACHE_DIVISOR, ROW_CACHE_MIN_PAGES, row_paging_budget; tests/test_estimator.py
+# checks these against it: this module may not import the stage-3 layer).
+_ROW_CACHE_DIVISOR = 8
+_ROW_CACHE_MIN_PAGES = 2
+
+
+def row_cache_bytes(shape: tuple[int, int], page_size: int, num_replicas: int) -> int:
+    """Device bytes of one replica's row cache of a row-paged embedding ``(V, C)`` float32:
+    ``min(P, max(2, ceil(P / 8)))`` pages, ``P`` = the row pages of its shard (``ceil(V /
+    N)`` rows, ``page_size // (4 C)`` rows a page), as the stage-3 engine reserves."""
+    vocab, width = int(shape[0]), int(shape[1])
+    rows = -(-vocab // num_replicas)
+    per_page = max(1, page_size // (4 * width))
+    per_shard = -(-rows // per_page)
+    cache = min(per_shard, max(_ROW_CACHE_MIN_PAGES, -(-per_shard // _ROW_CACHE_DIVISOR)))
+    return cache * page_size
+
+
+def _row_paged_table(layer: Any, threshold: int) -> tuple[int, int] | None:
+    """``(V, C)`` if the stage-3 engine row-pages ``layer`` (a plain trainable float32
+    ``keras.layers.Embedding`` with >= ``threshold`` elements, no LoRA, not quantized, no
+    constraint: ``zero_runtime.stage3.embedding.row_paging_applies``), else None."""
+    cls = type(layer)
+    if cls.__name__ != "Embedding" or not cls.__module__.startswith("keras"):
+        return None
+    if not layer.trainable or getattr(layer, "lora_enabled", False):
+        return None
+    if getattr(layer, "quantization_mode", None) or layer.embeddings_constraint is not None:
+        return None
+    table = layer.embeddings
+    if str(table.dtype) != "float32" or _num_elements(table) < threshold:
+        return None
+    return int(table.shape[0]), int(table.shape[1])
+
+
+def _units(
+    model: Any, persistent: Any, strict_policy: bool, row_paging_threshold: int | None = None
+) -> list[_Unit]:
     """The top-level layers with their own (first-seen) weights, in order. A layer whose
-    dtype policy is not modelled raises (``strict_policy``) or computes in 4 bytes."""
+    dtype policy is not modelled raises (``strict_policy``) or computes in 4 bytes. With
+    ``row_paging_threshold`` (stage 3), row-paged embeddings carry their table shape."""
     trainable_ids = {id(v) for v in model.trainable_weights}
     seen: set[int] = set()
     units = []
@@ -584,6 +634,9 @@ def _units(model: Any, persistent: Any, strict_policy: bool) -> list[_Unit]:
                 sum(n for v, n in size if id(v) in trainable_ids),
                 sum(n for v, n in size if id(v) in trainable_ids and not persistent(n)),
                 compute,
+                None
+                if row_paging_threshold is None
+                else _row_paged_table(layer, row_paging_threshold),
             )
         )
     return units
@@ -601,14 +654,17 @@ def _working_set(
         if accounting != "sc21":
             return 0
         return max((cast(u) * u.params for u in units), default=0)
-    gathered = [u.gathered for u in units]
+    # A row-paged embedding is never gathered whole (its row cache is its own term).
+    gathered = [0 if u.table_shape else u.gathered for u in units]
     following = gathered[1:] + [0]
     if accounting == "sc20":
         return p * max((b + min(nxt, prefetch) for b, nxt in zip(gathered, following)), default=0)
     return max(
         (
-            (p + cast(u)) * u.gathered + g * u.gathered_trainable + p * min(nxt, prefetch)
-            for u, nxt in zip(units, following)
+            (p + cast(u)) * b
+            + g * (0 if u.table_shape else u.gathered_trainable)
+            + p * min(nxt, prefetch)
+            for u, b, nxt in zip(units, gathered, following)
         ),
         default=0,
     )
@@ -656,6 +712,11 @@ def estimate_for_model(
       its own copy, so a process holds ``local_replicas`` times it.
     - ``page_rounding``: host and NVMe terms are rounded up to ``config.page_size_bytes``
       per unit (each unit's shard is at least one page in the paged pool).
+    - Stage 3, tiling: an embedding the engine row-pages (a plain ``Embedding`` of at
+      least ``config.embedding_row_paging_threshold`` elements) is never gathered whole:
+      it is left out of the working memory, and its device row cache
+      (``row_cache_bytes``) is the "row_cache" term. The looked-up rows themselves
+      (batch-dependent) are not counted.
 
     Args:
         model: a built ``keras.Model`` (it must have weights; they need not be
@@ -719,7 +780,12 @@ def estimate_for_model(
     persistent_params = sum(
         _num_elements(v) for v in everything.values() if persistent(_num_elements(v))
     )
-    units = _units(model, persistent, strict_policy=inferred)
+    units = _units(
+        model,
+        persistent,
+        strict_policy=inferred,
+        row_paging_threshold=config.embedding_row_paging_threshold if stage3 else None,
+    )
     if precision != "fp32":  # explicit 'mixed': 2-byte storage, no separate cast copy
         units = [dataclasses.replace(u, compute_bytes=_PARAM_BYTES[precision]) for u in units]
     compute = min((u.compute_bytes for u in units if u.params), default=4)
@@ -746,6 +812,11 @@ def estimate_for_model(
             page_size_bytes=config.page_size_bytes if page_rounding else None,
             param_units=[u.gathered if stage3 else u.params for u in units],
             trainable_units=[u.trainable for u in units],
+            row_cache_bytes=sum(
+                row_cache_bytes(u.table_shape, config.page_size_bytes, num_replicas)
+                for u in units
+                if u.table_shape
+            ),
         )
     )
     return ModelEstimate(
