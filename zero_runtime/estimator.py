@@ -152,8 +152,10 @@ class TierEstimate:
         breakdown: term -> ``{"tier": str, "bytes": int, "bytes_per_param": int,
             "elements": int, "divisor": int}``, where ``bytes = bytes_per_param *
             ceil(elements / divisor)`` for the state terms ("params", "grads",
-            "optimizer_states", "persistent_params"); "working_set" has
-            ``bytes_per_param`` and ``divisor`` 1 and ``elements`` the gathered elements.
+            "fp32_grads", "optimizer_states", "persistent_params"; off the device with
+            page rounding, the sum over units of that rounded up to pages, and the term
+            has "page_size_bytes"); "working_set" and "row_cache" have
+            ``bytes_per_param`` and ``divisor`` 1 and ``elements`` equal to their bytes.
             The tier totals are the sums of the terms on each tier.
     """
 
