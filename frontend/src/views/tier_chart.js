@@ -20,7 +20,7 @@ export const HOLDER_COLORS = {
 };
 const USED_COLOR = '#202124';
 const CAPACITY_COLOR = '#c5221f';
-const PEAK_COLORS = ['#d93025', '#f29900']; // in-step peaks (pool, allocator)
+const PEAK_COLORS = ['#b80672', '#f29900']; // in-step peaks (pool, allocator)
 const READING_COLORS = ['#9334e6', '#e37400'];
 
 function el(tag, className, text) {
