@@ -69,11 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--device-budget",
         type=positive_int,
-        default=24 << 20,
-        help="device tier budget in bytes for both runs (default 24 MiB)",
+        default=12 << 20,
+        help="device tier budget in bytes for both runs (default 12 MiB)",
     )
-    p.add_argument("--d-model", type=positive_int, default=256, help="model width")
-    p.add_argument("--layers", type=positive_int, default=4, help="transformer blocks")
+    p.add_argument("--d-model", type=positive_int, default=192, help="model width")
+    p.add_argument("--layers", type=positive_int, default=3, help="transformer blocks")
     p.add_argument(
         "--nvme-dir",
         default=os.path.join(tempfile.gettempdir(), "zero-infinity-demo-nvme"),
