@@ -110,7 +110,10 @@ class Accounting:
             if zs.accumulators:
                 total += zs.accumulator_bytes
                 continue
-            per = zs.layout.shard_size if zs.stage >= 2 else zs.layout.padded_total
+            if zs.stage == 0:  # mirrored: every replica's full gradient
+                per = zs.layout.total
+            else:
+                per = zs.layout.shard_size if zs.stage >= 2 else zs.layout.padded_total
             if zs.stage == 3 and in_backward:
                 per = max(e.max_block_shard_elements for e in in_backward)
             total += 4 * per * self.local_replicas
@@ -261,7 +264,9 @@ class Accounting:
                 continue
             layout = zs.layout
             n = layout.num_shards
-            if zs.stage >= 2:
+            if zs.stage == 0:
+                text = "replicated (data parallel, no ZeRO partitioning)"
+            elif zs.stage >= 2:
                 text = f"optimizer state and gradient sharded 1/{n} (ZeRO-2); parameter replicated"
             else:
                 text = f"optimizer state sharded 1/{n} (ZeRO-1); parameter and gradient replicated"
@@ -273,10 +278,10 @@ class Accounting:
                         "dtype": "float32",
                         "bytes": 4 * size,
                         "partitioning": text,
-                        "shard_bytes_per_replica": 4 * -(-size // n),
+                        "shard_bytes_per_replica": 4 * size if zs.stage == 0 else 4 * -(-size // n),
                         "param_tier": "device",
                         "grad_tier": "device",
-                        "optimizer_tier": opt_tier,
+                        "optimizer_tier": "device" if zs.stage == 0 else opt_tier,
                     }
                 )
         rows.extend(self._stage3_rows)
