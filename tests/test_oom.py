@@ -22,6 +22,7 @@ from tensorboard.util import tensor_util
 import zero_runtime
 from zero_runtime import cli, oom
 from zero_runtime.config import ZeroConfig
+from zero_runtime.runtime.advice import advise
 
 REPO = Path(__file__).resolve().parent.parent
 RUN = "gpt_zero1"
@@ -60,7 +61,7 @@ def test_advice_ranks_job_changes_before_a_budget_raise():
     config = ZeroConfig(
         stage=1, offload_optimizer="none", device_budget_bytes=3 << 20, page_size_bytes=65536
     )
-    advice = oom.advise(
+    advice = advise(
         failed_tier="device",
         required_bytes=3_293_184,
         capacity_bytes=3 << 20,
@@ -77,7 +78,7 @@ def test_advice_ranks_job_changes_before_a_budget_raise():
     assert advice[1]["change"] == {"stage": 2} and advice[1]["frees_bytes"] == 548_864
     assert advice[2]["change"] == {"device_budget_bytes": 4 << 20}  # the machine's, last
     # Nothing fits: the excess is larger than anything that can move, on a tiny machine.
-    none = oom.advise(
+    none = advise(
         failed_tier="device",
         required_bytes=64 << 20,
         capacity_bytes=3 << 20,

@@ -23,9 +23,10 @@ by its Python type (``MemoryError`` -> RESOURCE_EXHAUSTED; any other type, inclu
 ``OpError`` subclass, becomes ``UnknownError``), so the mix-in is what lets
 ``model.fit`` surface a ``ResourceExhaustedError``.
 
-Advice (:func:`advise`): single config changes, each with the bytes it frees on the failed
-tier (by the runtime's accounting and the ZeRO paper's per-stage formulas, SC20 section
-5.1), whether the step would then have fit, and its expected cost to speed.
+Advice (``zero_runtime.runtime.advice.advise``): single config changes, each replayed
+on the failed step's recorded figures and labelled "fits" (with a margin), "may fit" (with
+the missing bytes) or "does not fit"; the summary names the cause first
+(``zero_runtime.runtime.advice.diagnose``).
 """
 
 from __future__ import annotations
@@ -183,6 +184,7 @@ def build_report(
     config_history: list[dict[str, Any]],
     readings: Mapping[str, Any],
     advice: list[dict[str, Any]],
+    cause: str | None = None,
 ) -> dict[str, Any]:
     """Assemble the post-mortem object of the shared contract (``docs/oom.md``).
 
@@ -195,10 +197,14 @@ def build_report(
         config_version: its version (0 = as started).
         config_history: config_event objects, oldest first.
         readings: READING_COLUMNS -> bytes or None.
-        advice: ranked advice from :func:`advise`.
+        advice: ranked advice (``zero_runtime.runtime.advice.advise``).
+        cause: the failure's cause in one sentence first in the
+            summary and as the report's ``cause``; None: not named
+            (``zero_runtime.runtime.advice.diagnose``).
 
     Returns:
-        The JSON-serialisable report, with ``nothing_fits`` and a one-paragraph ``summary``.
+        The JSON-serialisable report, with ``nothing_fits``, ``cause`` and a one-paragraph
+        ``summary``.
     """
     tier = failed["tier"]
     t = tiers.get(tier, {})
@@ -207,14 +213,21 @@ def build_report(
     top = sorted(t.get("holders", []), key=lambda h: -h["bytes"])[:3]
     holders = ", ".join(f"{h['name']} {_fmt(h['bytes'])}" for h in top) or "no known holders"
     req = failed.get("bytes")
-    text = (
+    text = (f"Cause: {cause[0].upper()}{cause[1:]}. " if cause else "") + (
         f"Step {step} ran out of memory on the {tier} tier ({failed['error_type']}): "
         f"{_fmt(used)} used of {_fmt(cap)}"
         + (f", {_fmt(req)} more requested" if req else "")
         + f". Largest holders: {holders}. "
     )
     if nothing_fits:
-        text += "No single change of this runtime's settings would have fit on this machine."
+        text += "No single change of this runtime's settings is verified to fit on this machine"
+        maybe = [a for a in advice if a.get("verdict") == "may fit"]
+        if maybe:
+            m = maybe[0]
+            change = ", ".join(f"{k}={json.dumps(v)}" for k, v in m["change"].items())
+            short = m.get("missing_bytes")
+            text += f"; {change} may fit" + (f" ({_fmt(short)} short)" if short else "")
+        text += "."
     else:
         best = advice[0]
         change = ", ".join(f"{k}={json.dumps(v)}" for k, v in best["change"].items())
@@ -235,6 +248,7 @@ def build_report(
         "readings": {c: _num(readings.get(c)) for c in metadata.READING_COLUMNS},
         "advice": advice,
         "nothing_fits": nothing_fits,
+        "cause": cause,
         "summary": text,
     }
 
@@ -247,189 +261,6 @@ def _fmt(n: Any) -> str:
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{int(n)} B"
-
-
-# -- advice -------------------------------------------------------------------------------
-def advise(
-    *,
-    failed_tier: str,
-    required_bytes: int,
-    capacity_bytes: int | None,
-    holders: Mapping[str, int],
-    config: Any,
-    num_replicas: int,
-    physical_bytes: Mapping[str, int | None],
-    free_bytes: Mapping[str, int | None],
-    implemented: set[tuple[int, str]] | None = None,
-) -> list[dict[str, Any]]:
-    """Single config changes that would have made the failed step fit, ranked.
-
-    Each candidate frees bytes on the failed tier by the runtime's own accounting of its
-    holders and the ZeRO per-stage formulas (SC20 section 5.1): offloading the optimizer
-    states frees their device bytes; stage 1 -> 2 frees ``grad * (1 - 1/N)`` (only the
-    reduced gradient shard is kept); stage 2 -> 3 frees ``param * (1 - 1/N)`` (parameter
-    shards). A budget raise is offered when the machine physically has the room.
-
-    Ranking: candidates that fit first; among them, changes to the job before a change of
-    the machine's budget (a budget is the constraint the user set, raised only if the
-    hardware has it), then by speed cost (none < low < medium < high), then by bytes freed.
-
-    Args:
-        failed_tier: 'device' | 'host' | 'nvme'.
-        required_bytes: bytes the tier needed (used plus the failed request).
-        capacity_bytes: the tier's budget (None: unbounded or unknown).
-        holders: kind -> bytes on the failed tier ('param', 'grad', 'optimizer', ...).
-        config: the active ZeroConfig.
-        num_replicas: N_d.
-        physical_bytes: tier -> bytes the hardware could give the tier at most (None: unknown).
-        free_bytes: tier -> bytes still free on each *target* tier (None: unbounded/unknown).
-        implemented: (stage, offload_optimizer) pairs the strategy implements.
-
-    Returns:
-        ``[{"rank", "change", "description", "frees_bytes", "fits", "speed_cost"}]``,
-        rank 1 = best; empty when no change applies.
-    """
-    n = max(1, int(num_replicas))
-    cap = capacity_bytes
-    # The bytes to free: from the larger of the measured need and the runtime's own
-    # accounting of the holders (the framework's reading can cover less than the holders,
-    # e.g. one replica's allocator), so no change is called "fits" on the smaller figure.
-    attributed = sum(int(b) for b in holders.values())
-    over = max(required_bytes, attributed) - cap if cap is not None else 0
-    cands: list[dict[str, Any]] = []
-
-    def add(change, frees, cost, text, target=None, machine=False):
-        frees = int(max(0, frees))
-        fits = cap is not None and frees >= over
-        if target is not None and free_bytes.get(target) is not None:
-            fits = fits and frees <= free_bytes[target]
-        cands.append(
-            {
-                "change": change,
-                "description": text,
-                "frees_bytes": frees,
-                "fits": bool(fits),
-                "speed_cost": cost,
-                "_machine": machine,
-            }
-        )
-
-    def impl(stage, offload):
-        return implemented is None or (stage, offload) in implemented
-
-    opt = int(holders.get("optimizer", 0))
-    grad = int(holders.get("grad", 0))
-    param = int(holders.get("param", 0))
-    if failed_tier == "device":
-        if opt and config.offload_optimizer == "none":
-            if impl(config.stage, "cpu"):
-                add(
-                    {"offload_optimizer": "cpu"},
-                    opt,
-                    "low",
-                    f"offload optimizer states to host memory, freeing {_fmt(opt)} of device",
-                    target="host",
-                )
-            if config.nvme_path and impl(config.stage, "nvme"):
-                add(
-                    {"offload_optimizer": "nvme"},
-                    opt,
-                    "high",
-                    f"offload optimizer states to NVMe, freeing {_fmt(opt)} of device",
-                    target="nvme",
-                )
-        if config.stage == 0 and (opt or grad or param):
-            # Plain data parallelism: every replica holds all model states (SC20 §3.1);
-            # each ZeRO stage partitions one more of them over the N replicas (§5.1).
-            keep = (n - 1) / n
-            if impl(1, "none"):
-                add(
-                    {"stage": 1},
-                    opt * keep,
-                    "low",
-                    f"ZeRO stage 1 partitions optimizer states (1/{n} per replica)",
-                )
-            if impl(2, "none"):
-                add(
-                    {"stage": 2},
-                    (opt + grad) * keep,
-                    "low",
-                    f"ZeRO stage 2 partitions optimizer states and gradients (1/{n})",
-                )
-            if impl(3, "cpu") and config.offload_param in ("none", "cpu"):
-                # Parameters and states leave the device; gathered blocks remain.
-                add(
-                    {"stage": 3, "offload_param": "cpu", "offload_optimizer": "cpu"},
-                    opt + grad + param,
-                    "medium",
-                    "ZeRO-Infinity: stage 3 with parameters and optimizer states offloaded "
-                    "to host memory (only the blocks in use are gathered on the device)",
-                    target="host",
-                )
-        if config.stage == 1 and grad and impl(2, config.offload_optimizer):
-            add(
-                {"stage": 2},
-                grad * (n - 1) // n,
-                "low",
-                f"ZeRO stage 1 -> 2 keeps only the reduced gradient shard (1/{n})",
-            )
-        if config.stage == 2 and param and impl(3, config.offload_optimizer):
-            add(
-                {"stage": 3},
-                param * (n - 1) // n,
-                "medium",
-                f"ZeRO stage 2 -> 3 partitions parameters (1/{n}), gathered per block",
-            )
-        if config.stage == 3 and getattr(config, "max_live_parameters", None):
-            live = int(config.max_live_parameters)
-            excess = max(0, over)
-            new_live = max(1, live - -(-excess // 4))
-            if new_live < live:
-                add(
-                    {"max_live_parameters": new_live},
-                    4 * (live - new_live),
-                    "medium",
-                    f"lower max_live_parameters to {new_live} elements",
-                )
-    if failed_tier == "host" and opt and config.offload_optimizer == "cpu":
-        if config.nvme_path and impl(config.stage, "nvme"):
-            add(
-                {"offload_optimizer": "nvme"},
-                opt,
-                "high",
-                f"move optimizer states from host memory to NVMe, freeing {_fmt(opt)}",
-                target="nvme",
-            )
-    budget_key = f"{failed_tier}_budget_bytes"
-    if cap is not None and hasattr(config, budget_key):
-        need = -(-required_bytes // (1 << 20)) * (1 << 20)  # rounded up to a MiB
-        phys = physical_bytes.get(failed_tier)
-        text = f"raise {budget_key} to {_fmt(need)} (the step's need, rounded up to a MiB)"
-        fits = phys is not None and need <= phys
-        if not fits:
-            text += f"; this machine has {_fmt(phys)} for the tier, so it would not fit"
-        cands.append(
-            {
-                "change": {budget_key: int(need)},
-                "description": text,
-                "frees_bytes": int(max(0, need - cap)),
-                "fits": bool(fits),
-                "speed_cost": "none",
-                "_machine": True,
-            }
-        )
-    cands.sort(
-        key=lambda c: (
-            not c["fits"],
-            c["_machine"],
-            SPEED_COSTS.index(c["speed_cost"]),
-            -c["frees_bytes"],
-        )
-    )
-    for i, c in enumerate(cands, 1):
-        c.pop("_machine")
-        c["rank"] = i
-    return cands
 
 
 # -- files --------------------------------------------------------------------------------
@@ -476,12 +307,15 @@ def format_report(report: Mapping[str, Any], path: str | None = None) -> str:
             pages = f", {h['pages']} pages" if h.get("pages") is not None else ""
             lines.append(f"    {h['name']:<40} {h['kind']:<10} {_fmt(h['bytes'])}{pages}")
     lines.append("")
-    lines.append("advice (rank, change, frees, fits, speed cost):")
+    lines.append("advice (rank, change, frees, verdict, speed cost):")
     for a in report["advice"]:
         change = ", ".join(f"{k}={json.dumps(v)}" for k, v in a["change"].items())
+        verdict = a.get("verdict") or ("fits" if a["fits"] else "does not fit")
+        if verdict != "fits" and a.get("missing_bytes"):
+            verdict += f" ({_fmt(a['missing_bytes'])} short)"
         lines.append(
             f"  {a['rank']}. {change}: frees {_fmt(a['frees_bytes'])}, "
-            f"{'fits' if a['fits'] else 'does not fit'}, {a['speed_cost']} - {a['description']}"
+            f"{verdict}, {a['speed_cost']} - {a['description']}"
         )
     if not report["advice"]:
         lines.append("  (none applies)")
@@ -528,6 +362,16 @@ def physical_host_bytes() -> int:
     return int(psutil.virtual_memory().total)
 
 
+_OBJECT_ID = re.compile(r"#[0-9a-f]{6,}")
+
+
+def display_name(tensor_id: str | None) -> str | None:
+    """A pool tensor id without the Python object id that keeps it unique in the process:
+    ``g/gpt.block_0.mlp_norm.gamma#7f3254ce0f10/r0`` -> ``g/gpt.block_0.mlp_norm.gamma/r0``."""
+    return None if tensor_id is None else _OBJECT_ID.sub("", tensor_id)
+
+
 def holder(name: str, kind: str, nbytes: float, pages: int | None = None) -> dict[str, Any]:
-    """One holder row of the contract (``kind`` one of :data:`HOLDER_KINDS`)."""
-    return {"name": name, "kind": kind, "bytes": int(nbytes), "pages": pages}
+    """One holder row of the contract (``kind`` one of :data:`HOLDER_KINDS`); ``name``
+    without Python object ids (:func:`display_name`)."""
+    return {"name": display_name(name), "kind": kind, "bytes": int(nbytes), "pages": pages}

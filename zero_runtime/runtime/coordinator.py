@@ -36,6 +36,7 @@ from zero_runtime.runtime.postmortem import (
     PostMortem,
     as_oom_error,
     check_budgets,
+    model_facts,
 )
 from zero_runtime.telemetry import FlightRecorder
 from zero_runtime.telemetry.collector import TelemetryCollector
@@ -367,7 +368,16 @@ class ZeroRuntime:
             config=self.config,
             config_version=self.config_version,
             config_history=[o.to_dict() for o in self.control.history] if self.control else [],
+            facts=self._model_facts(),
         )
+
+    def _model_facts(self):
+        """The advice's model figures (``postmortem.model_facts``); None if they cannot be
+        read (never hides the OOM)."""
+        try:
+            return model_facts(self.accounting, self.config)
+        except Exception:  # noqa: BLE001 - the report must still be written
+            return None
 
     def _publish_oom(self, step: int, report: dict[str, Any]) -> None:
         if self.summaries is not None and self.state is RuntimeState.OPEN:

@@ -25,6 +25,7 @@ from zero_runtime import oom
 from zero_runtime.capabilities import IMPLEMENTED
 from zero_runtime.config import ZeroConfig
 from zero_runtime.devices import DeviceInfo
+from zero_runtime.runtime import advice as advice_mod
 from zero_runtime.telemetry import StepStats
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,9 @@ class FailureContext:
         recent: the flight recorder's recent records, oldest first.
         config: the active config; config_version: its version (0 = as started).
         config_history: the live-tuning decisions so far (``ControlOutcome.to_dict()``).
+        facts: the model's figures for the advice's replay (an
+            :class:`zero_runtime.runtime.advice.Evidence` without the recorded figures, which
+            :func:`advice_for` adds from ``snapshot`` and ``recent``); None: unknown.
     """
 
     snapshot: StepStats
@@ -53,6 +57,7 @@ class FailureContext:
     config: ZeroConfig
     config_version: int
     config_history: list[dict[str, Any]]
+    facts: advice_mod.Evidence | None = None
 
 
 def check_budgets(
@@ -209,7 +214,8 @@ def build_report(
                     for h in pool_snap.holders.get(name, ())
                 ],
             }
-        request_bytes, tensor = pool_snap.request_bytes, pool_snap.request_tensor_id
+        request_bytes = pool_snap.request_bytes
+        tensor = oom.display_name(pool_snap.request_tensor_id)
     elif isinstance(err, oom.DeviceBudgetExceededError):
         tiers["device"]["used_bytes"] = err.used_bytes
     else:
@@ -225,6 +231,11 @@ def build_report(
     }
     t = tiers[tier]
     used = int(t["used_bytes"] or 0) + int(request_bytes or 0)
+    evidence = evidence_for(tier, ctx, in_step=not isinstance(err, oom.DeviceBudgetExceededError))
+    advice = advice_for(tier, used, t, snap, ctx.config, device, num_replicas, evidence)
+    cause = advice_mod.diagnose(
+        tier, or_none(t["capacity_bytes"]), used, _holder_bytes(snap, tier), evidence
+    )
     return oom.build_report(
         step=step,
         failed=failed,
@@ -246,7 +257,37 @@ def build_report(
         config_version=ctx.config_version,
         config_history=ctx.config_history,
         readings=snap.readings.as_dict(),
-        advice=advice_for(tier, used, t, snap, ctx.config, device, num_replicas),
+        advice=advice,
+        cause=cause,
+    )
+
+
+def _holder_bytes(snap: StepStats, tier: str) -> dict[str, int]:
+    stats = snap.tiers[tier]
+    return {
+        k: int(getattr(stats, f"{k}_bytes"))
+        for k in ("param", "grad", "optimizer")
+        if math.isfinite(getattr(stats, f"{k}_bytes"))
+    }
+
+
+def evidence_for(tier: str, ctx: FailureContext, in_step: bool) -> advice_mod.Evidence:
+    """The advice's :class:`~zero_runtime.runtime.advice.Evidence`: ``ctx.facts`` plus the failed
+    tier's checked bytes and in-step peaks of the recorded steps (the flight recorder's,
+    then the failure's snapshot)."""
+    used, peaks = advice_mod.recent_figures([*ctx.recent, ctx.snapshot], tier)
+    facts = ctx.facts or advice_mod.Evidence()
+    allocator = (
+        tier == "device"
+        and math.isfinite(ctx.snapshot.readings.framework_device_bytes)
+        and not facts.units
+    )
+    return dataclasses.replace(
+        facts,
+        recent_used=used,
+        recent_peaks=peaks,
+        allocator=bool(allocator),
+        in_step=in_step,
     )
 
 
@@ -258,8 +299,9 @@ def advice_for(
     config: ZeroConfig,
     device: DeviceInfo,
     num_replicas: int,
+    evidence: advice_mod.Evidence | None = None,
 ) -> list[dict[str, Any]]:
-    """Ranked advice (``oom.advise``) for a failure on ``tier`` needing ``required`` bytes.
+    """Ranked advice (``advice.advise``) for a failure on ``tier`` needing ``required`` bytes.
 
     Args:
         tier: the failed tier.
@@ -269,13 +311,9 @@ def advice_for(
         config: the active config.
         device: the local devices (a CPU stand-in's physical memory is the host's).
         num_replicas: replicas in sync (N_d).
+        evidence: the recorded figures for the replay (:func:`evidence_for`).
     """
-    stats = snap.tiers[tier]
-    holders = {
-        k: int(getattr(stats, f"{k}_bytes"))
-        for k in ("param", "grad", "optimizer")
-        if math.isfinite(getattr(stats, f"{k}_bytes"))
-    }
+    holders = _holder_bytes(snap, tier)
     vm = psutil.virtual_memory()
     nvme_free = None
     if config.nvme_path and os.path.isdir(config.nvme_path):
@@ -284,12 +322,11 @@ def advice_for(
     device_physical = int(vm.total) if device.is_standin else or_none(nvml_total)
     host_used = snap.tiers["host"].used_bytes
     host_cap = config.host_budget_bytes
-    host_free = (
-        int(host_cap - host_used)
-        if host_cap is not None and math.isfinite(host_used)
-        else int(vm.available)
-    )
-    return oom.advise(
+    # Host room: within the host budget (if any) and what the machine has available.
+    host_free = int(vm.available)
+    if host_cap is not None and math.isfinite(host_used):
+        host_free = min(host_free, int(host_cap - host_used))
+    return advice_mod.advise(
         failed_tier=tier,
         required_bytes=int(required),
         capacity_bytes=or_none(tier_row["capacity_bytes"]),
@@ -303,6 +340,57 @@ def advice_for(
         },
         free_bytes={"host": host_free, "nvme": nvme_free},
         implemented=set(IMPLEMENTED),
+        evidence=evidence,
+    )
+
+
+def model_facts(acct: Any, config: ZeroConfig) -> advice_mod.Evidence:
+    """The model's figures for the advice's replay, from the runtime's accounting.
+
+    Args:
+        acct: the runtime's :class:`~zero_runtime.runtime.accounting.Accounting`
+            (optimizers, live stage-3 engines, local replicas).
+        config: the active config (``page_size_bytes``).
+
+    Returns:
+        An :class:`~zero_runtime.runtime.advice.Evidence` with ``num_params`` (Ψ, trainable
+        elements), ``local_replicas``, ``optimizer`` and, at stage 3, the units (each
+        block's gathered bytes: ``N * shard_elements`` float32 per variable rounded up to
+        pages, as the pool allocates them), ``shard_bytes`` and ``persistent_bytes``.
+    """
+    from zero_runtime import estimator
+
+    page = int(config.page_size_bytes)
+
+    def pages(nbytes: int) -> int:
+        return -(-int(nbytes) // page) * page
+
+    units, shard_bytes, persistent_bytes, stage3_params = [], 0, 0, 0
+    for engine in acct.live_stage3_engines():
+        for block in engine.blocks:
+            gathered = elements = 0
+            for v in block.variables:
+                n = v.num_shards * v.shard_elements
+                stage3_params += int(math.prod(v.shape))
+                if v.persistent:
+                    persistent_bytes += pages(4 * math.prod(v.shape))
+                    continue
+                gathered += pages(4 * n)
+                elements += int(math.prod(v.shape))
+                shard_bytes += pages(4 * v.shard_elements)
+            if gathered:
+                units.append(advice_mod.Unit(block.layer.name, gathered, elements))
+    kind = "adam"
+    if acct.optimizers:
+        kind = estimator.optimizer_kind(acct.optimizers[0])
+    num_params = max(acct.model_param_bytes() // 4, stage3_params) or None
+    return advice_mod.Evidence(
+        num_params=num_params,
+        local_replicas=int(acct.local_replicas),
+        units=tuple(units),
+        shard_bytes=shard_bytes,
+        persistent_bytes=persistent_bytes,
+        optimizer=kind,
     )
 
 
