@@ -154,7 +154,7 @@ class TierEstimate:
             ceil(elements / divisor)`` for the state terms ("params", "grads",
             "fp32_grads", "optimizer_states", "persistent_params"; off the device with
             page rounding, the sum over units of that rounded up to pages, and the term
-            has "page_size_bytes"); "working_set" and "row_cache" have
+            has "page_size_bytes"); "working_set", "row_cache" and "activations" have
             ``bytes_per_param`` and ``divisor`` 1 and ``elements`` equal to their bytes.
             The tier totals are the sums of the terms on each tier.
     """
@@ -202,6 +202,9 @@ class ModelEstimate:
             elements than ``config.persistence_threshold``); 0 for stages < 3.
         working_set_bytes: device working memory, bytes (``estimate_for_model``); 0 if
             none.
+        activation_bytes: device bytes of activations kept for backward per replica
+            (``estimate_for_model`` with ``batch_shape``, :func:`activation_bytes`); 0 if
+            not estimated.
         precision: the precision of the model states ('fp32' or 'mixed').
         compute_bytes: bytes per element of the narrowest compute dtype of a unit (2
             under Keras' ``mixed_float16`` / ``mixed_bfloat16``, else ``p``).
@@ -217,6 +220,7 @@ class ModelEstimate:
     persistent_params: int
     working_set_bytes: int
     precision: str = "fp32"
+    activation_bytes: int = 0
     compute_bytes: int = 4
     accounting: str = "sc20"
     optimizer: str = "adam"
@@ -299,6 +303,7 @@ class _Inputs:
     param_units: list[int] | None = None  # partitioned elements per unit (page rounding)
     trainable_units: list[int] | None = None
     row_cache_bytes: int = 0  # stage 3: row caches of row-paged embeddings, device
+    activation_bytes: int = 0  # device: activations kept for backward (activation_bytes)
 
 
 def _estimate(i: _Inputs) -> TierEstimate:
@@ -341,6 +346,14 @@ def _estimate(i: _Inputs) -> TierEstimate:
             "bytes": i.row_cache_bytes,
             "bytes_per_param": 1,
             "elements": i.row_cache_bytes,
+            "divisor": 1,
+        }
+    if i.activation_bytes:
+        breakdown["activations"] = {
+            "tier": "device",
+            "bytes": i.activation_bytes,
+            "bytes_per_param": 1,
+            "elements": i.activation_bytes,
             "divisor": 1,
         }
     if i.working_set_bytes:
@@ -684,6 +697,8 @@ def estimate_for_model(
     stage: int | None = None,
     offload_optimizer: str | None = None,
     offload_param: str | None = None,
+    batch_shape: tuple[int, ...] | None = None,
+    loss: Any = None,
 ) -> ModelEstimate:
     """Per-replica estimate for a built Keras model, with the working memory.
 
@@ -738,6 +753,12 @@ def estimate_for_model(
             every choice with one config.
         offload_optimizer: overrides ``config.offload_optimizer`` (None keeps it).
         offload_param: overrides ``config.offload_param`` (None keeps it).
+        batch_shape: one replica's input batch shape, e.g. ``(4, 64)``; given, the
+            device tier adds the "activations" term, :func:`activation_bytes` (with
+            ``checkpoint_units`` at stage 3), and the estimate is of the in-step peak
+            (model states at the step boundary plus the activations kept for backward).
+            None (default): model states only.
+        loss: ``y_pred -> scalar`` for :func:`activation_bytes` (None: the outputs' sum).
 
     Returns:
         ModelEstimate.
@@ -798,6 +819,9 @@ def estimate_for_model(
 
     p, g = _PARAM_BYTES[precision], _GRAD_BYTES[precision]
     working_set = _working_set(units, stage, accounting, p, g, config.prefetch_bucket_size)
+    activations = 0
+    if batch_shape is not None:
+        activations = activation_bytes(model, batch_shape, loss=loss, checkpoint_units=stage >= 3)
     tiers = _estimate(
         _Inputs(
             num_params,
@@ -819,6 +843,7 @@ def estimate_for_model(
                 for u in units
                 if u.table_shape
             ),
+            activation_bytes=activations,
         )
     )
     return ModelEstimate(
@@ -829,11 +854,135 @@ def estimate_for_model(
         largest_block_name=largest_name,
         persistent_params=persistent_params,
         working_set_bytes=working_set,
+        activation_bytes=activations,
         precision=precision,
         compute_bytes=compute,
         accounting=accounting,
         optimizer=optimizer,
     )
+
+
+# --------------------------------------------------------------------------------------
+# Activations: the tensors the forward pass keeps for the backward pass
+_NOT_SAVED = ("ReadVariableOp", "Const", "VarHandleOp", "Placeholder", "Shape", "ZerosLike")
+
+
+def _saved_for_backward(fn: Any, specs: list[Any]) -> tuple[int, Any]:
+    """(bytes of the floating forward tensors the backward pass reads, the output spec)
+    of ``fn(*specs)`` traced as a TensorFlow graph (nothing runs, nothing is allocated).
+
+    ``fn`` returns ``(output, gradients)`` computed under a ``tf.GradientTape``; the
+    gradient ops are the ones under the tape's ``gradient_tape/`` name scope. Tensors with
+    a dynamic shape are not counted.
+    """
+    import tensorflow as tf
+
+    graph = tf.function(fn).get_concrete_function(*specs).graph
+
+    def backward(op: Any) -> bool:
+        return op.name.startswith("gradient_tape/")
+
+    saved: dict[str, int] = {}
+    out = None
+    for op in graph.get_operations():
+        if not backward(op):
+            continue
+        for t in op.inputs:
+            if backward(t.op) or t.op.type in _NOT_SAVED or not t.dtype.is_floating:
+                continue
+            if t.shape.rank is not None and t.shape.is_fully_defined():
+                saved[t.name] = t.shape.num_elements() * t.dtype.size
+    outputs = graph.structured_outputs
+    out = outputs[0] if isinstance(outputs, (list, tuple)) else outputs
+    return sum(saved.values()), tf.TensorSpec(out.shape, out.dtype)
+
+
+def activation_bytes(
+    model: keras.Model,
+    batch_shape: tuple[int, ...],
+    *,
+    input_dtype: str | None = None,
+    loss: Any = None,
+    checkpoint_units: bool = False,
+) -> int:
+    """Activation bytes one replica holds at the peak of its step: the tensors its
+    forward pass keeps for the backward pass (reverse-mode differentiation), read from
+    the traced training graph.
+
+    - ``checkpoint_units=False`` (stages 0-2, Keras's own step): every tensor the whole
+      model and the loss keep, ``sum over saved tensors of elements x dtype size``.
+    - ``checkpoint_units=True`` (stage 3: the engine recomputes each unit in its backward,
+      ``zero_runtime.stage3.engine``, as activation checkpointing, Chen et al. 2016,
+      "Training Deep Nets with Sublinear Memory Cost", section 3): while layer ``k``
+      recomputes in the backward, the floating inputs of layers ``0..k`` (kept for their
+      recompute) plus what layer ``k`` keeps; the maximum over ``k`` and over the loss's
+      backward (every input kept plus what the loss keeps). The layers must chain
+      (``model.layers`` in order, each taking the previous one's output: a
+      ``keras.Sequential`` or a chain-shaped functional model).
+
+    Gradients of activations (transient, one layer's at a time), framework buffers and
+    the model states are not included.
+
+    Args:
+        model: a built ``keras.Model``.
+        batch_shape: the shape of one replica's input batch, e.g. ``(4, 64)`` (the batch
+            per replica first).
+        input_dtype: the input's dtype; None (default): ``model.inputs[0].dtype``, else
+            'float32'.
+        loss: ``y_pred -> scalar`` (run under the tape), e.g.
+            ``lambda y: loss_obj(targets, y)``; None (default): the sum of the outputs
+            (keeps nothing).
+        checkpoint_units: see above. Default False.
+
+    Returns:
+        Bytes, int >= 0.
+
+    Raises:
+        ValueError: ``batch_shape`` has a non-positive dimension.
+    """
+    import tensorflow as tf
+
+    shape = tuple(int(d) for d in batch_shape)
+    if not shape or min(shape) <= 0:
+        raise ValueError(f"batch_shape={batch_shape!r} is invalid: expected positive dims")
+    if input_dtype is None:
+        inputs = getattr(model, "inputs", None)
+        input_dtype = str(inputs[0].dtype) if inputs else "float32"
+    x_spec = tf.TensorSpec(shape, tf.as_dtype(input_dtype))
+    loss_fn = loss if loss is not None else tf.reduce_sum
+
+    def with_tape(forward: Any, weights: list[Any], x: Any) -> Any:
+        with tf.GradientTape() as tape:
+            sources = list(weights)
+            if x.dtype.is_floating:
+                tape.watch(x)
+                sources.append(x)
+            y = forward(x)
+            scalar = loss_fn(y) if forward is not loss_fn else y
+        return y, tape.gradient(scalar, sources) if sources else []
+
+    if not checkpoint_units:
+        saved, _ = _saved_for_backward(
+            lambda x: with_tape(lambda t: model(t, training=True), model.trainable_weights, x),
+            [x_spec],
+        )
+        return int(saved)
+    # The backward runs the loss first, then the layers last to first: while layer k
+    # recomputes, the inputs of layers 0..k are still kept; layers after k are done.
+    kept = peak = 0
+    spec = x_spec
+    for layer in model.layers:
+        if spec.dtype.is_floating:
+            kept += spec.shape.num_elements() * spec.dtype.size
+        saved, spec = _saved_for_backward(
+            lambda x, layer=layer: with_tape(
+                lambda t: layer(t, training=True), layer.trainable_weights, x
+            ),
+            [spec],
+        )
+        peak = max(peak, kept + saved)
+    head, _ = _saved_for_backward(lambda x: with_tape(lambda t: t, [], x), [spec])
+    return int(max(peak, kept + head))
 
 
 # --------------------------------------------------------------------------------------

@@ -500,7 +500,7 @@ def diagnose(
         if unit.gathered_bytes * live > cap:
             return (
                 f"the largest gathered unit, `{unit.name}` {fmt_bytes(unit.gathered_bytes)} "
-                f"per replica x {live} replica{'s' if live != 1 else ''}, exceeds the "
+                f"per replica × {live} replica{'s' if live != 1 else ''}, exceeds the "
                 f"{failed_tier} budget of {fmt_bytes(cap)}"
             )
     kinds = {k: v for k, v in holders.items() if v}
