@@ -139,7 +139,15 @@ export class OomView {
       const li = el('li', 'mh-oom-advice-item');
       li.dataset.rank = String(a?.rank ?? '');
       li.dataset.fits = String(a?.fits === true);
-      const verdict = a?.fits === true ? 'fits' : 'does not fit';
+      // `verdict` ("fits" / "may fit" / "does not fit", replayed on the recorded figures);
+      // reports without it (older runs) have only the `fits` flag.
+      const known = ['fits', 'may fit', 'does not fit'];
+      const flag = a?.fits === true ? 'fits' : 'does not fit';
+      let verdict = known.includes(a?.verdict) ? a.verdict : flag;
+      li.dataset.verdict = verdict;
+      if (verdict !== 'fits' && typeof a?.missing_bytes === 'number' && a.missing_bytes > 0) {
+        verdict += ` (${formatBytes(a.missing_bytes)} short)`;
+      }
       li.append(
         el('span', 'mh-oom-advice-desc', String(a?.description ?? '')),
         el('span', 'mh-oom-advice-change', changeText(a?.change)),
@@ -154,7 +162,7 @@ export class OomView {
     }
     adviceBox.append(list);
     if (pm.nothing_fits === true) {
-      adviceBox.append(el('p', 'mh-note mh-oom-nothing', 'No single setting would have made this fit.'));
+      adviceBox.append(el('p', 'mh-note mh-oom-nothing', 'No single setting is verified to fit.'));
     }
 
     const grid = el('div', 'mh-oom-grid');
