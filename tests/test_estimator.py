@@ -11,6 +11,7 @@ from zero_runtime.config import ZeroConfig, ZeroConfigError
 from zero_runtime.estimator import (
     OPTIMIZER_STATE_BYTES,
     TierEstimate,
+    activation_bytes,
     estimate,
     estimate_for_config,
     estimate_for_model,
@@ -261,6 +262,28 @@ def test_model_optimizer_inferred_from_compile(keras):
     with pytest.raises(ValueError, match="cannot infer the optimizer-state size of RMSprop"):
         estimate_for_model(model, config, 1)
     assert estimate_for_model(model, config, 1, optimizer="sgd").tiers.device_bytes == 880
+
+
+def test_activation_bytes_are_the_tensors_kept_for_backward(keras):
+    """Dense(16, relu) -> Dense(4), batch 2: the backward reads the relu output (ReluGrad
+    and the second MatMul's gradient, one tensor of 2 x 16 float32 = 128 B); the input
+    placeholder and the weights are not activations. With the per-unit recompute
+    (stage 3) the kept inputs are the first layer's float input (2 x 8 x 4 = 64 B) while
+    it recomputes its 128 B, then both inputs (64 + 128 B)."""
+    model = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(4)]
+    )
+    assert activation_bytes(model, (2, 8)) == 2 * 16 * 4
+    assert activation_bytes(model, (2, 8), checkpoint_units=True) == 2 * 8 * 4 + 2 * 16 * 4
+    assert activation_bytes(model, (6, 8)) == 3 * 128  # linear in the batch
+    config = ZeroConfig(stage=1, offload_optimizer="none")
+    with_act = estimate_for_model(model, config, 2, batch_shape=(2, 8))
+    states = estimate_for_model(model, config, 2)
+    assert with_act.activation_bytes == 128
+    assert with_act.tiers.device_bytes == states.tiers.device_bytes + 128
+    assert with_act.tiers.breakdown["activations"]["bytes"] == 128
+    with pytest.raises(ValueError, match="batch_shape"):
+        activation_bytes(model, (0, 8))
 
 
 def test_optimizer_kind(keras):
