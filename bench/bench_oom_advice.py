@@ -5,7 +5,8 @@ Each scenario is a real subprocess run of ``python -m demo.train`` with a tiny G
 a config that runs out of memory: stages 0-3, the device tier (the runtime's accounting
 with the plain CPU allocator, or the BFC allocator's reading), the host tier (a
 ``host_budget_bytes`` of a few pages), the NVMe tier (a ``nvme_budget_bytes`` of one page),
-budgets just below the need, and a stage-3 unit (the embedding) larger than the budget.
+budgets just below the need, a stage-3 unit larger than the budget, and the host's
+available memory below the runtime's margin (``ZERO_RUNTIME_HOST_MARGIN_BYTES``).
 
 For each scenario that did run out of memory the benchmark reads
 ``memory_hierarchy_oom.json``, applies the report's top suggestion labelled ``fits``
@@ -82,23 +83,29 @@ def scenarios(nvme: str) -> list[dict]:
                      persistence_threshold=0, device_budget_bytes=4 * PAGE)),
         dict(name="s3-device-just-below", bfc=False, tier="device",
              args=WIDE + _s(**base, stage=3, offload_param="none", offload_optimizer="none",
-                     persistence_threshold=0, device_budget_bytes=16 * PAGE)),
+                     persistence_threshold=0, device_budget_bytes=4 * PAGE)),
         dict(name="s1-nvme-full", bfc=False, tier="nvme",
              args=_s(**base, stage=1, offload_optimizer="nvme", nvme_path=nvme,
                      nvme_budget_bytes=PAGE)),
-        dict(name="s2-host-full", bfc=False, tier="host",
-             args=_s(**base, stage=2, offload_optimizer="cpu", nvme_path=nvme,
-                     host_budget_bytes=2 * PAGE)),
+        dict(name="s3-host-full-nvme", bfc=False, tier="host",
+             args=_s(**base, stage=3, offload_param="cpu", offload_optimizer="cpu",
+                     persistence_threshold=0, nvme_path=nvme, host_budget_bytes=2 * PAGE)),
+        dict(name="s1-host-memory-low", bfc=False, tier="host",
+             env={"ZERO_RUNTIME_HOST_MARGIN_BYTES": str(1 << 50)},
+             args=_s(**base, stage=1, offload_optimizer="cpu")),
         dict(name="s3-host-full", bfc=False, tier="host",
              args=WIDE + _s(**base, stage=3, offload_param="cpu", offload_optimizer="cpu",
                      persistence_threshold=0, host_budget_bytes=4 * PAGE)),
     ]  # fmt: skip
 
 
-def run_demo(logdir: str, args: list[str], bfc: bool) -> tuple[int, float, str]:
+def run_demo(
+    logdir: str, args: list[str], bfc: bool, extra_env: dict | None = None
+) -> tuple[int, float, str]:
     """Run the demo once: (exit status, seconds, stderr tail)."""
     env = dict(
         os.environ,
+        **(extra_env or {}),
         TF_CPU_ALLOCATOR_USE_BFC="true" if bfc else "false",
         TF_CPP_MIN_LOG_LEVEL="2",
         ZERO_RUNTIME_PROFILE_EVERY="0",
@@ -125,7 +132,7 @@ def overrides(change: dict) -> list[str]:
 def run_scenario(sc: dict, work: str) -> dict:
     """One scenario: the failing run, its report's advice, the rerun of the chosen change."""
     logdir = os.path.join(work, sc["name"])
-    rc, secs, err = run_demo(logdir, sc["args"], sc["bfc"])
+    rc, secs, err = run_demo(logdir, sc["args"], sc["bfc"], sc.get("env"))
     path = os.path.join(logdir, "gpt_zero1", "memory_hierarchy_oom.json")
     row = {"name": sc["name"], "bfc": sc["bfc"], "args": sc["args"], "exit": rc,
            "seconds": round(secs, 1)}  # fmt: skip
@@ -150,7 +157,7 @@ def run_scenario(sc: dict, work: str) -> dict:
     row["applied"] = chosen["change"]
     rc2, secs2, err2 = run_demo(
         os.path.join(work, sc["name"] + "-rerun"), sc["args"] + overrides(chosen["change"]),
-        sc["bfc"],
+        sc["bfc"], sc.get("env"),
     )  # fmt: skip
     row["rerun_exit"] = rc2
     row["rerun_seconds"] = round(secs2, 1)

@@ -213,11 +213,13 @@ def build_report(
     top = sorted(t.get("holders", []), key=lambda h: -h["bytes"])[:3]
     holders = ", ".join(f"{h['name']} {_fmt(h['bytes'])}" for h in top) or "no known holders"
     req = failed.get("bytes")
-    text = (f"Cause: {cause[0].upper()}{cause[1:]}. " if cause else "") + (
-        f"Step {step} ran out of memory on the {tier} tier ({failed['error_type']}): "
-        f"{_fmt(used)} used of {_fmt(cap)}"
+    # The step and tier, then the cause, then the figures, holders and the best change.
+    text = (
+        f"Step {step} ran out of memory on the {tier} tier"
+        + (f": {cause}" if cause else "")
+        + f" ({failed['error_type']}; {_fmt(used)} used of {_fmt(cap)}"
         + (f", {_fmt(req)} more requested" if req else "")
-        + f". Largest holders: {holders}. "
+        + f"). Largest holders: {holders}. "
     )
     if nothing_fits:
         text += "No single change of this runtime's settings is verified to fit on this machine"

@@ -454,6 +454,11 @@ def _budget_raise(r: _Replay) -> None:
         states = r.tier_need(c, tier)
         if states is not None and states > need:  # the failure stops the placement early
             need, why = states, f"the model states the config puts on {tier}"
+    # A pool fails at the first page it cannot place: without a model of the whole need
+    # (Ψ, or stage 3's units) the figure is only a lower bound, never verified.
+    lower_bound = (tier in ("host", "nvme") and not r.ev.num_params) or (
+        tier == "device" and c.stage == 3 and not r.ev.units
+    )
     quantum = max(1 << 20, int(getattr(c, "page_size_bytes", 0) or 0))
     target = _round_up(need * (1 + MARGIN_TARGET), quantum)
     phys = r.physical.get(tier)
@@ -472,8 +477,10 @@ def _budget_raise(r: _Replay) -> None:
     )
     r.cap = cap
     row = r.rows[-1]
-    if phys is None:
+    if phys is None or lower_bound:
         row["verdict"], row["fits"], row["missing_bytes"] = "may fit", False, None
+        if lower_bound:
+            row["description"] += "; the need beyond the failed page is not known"
     elif target > phys:
         row["verdict"], row["fits"] = "does not fit", False
         row["missing_bytes"] = int(target - phys)

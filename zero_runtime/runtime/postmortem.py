@@ -232,7 +232,12 @@ def build_report(
     t = tiers[tier]
     used = int(t["used_bytes"] or 0) + int(request_bytes or 0)
     evidence = evidence_for(tier, ctx, in_step=not isinstance(err, oom.DeviceBudgetExceededError))
-    advice = advice_for(tier, used, t, snap, ctx.config, device, num_replicas, evidence)
+    row = t
+    if isinstance(err, oom.HostMemoryLowError):
+        # The machine's available memory, not a budget, ran out: no budget raise or
+        # capacity figure applies (every change is then at most "may fit").
+        row = {**t, "capacity_bytes": None}
+    advice = advice_for(tier, used, row, snap, ctx.config, device, num_replicas, evidence)
     cause = advice_mod.diagnose(
         tier, or_none(t["capacity_bytes"]), used, _holder_bytes(snap, tier), evidence
     )
