@@ -60,16 +60,19 @@ def _vectors(acc: EventAccumulator, tag: str) -> list[np.ndarray]:
 
 
 def test_mirrored_run_runs_out_and_advises_zero(main_job):
-    """Stage 0 fails at step 0 on the device tier; the post-mortem's best change that
-    fits is a ZeRO stage, and the log ends with one summary line, not a traceback."""
+    """Stage 0 fails at step 0 on the device tier; the post-mortem advises ZeRO stages
+    (each with a verdict), and the log ends with one summary line, not a traceback."""
     logdir, proc = main_job
     report = json.loads((logdir / "mirrored_oom" / oom.OOM_FILENAME).read_text())
     assert report["step"] == 0
     assert report["failed_request"]["tier"] == "device"
     assert report["config"]["stage"] == 0
     assert report["config"]["device_budget_bytes"] == BUDGET
-    top = report["advice"][0]
-    assert top["fits"] and top["change"].get("stage", 0) >= 1, report["advice"]
+    # ZeRO is advised; a stage-3 change is labelled "fits" only when the replay verifies
+    # it (docs/oom.md): before its units exist, ZeRO-Infinity is at most "may fit".
+    zero = [a for a in report["advice"] if a["change"].get("stage", 0) >= 1]
+    assert any(a["change"]["stage"] == 3 for a in zero), report["advice"]
+    assert all(a["verdict"] in ("fits", "may fit", "does not fit") for a in zero)
     assert "out of memory: Step 0 ran out of memory on the device tier" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not any(line.startswith(("I0000", "W0000")) for line in proc.stderr.splitlines())
