@@ -215,6 +215,36 @@ def test_nvme_full_offers_host_memory_when_it_has_room():
     assert raise_row["verdict"] == "does not fit"  # the disk has 0 bytes more
 
 
+def test_a_pool_failure_without_the_whole_need_is_never_verified():
+    """A pool fails at the first page it cannot place: with no model of the whole need
+    (the stage-3 engine still placing its shards: no Ψ, no units) the failed figure is a
+    lower bound, so a budget raise to it is "may fit"; with Ψ the estimator's host bytes
+    make the raise verifiable."""
+    config = ZeroConfig(
+        stage=3, offload_param="cpu", offload_optimizer="cpu", host_budget_bytes=262144,
+        page_size_bytes=65536,
+    )  # fmt: skip
+    kw = dict(
+        failed_tier="host", required_bytes=327_680, capacity_bytes=262_144,
+        holders={"param": 262_144},
+    )  # fmt: skip
+    (raise_row,) = _advise(config, evidence=Evidence(local_replicas=2), **kw)
+    assert raise_row["change"] == {"host_budget_bytes": 1 << 20}
+    assert raise_row["verdict"] == "may fit" and "not known" in raise_row["description"]
+    known = _advise(config, evidence=Evidence(num_params=300_000, local_replicas=2), **kw)
+    (raise_row,) = [a for a in known if "host_budget_bytes" in a["change"]]
+
+    # Stage 3, both offloads on the host: params 4 + Adam 8 bytes per element, 150 000
+    # elements per replica, each term rounded up to 64 KiB pages, for 2 local replicas.
+    def pages(n):
+        return -(-n // 65536) * 65536
+
+    host = 2 * (pages(4 * 150_000) + pages(8 * 150_000))
+    assert raise_row["predicted_bytes"] == host
+    assert raise_row["change"]["host_budget_bytes"] >= 1.25 * host
+    assert raise_row["verdict"] == "fits"
+
+
 def test_holder_names_carry_no_object_ids():
     assert oom.display_name("g/gpt.block_0.mlp_norm.gamma#7f3254ce0f10/r0") == (
         "g/gpt.block_0.mlp_norm.gamma/r0"
