@@ -497,7 +497,8 @@ def diagnose(
     """The cause of the failure in one sentence, for the head of the summary.
 
     Named in this order: a stage-3 unit whose gathered parameters on every live replica
-    exceed the budget; otherwise the largest holder kind; otherwise the bytes over.
+    exceed the budget; otherwise the largest holder kind (``holders``: kind -> bytes,
+    'param', 'grad', 'optimizer', 'activation', 'other'); otherwise the bytes over.
     """
     ev = evidence or Evidence()
     unit = ev.largest_unit
@@ -514,7 +515,12 @@ def diagnose(
     over = "" if cap is None else f" by {fmt_bytes(max(0, required_bytes - cap))}"
     if kinds:
         kind, nbytes = max(kinds.items(), key=lambda kv: kv[1])
-        label = {"param": "parameters", "grad": "gradients", "optimizer": "optimizer states"}
+        label = {
+            "param": "parameters",
+            "grad": "gradients",
+            "optimizer": "optimizer states",
+            "other": "activations, scratch and framework buffers",
+        }
         return (
             f"the {failed_tier} tier's need exceeds its budget{over}; its largest holder is "
             f"{label.get(kind, kind)} ({fmt_bytes(nbytes)})"

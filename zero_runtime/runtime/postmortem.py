@@ -26,6 +26,7 @@ from zero_runtime.capabilities import IMPLEMENTED
 from zero_runtime.config import ZeroConfig
 from zero_runtime.devices import DeviceInfo
 from zero_runtime.runtime import advice as advice_mod
+from zero_runtime.runtime.advice import fmt_bytes as oom_fmt
 from zero_runtime.telemetry import StepStats
 
 log = logging.getLogger(__name__)
@@ -238,9 +239,16 @@ def build_report(
         # capacity figure applies (every change is then at most "may fit").
         row = {**t, "capacity_bytes": None}
     advice = advice_for(tier, used, row, snap, ctx.config, device, num_replicas, evidence)
-    cause = advice_mod.diagnose(
-        tier, or_none(t["capacity_bytes"]), used, _holder_bytes(snap, tier), evidence
-    )
+    if isinstance(err, oom.HostMemoryLowError):
+        cause = (
+            f"the machine's available memory ({oom_fmt(err.available_bytes)}) fell below "
+            f"the runtime's margin of {oom_fmt(err.margin_bytes)}"
+        )
+    else:
+        kinds: dict[str, int] = {}
+        for h in t["holders"]:
+            kinds[h["kind"]] = kinds.get(h["kind"], 0) + int(h["bytes"])
+        cause = advice_mod.diagnose(tier, or_none(t["capacity_bytes"]), used, kinds, evidence)
     return oom.build_report(
         step=step,
         failed=failed,
