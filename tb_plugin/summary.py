@@ -24,6 +24,7 @@ from tensorboard.compat.proto import (
     tensor_shape_pb2,
     types_pb2,
 )
+from tensorboard.plugins.scalar import metadata as scalar_metadata
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 from tensorboard.util import tensor_util
 
@@ -55,16 +56,21 @@ class SummaryWriter:
 
     # -- low level -----------------------------------------------------------------------
     def _write(self, tag: str, step: int, tensor: np.ndarray, wall_time: float | None) -> None:
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
         value = summary_pb2.Summary.Value(tag=tag, tensor=_tensor_proto(tensor))
         # Metadata on every value (cached per tag): the Rust data server and the Python
         # multiplexer both accept it, and every value is self-describing.
         value.metadata.CopyFrom(_metadata(tag))
+        self._write_values([value], step, wall_time)
+
+    def _write_values(
+        self, values: list[summary_pb2.Summary.Value], step: int, wall_time: float | None
+    ) -> None:
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
         event = event_pb2.Event(
             wall_time=time.time() if wall_time is None else wall_time,
             step=int(step),
-            summary=summary_pb2.Summary(value=[value]),
+            summary=summary_pb2.Summary(value=values),
         )
         with self._lock:
             if self._closed:
@@ -150,6 +156,40 @@ class SummaryWriter:
         text = json.dumps(_finite(obj), allow_nan=False, sort_keys=True)
         self._write(tag, step, np.array(text.encode("utf-8"), dtype=object), wall_time)
 
+    def scalars(
+        self, step: int, values: Mapping[str, float], wall_time: float | None = None
+    ) -> None:
+        """Write standard TensorBoard scalars (what ``tf.summary.scalar`` writes: plugin
+        ``scalars``, ``DATA_CLASS_SCALAR``, a float32 scalar tensor), in one event.
+
+        Args:
+            step: the training step (int >= 0).
+            values: tag (one of :data:`tb_plugin.metadata.SCALAR_TAGS`) -> finite value.
+            wall_time: seconds since the epoch (default: now).
+
+        Raises:
+            ValueError: an unknown tag or a non-finite value.
+        """
+        protos = []
+        for tag, v in values.items():
+            if tag not in metadata.SCALAR_TAGS:
+                raise ValueError(
+                    f"unknown scalar tag {tag!r}; known: {sorted(metadata.SCALAR_TAGS)}"
+                )
+            if not math.isfinite(v):
+                raise ValueError(f"scalar {tag!r} must be finite, got {v!r}")
+            protos.append(
+                summary_pb2.Summary.Value(
+                    tag=tag,
+                    tensor=tensor_pb2.TensorProto(
+                        dtype=types_pb2.DT_FLOAT, float_val=[v], tensor_shape={}
+                    ),
+                    metadata=_scalar_metadata(tag),
+                )
+            )
+        if protos:
+            self._write_values(protos, step, wall_time)
+
     def flush(self) -> None:
         """Write everything queued to disk (blocks until written)."""
         with self._lock:
@@ -162,6 +202,13 @@ class SummaryWriter:
             if not self._closed:
                 self._writer.close()
                 self._closed = True
+
+
+@functools.cache
+def _scalar_metadata(tag: str) -> summary_pb2.SummaryMetadata:
+    return scalar_metadata.create_summary_metadata(
+        display_name=tag, description=f"unit: {metadata.SCALAR_TAGS[tag]}"
+    )
 
 
 @functools.cache
