@@ -84,6 +84,7 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
             "/series": functools.partial(series.series_route, reader, self.answers),
             "/json": functools.partial(records.json_route, reader),
             "/tuning": functools.partial(tune.tuning_route, reader, access),
+            "/tuning_states": functools.partial(tune.tuning_states_route, reader, access),
             "/tune": functools.partial(tune.tune_route, reader, access),
             "/oom": functools.partial(oom.oom_route, reader),
             "/checkpoints": functools.partial(checkpoints.checkpoints_route, reader),

@@ -764,6 +764,24 @@ def test_tuning_lists_keys_bounds_and_values_in_effect(tuned):
     assert status == 404
 
 
+def test_tuning_states_answers_every_named_run_in_one_request(tuned):
+    """The view's poll: one GET /tuning_states for all its runs, each run's answer equal
+    to its own GET /tuning; an unknown run gets its 404 inside, not the whole request."""
+    client, _run_dir = tuned
+    _status, single = get_json(client, "/tuning", run=TUNED_RUN)
+    response = client.get(
+        f"{PREFIX}/tuning_states?{urlencode([('run', TUNED_RUN), ('run', 'nope')])}"
+    )
+    assert response.status_code == 200
+    body = json.loads(response.get_data(as_text=True))
+    assert body["runs"][TUNED_RUN] == single
+    assert body["runs"]["nope"]["error"]["code"] == 404
+    status, every = get_json(client, "/tuning_states")
+    assert status == 200 and every == {"runs": {TUNED_RUN: single}}
+    too_many = urlencode([("run", "r")] * 1001)
+    assert client.get(f"{PREFIX}/tuning_states?{too_many}").status_code == 400
+
+
 def test_tune_writes_a_versioned_request_and_tuning_follows_the_runtime(tuned):
     client, run_dir = tuned
     status, body = post_tune(client, {"updates": {"telemetry_every_n_steps": 3}})
