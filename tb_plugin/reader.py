@@ -233,6 +233,11 @@ class Reader:
                     levels = self._extend(ctx, experiment, run, tag, levels)
         return levels
 
+    def levels_step(self, experiment: str, run: str, tag: str) -> int | None:
+        """The last step the series' levels hold now (no read), or None if never read."""
+        levels = self._levels.get((experiment, run, tag))
+        return None if levels is None else levels.last_step
+
     def _extend(
         self, ctx: Any, experiment: str, run: str, tag: str, levels: SeriesLevels
     ) -> SeriesLevels:

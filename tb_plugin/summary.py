@@ -53,6 +53,7 @@ class SummaryWriter:
         )
         self._lock = threading.Lock()
         self._closed = False
+        self._scalar_tags_written: set[str] = set()  # scalar tags with metadata in the file
 
     # -- low level -----------------------------------------------------------------------
     def _write(self, tag: str, step: int, tensor: np.ndarray, wall_time: float | None) -> None:
@@ -160,7 +161,8 @@ class SummaryWriter:
         self, step: int, values: Mapping[str, float], wall_time: float | None = None
     ) -> None:
         """Write standard TensorBoard scalars (what ``tf.summary.scalar`` writes: plugin
-        ``scalars``, ``DATA_CLASS_SCALAR``, a float32 scalar tensor), in one event.
+        ``scalars``, ``DATA_CLASS_SCALAR``, a float32 scalar tensor), in one event; the
+        summary metadata goes with each tag's first value in the file.
 
         Args:
             step: the training step (int >= 0).
@@ -178,15 +180,18 @@ class SummaryWriter:
                 )
             if not math.isfinite(v):
                 raise ValueError(f"scalar {tag!r} must be finite, got {v!r}")
-            protos.append(
-                summary_pb2.Summary.Value(
-                    tag=tag,
-                    tensor=tensor_pb2.TensorProto(
-                        dtype=types_pb2.DT_FLOAT, float_val=[v], tensor_shape={}
-                    ),
-                    metadata=_scalar_metadata(tag),
-                )
+            value = summary_pb2.Summary.Value(
+                tag=tag,
+                tensor=tensor_pb2.TensorProto(
+                    dtype=types_pb2.DT_FLOAT, float_val=[v], tensor_shape={}
+                ),
             )
+            # Metadata on a tag's first value in this file only, as tf.summary writes it:
+            # readers take a time series' metadata from its first value.
+            if tag not in self._scalar_tags_written:
+                value.metadata.CopyFrom(_scalar_metadata(tag))
+                self._scalar_tags_written.add(tag)
+            protos.append(value)
         if protos:
             self._write_values(protos, step, wall_time)
 
