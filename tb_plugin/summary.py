@@ -53,15 +53,24 @@ class SummaryWriter:
         )
         self._lock = threading.Lock()
         self._closed = False
-        self._scalar_tags_written: set[str] = set()  # scalar tags with metadata in the file
+        self._tags_written: set[str] = set()  # tags whose metadata is in the file already
 
     # -- low level -----------------------------------------------------------------------
     def _write(self, tag: str, step: int, tensor: np.ndarray, wall_time: float | None) -> None:
+        self._write_values([self._value(tag, tensor)], step, wall_time)
+
+    def _value(self, tag: str, tensor: np.ndarray) -> summary_pb2.Summary.Value:
         value = summary_pb2.Summary.Value(tag=tag, tensor=_tensor_proto(tensor))
-        # Metadata on every value (cached per tag): the Rust data server and the Python
-        # multiplexer both accept it, and every value is self-describing.
-        value.metadata.CopyFrom(_metadata(tag))
-        self._write_values([value], step, wall_time)
+        self._with_metadata(value, _metadata)
+        return value
+
+    def _with_metadata(self, value: summary_pb2.Summary.Value, make) -> None:  # noqa: ANN001
+        """Metadata on a tag's first value in this file only, as ``tf.summary`` writes it:
+        TensorBoard's readers (the Rust data server, the Python multiplexer through
+        ``dataclass_compat``) take a time series' metadata from its first value, and half
+        of a record's bytes are metadata."""
+        if value.tag not in self._tags_written:  # marked written by _write_values
+            value.metadata.CopyFrom(make(value.tag))
 
     def _write_values(
         self, values: list[summary_pb2.Summary.Value], step: int, wall_time: float | None
@@ -77,6 +86,7 @@ class SummaryWriter:
             if self._closed:
                 raise RuntimeError(f"SummaryWriter for {self.logdir!r} is closed")
             self._writer.add_event(event)
+            self._tags_written.update(v.tag for v in values if v.HasField("metadata"))
 
     def vector(
         self, tag: str, step: int, values: Mapping[str, float], wall_time: float | None = None
@@ -93,6 +103,9 @@ class SummaryWriter:
         Raises:
             ValueError: unknown column names, or the tag is not a vector tag.
         """
+        self._write_values([self._vector_value(tag, values)], step, wall_time)
+
+    def _vector_value(self, tag: str, values: Mapping[str, float]) -> summary_pb2.Summary.Value:
         kind, _rows, columns, _units = metadata.LAYOUTS[tag]
         if kind != metadata.KIND_VECTOR:
             raise ValueError(f"tag {tag!r} is a {kind} tag, not a vector tag")
@@ -100,7 +113,7 @@ class SummaryWriter:
         if unknown:
             raise ValueError(f"unknown columns {sorted(unknown)} for {tag!r}; known: {columns}")
         arr = np.array([_num(values.get(c)) for c in columns], dtype=np.float64)
-        self._write(tag, step, arr, wall_time)
+        return self._value(tag, arr)
 
     def matrix(
         self,
@@ -120,6 +133,11 @@ class SummaryWriter:
         Raises:
             ValueError: unknown row or column names, or the tag is not a matrix tag.
         """
+        self._write_values([self._matrix_value(tag, rows)], step, wall_time)
+
+    def _matrix_value(
+        self, tag: str, rows: Mapping[str, Mapping[str, float]]
+    ) -> summary_pb2.Summary.Value:
         kind, row_names, columns, _units = metadata.LAYOUTS[tag]
         if kind != metadata.KIND_MATRIX:
             raise ValueError(f"tag {tag!r} is a {kind} tag, not a matrix tag")
@@ -134,7 +152,37 @@ class SummaryWriter:
                 raise ValueError(f"unknown columns {sorted(unknown)} for {tag!r}; known: {columns}")
             for j, c in enumerate(columns):
                 arr[i, j] = _num(cells.get(c))
-        self._write(tag, step, arr, wall_time)
+        return self._value(tag, arr)
+
+    def record(
+        self,
+        step: int,
+        *,
+        matrices: Mapping[str, Mapping[str, Mapping[str, float]]] = {},  # noqa: B006
+        vectors: Mapping[str, Mapping[str, float]] = {},  # noqa: B006
+        scalars: Mapping[str, float] = {},  # noqa: B006
+        wall_time: float | None = None,
+    ) -> None:
+        """Write one step's matrix, vector and scalar tags as ONE event (one record in
+        the file instead of one per tag: less framing, fewer CRCs and queue hand-overs).
+        Readers see exactly what :meth:`matrix`, :meth:`vector` and :meth:`scalars` would
+        have written at that step.
+
+        Args:
+            step: the training step (int >= 0).
+            matrices: matrix tag -> rows (as :meth:`matrix`).
+            vectors: vector tag -> values (as :meth:`vector`).
+            scalars: scalar tag -> finite value (as :meth:`scalars`).
+            wall_time: seconds since the epoch (default: now).
+
+        Raises:
+            ValueError: as :meth:`matrix`, :meth:`vector` and :meth:`scalars`.
+        """
+        values = [self._matrix_value(tag, rows) for tag, rows in matrices.items()]
+        values += [self._vector_value(tag, v) for tag, v in vectors.items()]
+        values += self._scalar_values(scalars)
+        if values:
+            self._write_values(values, step, wall_time)
 
     def json(
         self, tag: str, step: int, obj: Mapping[str, Any], wall_time: float | None = None
@@ -172,6 +220,11 @@ class SummaryWriter:
         Raises:
             ValueError: an unknown tag or a non-finite value.
         """
+        protos = self._scalar_values(values)
+        if protos:
+            self._write_values(protos, step, wall_time)
+
+    def _scalar_values(self, values: Mapping[str, float]) -> list[summary_pb2.Summary.Value]:
         protos = []
         for tag, v in values.items():
             if tag not in metadata.SCALAR_TAGS:
@@ -186,14 +239,9 @@ class SummaryWriter:
                     dtype=types_pb2.DT_FLOAT, float_val=[v], tensor_shape={}
                 ),
             )
-            # Metadata on a tag's first value in this file only, as tf.summary writes it:
-            # readers take a time series' metadata from its first value.
-            if tag not in self._scalar_tags_written:
-                value.metadata.CopyFrom(_scalar_metadata(tag))
-                self._scalar_tags_written.add(tag)
+            self._with_metadata(value, _scalar_metadata)
             protos.append(value)
-        if protos:
-            self._write_values(protos, step, wall_time)
+        return protos
 
     def flush(self) -> None:
         """Write everything queued to disk (blocks until written)."""
