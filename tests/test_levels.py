@@ -163,3 +163,30 @@ def test_every_step_csv_is_streamed_and_equals_the_csv_of_the_answer(long_client
     assert float(row["device/used_bytes"]) == 1e9 + LONG_SPIKE + 5e9
     assert float(row["wall_time"]) == synthetic.wall_time(LONG_SPIKE)
     assert row["nvme/used_bytes"] == ""
+
+
+def test_the_background_indexer_builds_every_series_levels_without_a_series_request(
+    plugin_client, synthetic_logdir
+):
+    """A listing (GET /runs) wakes the indexer: every matrix and vector series of every run
+    gets its levels up to max_step, reported by /runs?levels=1, with no /series request."""
+    import time
+
+    client = plugin_client(synthetic_logdir)
+    deadline = time.monotonic() + 60
+    while True:
+        body = json.loads(client.get(f"{PREFIX}/runs?levels=1").get_data(as_text=True))
+        per_step = [
+            info
+            for run in body["runs"]
+            for info in run["tags"].values()
+            if info["kind"] in (metadata.KIND_MATRIX, metadata.KIND_VECTOR)
+        ]
+        if per_step and all(i["levels_step"] == i["max_step"] for i in per_step):
+            break
+        assert time.monotonic() < deadline, per_step
+        time.sleep(0.2)
+    assert {run["run"] for run in body["runs"]} == set(synthetic.RUNS)
+    assert all(i["max_step"] == synthetic.NUM_STEPS - 1 for i in per_step)
+    plain = json.loads(client.get(f"{PREFIX}/runs").get_data(as_text=True))
+    assert all("levels_step" not in i for r in plain["runs"] for i in r["tags"].values())
