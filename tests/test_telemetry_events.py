@@ -118,7 +118,9 @@ def test_tbparse_reads_the_headline_scalars(demo_run):
     ea = EventAccumulator(str(demo_run), size_guidance={"tensors": 0})
     ea.Reload()
     assert metadata.PLUGIN_NAME not in set(ea.PluginTagToContent("scalars").values())
-    scalar_tags = set(ea.PluginTagToContent("scalars"))
+    scalar_tags = {
+        t for t in ea.PluginTagToContent("scalars") if t.startswith(metadata.SCALAR_PREFIX)
+    }
     # A stage-1 host-offload run: tiers and step time measured, no paged pool.
     expect = {f"zero/{t}/{c}" for t in ("device", "host") for c in ("used_bytes", "peak_bytes")}
     expect |= {"zero/timing/step_seconds"}
