@@ -13,10 +13,10 @@ read, and a live run costs only its new steps.
 :meth:`SeriesLevels.indices` answers a point budget from the levels without scanning the
 steps: it takes the finest level whose buckets fit the budget, the union of their
 extremes' positions, the extremes of the steps after the last complete bucket and the
-first and last step; if the union is still over budget, the next coarser level. This is
-the same peak-keeping rule as :func:`tb_plugin.downsample.peak_keeping_indices` (that
-function buckets by ``linspace``; these buckets are powers of two): the largest and
-smallest value of every series always survive, however far the answer is thinned.
+first and last step; if the union is still over budget, the next coarser level, and
+past the coarsest, each series' extremes over every step. The largest and smallest value
+of every series always survive, however far the answer is thinned (the peak-keeping rule
+of the plugin's former per-request thinning, with power-of-two buckets).
 
 Memory: the raw rows (``N x S`` float64 plus steps and wall times) and about
 ``2 * N / BASE`` buckets of ``2 x S`` (int32 position, float64 value) pairs: with

@@ -17,7 +17,7 @@ Keeping every step: TensorBoard samples summaries per plugin (100 steps with the
 server, 10 with the Python one) unless started with
 ``--samples_per_plugin=memory_hierarchy=0``, which keeps every step; the plugin then
 reads all stored steps and thins each ``/series`` answer itself
-(:func:`tb_plugin.downsample.peak_keeping_indices`), so a tier's peak stays visible.
+from precomputed min/max levels (:mod:`tb_plugin.levels`), so a tier's peak stays visible.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from tensorboard.summary.writer.event_file_writer import EventFileWriter
 from tensorboard.util import tensor_util
 from werkzeug import test as werkzeug_test
 
-from tb_plugin import downsample, export, fast_read, metadata, plugin, reader, routing, tuning
+from tb_plugin import export, fast_read, metadata, plugin, reader, routing, tuning
 from tb_plugin.loader import MemoryHierarchyLoader, parse_bool_flag
 from tb_plugin.routes import runs as runs_routes
 from tb_plugin.routes import series as series_routes
@@ -564,28 +564,6 @@ def test_default_budget_thins_and_a_larger_budget_returns_every_step(spike_clien
     status, body = get_json(spike_client, "/series", run="spiky", tag=tag, points=SPIKE_STEPS)
     assert status == 200
     assert body["steps"] == list(range(SPIKE_STEPS)) and body["downsampled"] is False
-
-
-@pytest.mark.parametrize("budget", [2, 3, 10, 64, 999])
-def test_peak_keeping_indices_keeps_every_series_extremes(budget):
-    rng = np.random.default_rng(budget)
-    values = rng.normal(size=(5000, 3))  # [N, S]
-    values[::97, 2] = np.nan  # partly unmeasured
-    values[:, 1] = np.nan  # never measured: ignored
-    keep = peak_keeping_indices_checked(values, budget)
-    for s in (0, 2):
-        assert np.nanargmax(values[:, s]) in keep
-        assert np.nanargmin(values[:, s]) in keep
-    assert len(keep) <= max(budget, 2 * 2 + 2)
-    assert keep[0] == 0 and keep[-1] == 4999
-
-
-def peak_keeping_indices_checked(values: np.ndarray, budget: int) -> list[int]:
-    """Run peak_keeping_indices and check its indices are sorted, unique and in range."""
-    keep = downsample.peak_keeping_indices(values, budget).tolist()
-    assert keep == sorted(set(keep))
-    assert all(0 <= i < len(values) for i in keep)
-    return keep
 
 
 # -- data the reader must refuse -----------------------------------------------------------

@@ -11,9 +11,7 @@ from tb_plugin.layout import DataContractError, cached_layout
 from tb_plugin.reader import Reader
 
 
-def runs_impl(
-    reader: Reader, ctx: Any, experiment: str, levels: bool = False
-) -> dict[str, Any]:
+def runs_impl(reader: Reader, ctx: Any, experiment: str, levels: bool = False) -> dict[str, Any]:
     """List the runs that have memory_hierarchy data, with their tags.
 
     Args:
