@@ -30,6 +30,10 @@ import os
 # The device tier's CPU stand-in is read from TensorFlow's allocator statistics, which
 # exist only with the BFC allocator chosen before TensorFlow first loads.
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+# A log a person reads: TensorFlow's C++ INFO and WARNING lines (oneDNN notices, data
+# pipeline notes, the rendezvous chatter of a failed step) are off unless the user sets
+# TF_CPP_MIN_LOG_LEVEL (0 shows everything); errors still print.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -186,6 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         callbacks.append(
             _checkpoint_callback(manager, args.checkpoint_every, done, args.steps, samples, args)
         )
+    callbacks.append(_loss_scalars(run_dir, done))
     remaining = args.steps - done
     if remaining <= 0:
         strategy.close()
@@ -333,15 +338,49 @@ def _checkpoint_callback(manager, every: int, first_step: int, last_step: int, s
     return keras.callbacks.LambdaCallback(on_train_batch_end=on_train_batch_end)
 
 
+def _loss_scalars(run_dir: str, first_step: int):
+    """A Keras callback writing each step's training loss (Keras's running mean over the
+    epoch, as its progress bar shows it; float32, nats per token) as the standard
+    TensorBoard scalar ``train/loss`` into ``run_dir``, at step
+    ``first_step + batch``, so the Scalars dashboard (and tbparse) shows the loss beside
+    the Memory Hierarchy tab's records of the same run."""
+    import keras
+    import tensorflow as tf
+
+    writer = tf.summary.create_file_writer(run_dir)
+
+    def on_train_batch_end(batch, logs=None):
+        if logs and "loss" in logs:
+            with writer.as_default():
+                tf.summary.scalar("train/loss", float(logs["loss"]), step=first_step + batch)
+
+    def on_train_end(logs=None):
+        writer.close()
+
+    return keras.callbacks.LambdaCallback(
+        on_train_batch_end=on_train_batch_end, on_train_end=on_train_end
+    )
+
+
 def _out_of_memory(strategy, exc: BaseException) -> int:
     """Report an out-of-memory failure: the error's first line and where the post-mortem
     is (``zero-runtime oom-report``); returns exit status 1."""
     path = strategy.write_postmortem(exc)
     strategy.close()
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    print(f"demo.train: error: out of memory ({type(exc).__name__}): {first}", file=sys.stderr)
-    print(f"demo.train: OOM post-mortem: {path}", file=sys.stderr)
-    print(f"demo.train: read it with: zero-runtime oom-report {path}", file=sys.stderr)
+    summary = None
+    try:  # the post-mortem's own one-line account names the tier, the step and the cause
+        with open(path, encoding="utf-8") as f:
+            summary = json.load(f).get("summary")
+    except (OSError, ValueError, TypeError):
+        pass
+    if not summary:
+        text = str(exc).strip()
+        summary = text.splitlines()[0] if text else type(exc).__name__
+    print(f"demo.train: error: out of memory: {summary}", file=sys.stderr)
+    print(
+        f"demo.train: OOM post-mortem: {path} (read it with: zero-runtime oom-report RUN_DIR)",
+        file=sys.stderr,
+    )
     return 1
 
 

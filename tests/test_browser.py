@@ -158,24 +158,25 @@ def test_tier_occupancy_chart_shows_every_run(
             {
                 "tier": "device",
                 "title": "device (CPU stand-in)",
-                "notes": "peak 113 MiB · capacity 256 MiB",
+                "notes": "peak 113 MiB · in-step peak 114 MiB · capacity 256 MiB",
                 "canvases": 1,
             },
             {
                 "tier": "host",
                 "title": "host",
-                "notes": "peak 708 MiB · capacity 4 GiB",
+                "notes": "peak 708 MiB · in-step peak 709 MiB · capacity 4 GiB",
                 "canvases": 1,
             },
             {
                 "tier": "nvme",
                 "title": "nvme",
-                "notes": "peak 784 MiB · capacity unbounded",
+                "notes": "peak 784 MiB · in-step peak 785 MiB · capacity unbounded",
                 "canvases": 1,
             },
         ]
         device_legend = alpha.locator('.mh-tier-cell[data-tier="device"] .u-legend')
-        for label in ("param", "grad", "other", "used", "capacity", "framework allocator"):
+        device_labels = ("param", "grad", "other", "used", "capacity", "framework allocator")
+        for label in (*device_labels, "pool peak (in step)", "allocator peak (in step)"):
             expect(device_legend).to_contain_text(label)
         expect(alpha.locator('.mh-tier-cell[data-tier="host"] .u-legend')).to_contain_text(
             "process RSS"
@@ -374,9 +375,26 @@ def test_predicted_versus_measured_and_config_markers(views_page):
     assert device.get_attribute("data-predicted-bytes") == str(100 * 2**20)
     # Measured model states = param + grad + optimizer = 7/8 of the synthetic tier's use.
     assert device.get_attribute("data-measured-bytes") == str(113 * 2**20 * 7 // 8)
-    assert device.locator("td").all_text_contents() == ["100 MiB", "98.9 MiB", "98.9%"]
+    # Then the estimate's in-step peak against the measured one (pool and allocator peaks
+    # of the last step: 113 + 1 MiB on the device, 708 + 1 MiB on the host).
+    assert device.get_attribute("data-measured-peak-bytes") == str(114 * 2**20)
+    assert device.locator("td").all_text_contents() == [
+        "100 MiB",
+        "98.9 MiB",
+        "98.9%",
+        "150 MiB",
+        "114 MiB",
+        "76%",
+    ]
     host = frame.locator(f'{ALPHA} .mh-estimate tr[data-tier="host"]')
-    assert host.locator("td").all_text_contents() == ["640 MiB", "620 MiB", "96.8%"]
+    assert host.locator("td").all_text_contents() == [
+        "640 MiB",
+        "620 MiB",
+        "96.8%",
+        "640 MiB",
+        "709 MiB",
+        "111%",
+    ]
     expect(frame.locator(f"{BETA} .mh-estimate")).to_have_text("No estimate recorded for this run.")
     # Config changes: listed, and a marker at their steps on every chart of the run.
     items = frame.locator(f"{ALPHA} .mh-config-event").evaluate_all(

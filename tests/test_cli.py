@@ -13,7 +13,7 @@ import pytest
 from zero_runtime import cli
 from zero_runtime.cli import COMMANDS, Command, format_bytes, main, parse_count
 
-PAPER = ["estimate", "--params", "7.5e9", "--replicas", "64"]
+PAPER = ["estimate", "--params", "7.5e9", "--replicas", "64", "--accounting", "sc20"]
 
 
 def run(capsys, argv):
@@ -45,6 +45,7 @@ def test_estimate_json_paper_example(capsys, stage, device_bytes):
         "offload_param": "none",
         "precision": "mixed",
         "optimizer": "adam",
+        "accounting": "sc20",
         "config": None,
         "config_kind": None,
     }
@@ -130,8 +131,8 @@ BAD = [
     ([*PAPER, "--stage", "5"], "argument --stage: invalid choice: 5"),
     ([*PAPER, "--stage", "1", "--offload-param", "gpu"], "invalid choice: 'gpu'"),
     ([*PAPER, "--stage", "2", "--offload-param", "cpu"], "requires stage 3"),
-    (PAPER, "--stage is required unless --config is given"),
-    (["estimate", "--replicas", "2", "--stage", "1"], "the following arguments are required"),
+    (PAPER, "--stage is required unless --config, --model or a budget is given"),
+    (["estimate", "--replicas", "2", "--stage", "1"], "give exactly one of --params N and --model"),
     ([*PAPER, "--config", "/nonexistent/zero.json"], "cannot read config file"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     ([], "the following arguments are required: COMMAND"),
@@ -233,3 +234,126 @@ def test_console_script_subprocess():
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert (data["device_bytes"], data["host_bytes"], data["nvme_bytes"]) == (1_875_000_000, 0, 0)
+
+
+# -- SC21 accounting, --model and budgets -----------------------------------------------
+
+MODELS = "tests.helpers.estimate_models"
+
+
+def test_estimate_sc21_is_the_default(capsys):
+    argv = ["estimate", "--params", "7.5e9", "--replicas", "64", "--stage", "2"]
+    data, _ = run_json(capsys, argv)
+    assert data["inputs"]["accounting"] == "sc21"
+    # 2Ψ + 18Ψ/64 (DeepSpeed's estimate_zero2_model_states_mem_needs, no offload)
+    assert data["device_bytes"] == 15_000_000_000 + 2_109_375_000
+    assert data["breakdown"]["fp32_grads"]["bytes"] == 468_750_000
+
+
+def test_estimate_model_single_choice_json(capsys):
+    argv = ["estimate", "--model", f"{MODELS}:wide", "--replicas", "4", "--stage", "3"]
+    data, _ = run_json(capsys, [*argv, "--offload-optimizer", "cpu", "--offload-param", "cpu"])
+    assert data["model"]["num_params"] == 202_200_010
+    assert data["model"]["largest_block_name"] == "wide"
+    assert data["inputs"]["params"] == 202_200_010 and data["inputs"]["precision"] == "fp32"
+    # Device: the working memory of the 'wide' unit (fp32 params + grads of 200.2M
+    # elements) and the prefetched head kernel (2_000_000 elements, < 50M prefetch).
+    # The head's 10-element bias stays replicated (< persistence_threshold 100_000).
+    assert data["device_bytes"] == 8 * 200_200_000 + 4 * 2_000_000 + 4 * 10
+    assert data["breakdown"]["params"]["page_size_bytes"] == 4 * 2**20
+
+
+def test_estimate_model_lists_choices_and_the_smallest_fit(capsys):
+    argv = ["estimate", "--model", f"{MODELS}:small_mixed", "--replicas", "2"]
+    code, out, err = run(capsys, [*argv, "--device-budget", "20KiB"])
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("Memory per replica for every choice (sc21): Ψ=3,432 params")
+    assert "compute 2 B/element" in lines[1]
+    assert lines[2].startswith("budgets: device 20.00 KiB, host unlimited, nvme unlimited")
+    assert lines[-1] == "smallest that fits: stage 2, offload_optimizer=cpu, offload_param=none"
+    data, _ = run_json(capsys, [*argv, "--device-budget", "40KiB", "--host-budget", "1MiB"])
+    assert len(data["choices"]) == 18
+    best = data["smallest_fit"]
+    assert (best["stage"], best["offload_optimizer"]) == (2, "none")
+    # Stage 2 without offload, float32 states: 4Ψ + 12Ψ/2 + the bfloat16 cast of d32.
+    assert best["device_bytes"] == 4 * 3_432 + 12 * 1_716 + 2 * 2_080
+    for row in data["choices"]:
+        assert row["fits"] == (row["device_bytes"] <= 40 * 1024 and row["host_bytes"] <= 2**20)
+    # Offloaded states take whole 4 MiB pages per unit: 1 MiB of host never fits them.
+    cpu = [r for r in data["choices"] if "cpu" in (r["offload_optimizer"], r["offload_param"])]
+    assert all(r["shortfall"].get("host", 0) > 0 for r in cpu if r["host_bytes"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--model", "nocolon"], "expected MODULE:FUNCTION"),
+        (["--model", "no_such_module_x:f"], "cannot import 'no_such_module_x'"),
+        (["--model", f"{MODELS}:missing"], "has no function 'missing'"),
+        (["--model", f"{MODELS}:not_a_model"], "returned int, expected a keras.Model"),
+        (["--params", "1e9", "--model", f"{MODELS}:wide"], "give exactly one of"),
+        (["--params", "1e9", "--device-budget", "0"], "invalid byte count '0'"),
+        (["--params", "1e9", "--host-budget", "3 parsecs"], "invalid byte count"),
+    ],
+)
+def test_estimate_model_bad_arguments(capsys, argv, fragment):
+    code, out, err = run(capsys, ["estimate", "--replicas", "2", *argv])
+    assert code == 2 and out == ""
+    assert fragment in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("34359738368", 2**35), ("32GiB", 2**35), ("32GB", 32 * 10**9), ("3.2e10", 32 * 10**9)],
+)
+def test_parse_bytes(text, value):
+    assert cli.parse_bytes(text) == value
+
+
+def test_estimate_deepspeed_legacy_cpu_offload_offloads(tmp_path, capsys):
+    path = tmp_path / "legacy.json"
+    path.write_text('{"zero_optimization": {"stage": 2, "cpu_offload": true}}', encoding="utf-8")
+    data, err = run_json(capsys, [*PAPER, "--config", str(path)])
+    assert err == ""
+    assert (data["inputs"]["stage"], data["inputs"]["offload_optimizer"]) == (2, "cpu")
+    assert data["host_bytes"] == 1_406_250_000  # 12Ψ/64 on the host (SC20 accounting)
+
+
+@pytest.mark.parametrize(
+    ("content", "fragment"),
+    [
+        ('{"zero_optimisation": {"stage": 3}}', "did you mean 'zero_optimization'?"),
+        ('{"zero_optimization": {"stgae": 3}}', "did you mean 'stage'?"),
+    ],
+)
+def test_estimate_deepspeed_typo_exits_2(tmp_path, capsys, content, fragment):
+    path = tmp_path / "typo.json"
+    path.write_text(content, encoding="utf-8")
+    code, out, err = run(capsys, [*PAPER, "--config", str(path)])
+    assert code == 2 and out == ""
+    assert fragment in err
+
+
+def test_estimate_hidden_size_resolves_auto(tmp_path, capsys):
+    path = tmp_path / "auto.json"
+    zero = '{"stage": 3, "stage3_param_persistence_threshold": "auto"}'
+    path.write_text(f'{{"zero_optimization": {zero}}}', encoding="utf-8")
+    argv = ["estimate", "--model", f"{MODELS}:small_mixed", "--replicas", "2", "--json"]
+    code, out, err = run(capsys, [*argv, "--config", str(path), "--hidden-size", "8"])
+    assert code == 0 and err == ""  # resolved: no "auto" note
+    # persistence threshold 80: the 64-, 32- and 8-element biases stay replicated.
+    assert json.loads(out)["model"]["persistent_params"] == 104
+
+
+def test_estimate_model_factory_that_compiles_is_refused_clearly(capsys):
+    argv = ["estimate", "--model", f"{MODELS}:compiled_sgd", "--replicas", "1", "--stage", "0"]
+    code, out, err = run(capsys, argv)
+    assert code == 2 and out == ""
+    assert "'compiled_sgd' creates or reads a variable Keras cannot defer" in err
+    assert "without model.compile()" in err and "--optimizer" in err
+    # The optimizer is chosen on the command line instead: SGD with momentum, K = 4.
+    argv = ["estimate", "--model", f"{MODELS}:small_mixed", "--replicas", "1", "--stage", "0"]
+    data, _ = run_json(capsys, [*argv, "--optimizer", "sgd_momentum", "--accounting", "sc20"])
+    assert data["inputs"]["optimizer"] == "sgd_momentum"
+    assert data["device_bytes"] == (4 + 4 + 4) * 3_432

@@ -503,13 +503,6 @@ DEEPSPEED_NVME_EXAMPLE = """
             "buffer_size": 1e8,
             "max_in_cpu": 1e9
         },
-        "aio": {
-            "block_size": 262144,
-            "queue_depth": 32,
-            "thread_count": 1,
-            "single_submit": false,
-            "overlap_events": true
-        },
         "overlap_comm": true,
         "contiguous_gradients": true,
         "sub_group_size": 1e9,
@@ -519,6 +512,14 @@ DEEPSPEED_NVME_EXAMPLE = """
         "stage3_max_live_parameters": 1e9,
         "stage3_max_reuse_distance": 1e9,
         "stage3_gather_16bit_weights_on_model_save": true
+    },
+
+    "aio": {
+        "block_size": 262144,
+        "queue_depth": 32,
+        "thread_count": 1,
+        "single_submit": false,
+        "overlap_events": true
     },
 
     "gradient_accumulation_steps": "auto",
@@ -573,7 +574,7 @@ def test_deepspeed_nvme_example_loads(tmp_path):
         "zero_optimization.offload_param.buffer_count",
         "zero_optimization.offload_param.buffer_size",
         "zero_optimization.offload_param.max_in_cpu",
-        "zero_optimization.aio",
+        "aio",
         "zero_optimization.contiguous_gradients",
         "zero_optimization.stage3_gather_16bit_weights_on_model_save",
     }
@@ -730,3 +731,125 @@ def test_deepspeed_invalid_values(ds, fragment):
 def test_deepspeed_rejects_non_config():
     with pytest.raises(ZeroConfigError, match="must be a mapping, JSON text or a path"):
         ZeroConfig.from_deepspeed(42)  # type: ignore[arg-type]
+
+
+# -- DeepSpeed: legacy keys, typos and "auto" from the hidden size (issue #18) -----------
+
+
+@pytest.mark.parametrize(
+    ("zero", "expected"),
+    [
+        ({"stage": 2, "cpu_offload": True}, ("cpu", "none")),
+        ({"stage": 2, "cpu_offload": False}, ("none", "none")),
+        ({"stage": 3, "cpu_offload": True, "cpu_offload_param": True}, ("cpu", "cpu")),
+        ({"stage": 3, "cpu_offload_param": True}, ("none", "cpu")),
+    ],
+)
+def test_deepspeed_legacy_cpu_offload_keys_offload(zero, expected):
+    """deepspeed/runtime/zero/config.py: cpu_offload / cpu_offload_param are deprecated
+    fields whose new_param_fn builds {"device": "cpu"} when true."""
+    config, caught = _load_ds({"zero_optimization": zero})
+    assert (config.offload_optimizer, config.offload_param) == expected
+    assert config.pin_memory is False  # DeepSpeed's offload section default
+    assert caught == []
+
+
+def test_deepspeed_legacy_pin_memory_key_is_ignored_as_deepspeed_ignores_it():
+    zero = {"stage": 2, "cpu_offload": True, "cpu_offload_use_pin_memory": True}
+    config, caught = _load_ds({"zero_optimization": zero})
+    assert config.offload_optimizer == "cpu" and config.pin_memory is False
+    assert len(caught) == 1
+    message, category = caught[0]
+    assert category is DeepSpeedKeyIgnoredWarning
+    assert "'zero_optimization.cpu_offload_use_pin_memory' ignored" in message
+    assert "no effect either" in message
+
+
+@pytest.mark.parametrize(
+    ("ds", "fragment"),
+    [
+        (
+            {"zero_optimization": {"stage": 2, "cpu_offload": True, "offload_optimizer": {}}},
+            "zero_optimization.cpu_offload and zero_optimization.offload_optimizer are both",
+        ),
+        ({"zero_optimization": {"stage": 2, "cpu_offload": "yes"}}, "expected true or false"),
+        (
+            {"zero_optimization": {"stgae": 3}},
+            "unknown DeepSpeed key 'zero_optimization.stgae'; did you mean 'stage'?",
+        ),
+        (
+            {"zero_optimization": {"stage": 3, "offlaod_param": {"device": "cpu"}}},
+            "'zero_optimization.offlaod_param'; did you mean 'offload_param'?",
+        ),
+        (
+            {"zero_optimization": {"stage": 3, "cpu_offload_params": True}},
+            "did you mean 'cpu_offload_param'?",
+        ),
+        (
+            {"zero_optimization": {"stage": 3, "offload_param": {"pin_memroy": True}}},
+            "'zero_optimization.offload_param.pin_memroy'; did you mean 'pin_memory'?",
+        ),
+        (
+            {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pinned": 1}}},
+            "'zero_optimization.offload_param.pinned'; accepted keys: buffer_count, "
+            "buffer_size, device, max_in_cpu, nvme_path, pin_memory",
+        ),
+        (
+            {"zero_optimization": {"stage": 3, "aio": {"block_size": 262144}}},
+            "'aio' is a top-level DeepSpeed section: move it out of 'zero_optimization'",
+        ),
+        (
+            {"zero_optimisation": {"stage": 3}},
+            "unknown DeepSpeed section 'zero_optimisation'; did you mean 'zero_optimization'?",
+        ),
+        (
+            {"zero_optimization": {"stage": 1}, "train_batch_sise": 8},
+            "did you mean 'train_batch_size'?",
+        ),
+    ],
+)
+def test_deepspeed_typos_and_conflicts_are_errors(ds, fragment):
+    with pytest.raises(ZeroConfigError) as info:
+        ZeroConfig.from_deepspeed(ds)
+    assert fragment in str(info.value)
+
+
+def test_deepspeed_unrelated_top_level_key_is_still_only_ignored():
+    config, caught = _load_ds({"zero_optimization": {"stage": 1}, "my_launcher_notes": "x"})
+    assert config.stage == 1
+    assert caught == [
+        (
+            "DeepSpeed key 'my_launcher_notes' ignored: it has no counterpart in ZeroConfig",
+            DeepSpeedKeyIgnoredWarning,
+        )
+    ]
+
+
+def test_deepspeed_auto_from_hidden_size_as_the_hf_trainer():
+    """transformers/integrations/deepspeed.py, trainer_config_finalize: reduce_bucket_size
+    = h*h; at stage 3 stage3_prefetch_bucket_size = 0.9*h*h and
+    stage3_param_persistence_threshold = 10*h."""
+    zero = {
+        "stage": 3,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+    }
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = ZeroConfig.from_deepspeed({"zero_optimization": zero}, hidden_size=1024)
+    assert caught == []
+    assert config.reduce_bucket_size == 1024 * 1024
+    assert config.prefetch_bucket_size == 943_718  # int(0.9 * 1024 * 1024)
+    assert config.persistence_threshold == 10_240
+    # Below stage 3 the HF Trainer fills only reduce_bucket_size; the stage-3 keys keep
+    # DeepSpeed's (= our) defaults, with the "auto" warning.
+    stage2 = {**zero, "stage": 2}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = ZeroConfig.from_deepspeed({"zero_optimization": stage2}, hidden_size=1024)
+    assert config.reduce_bucket_size == 1024 * 1024
+    assert (config.prefetch_bucket_size, config.persistence_threshold) == (50_000_000, 100_000)
+    assert len(caught) == 2
+    with pytest.raises(ZeroConfigError, match="hidden_size=0 is invalid"):
+        ZeroConfig.from_deepspeed({"zero_optimization": zero}, hidden_size=0)

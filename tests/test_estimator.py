@@ -295,3 +295,129 @@ def test_tier_estimate_is_frozen():
     assert isinstance(result, TierEstimate)
     with pytest.raises(AttributeError):
         result.device_bytes = 0  # type: ignore[misc]
+
+
+# -- SC21 accounting of a Keras model ---------------------------------------------------
+
+
+def test_model_sc21_stage_3_working_memory_gathers_params_and_grads(model):
+    config = ZeroConfig(stage=3, offload_optimizer="cpu", persistence_threshold=100)
+    result = estimate_for_model(model, config, 2, precision="fp32", accounting="sc21")
+    # Gathered (partitioned) elements per unit: [1024, 0, 2048, 128], all trainable; the
+    # worst unit is d32: params 4 * 2048 + grads 4 * 2048 + prefetched d4 4 * 128.
+    assert result.working_set_bytes == 8 * 2_048 + 4 * 128
+    b = result.tiers.breakdown
+    assert "grads" not in b  # under optimizer offload the gradient partition is on the host
+    assert b["fp32_grads"]["tier"] == "host" and b["fp32_grads"]["bytes"] == 4 * 1_714
+    assert result.tiers.device_bytes == 4 * 1_600 + 4 * 356 + 16_896
+    assert result.tiers.host_bytes == 4 * 1_714 + 8 * 1_714
+
+
+def test_model_page_rounding_is_per_unit(model):
+    config = ZeroConfig(stage=3, offload_optimizer="cpu", offload_param="cpu")
+    config = config.replace(persistence_threshold=100, page_size_bytes=64 * 1024)
+    result = estimate_for_model(model, config, 2, page_rounding=True, accounting="sc21")
+    page = 64 * 1024
+    b = result.tiers.breakdown
+    # Partitioned params of units d64, bn, d32, d4: [1024, 0, 2048, 128] -> 3 units with
+    # elements, one page each; trainable units [1088, 128, 2080, 132] -> 4 pages each term.
+    assert b["params"]["bytes"] == 3 * page
+    assert b["optimizer_states"]["bytes"] == 4 * page
+    assert b["fp32_grads"]["bytes"] == 4 * page
+    assert result.tiers.host_bytes == 11 * page
+
+
+def test_build_model_abstractly_allocates_no_weights(keras):
+    from tests.helpers.estimate_models import wide
+    from zero_runtime.estimator import build_model_abstractly
+
+    built = build_model_abstractly(wide)
+    shapes = [tuple(v.shape) for v in built.weights]
+    assert shapes == [(1_000, 200_000), (200_000,), (200_000, 10), (10,)]
+    assert all(v._value is None for v in built.weights)  # deferred: never initialised
+    result = estimate_for_model(built, ZeroConfig(stage=2, offload_optimizer="none"), 4)
+    assert (result.num_params, result.largest_block_name) == (202_200_010, "wide")
+    with pytest.raises(ValueError, match="returned int, expected a keras.Model"):
+        build_model_abstractly(lambda: 3)
+    with pytest.raises(ValueError, match="without weights"):
+        build_model_abstractly(lambda: keras.Sequential([]))
+
+
+def test_mixed_policy_counts_float32_states_and_a_cast_copy(keras):
+    from tests.helpers.estimate_models import small_mixed
+    from zero_runtime.estimator import build_model_abstractly, policy_precision
+
+    built = build_model_abstractly(small_mixed)
+    config = ZeroConfig(stage=1, offload_optimizer="none")
+    result = estimate_for_model(built, config, 2, precision=None, accounting="sc21")
+    assert (result.precision, result.compute_bytes) == ("fp32", 2)
+    # float32 variables: 4 + 4 + 8 bytes per parameter (Ψ = 3432), stage 1; the working
+    # memory is the bfloat16 cast of the largest unit (d32, 2080 elements).
+    assert result.working_set_bytes == 2 * 2_080
+    assert result.tiers.device_bytes == 8 * 3_432 + 8 * 1_716 + 4_160
+    assert policy_precision(keras.DTypePolicy("mixed_float16")) == ("fp32", 2)
+    with pytest.raises(ValueError, match="keeps bfloat16 variables"):
+        policy_precision(keras.DTypePolicy("bfloat16"))
+
+
+def test_choices_and_smallest_fit():
+    from zero_runtime.estimator import CHOICES, Budgets, estimate_choices, smallest_fit
+
+    assert len(CHOICES) == 18 and CHOICES[0] == (0, "none", "none")
+    assert CHOICES[-1] == (3, "nvme", "nvme")
+
+    def one(stage, opt, param):
+        return estimate(10**9, 8, stage, opt, param, precision="mixed", accounting="sc21")
+
+    rows = estimate_choices(one, Budgets(device_bytes=3 * 10**9, host_bytes=10**10))
+    best = smallest_fit(rows)
+    # No offload: stage 2 needs 2e9 + 18e9/8 = 4.25e9 > 3e9; stage 3 2.5e9 fits.
+    assert (best["stage"], best["offload_optimizer"], best["offload_param"]) == (3, "none", "none")
+    assert rows[2]["shortfall"] == {"device": 1_250_000_000}
+    tight = estimate_choices(one, Budgets(device_bytes=10**6, host_bytes=10**6, nvme_bytes=10**6))
+    assert smallest_fit(tight) is None
+    # Host and NVMe budgets are per process: 4 local replicas need 4x the host bytes.
+    per_process = Budgets(host_bytes=2 * 10**9, local_replicas=4)
+    assert per_process.shortfall(one(3, "cpu", "none")) == {"host": 8 * 10**9 - 2 * 10**9}
+    with pytest.raises(ValueError, match="device_bytes=0 is invalid"):
+        Budgets(device_bytes=0)
+
+
+@pytest.mark.parametrize(
+    ("shape", "page", "n"),
+    [((50_000, 256), 4 * 2**20, 2), ((1_000, 64), 65_536, 4), ((3, 10), 65_536, 2)],
+)
+def test_row_cache_bytes_is_the_engines_row_cache(shape, page, n):
+    from zero_runtime.estimator import row_cache_bytes
+    from zero_runtime.stage3.embedding import row_paging_budget
+
+    budget = row_paging_budget(shape, page, n, local=1)
+    assert row_cache_bytes(shape, page, n) == budget.cache_pages * page
+
+
+def test_stage_3_row_paged_embedding_is_not_gathered(keras):
+    from zero_runtime.estimator import build_model_abstractly, row_cache_bytes
+
+    def factory():
+        return keras.Sequential(
+            [
+                keras.Input((8,), dtype="int32"),
+                keras.layers.Embedding(50_000, 256, name="emb"),  # 12.8M >= 10M threshold
+                keras.layers.Dense(64, name="d"),  # 16_448
+            ]
+        )
+
+    model = build_model_abstractly(factory)
+    config = ZeroConfig(stage=3, offload_optimizer="cpu", offload_param="cpu")
+    config = config.replace(persistence_threshold=0)
+    result = estimate_for_model(model, config, 2, accounting="sc21")
+    b = result.tiers.breakdown
+    # Only 'd' is gathered (params + grads, fp32); the table stays in row pages.
+    assert result.working_set_bytes == 8 * 16_448
+    assert b["row_cache"]["bytes"] == row_cache_bytes((50_000, 256), 4 * 2**20, 2)
+    assert b["row_cache"]["bytes"] == 2 * 4 * 2**20  # 7 row pages a shard -> the 2-page minimum
+    # Below the threshold the embedding is an ordinary gathered unit.
+    small = config.replace(embedding_row_paging_threshold=20_000_000)
+    plain = estimate_for_model(model, small, 2, accounting="sc21")
+    assert plain.working_set_bytes == 8 * 12_800_000 + 4 * 16_448
+    assert "row_cache" not in plain.tiers.breakdown

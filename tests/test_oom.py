@@ -101,7 +101,9 @@ def test_demo_over_budget_writes_postmortem_in_both_forms(oom_logdir):
     logdir, proc = oom_logdir
     assert proc.returncode == 1, proc.stderr[-3000:]
     path = logdir / RUN / oom.OOM_FILENAME
-    assert "out of memory (ResourceExhaustedError)" in proc.stderr
+    # One line naming the step, tier and cause (the post-mortem's summary), no traceback.
+    assert "out of memory: Step 0 ran out of memory on the device tier" in proc.stderr
+    assert "Traceback" not in proc.stderr
     assert f"OOM post-mortem: {path}" in proc.stderr
     report = json.loads(path.read_text())
     assert report["version"] == 1 and report["step"] == 0

@@ -282,3 +282,10 @@ def test_estimate_event_matches_what_the_runtime_holds(zero_run):
     assert model.optimizer.host_state.state_bytes == estimate["per_process"]["host_bytes"]
     # Measured on the device: the replicas' parameters, as the runtime accounts them.
     assert strategy.runtime.model_param_bytes() * 2 == 2 * 4 * psi
+    # The predicted in-step peak: stage 1 already counts the full fp32 gradient, so the
+    # peak equals the boundary figure, for both local replicas.
+    assert estimate["per_process_peak"] == {
+        "device_bytes": 2 * per_replica["device_bytes"],
+        "host_bytes": 2 * per_replica["host_bytes"],
+        "nvme_bytes": 0,
+    }

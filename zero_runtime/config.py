@@ -469,11 +469,23 @@ class ZeroConfig:
         return type(self).from_dict({**self.to_dict(), **changes})
 
     @classmethod
-    def from_deepspeed(cls, ds_config: Mapping[str, Any] | str | os.PathLike[str]) -> ZeroConfig:
+    def from_deepspeed(
+        cls,
+        ds_config: Mapping[str, Any] | str | os.PathLike[str],
+        *,
+        hidden_size: int | None = None,
+    ) -> ZeroConfig:
         """Build from a DeepSpeed config (dict, JSON text or JSON file path).
 
         See ``zero_runtime.config._from_deepspeed`` and docs/config.md for the key mapping.
-        Keys with no counterpart are ignored with one ``DeepSpeedKeyIgnoredWarning`` each.
+        Keys with no counterpart are ignored with one ``DeepSpeedKeyIgnoredWarning`` each;
+        keys DeepSpeed itself rejects (and misspelt sections) raise.
+
+        Args:
+            ds_config: the DeepSpeed config.
+            hidden_size: the model's hidden size (elements, int >= 1) to resolve the
+                ``"auto"`` bucket sizes as the Hugging Face Trainer does; None (default)
+                resolves them to our defaults with a warning.
 
         Raises:
             ZeroConfigError: invalid values, an ``"auto"`` value that has no sensible
@@ -482,7 +494,7 @@ class ZeroConfig:
             ZeroConfigFileNotFoundError: a path where no file exists (also a
                 ``FileNotFoundError``); the message names it and what is accepted.
         """
-        return _from_deepspeed(cls, ds_config)
+        return _from_deepspeed(cls, ds_config, hidden_size)
 
 
 def _load_json_object(path_or_str: str | os.PathLike[str], what: str = "config") -> dict[str, Any]:
@@ -739,6 +751,117 @@ _DS_TOP_SCALARS: Mapping[str, str] = MappingProxyType(
 # Keys whose "auto" has no sensible default here: rejected.
 _DS_AUTO_REJECTED = frozenset({"stage", "offload_optimizer", "offload_param", "nvme_path"})
 
+# Every key DeepSpeed's ``DeepSpeedZeroConfig`` accepts (field names and their ``stage3_*``
+# aliases), from deepspeed/runtime/zero/config.py (deepspeedai/DeepSpeed edaa7221,
+# 2026-08-22). DeepSpeed's model forbids other keys (``extra="forbid"``), and so do we.
+_DS_ZERO_KEYS = frozenset(
+    {
+        "stage", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size",
+        "use_multi_rank_bucket_allreduce", "allgather_partitions", "allgather_bucket_size",
+        "overlap_comm", "load_from_fp32_weights", "elastic_checkpoint", "offload_param",
+        "offload_optimizer", "zenflow", "sub_group_size", "cpu_offload_param",
+        "cpu_offload_use_pin_memory", "cpu_offload", "prefetch_bucket_size",
+        "stage3_prefetch_bucket_size", "param_persistence_threshold",
+        "stage3_param_persistence_threshold", "model_persistence_threshold",
+        "stage3_model_persistence_threshold", "max_live_parameters",
+        "stage3_max_live_parameters", "max_reuse_distance", "stage3_max_reuse_distance",
+        "gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
+        "module_granularity_threshold", "stage3_module_granularity_threshold",
+        "use_all_reduce_for_fetch_params", "stage3_use_all_reduce_for_fetch_params",
+        "allgather_sequential", "stage3_allgather_sequential",
+        "stage3_gather_fp16_weights_on_model_save", "ignore_unused_parameters",
+        "legacy_stage1", "round_robin_gradients", "zero_hpz_partition_size",
+        "zero_quantized_weights", "zero_quantized_nontrainable_weights",
+        "zero_quantized_gradients", "zeropp_loco_param", "mics_shard_size",
+        "mics_hierarchical_params_gather", "memory_efficient_linear",
+        "pipeline_loading_checkpoint", "override_module_apply", "log_trace_cache_warnings",
+        "enable_sanity_checks", "save_muon_momentum_buffer_in_memory", "leaf_module",
+    }
+)  # fmt: skip
+# DeepSpeedZeroOffloadParamConfig / DeepSpeedZeroOffloadOptimizerConfig fields
+# (deepspeed/runtime/zero/offload_config.py; ``extra="forbid"`` there too).
+_DS_OFFLOAD_KEYS: Mapping[str, frozenset[str]] = MappingProxyType(
+    {
+        "offload_param": frozenset(
+            {"device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory"}
+        ),
+        "offload_optimizer": frozenset(
+            {
+                "device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read",
+                "pipeline_write", "fast_init", "ratio", "super_offload", "cpuadam_cores_perc",
+            }
+        ),
+    }
+)  # fmt: skip
+# DeepSpeed's deprecated boolean offload keys -> the section DeepSpeed builds from them
+# (``new_param_fn``: ``{"device": "cpu"}`` if true, no section if false). Giving one with
+# its replacement is an error in DeepSpeed ("Cannot provide deprecated parameter ... and
+# replacing parameter ... together"), and here.
+_DS_LEGACY_OFFLOAD: Mapping[str, str] = MappingProxyType(
+    {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
+)
+# Top-level sections of a DeepSpeed config (deepspeed/runtime/constants.py and config.py).
+# Another top-level key within difflib's reach of one of these is taken for a misspelling
+# and rejected; a key far from all of them is ignored with a warning (DeepSpeed ignores
+# unknown top-level keys).
+_DS_TOP_KEYS = frozenset(
+    {
+        "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+        "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "amp", "torch_autocast",
+        "gradient_clipping", "zero_optimization", "zero_allow_untested_optimizer",
+        "zero_force_ds_cpu_optimizer", "steps_per_print", "wall_clock_breakdown",
+        "memory_breakdown", "dump_state", "prescale_gradients", "gradient_predivide_factor",
+        "sparse_gradients", "sparse_attention", "activation_checkpointing", "flops_profiler",
+        "tensorboard", "wandb", "csv_monitor", "comet", "aio", "elasticity", "pipeline",
+        "communication_data_type", "seq_parallel_communication_data_type", "data_types",
+        "checkpoint", "compression_training", "data_efficiency", "curriculum_learning",
+        "autotuning", "nebula", "progressive_layer_drop", "eigenvalue", "quantize_training",
+        "hybrid_engine", "compile", "disable_allgather", "dataloader_drop_last",
+        "gradient_allreduce_op", "graph_harvesting", "use_data_before_expert_parallel_",
+        "vocabulary_size", "weight_quantization", "zero_optimization_stage", "comms_logger",
+        "monitor_config", "sequence_parallel_size", "expert_parallel", "timers",
+    }
+)  # fmt: skip
+# HF Trainer's "auto" keys resolved from the model's hidden size
+# (transformers/integrations/deepspeed.py, HfTrainerDeepSpeedConfig.trainer_config_finalize):
+# ZeroConfig key -> (function of hidden size, stage-3 only).
+_HF_HIDDEN_AUTO: Mapping[str, tuple[Any, bool]] = MappingProxyType(
+    {
+        "reduce_bucket_size": (lambda h: h * h, False),
+        "prefetch_bucket_size": (lambda h: int(0.9 * h * h), True),
+        "persistence_threshold": (lambda h: 10 * h, True),
+    }
+)
+
+
+def _unknown_deepspeed_key(path: str, key: Any, known: frozenset[str]) -> ZeroConfigError:
+    hint = _suggest(key, sorted(known)) if isinstance(key, str) else ""
+    if key in _DS_TOP_KEYS:
+        parent = path.rpartition(".")[0]
+        hint = f"; {key!r} is a top-level DeepSpeed section: move it out of {parent!r}"
+    elif not hint and len(known) <= 12:
+        hint = "; accepted keys: " + ", ".join(sorted(known))
+    return ZeroConfigError(
+        f"unknown DeepSpeed key {path!r}{hint} (DeepSpeed rejects it too: its "
+        "zero_optimization and offload sections forbid unknown keys)",
+        key=path,
+        value=key,
+        accepted=", ".join(sorted(known)),
+    )
+
+
+def looks_like_deepspeed(obj: Mapping[str, Any]) -> bool:
+    """True if a config dict is a DeepSpeed config: it has a DeepSpeed top-level section
+    (e.g. ``zero_optimization``, ``train_batch_size``) or a close misspelling of one that
+    is not a ZeroConfig key (e.g. ``zero_optimisation``)."""
+    ours = {f.name for f in dataclasses.fields(ZeroConfig)}
+    for key in obj:
+        if not isinstance(key, str) or key in ours:
+            continue
+        if key in _DS_TOP_KEYS or difflib.get_close_matches(key, _DS_TOP_KEYS, 1, 0.8):
+            return True
+    return False
+
 
 class DeepSpeedAutoResolvedWarning(DeepSpeedKeyIgnoredWarning):
     """A DeepSpeed ``"auto"`` value was replaced by the ZeroConfig default (the DeepSpeed
@@ -752,7 +875,9 @@ class _DeepSpeedImport:
     (one per DeepSpeed key path), so no state is spread over module globals.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, hidden_size: int | None = None) -> None:
+        self.hidden_size = hidden_size
+        self.stage: int | None = None
         self.mapped: dict[str, Any] = {}
         self.sources: dict[str, str] = {}  # ZeroConfig key -> DeepSpeed key path
         self.warnings: dict[str, tuple[str, type[Warning]]] = {}  # DeepSpeed path -> message
@@ -774,6 +899,10 @@ class _DeepSpeedImport:
                     value=value,
                     accepted=spec.accepted(),
                 )
+            if key in _HF_HIDDEN_AUTO and self.hidden_size is not None:
+                fill, stage3_only = _HF_HIDDEN_AUTO[key]
+                if not stage3_only or self.stage == 3:
+                    return _check_value(path, fill(self.hidden_size), spec)
             default = _DEFAULTS[key]
             self.warnings.setdefault(
                 path,
@@ -819,7 +948,11 @@ class _DeepSpeedImport:
             raise ZeroConfigError(
                 f"{path} must be an object, got {type(zero).__name__}", key=path, value=zero
             )
+        for key in zero:
+            if key not in _DS_ZERO_KEYS:
+                raise _unknown_deepspeed_key(f"{path}.{key}", key, _DS_ZERO_KEYS)
         self.put("stage", f"{path}.stage", zero.get("stage", 0))
+        self.stage = self.mapped["stage"]
         pins: list[tuple[str, bool]] = []
         for key, value in zero.items():
             sub = f"{path}.{key}"
@@ -829,9 +962,41 @@ class _DeepSpeedImport:
                 self.put(_DS_ZERO_SCALARS[key], sub, value)
             elif key in ("offload_optimizer", "offload_param"):
                 pins.extend(self.offload_section(key, value))
+            elif key in _DS_LEGACY_OFFLOAD:
+                self.legacy_offload(key, value, zero)
+            elif key == "cpu_offload_use_pin_memory":
+                self.ignore(
+                    sub,
+                    "DeepSpeed deprecated it and gives it no effect either (set_new_param "
+                    "False in deepspeed/runtime/zero/config.py); set pin_memory in "
+                    "offload_optimizer / offload_param",
+                )
             else:
                 self.ignore(sub)
         self.pin_memory(pins)
+
+    def legacy_offload(self, key: str, value: Any, zero: Mapping[str, Any]) -> None:
+        """DeepSpeed's deprecated ``cpu_offload`` / ``cpu_offload_param``: true means the
+        section ``{"device": "cpu"}`` (DeepSpeed's ``new_param_fn``), false or null none."""
+        path, section = f"zero_optimization.{key}", _DS_LEGACY_OFFLOAD[key]
+        if value is not None and not isinstance(value, bool):
+            raise ZeroConfigError(
+                f"{path}={value!r} is invalid: expected true or false",
+                key=path,
+                value=value,
+                accepted="true, false",
+            )
+        if section in zero:
+            raise ZeroConfigError(
+                f"{path} and zero_optimization.{section} are both given: {key} is "
+                f"DeepSpeed's deprecated spelling of {section} (DeepSpeed refuses both "
+                "together too); keep only the section",
+                key=path,
+                value=value,
+                accepted=f"one of {key} and {section}",
+            )
+        if value:
+            self.put(section, path, "cpu")
 
     def offload_section(self, key: str, section: Any) -> list[tuple[str, bool]]:
         """Map one offload section; return its (path, pin_memory) if it is active."""
@@ -846,6 +1011,9 @@ class _DeepSpeedImport:
                 key=path,
                 value=section,
             )
+        for sub_key in section:
+            if sub_key not in _DS_OFFLOAD_KEYS[key]:
+                raise _unknown_deepspeed_key(f"{path}.{sub_key}", sub_key, _DS_OFFLOAD_KEYS[key])
         # DeepSpeed's pydantic model defaults "device" to "none".
         self.put(key, f"{path}.device", section.get("device", "none"))
         device = self.mapped[key]
@@ -890,7 +1058,9 @@ _DEFAULTS: Mapping[str, Any] = MappingProxyType(
 
 
 def _from_deepspeed(
-    cls: type[ZeroConfig], ds_config: Mapping[str, Any] | str | os.PathLike[str]
+    cls: type[ZeroConfig],
+    ds_config: Mapping[str, Any] | str | os.PathLike[str],
+    hidden_size: int | None = None,
 ) -> ZeroConfig:
     """Translate a DeepSpeed config into a ZeroConfig (see ``ZeroConfig.from_deepspeed``).
 
@@ -911,8 +1081,23 @@ def _from_deepspeed(
       ``overlap_comm`` unset: True for stage 3 and False otherwise, as DeepSpeed does.
     - top-level ``gradient_accumulation_steps`` -> ``gradient_accumulation_steps``.
 
+    - legacy ``cpu_offload: true`` -> ``offload_optimizer='cpu'`` and
+      ``cpu_offload_param: true`` -> ``offload_param='cpu'``, as DeepSpeed's
+      ``new_param_fn`` maps them (false: no offload; with the replacing section: an
+      error, as in DeepSpeed). ``cpu_offload_use_pin_memory`` is ignored with a warning:
+      DeepSpeed gives it no effect either.
+
+    Keys DeepSpeed's ``zero_optimization`` and offload sections do not accept are errors
+    (DeepSpeed's pydantic models forbid extra keys) naming the nearest valid key; a
+    top-level key close to a DeepSpeed section (``zero_optimisation``) is an error too.
+
     Integral floats (JSON ``5e8``) are accepted for int keys, as DeepSpeed accepts them.
-    ``"auto"`` resolves to our default with a ``DeepSpeedAutoResolvedWarning``, except for
+    ``"auto"``: with ``hidden_size`` (the model's hidden size, as the Hugging Face Trainer
+    reads it from the model config), ``reduce_bucket_size`` = h², and at stage 3
+    ``stage3_prefetch_bucket_size`` = int(0.9 h²) and ``stage3_param_persistence_threshold``
+    = 10 h (transformers/integrations/deepspeed.py, ``trainer_config_finalize``). Other
+    ``"auto"`` values resolve to our default with a ``DeepSpeedAutoResolvedWarning``
+    (DeepSpeed itself drops ``"auto"`` and uses its defaults, which ours equal), except
     stage, offload devices and nvme_path, where it is rejected.
     """
     if isinstance(ds_config, Mapping):
@@ -924,7 +1109,20 @@ def _from_deepspeed(
             "DeepSpeed config must be a mapping, JSON text or a path, got "
             f"{type(ds_config).__name__}"
         )
-    imp = _DeepSpeedImport()
+    if hidden_size is not None:
+        _check_value("hidden_size", hidden_size, _Spec("int", "elements", 1, _COUNT_MAX))
+    for key in ds:
+        if isinstance(key, str) and key not in _DS_TOP_KEYS:
+            near = difflib.get_close_matches(key, _DS_TOP_KEYS, 1, 0.8)
+            if near:
+                raise ZeroConfigError(
+                    f"unknown DeepSpeed section {key!r}; did you mean {near[0]!r}? "
+                    "(a misspelt section would be ignored and silently change the run)",
+                    key=key,
+                    value=ds[key],
+                    accepted=near[0],
+                )
+    imp = _DeepSpeedImport(hidden_size)
     imp.zero_section(ds.get("zero_optimization"))
     imp.mapped.setdefault("offload_optimizer", "none")
     imp.mapped.setdefault("offload_param", "none")

@@ -291,7 +291,11 @@ def advise(
     """
     n = max(1, int(num_replicas))
     cap = capacity_bytes
-    over = required_bytes - cap if cap is not None else 0
+    # The bytes to free: from the larger of the measured need and the runtime's own
+    # accounting of the holders (the framework's reading can cover less than the holders,
+    # e.g. one replica's allocator), so no change is called "fits" on the smaller figure.
+    attributed = sum(int(b) for b in holders.values())
+    over = max(required_bytes, attributed) - cap if cap is not None else 0
     cands: list[dict[str, Any]] = []
 
     def add(change, frees, cost, text, target=None, machine=False):
@@ -333,6 +337,34 @@ def advise(
                     "high",
                     f"offload optimizer states to NVMe, freeing {_fmt(opt)} of device",
                     target="nvme",
+                )
+        if config.stage == 0 and (opt or grad or param):
+            # Plain data parallelism: every replica holds all model states (SC20 §3.1);
+            # each ZeRO stage partitions one more of them over the N replicas (§5.1).
+            keep = (n - 1) / n
+            if impl(1, "none"):
+                add(
+                    {"stage": 1},
+                    opt * keep,
+                    "low",
+                    f"ZeRO stage 1 partitions optimizer states (1/{n} per replica)",
+                )
+            if impl(2, "none"):
+                add(
+                    {"stage": 2},
+                    (opt + grad) * keep,
+                    "low",
+                    f"ZeRO stage 2 partitions optimizer states and gradients (1/{n})",
+                )
+            if impl(3, "cpu") and config.offload_param in ("none", "cpu"):
+                # Parameters and states leave the device; gathered blocks remain.
+                add(
+                    {"stage": 3, "offload_param": "cpu", "offload_optimizer": "cpu"},
+                    opt + grad + param,
+                    "medium",
+                    "ZeRO-Infinity: stage 3 with parameters and optimizer states offloaded "
+                    "to host memory (only the blocks in use are gathered on the device)",
+                    target="host",
                 )
         if config.stage == 1 and grad and impl(2, config.offload_optimizer):
             add(

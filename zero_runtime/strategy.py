@@ -188,14 +188,16 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
         """The strategy's scope; inside it, Keras optimizer names resolve to partitioned ones.
 
         Returns:
-            A context manager entering ``MirroredStrategy.scope()`` and, unless the
-            strategy runs as plain mirrored, a ``keras.saving.CustomObjectScope`` that
-            maps ``"adam"``, ``"adamw"`` and ``"sgd"`` to :mod:`zero_runtime.optim`.
+            A context manager entering ``MirroredStrategy.scope()`` and a
+            ``keras.saving.CustomObjectScope`` that maps ``"adam"``, ``"adamw"`` and
+            ``"sgd"`` to :mod:`zero_runtime.optim` (at stage 0 they run the stock update,
+            recorded by the runtime like any other stage's).
         """
         stack = contextlib.ExitStack()
         stack.enter_context(super().scope())
-        if self.partitioned:
-            stack.enter_context(keras.saving.CustomObjectScope(PARTITIONED_BY_NAME))
+        # Stage 0 too: the partitioned classes run the stock update there (plain data
+        # parallelism) and the runtime records its steps (zero_runtime/optim/mirrored.py).
+        stack.enter_context(keras.saving.CustomObjectScope(PARTITIONED_BY_NAME))
         return stack
 
     def write_postmortem(self, exc: BaseException) -> str | None:

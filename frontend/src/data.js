@@ -24,6 +24,16 @@ export const TIER_READINGS = {
   nvme: [{ column: 'nvme_disk_bytes', label: 'on disk' }],
 };
 
+// In-step peaks drawn beside the step-boundary use: the pool's highest use since the
+// previous record (tiers' peak_bytes) on every tier, and the framework allocator's peak
+// (readings' framework_device_peak_bytes, reset after each record) on the device. They are
+// never left off scale: the peak is what a budget must hold.
+export const TIER_PEAKS = {
+  device: [{ column: 'framework_device_peak_bytes', label: 'allocator peak (in step)', source: 'readings' }],
+  host: [],
+  nvme: [],
+};
+
 // A reference line (capacity, reading) whose largest value exceeds this multiple of the
 // tier's peak use is left out of the y-range and named "(off scale)" in the chart header.
 export const OFF_SCALE_RATIO = 20;
@@ -141,9 +151,21 @@ export function tierPlot(tiers, readings, tier) {
     const values = alignTo(steps, readings.steps, readings.values[reading.column] ?? []);
     candidates.push({ kind: 'reading', label: reading.label, values });
   }
+  const peaks = [{ label: 'pool peak (in step)', values: col('peak_bytes') }];
+  for (const peak of readings ? TIER_PEAKS[tier] : []) {
+    peaks.push({ label: peak.label, values: alignTo(steps, readings.steps, readings.values[peak.column] ?? []) });
+  }
   const lines = [];
   const off = [];
   let yMax = Math.max(peakUse ?? 0, maxOf(below) ?? 0);
+  let stepPeak = null;
+  for (const peak of peaks) {
+    const peakMax = maxOf(peak.values);
+    if (peakMax === null) continue; // not measured: not drawn
+    lines.push({ kind: 'peak', label: peak.label, values: peak.values });
+    yMax = Math.max(yMax, peakMax);
+    stepPeak = Math.max(stepPeak ?? 0, peakMax);
+  }
   for (const line of candidates) {
     const lineMax = maxOf(line.values);
     if (lineMax === null) continue; // not measured: not drawn
@@ -154,7 +176,7 @@ export function tierPlot(tiers, readings, tier) {
       yMax = Math.max(yMax, lineMax);
     }
   }
-  return { steps, layers, used, lines, offScale: off, yMax, peakUse, holdersMeasured: layers.length > 0 };
+  return { steps, layers, used, lines, offScale: off, yMax, peakUse, stepPeak, holdersMeasured: layers.length > 0 };
 }
 
 /**
@@ -435,20 +457,27 @@ export function oomRecentSeries(postmortem) {
 }
 
 /**
- * Predicted (estimate's per_process) versus measured (last step's used_bytes) per tier.
+ * Predicted (estimate's per_process) versus measured (last step's used_bytes) per tier, and
+ * the predicted in-step peak (estimate's per_process_peak) versus the measured one (the
+ * last step's pool peak_bytes, or on the device the allocator peak when it is higher).
  * @param {object|null} estimate the latest memory_hierarchy/estimate value
  * @param {object|null} tiers a /series answer for memory_hierarchy/tiers
- * @returns {Array<{tier, predicted, measured, ratio}>} null where unknown
+ * @param {object|null} [readings] a /series answer for memory_hierarchy/readings
+ * @returns {Array<{tier, predicted, measured, ratio, predictedPeak, measuredPeak, peakRatio}>}
+ *   null where unknown
  */
-export function predictedVsMeasured(estimate, tiers) {
+export function predictedVsMeasured(estimate, tiers, readings = null) {
   // The estimator predicts model states only (ZeRO, SC20, section 3.1), so the measured
   // side is the tier's param + grad + optimizer bytes, not its whole use (activations and
   // framework buffers are "other"); used_bytes stands in when no split was recorded.
   const perProcess = estimate?.per_process ?? {};
+  const perProcessPeak = estimate?.per_process_peak ?? {};
   const last = tiers ? tiers.steps.length - 1 : -1;
+  const lastReading = readings ? readings.steps.length - 1 : -1;
+  const num = (v) => (typeof v === 'number' && !Number.isNaN(v) ? v : null);
   return TIERS.map((tier) => {
-    const p = perProcess[`${tier}_bytes`];
-    const predicted = typeof p === 'number' ? p : null;
+    const predicted = num(perProcess[`${tier}_bytes`]);
+    const predictedPeak = num(perProcessPeak[`${tier}_bytes`]);
     const values = last >= 0 ? (tiers.values[tier] ?? {}) : {};
     const parts = ['param_bytes', 'grad_bytes', 'optimizer_bytes'].map((c) => values[c]?.[last]);
     let measured = null;
@@ -457,8 +486,14 @@ export function predictedVsMeasured(estimate, tiers) {
     } else if (last >= 0) {
       measured = values.used_bytes?.[last] ?? null;
     }
+    const candidates = [num(values.peak_bytes?.[last])];
+    for (const peak of TIER_PEAKS[tier]) {
+      if (lastReading >= 0) candidates.push(num(readings.values[peak.column]?.[lastReading]));
+    }
+    const measuredPeak = candidates.some((v) => v !== null) ? Math.max(...candidates.filter((v) => v !== null)) : null;
     const ratio = predicted && measured !== null ? measured / predicted : null;
-    return { tier, predicted, measured, ratio };
+    const peakRatio = predictedPeak && measuredPeak !== null ? measuredPeak / predictedPeak : null;
+    return { tier, predicted, measured, ratio, predictedPeak, measuredPeak, peakRatio };
   });
 }
 

@@ -263,7 +263,7 @@ class App {
     if (force || view.shown.estimateAnswer !== estimateAnswer) {
       const events = estimateAnswer?.events ?? [];
       const estimate = events.length ? events[events.length - 1].value : null;
-      renderEstimate(parts.estimate, estimate, view.tiers, view.runInfo);
+      renderEstimate(parts.estimate, estimate, view.tiers, view.runInfo, view.shown.readings);
     }
     this.drawSeriesView(view, 'pages', pages, force);
     // The step-time charts also mark the run's checkpoint saves and restores.

@@ -74,9 +74,9 @@ test('predictedVsMeasured compares model states (param + grad + optimizer) at th
   });
   const rows = predictedVsMeasured({ per_process: { device_bytes: 100, host_bytes: 100, nvme_bytes: 0 } }, tiers);
   assert.deepEqual(rows, [
-    { tier: 'device', predicted: 100, measured: 120, ratio: 1.2 },
-    { tier: 'host', predicted: 100, measured: 200, ratio: 2 },
-    { tier: 'nvme', predicted: 0, measured: 0, ratio: null },
+    { tier: 'device', predicted: 100, measured: 120, ratio: 1.2, predictedPeak: null, measuredPeak: null, peakRatio: null },
+    { tier: 'host', predicted: 100, measured: 200, ratio: 2, predictedPeak: null, measuredPeak: null, peakRatio: null },
+    { tier: 'nvme', predicted: 0, measured: 0, ratio: null, predictedPeak: null, measuredPeak: null, peakRatio: null },
   ]);
 });
 
@@ -88,10 +88,54 @@ test('predictedVsMeasured falls back to used bytes without a holder split', () =
   });
   const rows = predictedVsMeasured({ per_process: { device_bytes: 100, host_bytes: 100, nvme_bytes: 0 } }, tiers);
   assert.deepEqual(rows, [
-    { tier: 'device', predicted: 100, measured: 150, ratio: 1.5 },
-    { tier: 'host', predicted: 100, measured: 50, ratio: 0.5 },
-    { tier: 'nvme', predicted: 0, measured: null, ratio: null },
+    { tier: 'device', predicted: 100, measured: 150, ratio: 1.5, predictedPeak: null, measuredPeak: null, peakRatio: null },
+    { tier: 'host', predicted: 100, measured: 50, ratio: 0.5, predictedPeak: null, measuredPeak: null, peakRatio: null },
+    { tier: 'nvme', predicted: 0, measured: null, ratio: null, predictedPeak: null, measuredPeak: null, peakRatio: null },
   ]);
+});
+
+test('tierPlot draws the in-step peaks (pool and allocator) beside boundary use, never off scale', () => {
+  const tiers = tiersAnswer([0, 1], {
+    device: { used_bytes: [4 * MIB, 4 * MIB], peak_bytes: [5 * MIB, 6 * MIB], capacity_bytes: [null, null] },
+  });
+  // The allocator peaked at 28 MiB inside the step: 7x the boundary use, still drawn.
+  const readings = { steps: [0, 1], values: { framework_device_peak_bytes: [26 * MIB, 28 * MIB] } };
+  const plot = tierPlot(tiers, readings, 'device');
+  const peaks = plot.lines.filter((l) => l.kind === 'peak');
+  assert.deepEqual(peaks.map((l) => l.label), ['pool peak (in step)', 'allocator peak (in step)']);
+  assert.deepEqual(peaks[1].values, [26 * MIB, 28 * MIB]);
+  assert.equal(plot.stepPeak, 28 * MIB);
+  assert.equal(plot.yMax, 28 * MIB);
+  assert.equal(plot.peakUse, 4 * MIB);
+  // A peak 25x the boundary use is still drawn: it is never left off scale.
+  const far = { steps: [0, 1], values: { framework_device_peak_bytes: [100 * MIB, 100 * MIB] } };
+  assert.equal(tierPlot(tiers, far, 'device').offScale.length, 0);
+});
+
+test('predictedVsMeasured compares the predicted in-step peak with the measured one', () => {
+  const tiers = tiersAnswer([0, 1], {
+    device: { used_bytes: [1, 100], peak_bytes: [1, 150], param_bytes: [1, 100], grad_bytes: [0, 0], optimizer_bytes: [0, 0] },
+    host: { used_bytes: [1, 50], peak_bytes: [1, 60], param_bytes: [0, 0], grad_bytes: [0, 0], optimizer_bytes: [1, 50] },
+    nvme: { used_bytes: [0, 0] },
+  });
+  const readings = { steps: [0, 1], values: { framework_device_peak_bytes: [5, 240] } };
+  const estimate = {
+    per_process: { device_bytes: 100, host_bytes: 50, nvme_bytes: 0 },
+    per_process_peak: { device_bytes: 200, host_bytes: 50, nvme_bytes: 0 },
+  };
+  const rows = predictedVsMeasured(estimate, tiers, readings);
+  // Device: the allocator's 240 beats the pool's 150; host: the pool's 60.
+  assert.deepEqual(
+    rows.map((r) => [r.tier, r.predictedPeak, r.measuredPeak, r.peakRatio]),
+    [
+      ['device', 200, 240, 1.2],
+      ['host', 50, 60, 1.2],
+      ['nvme', 0, null, null],
+    ],
+  );
+  // A stage-3 estimate has no device peak (null): no ratio.
+  const stage3 = { ...estimate, per_process_peak: { device_bytes: null, host_bytes: 50, nvme_bytes: 0 } };
+  assert.equal(predictedVsMeasured(stage3, tiers, readings)[0].peakRatio, null);
 });
 
 test('placement rows sort numerically by bytes and shape, and filter by words', () => {

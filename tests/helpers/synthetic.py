@@ -195,6 +195,7 @@ def estimate(run: str) -> dict | None:
         "per_replica": {"device_bytes": 50 * MIB, "host_bytes": 320 * MIB, "nvme_bytes": 0},
         "local_replicas": 2,
         "per_process": {"device_bytes": 100 * MIB, "host_bytes": 640 * MIB, "nvme_bytes": 0},
+        "per_process_peak": {"device_bytes": 150 * MIB, "host_bytes": 640 * MIB, "nvme_bytes": 0},
         "num_params": 1_000_000,
         "precision": "fp32",
         "optimizer": "adam",

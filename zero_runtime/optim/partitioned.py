@@ -38,6 +38,7 @@ Vocabulary (flat buffer, bucket, piece, shard) as in :mod:`zero_runtime.optim.la
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from typing import Any
 
@@ -48,12 +49,13 @@ from tensorflow.python.ops import resource_variable_ops
 
 from zero_runtime import comm, estimator
 from zero_runtime.config import ZeroConfig
-from zero_runtime.lifecycle import ClosePhase, resources_of
+from zero_runtime.lifecycle import ClosePhase, host_function, resources_of
 from zero_runtime.optim import kernels
 from zero_runtime.optim.device_state import DeviceOptimizerState
 from zero_runtime.optim.flat_update import FlatShardUpdate, iteration_gate
 from zero_runtime.optim.host_state import HostOptimizerState
 from zero_runtime.optim.layout import FlatLayout, layout_from_sharded
+from zero_runtime.optim.mirrored import MirroredOptimizerState
 from zero_runtime.optim.nvme_state import NvmeOptimizerState
 from zero_runtime.optim.replica_context import replica_id
 from zero_runtime.optim.shard_update import ShardedUpdate
@@ -133,6 +135,7 @@ class _PartitionedUpdate(FlatShardUpdate, ShardedUpdate, TransactionalUpdate):
     _zero_slots: tuple[str, ...] = ()
     _zero: ZeroOptimizerState | None = None
     _zero_fallback: bool = False
+    _zero_mirrored: MirroredOptimizerState | None = None  # the record in fallback mode
 
     # -- building ------------------------------------------------------------------------
     def build(self, variables: list) -> None:
@@ -171,11 +174,24 @@ class _PartitionedUpdate(FlatShardUpdate, ShardedUpdate, TransactionalUpdate):
             return
         num_params = sum(int(np.prod(v.shape)) for v in variables if v.trainable)
         kind = estimator.optimizer_kind(self)
-        if model_state_bytes(num_params, kind) < config.mirrored_fallback_bytes:
+        small = model_state_bytes(num_params, kind) < config.mirrored_fallback_bytes
+        if config.stage == 0 or small:
+            # Stage 0 (plain data parallelism) or a model below the fallback size: the
+            # stock Keras update, still recorded step by step (optim/mirrored.py).
             self._zero_fallback = True
             super().build(variables)
             if runtime is not None:
-                runtime.set_fallback_mirrored(True)
+                if config.stage > 0:
+                    runtime.set_fallback_mirrored(True)
+                with tf.init_scope():
+                    self._zero_mirrored = MirroredOptimizerState.from_optimizer(
+                        self,
+                        list(variables),
+                        config,
+                        tuple(strategy.extended.worker_devices),
+                        runtime,
+                    )
+                runtime.register_optimizer(self)
             return
         _BaseOptimizer.build(self, variables)
         with tf.init_scope():
@@ -258,11 +274,16 @@ class _PartitionedUpdate(FlatShardUpdate, ShardedUpdate, TransactionalUpdate):
         return HostOptimizerState(layout, self._zero_slots)
 
     @property
-    def zero_state(self) -> ZeroOptimizerState:
-        """The ZeRO state (raises AttributeError before ``build`` or in fallback mode)."""
-        if self._zero is None:
-            raise AttributeError("the optimizer is not built, or runs as stock (fallback)")
-        return self._zero
+    def zero_state(self) -> ZeroOptimizerState | MirroredOptimizerState:
+        """The ZeRO state; in fallback mode (stage 0, or below ``mirrored_fallback_bytes``)
+        the :class:`~zero_runtime.optim.mirrored.MirroredOptimizerState` the runtime
+        accounts (stage 0). Raises AttributeError before ``build`` (or in fallback mode
+        without a runtime)."""
+        if self._zero is not None:
+            return self._zero
+        if self._zero_mirrored is not None:
+            return self._zero_mirrored
+        raise AttributeError("the optimizer is not built, or runs as stock without a runtime")
 
     @property
     def host_state(self):
@@ -299,11 +320,33 @@ class _PartitionedUpdate(FlatShardUpdate, ShardedUpdate, TransactionalUpdate):
             ]
         with iteration_gate():  # closed after Keras's iterations.assign_add(1)
             result = super().apply(grads, trainable_variables)
+        if self._zero_mirrored is not None and tf.inside_function():
+            ctx = tf.distribute.get_replica_context()
+            if ctx is not None:  # the stock update ran: this replica's step has ended
+                self._zero_mirrored_tick_op(replica_id())
         if self._zero is not None and self._zero.stage < 3 and tf.inside_function():
             ctx = tf.distribute.get_replica_context()
             if ctx is not None:  # commit this replica's step once iterations moved
                 self._zero_commit_op(replica_id(), tf.constant(0))
         return result
+
+    def _zero_mirrored_tick_op(self, replica: int) -> None:
+        """Trace the host call that tells the runtime replica ``replica`` finished the
+        stock update of step ``iterations - 1`` (read after Keras's increment)."""
+        step = tf.identity(self._iterations) - 1
+        host_function(
+            functools.partial(self._zero_mirrored_tick, replica=replica),
+            [step],
+            tf.int64,
+            stateful=True,
+            name="zero_step_clock",
+        )
+
+    def _zero_mirrored_tick(self, step: np.ndarray, replica: int) -> np.int64:
+        runtime = self._zero_mirrored.runtime if self._zero_mirrored is not None else None
+        if runtime is not None:
+            runtime.on_shard_updated(self, replica, int(step), 0.0)
+        return np.int64(step)
 
     def _zero_step(self) -> tf.Tensor:
         """The optimizer step (0-based): ``iterations // N``, int64."""

@@ -110,7 +110,10 @@ class Accounting:
             if zs.accumulators:
                 total += zs.accumulator_bytes
                 continue
-            per = zs.layout.shard_size if zs.stage >= 2 else zs.layout.padded_total
+            if zs.stage == 0:  # mirrored: every replica's full gradient
+                per = zs.layout.total
+            else:
+                per = zs.layout.shard_size if zs.stage >= 2 else zs.layout.padded_total
             if zs.stage == 3 and in_backward:
                 per = max(e.max_block_shard_elements for e in in_backward)
             total += 4 * per * self.local_replicas
@@ -261,7 +264,9 @@ class Accounting:
                 continue
             layout = zs.layout
             n = layout.num_shards
-            if zs.stage >= 2:
+            if zs.stage == 0:
+                text = "replicated (data parallel, no ZeRO partitioning)"
+            elif zs.stage >= 2:
                 text = f"optimizer state and gradient sharded 1/{n} (ZeRO-2); parameter replicated"
             else:
                 text = f"optimizer state sharded 1/{n} (ZeRO-1); parameter and gradient replicated"
@@ -273,10 +278,10 @@ class Accounting:
                         "dtype": "float32",
                         "bytes": 4 * size,
                         "partitioning": text,
-                        "shard_bytes_per_replica": 4 * -(-size // n),
+                        "shard_bytes_per_replica": 4 * size if zs.stage == 0 else 4 * -(-size // n),
                         "param_tier": "device",
                         "grad_tier": "device",
-                        "optimizer_tier": opt_tier,
+                        "optimizer_tier": "device" if zs.stage == 0 else opt_tier,
                     }
                 )
         rows.extend(self._stage3_rows)
@@ -297,17 +302,37 @@ def estimate(
     Returns:
         ``{"per_replica": TierEstimate.to_dict(), "local_replicas": int,
         "per_process": {"device_bytes", "host_bytes", "nvme_bytes"}, "num_params": int,
-        "precision": "fp32", "optimizer": kind, "source": str}``. ``per_process`` is the
-        per-replica figure times ``local_replicas``.
+        "precision": "fp32", "optimizer": kind, "source": str, "per_process_peak":
+        {"device_bytes", "host_bytes", "nvme_bytes"}, "peak_source": str}``.
+        ``per_process`` is the per-replica figure times ``local_replicas``.
+        ``per_process_peak`` is the predicted in-step peak of model states: every replica
+        holds its full fp32 gradient (4 bytes x Ψ) between the backward pass and the
+        reduce-scatter. Stages 0-1 count it already (SC20: gΨ); at stage 2, which counts
+        only the reduced shard, the device peak adds ``4 Ψ`` per local replica. Host and
+        NVMe peaks equal their boundary figures. At stage 3 the gathered units are not
+        known here and the device peak is None. Activations are not counted.
     """
     num_params = optimizer.flat_layout.total
     kind = estimator.optimizer_kind(optimizer)
     est = estimator.estimate_for_config(
         num_params, num_replicas, config, precision="fp32", optimizer=kind
     )
+    # Stages 0-1 already count the full gradient; stage 2 counts only the reduced shard.
+    transient_grad = {0: 0, 1: 0, 2: 4 * num_params}.get(config.stage)
     return {
         "per_replica": est.to_dict(),
         "local_replicas": local_replicas,
+        "per_process_peak": {
+            "device_bytes": (
+                None
+                if transient_grad is None
+                else (est.device_bytes + transient_grad) * local_replicas
+            ),
+            "host_bytes": est.host_bytes * local_replicas,
+            "nvme_bytes": est.nvme_bytes * local_replicas,
+        },
+        "peak_source": "model states with each replica's full fp32 gradient before its "
+        "reduce-scatter (stages 0-2; none at stage 3); activations not counted",
         "per_process": {
             "device_bytes": est.device_bytes * local_replicas,
             "host_bytes": est.host_bytes * local_replicas,
@@ -316,8 +341,7 @@ def estimate(
         "num_params": num_params,
         "precision": "fp32",
         "optimizer": kind,
-        "source": "ZeRO (Rajbhandari et al., SC20) sections 3.1 and 5.1, "
-        "zero_runtime.estimator",
+        "source": "ZeRO (Rajbhandari et al., SC20) sections 3.1 and 5.1, zero_runtime.estimator",
     }
 
 

@@ -28,7 +28,8 @@ def collective_bytes(zero_state: Any, local_replicas: int) -> dict[str, float]:
 
     Args:
         zero_state: a ``ZeroOptimizerState`` (``layout``, ``stage``, ``group``,
-            ``accumulation_steps``).
+            ``accumulation_steps``), or a stage-0 ``MirroredOptimizerState`` (the stock
+            update: one all-reduce per gradient, ``4 * total`` bytes per replica).
         local_replicas: replicas in this process.
 
     Returns:
@@ -41,6 +42,10 @@ def collective_bytes(zero_state: Any, local_replicas: int) -> dict[str, float]:
     padded = sum(b.padded_size(n) for b in layout.buckets) or n * layout.shard_size
     acc = max(1, int(zero_state.accumulation_steps))
     out = {f"{k}_{u}": 0.0 for k in COLLECTIVE_KINDS for u in ("bytes", "calls")}
+    if zero_state.stage == 0:  # mirrored: one all-reduce of every gradient, no all-gather
+        out["all_reduce_bytes"] += 4.0 * layout.total * local_replicas
+        out["all_reduce_calls"] += float(len(layout.sizes) * local_replicas)
+        return out
     if zero_state.stage >= 2:
         impl = getattr(zero_state.group, "impl_used", "all_reduce")
         kind = (

@@ -1,5 +1,7 @@
 // View: predicted (memory_hierarchy/estimate, per_process) versus measured (the last
-// step's param + grad + optimizer bytes) model-state bytes per tier, with a bar per figure.
+// step's param + grad + optimizer bytes) model-state bytes per tier, with a bar per figure;
+// then the estimate's in-step peak (per_process_peak) versus the measured in-step peak
+// (the last step's pool peak, or the allocator peak on the device when higher).
 
 import { predictedVsMeasured } from '../data.js';
 import { formatBytes, formatPercent } from '../format.js';
@@ -19,7 +21,7 @@ function bar(value, max, className) {
  * @param {object|null} tiers a /series answer for memory_hierarchy/tiers
  * @param {object|null} runInfo
  */
-export function renderEstimate(table, estimate, tiers, runInfo) {
+export function renderEstimate(table, estimate, tiers, runInfo, readings = null) {
   table.replaceChildren();
   if (!estimate) {
     table.dataset.state = 'none';
@@ -27,10 +29,12 @@ export function renderEstimate(table, estimate, tiers, runInfo) {
     return;
   }
   table.dataset.state = 'shown';
-  const rows = predictedVsMeasured(estimate, tiers);
+  const rows = predictedVsMeasured(estimate, tiers, readings);
   const max = Math.max(0, ...rows.flatMap((r) => [r.predicted ?? 0, r.measured ?? 0]));
   const head = el('tr');
-  for (const text of ['tier', 'predicted model states', 'measured model states', 'measured / predicted']) {
+  const columns = ['tier', 'predicted model states', 'measured model states', 'measured / predicted'];
+  columns.push('predicted peak', 'measured peak (in step)', 'peak measured / predicted');
+  for (const text of columns) {
     head.append(el('th', null, text));
   }
   table.append(head);
@@ -39,6 +43,8 @@ export function renderEstimate(table, estimate, tiers, runInfo) {
     tr.dataset.tier = r.tier;
     if (r.predicted !== null) tr.dataset.predictedBytes = String(r.predicted);
     if (r.measured !== null) tr.dataset.measuredBytes = String(r.measured);
+    if (r.predictedPeak !== null) tr.dataset.predictedPeakBytes = String(r.predictedPeak);
+    if (r.measuredPeak !== null) tr.dataset.measuredPeakBytes = String(r.measuredPeak);
     const predicted = el('td', 'mh-predicted');
     predicted.append(el('span', 'mh-figure', formatBytes(r.predicted)), bar(r.predicted, max, 'mh-bar-predicted'));
     const measured = el('td', 'mh-measured');
@@ -48,6 +54,9 @@ export function renderEstimate(table, estimate, tiers, runInfo) {
       predicted,
       measured,
       el('td', 'mh-ratio', r.ratio === null ? '—' : formatPercent(r.ratio)),
+      el('td', 'mh-predicted-peak', formatBytes(r.predictedPeak)),
+      el('td', 'mh-measured-peak', formatBytes(r.measuredPeak)),
+      el('td', 'mh-peak-ratio', r.peakRatio === null ? '—' : formatPercent(r.peakRatio)),
     );
     table.append(tr);
   }

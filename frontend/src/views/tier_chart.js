@@ -1,6 +1,7 @@
 // View: "Tier occupancy" of one run as small multiples, one chart per tier with its own
 // y scale: the tier's bytes stacked by holder (param, grad, optimizer, other), the used
-// line, the capacity line and the readings beside the accounting (dashed). A line more
+// line (at the step boundary), the in-step peaks (pool peak; on the device the allocator
+// peak; dotted), the capacity line and the readings beside the accounting (dashed). A line more
 // than OFF_SCALE_RATIO times the tier's peak use is left out of the range and named in the
 // chart's header as "capacity X (off scale)".
 // Data contract: /series answers for memory_hierarchy/tiers and memory_hierarchy/readings.
@@ -19,6 +20,7 @@ export const HOLDER_COLORS = {
 };
 const USED_COLOR = '#202124';
 const CAPACITY_COLOR = '#c5221f';
+const PEAK_COLORS = ['#b80672', '#f29900']; // in-step peaks (pool, allocator)
 const READING_COLORS = ['#9334e6', '#e37400'];
 
 function el(tag, className, text) {
@@ -31,6 +33,7 @@ function el(tag, className, text) {
 /** The header text of one tier's chart, e.g. "capacity 23.5 GiB (off scale)". */
 export function tierHeaderNotes(plot) {
   const notes = [`peak ${formatBytes(plot.peakUse)}`];
+  if (plot.stepPeak !== null && plot.stepPeak !== undefined) notes.push(`in-step peak ${formatBytes(plot.stepPeak)}`);
   const capacity = plot.lines.find((l) => l.kind === 'capacity');
   if (capacity) notes.push(`capacity ${formatBytes(maxOf(capacity.values))}`);
   for (const line of plot.offScale) {
@@ -57,7 +60,12 @@ export function tierSpec(plot, markers) {
   }
   series.push({ label: 'used', values: plot.used, stroke: USED_COLOR, width: 2 });
   let r = 0;
+  let k = 0;
   for (const line of plot.lines) {
+    if (line.kind === 'peak') {
+      series.push({ label: line.label, values: line.values, stroke: PEAK_COLORS[k++ % PEAK_COLORS.length], width: 1.5, dash: [2, 3] });
+      continue;
+    }
     const isCapacity = line.kind === 'capacity';
     series.push({
       label: line.label,

@@ -1,0 +1,98 @@
+"""The main job (``scripts/run_demo.sh`` -> ``python -m demo.compare``), end to end.
+
+One real run of the comparison per session, smaller than the README's default so it
+stays short: plain data parallelism (stage 0) runs out of the device budget at its first
+step and writes the post-mortem; ZeRO-Infinity (stage 3, parameters and optimizer states
+on NVMe files) trains the same model under the same budget, with all three tiers
+occupied and pages moving both ways; its loss is a standard TensorBoard scalar.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.util import tensor_util
+
+from tb_plugin import metadata
+from zero_runtime import oom
+
+pytestmark = [pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parent.parent
+STEPS = 8
+BUDGET = 5 << 20  # bytes: the mirrored run needs ~15 MiB, ZeRO-Infinity fits
+ARGS = ["--d-model", "128", "--layers", "2"]
+
+
+@pytest.fixture(scope="session")
+def main_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    """(logdir, finished process) of one ``python -m demo.compare`` run."""
+    root = tmp_path_factory.mktemp("main_job")
+    logdir, nvme = root / "logs", root / "nvme"
+    proc = subprocess.run(
+        [sys.executable, "-m", "demo.compare", "--logdir", str(logdir), "--steps", str(STEPS)]
+        + ["--device-budget", str(BUDGET), "--nvme-dir", str(nvme), *ARGS],
+        cwd=REPO,
+        env=dict(os.environ, ZERO_RUNTIME_PROFILE_EVERY="0"),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return logdir, proc
+
+
+def _accumulator(run_dir: Path) -> EventAccumulator:
+    acc = EventAccumulator(str(run_dir), size_guidance={"tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def _vectors(acc: EventAccumulator, tag: str) -> list[np.ndarray]:
+    return [tensor_util.make_ndarray(e.tensor_proto) for e in acc.Tensors(tag)]
+
+
+def test_mirrored_run_runs_out_and_advises_zero(main_job):
+    """Stage 0 fails at step 0 on the device tier; the post-mortem's best change that
+    fits is a ZeRO stage, and the log ends with one summary line, not a traceback."""
+    logdir, proc = main_job
+    report = json.loads((logdir / "mirrored_oom" / oom.OOM_FILENAME).read_text())
+    assert report["step"] == 0
+    assert report["failed_request"]["tier"] == "device"
+    assert report["config"]["stage"] == 0
+    assert report["config"]["device_budget_bytes"] == BUDGET
+    top = report["advice"][0]
+    assert top["fits"] and top["change"].get("stage", 0) >= 1, report["advice"]
+    assert "out of memory: Step 0 ran out of memory on the device tier" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not any(line.startswith(("I0000", "W0000")) for line in proc.stderr.splitlines())
+
+
+def test_zero_infinity_run_trains_on_three_tiers(main_job):
+    """Stage 3 + NVMe under the same budget: every step recorded, device, host and NVMe
+    occupied, pages written to and read from NVMe, the device within its budget, and the
+    loss (a standard scalar) falling."""
+    logdir, proc = main_job
+    assert f"{STEPS} steps recorded" in proc.stdout
+    acc = _accumulator(logdir / "zero_infinity")
+    tiers = _vectors(acc, metadata.TAG_TIERS)
+    assert len(tiers) == STEPS
+    used = metadata.TIER_COLUMNS.index("used_bytes")
+    device, host, nvme = (metadata.TIERS.index(t) for t in ("device", "host", "nvme"))
+    for m in tiers:
+        assert 0 < m[device, used] <= BUDGET
+        assert m[host, used] > 0 and m[nvme, used] > 0
+    pages = np.stack(_vectors(acc, metadata.TAG_PAGES))
+    col = metadata.PAGE_COLUMNS.index
+    assert pages[:, col("h2n_bytes")].sum() > 0 and pages[:, col("n2h_bytes")].sum() > 0
+    info = json.loads(_vectors(acc, metadata.TAG_RUN_INFO)[-1].item())
+    assert info["stage"] == 3
+    losses = [float(tensor_util.make_ndarray(e.tensor_proto)) for e in acc.Tensors("train/loss")]
+    assert len(losses) == STEPS and losses[-1] < losses[0] - 0.1, losses
