@@ -252,6 +252,9 @@ def guard(
     """
     if not seconds > 0:
         return collective(flat)
+    span = _open_spans().get(id(token))
+    if span is not None:
+        return span.add(collective, flat, seconds, what)
     key, scope = ("traced", next(_KEYS)), id(token)
 
     def arm(_handle) -> list:
@@ -269,6 +272,80 @@ def guard(
     with tf.control_dependencies([out]):
         tf.py_function(disarm, [token.handle], [], name="disarm_deadline")
     return out
+
+
+#: Per thread (MirroredStrategy traces each replica on its own thread): id(token) -> the
+#: open :class:`_Span` of that ordering token.
+_SPANS = threading.local()
+
+
+def _open_spans() -> dict:
+    return _SPANS.__dict__.setdefault("open", {})
+
+
+class _Span:
+    """One deadline over consecutive guarded collectives on one ordering token."""
+
+    def __init__(self, token) -> None:
+        self.token = token
+        self.key = ("traced", next(_KEYS))
+        self.names: list[str] = []
+        self.last: tf.Tensor | None = None
+
+    def add(self, collective: Callable, flat: tf.Tensor, seconds: float, what: str) -> tf.Tensor:
+        self.names.append(what)
+        if self.last is None:  # the first collective: arm before it (as guard does)
+            key, scope, names = self.key, id(self.token), self.names
+
+            def arm(_handle) -> list:
+                WATCHDOG.arm(key, seconds, " then ".join(names), scope=scope, traced=True)
+                return []
+
+            with tf.control_dependencies([flat]):
+                armed = tf.py_function(arm, [self.token.handle], [], name="arm_deadline")
+            with tf.control_dependencies([armed]):
+                flat = tf.identity(flat)
+        self.last = collective(flat)
+        return self.last
+
+    def close(self) -> None:
+        if self.last is None:
+            return
+        key = self.key
+
+        def disarm(_handle) -> list:
+            WATCHDOG.disarm(key)
+            return []
+
+        with tf.control_dependencies([self.last]):
+            tf.py_function(disarm, [self.token.handle], [], name="disarm_deadline")
+
+
+@contextlib.contextmanager
+def one_deadline(token) -> Iterator[None]:
+    """While a step is traced: the guarded collectives on ``token`` built inside the block
+    share one deadline, armed before the first and disarmed after the last (two host
+    callbacks in all instead of two per collective).
+
+    The deadline (the first collective's ``seconds``) then also covers the ops between
+    those collectives, which run on the same replica (e.g. stage 2's shard update between
+    its reduce-scatter and its all-gather); its message names every collective. The
+    collectives on one token run one at a time, in trace order (the token orders them),
+    so a span is what the separate deadlines would cover, plus the ops between them.
+
+    Args:
+        token: the collectives' ordering-token variable (``CollectiveGroup.token_variable``).
+    """
+    spans = _open_spans()
+    if id(token) in spans or tf.executing_eagerly():
+        yield  # nested (the outer span covers it), or nothing is traced
+        return
+    span = spans[id(token)] = _Span(token)
+    try:
+        yield
+    finally:
+        del spans[id(token)]
+        span.close()
 
 
 def guard_strategy_collectives(strategy: tf.distribute.Strategy, seconds: Callable[[], float]):
