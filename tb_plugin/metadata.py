@@ -82,6 +82,8 @@ TIMING_COLUMNS = (
     "overlap_seconds",
     "stall_seconds",
     "overlap_ratio",  # overlap_seconds / comm_seconds; NaN when comm_seconds == 0
+    "io_seconds",  # NVMe page I/O the runtime drove during the step (union of its jobs)
+    "traced",  # 1 when the step traced (compiled) its step function: step 0, a retrace
 )
 
 # Columns of the per-step collective vector: bytes each collective kind's input buffers
@@ -144,7 +146,10 @@ LAYOUTS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...]]
         KIND_VECTOR,
         (),
         TIMING_COLUMNS,
-        tuple("ratio" if c.endswith("ratio") else "seconds" for c in TIMING_COLUMNS),
+        tuple(
+            "ratio" if c.endswith("ratio") else "flag" if c == "traced" else "seconds"
+            for c in TIMING_COLUMNS
+        ),
     ),
     TAG_RUN_INFO: (KIND_JSON, (), (), ()),
     TAG_PLACEMENT: (KIND_JSON, (), (), ()),

@@ -68,6 +68,7 @@ class _Deadline:
     what: str
     scope: object  # the ordering token's id: its collectives run one at a time, or None
     traced: bool  # armed from a traced step (its disarm never runs if the step fails)
+    start: float = 0.0  # time.time() seconds when armed (the collective could start)
 
 
 class CollectiveWatchdog:
@@ -92,6 +93,8 @@ class CollectiveWatchdog:
         deadlines_started: deadlines armed since creation (int; one per guarded
             collective run).
         stale_dropped: traced deadlines dropped as stale (int).
+        traced_builds: guarded collectives built by tracing a step (int; :func:`guard`
+            counts them, so a change means a step function was traced or retraced).
     """
 
     def __init__(
@@ -108,6 +111,23 @@ class CollectiveWatchdog:
         self.fired: str | None = None
         self.deadlines_started = 0
         self.stale_dropped = 0
+        self.traced_builds = 0
+        self._listeners: list[Callable[[object, float, float], None]] = []
+
+    def add_interval_listener(self, listener: Callable[[object, float, float], None]) -> None:
+        """Call ``listener(scope, start, end)`` when a traced collective is disarmed:
+        ``scope`` is its ordering token's id (one per replica device), ``start`` / ``end``
+        ``time.time()`` seconds from its arm (input ready) to its disarm (result exists).
+        Free: the two timestamps come from the host callbacks the deadline runs anyway.
+        The listener runs on TensorFlow's inter-op pool and must be quick."""
+        with self._cond:
+            self._listeners.append(listener)
+
+    def remove_interval_listener(self, listener: Callable[[object, float, float], None]) -> None:
+        """Stop calling ``listener``; an unknown listener is ignored."""
+        with self._cond:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
 
     def arm(
         self, key: object, seconds: float, what: str, scope: object = None, traced: bool = False
@@ -132,7 +152,7 @@ class CollectiveWatchdog:
                 for other in [k for k, d in self._deadlines.items() if d.scope == scope]:
                     del self._deadlines[other]
             self._deadlines[key] = _Deadline(
-                time.monotonic() + seconds, seconds, what, scope, traced
+                time.monotonic() + seconds, seconds, what, scope, traced, time.time()
             )
             self.deadlines_started += 1
             if self._thread is None:
@@ -146,7 +166,12 @@ class CollectiveWatchdog:
     def disarm(self, key: object) -> None:
         """End the deadline of collective ``key`` (it completed); unknown keys are ignored."""
         with self._cond:
-            self._deadlines.pop(key, None)
+            done = self._deadlines.pop(key, None)
+            listeners = list(self._listeners) if done is not None and done.traced else ()
+        if listeners:
+            end = time.time()
+            for listener in listeners:
+                listener(done.scope, done.start, end)
 
     def clear(self) -> None:
         """Drop every deadline."""
@@ -250,6 +275,7 @@ def guard(
     Returns:
         ``collective(flat)``'s result.
     """
+    WATCHDOG.traced_builds += 1
     if not seconds > 0:
         return collective(flat)
     key, scope = ("traced", next(_KEYS)), id(token)
