@@ -583,6 +583,10 @@ class Tunable:
         minimum: smallest accepted value, inclusive (int).
         maximum: largest accepted value, inclusive (int).
         description: one line for the UI.
+        takes_effect: when an applied change acts on the running job (one line for the
+            UI): ``"next step"``, or ``"rebuild"`` for a key only read when the model or
+            its pool is built (an applied change is recorded but changes nothing until the
+            job is rebuilt, e.g. restarted from a checkpoint), with the stages it acts at.
 
     Values are ints (never bool, never float, never None); the resulting config must also
     pass ZeroConfig's own validation (e.g. a budget of at least one page).
@@ -593,6 +597,7 @@ class Tunable:
     minimum: int
     maximum: int
     description: str
+    takes_effect: str = "next step"
 
     def check(self, value: Any) -> int:
         """Return ``value`` as int if it is within bounds.
@@ -626,6 +631,7 @@ TUNABLE_KEYS: Mapping[str, Tunable] = MappingProxyType(
                 64 * _KIB,
                 _PIB,
                 "bytes the runtime may place on the device tier",
+                "next step (budget check; stage 3: device tier capacity, pages move)",
             ),
             Tunable(
                 "host_budget_bytes",
@@ -633,6 +639,7 @@ TUNABLE_KEYS: Mapping[str, Tunable] = MappingProxyType(
                 64 * _KIB,
                 _PIB,
                 "bytes the runtime may place in host memory",
+                "next step (budget check); the pool's host tier: rebuild",
             ),
             Tunable(
                 "persistence_threshold",
@@ -640,6 +647,7 @@ TUNABLE_KEYS: Mapping[str, Tunable] = MappingProxyType(
                 0,
                 _MAX_ELEMENTS,
                 "parameters with fewer elements stay replicated",
+                "rebuild (stage 3's traced plan)",
             ),
             Tunable(
                 "max_live_parameters",
@@ -647,6 +655,7 @@ TUNABLE_KEYS: Mapping[str, Tunable] = MappingProxyType(
                 1,
                 _MAX_ELEMENTS,
                 "max gathered parameter elements resident per replica",
+                "rebuild (stage 3's traced plan)",
             ),
             Tunable(
                 "max_reuse_distance",
@@ -654,6 +663,7 @@ TUNABLE_KEYS: Mapping[str, Tunable] = MappingProxyType(
                 0,
                 _MAX_ELEMENTS,
                 "keep a parameter gathered if reused within this many elements",
+                "rebuild (stage 3's traced plan)",
             ),
             Tunable(
                 "prefetch_bucket_size",
@@ -661,6 +671,7 @@ TUNABLE_KEYS: Mapping[str, Tunable] = MappingProxyType(
                 0,
                 _MAX_ELEMENTS,
                 "parameter elements fetched ahead of use (0 disables prefetch)",
+                "next step (stage 3 with NVMe: the next prefetch)",
             ),
             Tunable(
                 "telemetry_every_n_steps",
@@ -668,6 +679,7 @@ TUNABLE_KEYS: Mapping[str, Tunable] = MappingProxyType(
                 1,
                 1_000_000,
                 "write a StepStats summary every N steps",
+                "next step",
             ),
         )
     }

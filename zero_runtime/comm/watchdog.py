@@ -300,7 +300,9 @@ def guard(
 def guard_strategy_collectives(strategy: tf.distribute.Strategy, seconds: Callable[[], float]):
     """Put the collectives ``strategy`` issues itself under :data:`WATCHDOG` deadlines.
 
-    For a ``MultiWorkerMirroredStrategy`` built without ``CommunicationOptions.timeout_seconds``:
+    For a ``MultiWorkerMirroredStrategy`` built without ``CommunicationOptions.timeout_seconds``
+    (and a single-worker ``MirroredStrategy`` whose cross-device ops are collective, as on
+    CPU: ``ZeroInfinityStrategy`` guards its own so that their host callbacks time them):
     every dense all-reduce and all-gather of its cross-device ops (its replicas' and its
     per-host ones; also Keras's loss/metric reductions and the distributed iterator's
     "every worker has data" check at the start of each step) goes through one
@@ -319,7 +321,10 @@ def guard_strategy_collectives(strategy: tf.distribute.Strategy, seconds: Callab
     """
     launchers = [
         launcher
-        for ops in (strategy.extended._cross_device_ops, strategy.extended._host_cross_device_ops)
+        for ops in (
+            getattr(strategy.extended, "_cross_device_ops", None),
+            getattr(strategy.extended, "_host_cross_device_ops", None),  # multi-worker only
+        )
         for launcher in getattr(ops, "_launchers", ())
     ]
     if not launchers:
@@ -332,6 +337,9 @@ def guard_strategy_collectives(strategy: tf.distribute.Strategy, seconds: Callab
 
 
 def _wrap_launcher(launcher: Any, seconds: Callable[[], float]) -> None:
+    if getattr(launcher, "_zero_runtime_guarded", False):  # already wrapped: once only
+        return
+    launcher._zero_runtime_guarded = True
     token = getattr(launcher, "_ordering_token", None)
     if token is None:  # (``or`` would ask the variable's truth value)
         token = device_token(launcher._device)
