@@ -1,6 +1,6 @@
 """Cost of timing the strategy's own collectives on every step (issue #19, item 2).
 
-With ``ZeroInfinityStrategy.time_strategy_collectives`` (default True) the strategy's own
+With ``ZeroInfinityStrategy.time_strategy_collectives`` (default False) the strategy's own
 collectives (stage 1's gradient all-reduce and shard all-gather, Keras's loss reduction)
 run under the collective watchdog's two host callbacks, whose timestamps are the step's
 comm intervals. This compares step time with them (``timed``) and without (``bare``):
@@ -71,7 +71,7 @@ def main() -> int:
             gpt.compile(optimizer="adam", loss=model.make_loss())
         gpt.fit(train, steps_per_epoch=args.block, epochs=1, verbose=0)  # trace, warm up
         runs[mode] = (strategy, gpt)
-    zero_runtime.ZeroInfinityStrategy.time_strategy_collectives = True
+    zero_runtime.ZeroInfinityStrategy.time_strategy_collectives = False  # the default
     times: dict[str, list[float]] = {"timed": [], "bare": []}
 
     class Clock(keras.callbacks.Callback):

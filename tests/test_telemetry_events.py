@@ -1,7 +1,7 @@
 """The event files of a short demo run read back with TensorBoard's EventAccumulator:
 every tag docs/events.md documents is present, in its stated units, and sampled steps
-carry comm/compute intervals parsed from TensorFlow's profiler trace, every other step
-the collectives' own intervals; step 0 is marked as traced."""
+carry comm/compute intervals parsed from TensorFlow's profiler trace; step 0 is marked as
+traced (its time includes tracing the step function)."""
 
 from __future__ import annotations
 
@@ -77,11 +77,8 @@ def test_demo_events_have_every_documented_tag_in_units(tmp_path):
             assert t["comm_seconds"] > 0 and t["compute_seconds"] > t["comm_seconds"]
             assert 0 <= t["overlap_ratio"] <= 1
             assert t["overlap_seconds"] <= t["comm_seconds"] + 1e-12
-        else:  # every other step: the collectives' own arm -> disarm intervals
-            assert 0 < t["comm_seconds"] < t["step_seconds"]
-            assert 0 <= t["overlap_seconds"] <= t["comm_seconds"] + 1e-12
-            assert 0 <= t["overlap_ratio"] <= 1
-            assert t["compute_seconds"] <= t["step_seconds"] + 1e-9
+        else:  # stage 1's collectives are the strategy's own: no host timestamps
+            assert math.isnan(t["comm_seconds"]) and math.isnan(t["overlap_ratio"])
         assert t["traced"] == (1.0 if s == 0 else 0.0)  # step 0 traces the step function
         assert math.isnan(t["io_seconds"])  # no NVMe in this run: not measured
     for v in info.values():

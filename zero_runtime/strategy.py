@@ -76,11 +76,14 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
         resources: the :class:`zero_runtime.lifecycle.Resources` recording what the
             strategy created (stage-3 engines and pools, optimizer stores, update threads,
             the runtime) and its lifecycle state; :meth:`close` releases them.
-        time_strategy_collectives: class-wide switch, default True: the strategy's own
-            collectives run under the collective watchdog's two host callbacks
-            (``comm.guard_strategy_collectives``), whose timestamps time them on every
-            step; False leaves them bare (only profiler-sampled steps time them). Set it
-            before creating the strategy (bench/bench_telemetry.py compares both).
+        time_strategy_collectives: class-wide switch, default False. True: the
+            strategy's own collectives (stage 0-2's gradient all-reduce and shard
+            all-gather, Keras's loss reductions) run under the collective watchdog's two
+            host callbacks (``comm.guard_strategy_collectives``), whose timestamps time
+            them on every step. Off by default: it costs ~29 % of a stage-1 step on 2 CPU
+            cores (bench/bench_timing_callbacks.py, bench/results/timing_callbacks.json),
+            far over the 2 % telemetry budget, so those steps are timed only on the
+            profiler's sampled steps. Set it before creating the strategy.
 
     Raises:
         zero_runtime.config.ZeroConfigError: an invalid config value.
@@ -91,7 +94,7 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
             configured (create the strategy before running any TensorFlow op).
     """
 
-    time_strategy_collectives: bool = True
+    time_strategy_collectives: bool = False
 
     def __new__(cls, *args: Any, **kwargs: Any) -> ZeroInfinityStrategy:
         """Pick the concrete strategy: multi-worker when ``TF_CONFIG`` names a cluster.
