@@ -203,7 +203,13 @@ def test_series_timing_keeps_unmeasured_parts_null(client):
     assert status == 200
     assert body["values"]["overlap_ratio"] == [0.75] * len(steps)
     assert body["values"]["compute_seconds"][10] == 0.06
-    assert body["units"][-1] == "ratio"
+    units = dict(zip(metadata.TIMING_COLUMNS, body["units"]))
+    assert (units["overlap_ratio"], units["traced"], units["io_seconds"]) == (
+        "ratio",
+        "flag",
+        "seconds",
+    )
+    assert body["values"]["traced"] == [1.0] + [0.0] * (len(steps) - 1)
     status, body = get_json(client, "/series", run=synthetic.RUN_HTML_NAME, tag=metadata.TAG_TIMING)
     assert status == 200
     assert body["values"]["step_seconds"] == [0.1 + 0.001 * s for s in steps]

@@ -99,6 +99,7 @@ export class TimingView {
         'the other steps.'
       : '';
     breakdown.note.hidden = !traced.length || top === null;
+    breakdown.box.dataset.yMax = top === null ? '' : String(top); // '' : scaled to every step
     breakdown.chart.update({
       x,
       series: lines,
