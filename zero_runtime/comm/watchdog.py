@@ -35,10 +35,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import inspect
 import itertools
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -69,6 +71,7 @@ class _Deadline:
     scope: object  # the ordering token's id: its collectives run one at a time, or None
     traced: bool  # armed from a traced step (its disarm never runs if the step fails)
     start: float = 0.0  # time.time() seconds when armed (the collective could start)
+    lane: object = None  # the replica's device (interval listeners' lane), or None
 
 
 class CollectiveWatchdog:
@@ -112,25 +115,32 @@ class CollectiveWatchdog:
         self.deadlines_started = 0
         self.stale_dropped = 0
         self.traced_builds = 0
-        self._listeners: list[Callable[[object, float, float], None]] = []
+        self._listeners: list[Callable[[], Callable[[object, float, float], None] | None]] = []
 
     def add_interval_listener(self, listener: Callable[[object, float, float], None]) -> None:
-        """Call ``listener(scope, start, end)`` when a traced collective is disarmed:
-        ``scope`` is its ordering token's id (one per replica device), ``start`` / ``end``
+        """Call ``listener(lane, start, end)`` when a traced collective is disarmed:
+        ``lane`` is the replica's device (its ordering token's), ``start`` / ``end``
         ``time.time()`` seconds from its arm (input ready) to its disarm (result exists).
         Free: the two timestamps come from the host callbacks the deadline runs anyway.
-        The listener runs on TensorFlow's inter-op pool and must be quick."""
+        The listener runs on TensorFlow's inter-op pool and must be quick. A bound method
+        is held weakly (its object may be collected without being removed)."""
+        ref = weakref.WeakMethod(listener) if inspect.ismethod(listener) else (lambda: listener)
         with self._cond:
-            self._listeners.append(listener)
+            self._listeners.append(ref)
 
     def remove_interval_listener(self, listener: Callable[[object, float, float], None]) -> None:
         """Stop calling ``listener``; an unknown listener is ignored."""
         with self._cond:
-            if listener in self._listeners:
-                self._listeners.remove(listener)
+            self._listeners = [r for r in self._listeners if r() not in (None, listener)]
 
     def arm(
-        self, key: object, seconds: float, what: str, scope: object = None, traced: bool = False
+        self,
+        key: object,
+        seconds: float,
+        what: str,
+        scope: object = None,
+        traced: bool = False,
+        lane: object = None,
     ) -> None:
         """Start (or restart) the deadline of collective ``key``.
 
@@ -141,6 +151,7 @@ class CollectiveWatchdog:
             scope: the id of the collective's ordering token, or None: arming ends every
                 other deadline of the same scope (see the class docstring).
             traced: True when armed from a traced step (a host callback).
+            lane: the replica's device, handed to interval listeners (None: ``scope``).
 
         Raises:
             ValueError: ``seconds`` is not > 0.
@@ -152,7 +163,13 @@ class CollectiveWatchdog:
                 for other in [k for k, d in self._deadlines.items() if d.scope == scope]:
                     del self._deadlines[other]
             self._deadlines[key] = _Deadline(
-                time.monotonic() + seconds, seconds, what, scope, traced, time.time()
+                time.monotonic() + seconds,
+                seconds,
+                what,
+                scope,
+                traced,
+                time.time(),
+                scope if lane is None else lane,
             )
             self.deadlines_started += 1
             if self._thread is None:
@@ -167,11 +184,13 @@ class CollectiveWatchdog:
         """End the deadline of collective ``key`` (it completed); unknown keys are ignored."""
         with self._cond:
             done = self._deadlines.pop(key, None)
-            listeners = list(self._listeners) if done is not None and done.traced else ()
-        if listeners:
+            refs = list(self._listeners) if done is not None and done.traced else ()
+        if refs:
             end = time.time()
-            for listener in listeners:
-                listener(done.scope, done.start, end)
+            for ref in refs:
+                listener = ref()
+                if listener is not None:
+                    listener(done.lane, done.start, end)
 
     def clear(self) -> None:
         """Drop every deadline."""
@@ -279,9 +298,10 @@ def guard(
     if not seconds > 0:
         return collective(flat)
     key, scope = ("traced", next(_KEYS)), id(token)
+    lane = getattr(token, "device", None) or scope  # one lane per replica device
 
     def arm(_handle) -> list:
-        WATCHDOG.arm(key, seconds, what, scope=scope, traced=True)
+        WATCHDOG.arm(key, seconds, what, scope=scope, traced=True, lane=lane)
         return []
 
     def disarm(_handle) -> list:
