@@ -26,7 +26,7 @@ from zero_runtime.telemetry.probes import Readings, read_probes
 from zero_runtime.telemetry.profile import ProfileSampler, TraceIntervals
 from zero_runtime.telemetry.recorder import PageMoveRecorder
 from zero_runtime.telemetry.stats import StepStats, TierStats
-from zero_runtime.telemetry.timeline import Interval, Timeline, intersect, overlap, total, union
+from zero_runtime.telemetry.timeline import Interval, Timeline, overlap, total, union
 
 
 class TierAccounting(Protocol):
@@ -256,7 +256,7 @@ def step_timing(
     comm = union([iv for u in unions for iv in u] + clip(io))
     blocked = unions[0] if unions else []
     for u in unions[1:]:
-        blocked = intersect(blocked, u)
+        blocked = _intersect_merged(blocked, u)
     free: list[Interval] = []
     cursor = lo
     for s, e in blocked:
@@ -266,13 +266,29 @@ def step_timing(
     if cursor < hi:
         free.append((cursor, hi))
     compute = union(free + clip(host_compute))
-    c = total(comm)
-    both = total(intersect(comm, compute))
+    c = sum(e - s for s, e in comm)
+    both = sum(e - s for s, e in _intersect_merged(comm, compute))
     if stall_seconds == stall_seconds and stall_seconds > 0:  # not NaN
         both = max(0.0, both - stall_seconds)
     return {
         "comm_seconds": c,
-        "compute_seconds": total(compute),
+        "compute_seconds": sum(e - s for s, e in compute),
         "overlap_seconds": both,
         "overlap_ratio": both / c if c > 0 else math.nan,
     }
+
+
+def _intersect_merged(a: list[Interval], b: list[Interval]) -> list[Interval]:
+    """:func:`~zero_runtime.telemetry.timeline.intersect` of two already merged (sorted,
+    disjoint) interval lists, without merging them again."""
+    out: list[Interval] = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        s, e = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if e > s:
+            out.append((s, e))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
