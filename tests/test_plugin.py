@@ -755,6 +755,7 @@ def test_tuning_lists_keys_bounds_and_values_in_effect(tuned):
         "max": 2**50,
         "description": "bytes the runtime may place on the device tier",
         "takes_effect": "next step (budget check; stage 3: device tier capacity, pages move)",
+        "acts": True,
         "value": 512 * MIB,
         "recorded": True,
         "since_step": None,
@@ -765,6 +766,8 @@ def test_tuning_lists_keys_bounds_and_values_in_effect(tuned):
     assert (telemetry["value"], telemetry["since_step"], telemetry["version"]) == (4, 3, 1)
     assert keys["host_budget_bytes"]["value"] is None  # unbounded as started
     assert keys["persistence_threshold"]["takes_effect"].startswith("rebuild")
+    assert keys["persistence_threshold"]["acts"] is False  # part of stage 3's traced plan
+    assert keys["prefetch_bucket_size"]["acts"] is (STARTED.stage == 3)  # stage 3 + NVMe only
     assert body["config_version"] == 1
     assert body["request"]["state"] == "none"
     assert body["run_dir_error"] is None

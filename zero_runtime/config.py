@@ -587,6 +587,8 @@ class Tunable:
             UI): ``"next step"``, or ``"rebuild"`` for a key only read when the model or
             its pool is built (an applied change is recorded but changes nothing until the
             job is rebuilt, e.g. restarted from a checkpoint), with the stages it acts at.
+        acts_when: ``(config key, value)`` pairs a run's config must all match for an
+            applied change to act on it (empty: every run); see :meth:`acts_in`.
 
     Values are ints (never bool, never float, never None); the resulting config must also
     pass ZeroConfig's own validation (e.g. a budget of at least one page).
@@ -598,6 +600,19 @@ class Tunable:
     maximum: int
     description: str
     takes_effect: str = "next step"
+    acts_when: tuple[tuple[str, Any], ...] = ()
+
+    def acts_in(self, config: Mapping[str, Any] | None) -> bool | None:
+        """Whether an applied change of this key acts on a running job started with
+        ``config`` (a ``ZeroConfig.to_dict()``): False for a rebuild key or a config that
+        does not match :attr:`acts_when`; None when ``config`` is unknown and it matters."""
+        if self.takes_effect.startswith("rebuild"):
+            return False
+        if not self.acts_when:
+            return True
+        if config is None:
+            return None
+        return all(config.get(k) == v for k, v in self.acts_when)
 
     def check(self, value: Any) -> int:
         """Return ``value`` as int if it is within bounds.
@@ -672,6 +687,7 @@ TUNABLE_KEYS: Mapping[str, Tunable] = MappingProxyType(
                 _MAX_ELEMENTS,
                 "parameter elements fetched ahead of use (0 disables prefetch)",
                 "next step (stage 3 with NVMe: the next prefetch)",
+                (("stage", 3), ("offload_param", "nvme")),
             ),
             Tunable(
                 "telemetry_every_n_steps",

@@ -2,7 +2,7 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
 import { tracedSteps, TIMING_PARTS } from '../src/views/timing_parts.js';
-import { actsAtRebuild, requestText } from '../src/views/tuning_panel.js';
+import { actsAtRebuild, changesNothingNow, requestText } from '../src/views/tuning_panel.js';
 
 test('traced steps are kept out of the y-range; without a traced step the chart scales to all', () => {
   const series = {
@@ -40,8 +40,14 @@ test('the request line says which keys changed nothing in the running job', () =
   assert.equal(
     requestText(both, keys, 0),
     'Request v3: applied at step 12 (telemetry_every_n_steps 1 → 2); recorded, changes nothing ' +
-      'in the running job until it is rebuilt: persistence_threshold 0 → 100.',
+      'in the running job: persistence_threshold 0 → 100.',
   );
+  // A next-step key that does not act at this run's stage (acts: false) changes nothing.
+  const idle = { key: 'prefetch_bucket_size', takes_effect: 'next step (stage 3 …)', acts: false };
+  assert.equal(changesNothingNow(idle), true);
+  assert.equal(changesNothingNow({ ...idle, acts: true }), false);
+  const prefetch = { ...both, changes: { prefetch_bucket_size: { old: 5, new: 0 } } };
+  assert.ok(!requestText(prefetch, [...keys, idle], 0).includes('applied'));
   const later = { ...both, changes: { persistence_threshold: { old: 0, new: 100 } } };
   assert.ok(!requestText(later, keys, 0).includes('applied'));
   assert.equal(

@@ -150,7 +150,8 @@ def tuning_impl(
 
     Returns:
         ``{"run", "enabled", "flag", "keys": [{"key", "unit", "min", "max",
-        "description", "takes_effect", "value", "recorded", "since_step", "version"}],
+        "description", "takes_effect", "acts", "value", "recorded", "since_step",
+        "version"}],
         "config_version", "job_ended",
         "request": tuning.request_state(...), "run_dir_error", "tuning_run",
         "tuning_note", "data_errors"}``: ``enabled`` is whether
@@ -162,6 +163,8 @@ def tuning_impl(
         non-chief worker of a multi-worker job the chief's run
         (:func:`tuning.job_chief_run`), whose request and decision ``request`` then
         shows (the job's); ``tuning_note`` says so (null for an ordinary run).
+        ``acts``: whether an applied change of the key acts on this run's job
+        (``zero_runtime.config.Tunable.acts_in`` of its recorded config; null: unknown).
         ``job_ended`` is :func:`job_ended` (null while the job may still run).
         ``data_errors`` lists the malformed ``config_event`` records and
         acknowledgements that were skipped (:func:`tuning.record_problem`), each naming
@@ -184,7 +187,11 @@ def tuning_impl(
         run_dir_error = str(exc)
     data_errors += _ack_errors(run, ack)
     values = tuning.current_values(config if isinstance(config, dict) else None, events, ack)
-    keys = [{**spec, **values[spec["key"]]} for spec in tuning.tunable_keys()]
+    started = config if isinstance(config, dict) else None
+    keys = [
+        {**spec, **values[spec["key"]], "acts": tuning.TUNABLE_KEYS[spec["key"]].acts_in(started)}
+        for spec in tuning.tunable_keys()
+    ]
     # A non-chief worker: the job's request and decision live in the chief's run.
     chief = None if run_dir_error else tuning.job_chief_run(reader.logdir, run)
     note = None

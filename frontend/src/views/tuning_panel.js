@@ -3,8 +3,8 @@
 // allows tuning, and the state of the latest request (pending, applied at step N, rejected
 // with its reason). Builds DOM from data; the controller supplies `submit`.
 // Each key says when an applied change acts on the running job (`takes_effect`: next step,
-// or rebuild for a key only read when the model is built; such a change is "recorded",
-// never "applied"). A job that ended (GET /tuning's `job_ended`: its OOM post-mortem
+// or rebuild for a key only read when the model is built) and whether it acts in this run
+// (`acts`); a change that does not is "recorded", never "applied". A job that ended (GET /tuning's `job_ended`: its OOM post-mortem
 // exists) offers no form: nothing would read the request.
 // A worker's run of a multi-worker job is tuned through its chief's run (the server writes
 // there; GET /tuning's `tuning_note` says so and is shown above the table).
@@ -32,6 +32,14 @@ export function actsAtRebuild(spec) {
 }
 
 /**
+ * True when an applied change of the key changes nothing in this run's job: GET /tuning's
+ * `acts` is false (a rebuild key, or a key that does not act at this run's stage).
+ */
+export function changesNothingNow(spec) {
+  return spec?.acts === false || actsAtRebuild(spec);
+}
+
+/**
  * The request line: tuningStateText, except that an applied request says which keys
  * changed nothing in the running job (they act at rebuild) and a request without changes
  * is not called applied.
@@ -44,14 +52,14 @@ export function requestText(request, keys, nowSeconds) {
   const v = request.version === null || request.version === undefined ? '' : ` v${request.version}`;
   const changes = request.changes && typeof request.changes === 'object' ? request.changes : {};
   const specs = new Map((keys ?? []).map((k) => [k.key, k]));
-  const later = Object.keys(changes).filter((k) => actsAtRebuild(specs.get(k)));
+  const later = Object.keys(changes).filter((k) => changesNothingNow(specs.get(k)));
   const now = Object.fromEntries(Object.entries(changes).filter(([k]) => !later.includes(k)));
   if (!Object.keys(changes).length) {
     return `Request${v}: changed nothing at step ${request.step} (its values were already in effect).`;
   }
   const pick = (names) => Object.fromEntries(names.map((k) => [k, changes[k]]));
   const rebuild = later.length
-    ? `recorded, changes nothing in the running job until it is rebuilt: ${changesText(pick(later))}`
+    ? `recorded, changes nothing in the running job: ${changesText(pick(later))}`
     : '';
   if (!Object.keys(now).length) return `Request${v} at step ${request.step}: ${rebuild}.`;
   return `Request${v}: applied at step ${request.step} (${changesText(now)})${rebuild ? `; ${rebuild}` : ''}.`;
@@ -114,8 +122,10 @@ export class TuningPanel {
         'mh-tuning-bounds',
         `${boundText(spec.min, spec.unit)} … ${boundText(spec.max, spec.unit)} (${spec.unit})`,
       );
-      const effect = el('td', 'mh-tuning-effect', spec.takes_effect ?? 'not stated');
+      const idle = spec.acts === false && !actsAtRebuild(spec) ? ' \u2014 not in this run' : '';
+      const effect = el('td', 'mh-tuning-effect', `${spec.takes_effect ?? 'not stated'}${idle}`);
       effect.dataset.rebuild = String(actsAtRebuild(spec));
+      effect.dataset.acts = String(spec.acts ?? '');
       row.append(
         el('th', 'mh-tuning-key', spec.key),
         value,
@@ -188,8 +198,8 @@ export class TuningPanel {
       const sinceText =
         spec.since_step === null || spec.since_step === undefined
           ? ''
-          : actsAtRebuild(spec)
-            ? ` recorded at step ${spec.since_step} (v${spec.version}); acts at rebuild`
+          : changesNothingNow(spec)
+            ? ` recorded at step ${spec.since_step} (v${spec.version}); changes nothing in this job`
             : ` since step ${spec.since_step} (v${spec.version})`;
       parts.since.textContent = sinceText;
       const current = spec.recorded === false ? 'not recorded' : formatConfigValue(spec.key, spec.value);
