@@ -59,8 +59,9 @@ def test_step_timing_from_collective_lanes_and_io():
     assert t["compute_seconds"] == pytest.approx(8.0)  # 10 - blocked (1 + 1)
     assert t["overlap_seconds"] == pytest.approx(3.0)  # 2-3, 4-5, 7-8
     assert t["overlap_ratio"] == pytest.approx(0.6)
-    # NVMe I/O 8.5-9.5 runs while nothing is blocked; 0.25 s of stall is exposed I/O.
-    t = step_timing((0, 10), lanes, io=[(8.5, 9.5)], host_compute=[], stall_seconds=0.25)
+    # NVMe I/O 8.5-9.5 runs while nothing is blocked; 0.5 s of page waits summed over the
+    # 2 replicas: 0.25 s of one replica's I/O was exposed.
+    t = step_timing((0, 10), lanes, io=[(8.5, 9.5)], host_compute=[], stall_seconds=0.5)
     assert t["comm_seconds"] == pytest.approx(6.0)
     assert t["overlap_seconds"] == pytest.approx(3.75)
     # One replica: its collectives are blocked time (a lower bound: no overlap seen), the

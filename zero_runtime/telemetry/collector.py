@@ -228,8 +228,9 @@ def step_timing(
     - blocked: the times when *every* replica was inside a collective (intersection of the
       lanes' unions): nothing the host observes can be computing then;
     - compute: the window minus blocked, plus the host update (``host_compute``);
-    - overlap: ``|comm ∩ compute|``, less ``stall_seconds`` (gathers that waited on an
-      NVMe read: that I/O was exposed), clamped at 0.
+    - overlap: ``|comm ∩ compute|``, less one replica's share of ``stall_seconds`` (the
+      pool's page waits, summed over the replicas' threads: I/O that computation did not
+      hide), clamped at 0.
 
     A lower bound of the true overlap: ops a replica runs alongside its own collective
     inside the graph are not seen (the sampled profiler steps see them).
@@ -239,7 +240,8 @@ def step_timing(
         lanes: per replica, its collectives' intervals (any order, may be empty).
         io: NVMe I/O job intervals.
         host_compute: host optimizer update intervals.
-        stall_seconds: seconds gathers waited for pages (NaN: none known).
+        stall_seconds: seconds the pool waited for pages, summed over the replicas'
+            threads (NaN: none known).
 
     Returns:
         ``comm_seconds``, ``compute_seconds``, ``overlap_seconds`` (seconds) and
@@ -269,7 +271,8 @@ def step_timing(
     c = sum(e - s for s, e in comm)
     both = sum(e - s for s, e in _intersect_merged(comm, compute))
     if stall_seconds == stall_seconds and stall_seconds > 0:  # not NaN
-        both = max(0.0, both - stall_seconds)
+        # the pool sums its page waits over the replicas' threads: a replica's share
+        both = max(0.0, both - stall_seconds / max(1, len(unions)))
     return {
         "comm_seconds": c,
         "compute_seconds": sum(e - s for s, e in compute),
