@@ -30,7 +30,7 @@ from tensorboard.summary.writer.event_file_writer import EventFileWriter
 from tensorboard.util import tensor_util
 from werkzeug import test as werkzeug_test
 
-from tb_plugin import downsample, export, fast_read, metadata, plugin, reader, routing, tuning
+from tb_plugin import export, fast_read, metadata, plugin, reader, routing, tuning
 from tb_plugin.loader import MemoryHierarchyLoader, parse_bool_flag
 from tb_plugin.routes import runs as runs_routes
 from tb_plugin.routes import series as series_routes
@@ -572,28 +572,6 @@ def test_default_budget_thins_and_a_larger_budget_returns_every_step(spike_clien
     assert body["steps"] == list(range(SPIKE_STEPS)) and body["downsampled"] is False
 
 
-@pytest.mark.parametrize("budget", [2, 3, 10, 64, 999])
-def test_peak_keeping_indices_keeps_every_series_extremes(budget):
-    rng = np.random.default_rng(budget)
-    values = rng.normal(size=(5000, 3))  # [N, S]
-    values[::97, 2] = np.nan  # partly unmeasured
-    values[:, 1] = np.nan  # never measured: ignored
-    keep = peak_keeping_indices_checked(values, budget)
-    for s in (0, 2):
-        assert np.nanargmax(values[:, s]) in keep
-        assert np.nanargmin(values[:, s]) in keep
-    assert len(keep) <= max(budget, 2 * 2 + 2)
-    assert keep[0] == 0 and keep[-1] == 4999
-
-
-def peak_keeping_indices_checked(values: np.ndarray, budget: int) -> list[int]:
-    """Run peak_keeping_indices and check its indices are sorted, unique and in range."""
-    keep = downsample.peak_keeping_indices(values, budget).tolist()
-    assert keep == sorted(set(keep))
-    assert all(0 <= i < len(values) for i in keep)
-    return keep
-
-
 # -- data the reader must refuse -----------------------------------------------------------
 
 
@@ -774,6 +752,24 @@ def test_tuning_lists_keys_bounds_and_values_in_effect(tuned):
     assert body["job_ended"] is None  # no post-mortem: the job may still run
     status, body = get_json(client, "/tuning", run="nope")
     assert status == 404
+
+
+def test_tuning_states_answers_every_named_run_in_one_request(tuned):
+    """The view's poll: one GET /tuning_states for all its runs, each run's answer equal
+    to its own GET /tuning; an unknown run gets its 404 inside, not the whole request."""
+    client, _run_dir = tuned
+    _status, single = get_json(client, "/tuning", run=TUNED_RUN)
+    response = client.get(
+        f"{PREFIX}/tuning_states?{urlencode([('run', TUNED_RUN), ('run', 'nope')])}"
+    )
+    assert response.status_code == 200
+    body = json.loads(response.get_data(as_text=True))
+    assert body["runs"][TUNED_RUN] == single
+    assert body["runs"]["nope"]["error"]["code"] == 404
+    status, every = get_json(client, "/tuning_states")
+    assert status == 200 and every == {"runs": {TUNED_RUN: single}}
+    too_many = urlencode([("run", "r")] * 1001)
+    assert client.get(f"{PREFIX}/tuning_states?{too_many}").status_code == 400
 
 
 def test_tune_writes_a_versioned_request_and_tuning_follows_the_runtime(tuned):

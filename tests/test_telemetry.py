@@ -180,3 +180,36 @@ def test_paging_step_records_exact_counts_and_bytes(tmp_path):
     assert last.collectives["reduce_scatter_bytes"] == 0
     assert (last.stage, last.fallback_mirrored, last.config_version) == (1, False, 0)
     strategy.close()
+
+
+def test_headline_scalars_sum_the_measured_directions_and_drop_nan():
+    """Page-in = h2d + n2h, page-out = d2h + h2n (measured directions only), hit rate =
+    hits / (hits + misses); not-measured figures are left out, not written as 0."""
+    from tb_plugin import metadata
+
+    nan = float("nan")
+    got = metadata.headline_scalars(
+        {"device": {"used_bytes": 3e6, "peak_bytes": 5e6}, "nvme": {"used_bytes": nan}},
+        {
+            "h2d_bytes": 4096.0,
+            "n2h_bytes": 8192.0,
+            "d2h_bytes": 1024.0,
+            "h2n_bytes": nan,
+            "prefetch_hits": 3.0,
+            "prefetch_misses": 1.0,
+            "stall_seconds": 0.25,
+        },
+        {"step_seconds": 0.5, "overlap_ratio": nan, "stall_seconds": 0.25},
+    )
+    assert got == {
+        "zero/device/used_bytes": 3e6,
+        "zero/device/peak_bytes": 5e6,
+        "zero/pages/in_bytes": 12288.0,
+        "zero/pages/out_bytes": 1024.0,
+        "zero/pages/prefetch_hit_rate": 0.75,
+        "zero/timing/stall_seconds": 0.25,
+        "zero/timing/step_seconds": 0.5,
+    }
+    assert set(got) <= set(metadata.SCALAR_TAGS)
+    none = metadata.headline_scalars({}, {"prefetch_hits": 0.0, "prefetch_misses": 0.0}, {})
+    assert none == {}  # no prefetch at all: no hit rate

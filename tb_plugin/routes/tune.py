@@ -229,6 +229,58 @@ def tuning_route(
     return routing.respond_json(request, tuning_impl(reader, access, ctx, experiment, run))
 
 
+MAX_TUNING_RUNS = 1000  # runs one GET /tuning_states may name
+
+
+def tuning_states_impl(
+    reader: Reader, access: TuningAccess, ctx: Any, experiment: str, runs: list[str] | None
+) -> dict[str, Any]:
+    """Every named run's :func:`tuning_impl` answer in one (the view's poll).
+
+    Args:
+        reader: the plugin's reader.
+        access: whether this TensorBoard may write requests.
+        ctx: the request context.
+        experiment: the experiment id.
+        runs: the runs to answer for; None = every run with memory_hierarchy data.
+
+    Returns:
+        ``{"runs": {run: tuning_impl answer, or {"error": {"code", "message"}} for a run
+        that cannot be answered (404: not a run of this logdir)}}``.
+    """
+    if runs is None:
+        runs = sorted(reader.listing(ctx, experiment))
+    out: dict[str, Any] = {}
+    for run in runs:
+        try:
+            out[run] = tuning_impl(reader, access, ctx, experiment, run)
+        except errors.PublicError as exc:
+            out[run] = {"error": {"code": exc.http_code, "message": str(exc)}}
+    return {"runs": out}
+
+
+@wrappers.Request.application
+@routing.json_errors
+def tuning_states_route(
+    reader: Reader, access: TuningAccess, request: wrappers.Request
+) -> wrappers.Response:
+    """GET /tuning_states[?run=A&run=B...]: see :func:`tuning_states_impl` (no ``run``:
+    every run)."""
+    names = request.args.getlist("run")
+    if len(names) > MAX_TUNING_RUNS:
+        raise errors.InvalidArgumentError(
+            f"at most {MAX_TUNING_RUNS} 'run' parameters, got {len(names)}"
+        )
+    for name in names:
+        if not name or len(name) > routing.MAX_QUERY_VALUE_CHARS:
+            raise errors.InvalidArgumentError(
+                f"each 'run' must be 1 to {routing.MAX_QUERY_VALUE_CHARS} characters"
+            )
+    ctx, experiment = routing.scope(request)
+    body = tuning_states_impl(reader, access, ctx, experiment, names or None)
+    return routing.respond_json(request, body)
+
+
 def tune_impl(
     reader: Reader,
     access: TuningAccess,
