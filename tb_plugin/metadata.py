@@ -87,6 +87,10 @@ TIMING_COLUMNS = (
     "traced",  # 1 when the step traced (compiled) its step function: step 0, a retrace
 )
 
+# Widths an older writer used for a vector tag: such a vector is read with the columns
+# added since as NaN (not measured). TIMING_COLUMNS had 6 before io_seconds and traced.
+LEGACY_WIDTHS: dict[str, tuple[int, ...]] = {"memory_hierarchy/timing": (6,)}
+
 # Columns of the per-step collective vector: bytes each collective kind's input buffers
 # hold per optimizer step (summed over the local replicas), then calls per kind.
 COLLECTIVE_COLUMNS = (
