@@ -83,7 +83,13 @@ TIMING_COLUMNS = (
     "overlap_seconds",
     "stall_seconds",
     "overlap_ratio",  # overlap_seconds / comm_seconds; NaN when comm_seconds == 0
+    "io_seconds",  # NVMe page I/O the runtime drove during the step (union of its jobs)
+    "traced",  # 1 when the step traced (compiled) its step function: step 0, a retrace
 )
+
+# Widths an older writer used for a vector tag: such a vector is read with the columns
+# added since as NaN (not measured). TIMING_COLUMNS had 6 before io_seconds and traced.
+LEGACY_WIDTHS: dict[str, tuple[int, ...]] = {"memory_hierarchy/timing": (6,)}
 
 # Columns of the per-step collective vector: bytes each collective kind's input buffers
 # hold per optimizer step (summed over the local replicas), then calls per kind.
@@ -205,7 +211,10 @@ LAYOUTS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...]]
         KIND_VECTOR,
         (),
         TIMING_COLUMNS,
-        tuple("ratio" if c.endswith("ratio") else "seconds" for c in TIMING_COLUMNS),
+        tuple(
+            "ratio" if c.endswith("ratio") else "flag" if c == "traced" else "seconds"
+            for c in TIMING_COLUMNS
+        ),
     ),
     TAG_RUN_INFO: (KIND_JSON, (), (), ()),
     TAG_PLACEMENT: (KIND_JSON, (), (), ()),

@@ -309,6 +309,9 @@ class Reader:
         cells = np.empty((len(data), width), dtype=np.float64)  # [N, rows*columns]
         for i, datum in enumerate(data):
             array = np.asarray(datum.numpy, dtype=np.float64)
+            if array.ndim == 1 and array.size in metadata.LEGACY_WIDTHS.get(tag, ()):
+                # an older writer's vector: the columns added since are not measured
+                array = np.concatenate([array, np.full(layout.shape[0] - array.size, np.nan)])
             if array.shape != layout.shape:
                 raise DataContractError(
                     f"run {run!r}, tag {tag!r}, step {datum.step}: tensor shape "

@@ -257,6 +257,46 @@ def test_one_deadline_spans_a_replicas_collectives_with_two_callbacks(strategy):
     np.testing.assert_allclose(got, np.tile(data.sum(axis=0) * (runs - 1), n), rtol=1e-6)
 
 
+def test_guarded_collectives_hand_their_intervals_to_listeners_per_device(strategy):
+    """Issue #19 item 2: each guarded collective's arm -> disarm reaches the interval
+    listeners as (replica device, start, end) inside the step's wall time; a listener
+    that is a bound method is held weakly."""
+    group = comm.CollectiveGroup.create(strategy.extended.worker_devices, "all_to_all")
+    n = strategy.num_replicas_in_sync
+    data = _inputs(n)
+
+    @tf.function
+    def step():
+        def replica_fn():
+            ctx = tf.distribute.get_replica_context()
+            flat = tf.gather(tf.constant(data), ctx.replica_id_in_sync_group)
+            return comm.reduce_scatter_sum_flat(flat, group)  # 1 raw collective
+
+        return strategy.run(replica_fn)
+
+    class Sink:
+        def __init__(self):
+            self.seen = []
+
+        def record(self, lane, start, end):
+            self.seen.append((lane, start, end))
+
+    step()  # trace
+    builds = comm.WATCHDOG.traced_builds
+    sink = Sink()
+    comm.WATCHDOG.add_interval_listener(sink.record)
+    t0 = time.time()
+    step()
+    t1 = time.time()
+    assert comm.WATCHDOG.traced_builds == builds  # no retrace, no new guarded builds
+    lanes = sorted(lane for lane, _, _ in sink.seen)
+    assert lanes == sorted(strategy.extended.worker_devices), lanes  # one per replica
+    assert all(t0 <= s <= e <= t1 for _, s, e in sink.seen)
+    del sink  # weakly held: no longer called, nothing to remove
+    step()
+    comm.WATCHDOG.remove_interval_listener(lambda *a: None)  # unknown: ignored
+
+
 def test_watchdog_aborts_once_when_a_deadline_passes():
     """The watchdog's own thread: one deadline due calls ``abort`` once with a message
     naming the collective and the timeout; disarmed and replaced deadlines never fire."""

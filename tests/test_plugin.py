@@ -203,7 +203,13 @@ def test_series_timing_keeps_unmeasured_parts_null(client):
     assert status == 200
     assert body["values"]["overlap_ratio"] == [0.75] * len(steps)
     assert body["values"]["compute_seconds"][10] == 0.06
-    assert body["units"][-1] == "ratio"
+    units = dict(zip(metadata.TIMING_COLUMNS, body["units"]))
+    assert (units["overlap_ratio"], units["traced"], units["io_seconds"]) == (
+        "ratio",
+        "flag",
+        "seconds",
+    )
+    assert body["values"]["traced"] == [1.0] + [0.0] * (len(steps) - 1)
     status, body = get_json(client, "/series", run=synthetic.RUN_HTML_NAME, tag=metadata.TAG_TIMING)
     assert status == 200
     assert body["values"]["step_seconds"] == [0.1 + 0.001 * s for s in steps]
@@ -726,6 +732,8 @@ def test_tuning_lists_keys_bounds_and_values_in_effect(tuned):
         "min": 64 * 1024,
         "max": 2**50,
         "description": "bytes the runtime may place on the device tier",
+        "takes_effect": "next step (budget check; stage 3: device tier capacity, pages move)",
+        "acts": True,
         "value": 512 * MIB,
         "recorded": True,
         "since_step": None,
@@ -735,9 +743,13 @@ def test_tuning_lists_keys_bounds_and_values_in_effect(tuned):
     assert (telemetry["unit"], telemetry["min"], telemetry["max"]) == ("steps", 1, 1_000_000)
     assert (telemetry["value"], telemetry["since_step"], telemetry["version"]) == (4, 3, 1)
     assert keys["host_budget_bytes"]["value"] is None  # unbounded as started
+    assert keys["persistence_threshold"]["takes_effect"].startswith("rebuild")
+    assert keys["persistence_threshold"]["acts"] is False  # part of stage 3's traced plan
+    assert keys["prefetch_bucket_size"]["acts"] is (STARTED.stage == 3)  # stage 3 + NVMe only
     assert body["config_version"] == 1
     assert body["request"]["state"] == "none"
     assert body["run_dir_error"] is None
+    assert body["job_ended"] is None  # no post-mortem: the job may still run
     status, body = get_json(client, "/tuning", run="nope")
     assert status == 404
 
@@ -1023,6 +1035,28 @@ def test_tune_over_a_malformed_ack_answers_a_json_conflict_and_writes_nothing(tu
     # The server is still up and the run still readable.
     status, view = get_json(client, "/tuning", run=TUNED_RUN)
     assert status == 200 and view["data_errors"]
+
+
+def test_a_job_that_ran_out_of_memory_is_not_offered_tuning(plugin_client, tmp_path):
+    """A run whose last record is its OOM post-mortem is dead: GET /tuning says so and
+    POST /tune answers 409 and writes nothing."""
+    logdir = tmp_path / "logs"
+    run_dir = write_tuned_run(logdir)
+    writer = SummaryWriter(run_dir)
+    writer.json(metadata.TAG_OOM, 5, {"summary": "Step 5 ran out of memory on the device tier"})
+    writer.close()
+    client = plugin_client(str(logdir), tuning=True)
+    status, body = get_json(client, "/tuning", run=TUNED_RUN)
+    assert status == 200
+    assert body["job_ended"] == {
+        "reason": "oom",
+        "step": 5,
+        "summary": "Step 5 ran out of memory on the device tier",
+    }
+    status, body = post_tune(client, {"updates": {"telemetry_every_n_steps": 3}})
+    assert status == 409, body
+    assert "out-of-memory failure at step 5" in body["error"]["message"]
+    assert not os.path.exists(os.path.join(run_dir, control.REQUEST_FILE))
 
 
 # -- DNS rebinding: POST /tune checks Host and Origin (issue #22 item 7) --------------------
