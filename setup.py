@@ -33,6 +33,7 @@ setup(
             "hypothesis>=6.100",
             "playwright>=1.45",
             "ruff>=0.5",
+            "tbparse>=0.0.9",
         ],
     },
     entry_points={

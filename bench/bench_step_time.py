@@ -1,16 +1,28 @@
 """Step time of ZeRO stages 1 and 2 vs MirroredStrategy on the same model and data.
 
 One process, 2 replicas (logical CPU devices on a CPU-only host). Each configuration
-trains the same Keras model (embedding + MLP, ~2.2M parameters) with Adam on the same
-data: one warm-up epoch (tracing), then ``--steps`` timed steps; the step time is the
-median of per-step wall times measured by a Keras callback. Ratios are each
-configuration's median over MirroredStrategy's (stock Keras Adam, given dense
-gradients as the parity references are). Goals: stage 1 and stage 2 without offload
-<= 1.10; stage 2 with cpu offload <= 1.5.
+trains the same Keras model (embedding + MLP, ~2.1M parameters) with Adam on the same
+data. Every configuration's model is built and warmed up first (tracing); then the
+configurations are measured *interleaved*: ``--rounds`` rounds, each fitting every
+configuration for ``--steps`` steps (in alternating order), so load from other processes
+on a shared machine falls on all of them alike. A step's time is its wall time measured by
+a Keras callback (the first step of each fit call is dropped: it starts the iterator); a
+configuration's figure is the median over all its steps. Ratios are each configuration's
+median over MirroredStrategy's (stock Keras Adam, given dense gradients as the parity
+references are). Goals: stage 1 and stage 2 (with and without ``overlap_comm``) without
+offload <= 1.10, and stage 2 with overlap <= stage 2 without; stage 2 with cpu offload
+<= 1.5.
 
-Writes ``bench/results/step_time.json``.
+With the default ``reduce_bucket_size`` (5e8 elements) the model's gradients form one
+bucket, so ``overlap_comm`` has nothing to overlap: the two stage-2 graphs differ only by
+control dependencies, and their difference is measurement noise. The ``*_buckets``
+configurations use 4 buckets, where overlap can start a bucket's reduce-scatter during the
+backward pass.
 
-Usage: ``.venv/bin/python bench/bench_step_time.py [--steps N] [--batch B]``
+Writes ``bench/results/step_time.json`` (with the load average before and after: the
+machine may be shared).
+
+Usage: ``.venv/bin/python bench/bench_step_time.py [--rounds R] [--steps N] [--batch B]``
 """
 
 from __future__ import annotations
@@ -19,6 +31,10 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+# No sampled profiler traces: a trace a runtime starts at one of its step ends stays on
+# until its next step ends, i.e. over the other configurations' interleaved steps (the
+# sampled step itself, 1 in 50 by default, is outside the medians anyway).
+os.environ.setdefault("ZERO_RUNTIME_PROFILE_EVERY", "0")
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
@@ -50,12 +66,21 @@ CONFIGS = {
     "stage2": {"stage": 2, "offload_optimizer": "none"},
     "stage2_no_overlap": {"stage": 2, "offload_optimizer": "none", "overlap_comm": False},
     "stage2_cpu": {"stage": 2, "offload_optimizer": "cpu"},
+    "stage2_buckets": {"stage": 2, "offload_optimizer": "none", "reduce_bucket_size": 600_000},
+    "stage2_buckets_no_overlap": {
+        "stage": 2,
+        "offload_optimizer": "none",
+        "reduce_bucket_size": 600_000,
+        "overlap_comm": False,
+    },
 }
-GOALS = {"stage1": 1.10, "stage2": 1.10, "stage2_cpu": 1.5}
+GOALS = {"stage1": 1.10, "stage2": 1.10, "stage2_no_overlap": 1.10, "stage2_cpu": 1.5}
+#: (with overlap, without): the first's median step must not exceed the second's.
+OVERLAP_PAIRS = (("stage2", "stage2_no_overlap"), ("stage2_buckets", "stage2_buckets_no_overlap"))
 
 
 def build_model() -> keras.Model:
-    """Embedding (2000 x 64) + 3 dense layers of 768: about 2.2M float32 parameters."""
+    """Embedding (2000 x 64) + 4 dense layers (3 of 768): about 2.1M float32 parameters."""
     keras.utils.set_random_seed(0)
     return keras.Sequential(
         [
@@ -84,12 +109,15 @@ class _StepTimer(keras.callbacks.Callback):
         self.times.append(time.perf_counter() - self._t)
 
 
-def time_config(strategy, make_optimizer, steps: int, batch: int) -> list[float]:
-    """Per-step seconds of ``steps`` steps after a warm-up epoch."""
+def _data(steps: int, batch: int) -> tf.data.Dataset:
     rng = np.random.RandomState(0)
     x = rng.randint(0, VOCAB, size=(steps * batch, SEQ)).astype("int32")
     y = (x.sum(axis=1) % 10).astype("int32")
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).prefetch(2)
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).prefetch(2)
+
+
+def build_trained(strategy, make_optimizer, ds: tf.data.Dataset) -> keras.Model:
+    """The bench model compiled under ``strategy`` and warmed up (traced) on 3 steps."""
     with strategy.scope():
         model = build_model()
         model.compile(
@@ -97,49 +125,71 @@ def time_config(strategy, make_optimizer, steps: int, batch: int) -> list[float]
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
     model.fit(ds.take(3), verbose=0)  # trace + warm up
+    return model
+
+
+def time_steps(model: keras.Model, ds: tf.data.Dataset) -> list[float]:
+    """Per-step seconds of one fit over ``ds``, without its first step."""
     timer = _StepTimer()
     model.fit(ds, verbose=0, callbacks=[timer])
-    return timer.times
+    return timer.times[1:]
 
 
 def main() -> None:
-    """Run every configuration and write the results file."""
+    """Build every configuration, measure them interleaved and write the results file."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=9, help="steps per configuration per round")
     ap.add_argument("--batch", type=int, default=64)
     args = ap.parse_args()
+    load_before = os.getloadavg()
+    ds = _data(args.steps, args.batch)
     mirrored = tf.distribute.MirroredStrategy(list(DEVICES.devices))
-    medians = {}
-    times = {}
-    times["mirrored"] = time_config(mirrored, lambda: DenseGradAdam(1e-3), args.steps, args.batch)
+    models = {"mirrored": build_trained(mirrored, lambda: DenseGradAdam(1e-3), ds)}
+    strategies = []
     for name, cfg in CONFIGS.items():
         strategy = zero_runtime.ZeroInfinityStrategy(cfg)
-        times[name] = time_config(
-            strategy, lambda: keras.optimizers.get("adam"), args.steps, args.batch
-        )
+        strategies.append(strategy)
+        models[name] = build_trained(strategy, lambda: keras.optimizers.get("adam"), ds)
+    names = list(models)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    mirrored_halves: list[list[float]] = [[], []]
+    for r in range(args.rounds):
+        for name in names if r % 2 == 0 else reversed(names):
+            t = time_steps(models[name], ds)
+            times[name] += t
+            if name == "mirrored":
+                mirrored_halves[2 * r // args.rounds] += t
+    for strategy in strategies:
         strategy.close()
-    # A second Mirrored measurement at the end: the machine is shared, so the spread
-    # between the two is a noise estimate.
-    times["mirrored_again"] = time_config(
-        mirrored, lambda: DenseGradAdam(1e-3), args.steps, args.batch
-    )
-    for name, t in times.items():
-        medians[name] = statistics.median(t)
-    base = statistics.median(times["mirrored"] + times["mirrored_again"])
-    ratios = {k: v / base for k, v in medians.items() if not k.startswith("mirrored")}
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    base = medians["mirrored"]
+    ratios = {k: v / base for k, v in medians.items() if k != "mirrored"}
+    load_after = os.getloadavg()
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "nproc": os.cpu_count(),
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in load_after],
+        "note": (
+            "configurations measured interleaved in one process; a load average above "
+            "~1 means other processes shared the 2 cores during the run"
+        ),
         "replicas": len(DEVICES.devices),
         "devices": list(DEVICES.devices),
         "model_params": build_model().count_params(),
         "global_batch": args.batch,
-        "timed_steps": args.steps,
+        "rounds": args.rounds,
+        "steps_per_round": args.steps,
+        "timed_steps_per_config": len(times["mirrored"]),
         "median_step_seconds": medians,
         "mirrored_baseline_seconds": base,
+        # Noise estimate: Mirrored's median over the first and the second half of rounds.
+        "mirrored_half_medians": [statistics.median(h) for h in mirrored_halves if h],
         "ratios_vs_mirrored": ratios,
         "goals": GOALS,
         "goals_met": {k: ratios[k] <= g for k, g in GOALS.items()},
+        "overlap_not_slower": {f"{a}<={b}": medians[a] <= medians[b] for a, b in OVERLAP_PAIRS},
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")

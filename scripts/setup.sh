@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up zero-infinity-tf on a fresh machine; safe to run again (idempotent).
 #  - Debian's chromium for the browser tests (when missing; needs root or sudo),
-#  - a virtual environment in .venv with the package (editable) and its test extra,
+#  - a virtual environment in .venv with the package (editable) and its test extra
+#    (pytest, hypothesis, playwright, ruff, tbparse: setup.py),
 #  - the frontend built from frontend/ with npm into tb_plugin/static/.
 set -euo pipefail
 cd "$(dirname "$0")/.."

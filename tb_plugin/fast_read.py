@@ -17,6 +17,7 @@ the same either way (``tests/test_plugin.py`` checks the decoding against
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ class RawSeries:
     steps: np.ndarray  # [N] int64
     wall_times: np.ndarray  # [N] float64, seconds since the epoch
     cells: np.ndarray  # [N, prod(shape)] float64
+    skipped: int = 0  # points before these (step <= after_step), not decoded
 
 
 def decode_points(
@@ -82,8 +84,13 @@ def read_series(
     tag: str,
     downsample: int,
     shape: tuple[int, ...],
+    after_step: int = -1,
 ) -> RawSeries | None:
     """Read one float64 time series straight from a ``GrpcDataProvider``'s data server.
+
+    The server answers every stored point; only those with a step after ``after_step``
+    are decoded (the others are counted in ``skipped``), so a reader that already holds
+    the earlier steps decodes only the new ones.
 
     Args:
         data_provider: TensorBoard's data provider.
@@ -93,6 +100,7 @@ def read_series(
         tag: the tag.
         downsample: the most points to return (as ``read_tensors``'s ``downsample``).
         shape: the tensor shape of every point.
+        after_step: decode only the points with a larger step (default: all).
 
     Returns:
         The series, or None when the fast path does not apply (see the module docstring).
@@ -119,5 +127,8 @@ def read_series(
         for tag_entry in run_entry.tags:
             if tag_entry.tag_name == tag:
                 d = tag_entry.data
-                return decode_points(d.step, d.wall_time, d.value, shape)
+                steps = np.asarray(d.step, dtype=np.int64)
+                skip = int(np.searchsorted(steps, after_step, side="right"))
+                raw = decode_points(steps[skip:], d.wall_time[skip:], d.value[skip:], shape)
+                return None if raw is None else dataclasses.replace(raw, skipped=skip)
     return RawSeries(np.zeros(0, np.int64), np.zeros(0), np.zeros((0, int(np.prod(shape)))))

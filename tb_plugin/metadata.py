@@ -22,6 +22,7 @@ Tag names are stable; ``docs/events.md`` documents each with its units.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from tensorboard.compat.proto import summary_pb2
@@ -82,7 +83,13 @@ TIMING_COLUMNS = (
     "overlap_seconds",
     "stall_seconds",
     "overlap_ratio",  # overlap_seconds / comm_seconds; NaN when comm_seconds == 0
+    "io_seconds",  # NVMe page I/O the runtime drove during the step (union of its jobs)
+    "traced",  # 1 when the step traced (compiled) its step function: step 0, a retrace
 )
+
+# Widths an older writer used for a vector tag: such a vector is read with the columns
+# added since as NaN (not measured). TIMING_COLUMNS had 6 before io_seconds and traced.
+LEGACY_WIDTHS: dict[str, tuple[int, ...]] = {"memory_hierarchy/timing": (6,)}
 
 # Columns of the per-step collective vector: bytes each collective kind's input buffers
 # hold per optimizer step (summed over the local replicas), then calls per kind.
@@ -123,6 +130,66 @@ TAG_CHECKPOINT_RESTORE = "memory_hierarchy/checkpoint_restore"
 # The checkpoint tag a record with ``op`` (``"save"`` / ``"restore"``) is written under.
 CHECKPOINT_OP_TAGS = {"save": TAG_CHECKPOINT, "restore": TAG_CHECKPOINT_RESTORE}
 
+# --- standard TensorBoard scalars ---------------------------------------------------------
+# Headline figures, also written as plain scalars (plugin ``scalars``, float32, one value per
+# record) so TensorBoard's Scalars dashboard, tbparse and hparams tools read them without this
+# plugin. Tag -> unit. The figures are those of the tensors above (same step, same values);
+# a figure that was not measured (NaN) is not written at that step.
+SCALAR_PREFIX = "zero/"
+SCALAR_TAGS: dict[str, str] = {
+    **{f"{SCALAR_PREFIX}{tier}/used_bytes": "bytes" for tier in TIERS},
+    **{f"{SCALAR_PREFIX}{tier}/peak_bytes": "bytes" for tier in TIERS},
+    f"{SCALAR_PREFIX}pages/in_bytes": "bytes",  # h2d + n2h: moved towards the device
+    f"{SCALAR_PREFIX}pages/out_bytes": "bytes",  # d2h + h2n: moved away from the device
+    f"{SCALAR_PREFIX}pages/prefetch_hit_rate": "ratio",  # hits / (hits + misses)
+    f"{SCALAR_PREFIX}timing/stall_seconds": "seconds",
+    f"{SCALAR_PREFIX}timing/overlap_ratio": "ratio",
+    f"{SCALAR_PREFIX}timing/step_seconds": "seconds",
+}
+
+
+def headline_scalars(
+    tiers: dict[str, dict[str, float]], pages: dict[str, float], timing: dict[str, float]
+) -> dict[str, float]:
+    """The :data:`SCALAR_TAGS` figures of one record, from its tensors' columns.
+
+    Args:
+        tiers: tier name (:data:`TIERS`) -> :data:`TIER_COLUMNS` -> bytes.
+        pages: :data:`PAGE_COLUMNS` -> counts / bytes / seconds (missing = not measured);
+            page-in and page-out sum the directions that were measured.
+        timing: :data:`TIMING_COLUMNS` -> seconds / ratio (missing = not measured).
+
+    Returns:
+        scalar tag -> value in the unit of :data:`SCALAR_TAGS`; figures that are NaN
+        (not measured) or undefined (a hit rate without any prefetch) are left out.
+    """
+
+    def get(d: dict[str, float], key: str) -> float:
+        v = d.get(key)
+        return math.nan if v is None else float(v)
+
+    out: dict[str, float] = {}
+    for tier in TIERS:
+        cells = tiers.get(tier, {})
+        out[f"{SCALAR_PREFIX}{tier}/used_bytes"] = get(cells, "used_bytes")
+        out[f"{SCALAR_PREFIX}{tier}/peak_bytes"] = get(cells, "peak_bytes")
+
+    def total(*keys: str) -> float:  # NaN only when no direction was measured
+        measured = [v for v in (get(pages, k) for k in keys) if math.isfinite(v)]
+        return sum(measured) if measured else math.nan
+
+    out[f"{SCALAR_PREFIX}pages/in_bytes"] = total("h2d_bytes", "n2h_bytes")
+    out[f"{SCALAR_PREFIX}pages/out_bytes"] = total("d2h_bytes", "h2n_bytes")
+    hits, misses = get(pages, "prefetch_hits"), get(pages, "prefetch_misses")
+    out[f"{SCALAR_PREFIX}pages/prefetch_hit_rate"] = (
+        hits / (hits + misses) if hits + misses > 0 else math.nan
+    )
+    out[f"{SCALAR_PREFIX}timing/stall_seconds"] = get(timing, "stall_seconds")
+    out[f"{SCALAR_PREFIX}timing/overlap_ratio"] = get(timing, "overlap_ratio")
+    out[f"{SCALAR_PREFIX}timing/step_seconds"] = get(timing, "step_seconds")
+    return {tag: v for tag, v in out.items() if math.isfinite(v)}
+
+
 KIND_MATRIX = "matrix"
 KIND_VECTOR = "vector"
 KIND_JSON = "json"
@@ -144,7 +211,10 @@ LAYOUTS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...]]
         KIND_VECTOR,
         (),
         TIMING_COLUMNS,
-        tuple("ratio" if c.endswith("ratio") else "seconds" for c in TIMING_COLUMNS),
+        tuple(
+            "ratio" if c.endswith("ratio") else "flag" if c == "traced" else "seconds"
+            for c in TIMING_COLUMNS
+        ),
     ),
     TAG_RUN_INFO: (KIND_JSON, (), (), ()),
     TAG_PLACEMENT: (KIND_JSON, (), (), ()),

@@ -17,7 +17,7 @@ Keeping every step: TensorBoard samples summaries per plugin (100 steps with the
 server, 10 with the Python one) unless started with
 ``--samples_per_plugin=memory_hierarchy=0``, which keeps every step; the plugin then
 reads all stored steps and thins each ``/series`` answer itself
-(:func:`tb_plugin.downsample.peak_keeping_indices`), so a tier's peak stays visible.
+from precomputed min/max levels (:mod:`tb_plugin.levels`), so a tier's peak stays visible.
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
             "/series": functools.partial(series.series_route, reader, self.answers),
             "/json": functools.partial(records.json_route, reader),
             "/tuning": functools.partial(tune.tuning_route, reader, access),
+            "/tuning_states": functools.partial(tune.tuning_states_route, reader, access),
             "/tune": functools.partial(tune.tune_route, reader, access),
             "/oom": functools.partial(oom.oom_route, reader),
             "/checkpoints": functools.partial(checkpoints.checkpoints_route, reader),

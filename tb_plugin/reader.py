@@ -8,11 +8,15 @@ data server; :mod:`tb_plugin.fast_read` decodes its answers in bulk) and
 - the **listing** of every run's memory_hierarchy time series (metadata and
   ``max_step``), reused for :data:`LISTING_TTL_SECONDS` and then refreshed in the
   background while the old one is still answered (up to :data:`LISTING_STALE_SECONDS`);
-- the **decoded steps** of matrix and vector tags (:class:`SeriesData`) and the decoded
-  records of json tags, each in a :class:`tb_plugin.cache.CostLru` keyed by
+- the **decoded steps and min/max levels** of matrix and vector tags
+  (:class:`tb_plugin.levels.SeriesLevels`, one per ``(experiment, run, tag)`` in a
+  :class:`tb_plugin.levels.LevelStore`), brought up to the listing's ``max_step`` by
+  decoding only the new steps; every listing (each ``/runs`` poll) wakes a background
+  indexer that brings every run's series up to date as their steps load, so a chart
+  request is answered from memory at any point budget;
+- the decoded records of json tags, in a :class:`tb_plugin.cache.CostLru` keyed by
   ``(experiment, run, tag, max_step)``: ``max_step`` comes from the cheap listing, so a
-  live run's new steps are read on the next request and a quiet run is served from
-  memory;
+  live run's new records are read on the next request;
 - the way from a run name to its directory inside the logdir (:meth:`Reader.run_dir`,
   for live tuning).
 
@@ -23,10 +27,10 @@ Nothing here knows HTTP: errors are TensorBoard's typed errors (``NotFoundError`
 from __future__ import annotations
 
 import json
+import logging
 import math
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -36,12 +40,13 @@ from tensorboard.data import provider
 from tb_plugin import fast_read, metadata, tuning
 from tb_plugin.cache import CostLru
 from tb_plugin.layout import DataContractError, Layout, cached_layout
+from tb_plugin.levels import LevelStore, SeriesLevels
 
 # Steps asked of the data provider per time series; ``read_tensors`` caps its answer at
 # this many, so it is large: thinning is done by the routes, to their point budget.
 READ_DOWNSAMPLE = 1_000_000  # steps
 
-SERIES_CACHE_BYTES = 512 * 2**20  # bytes of decoded steps kept (all runs, all tags)
+SERIES_CACHE_BYTES = 1024 * 2**20  # bytes of decoded steps + levels kept (all runs, tags)
 RECORDS_CACHE_BYTES = 64 * 2**20  # bytes of decoded json records kept (all runs, all tags)
 # How long a listing of every run's tags (with max_step) is reused, seconds. The Rust data
 # server's ListTensors scans every stored point for max_step (about 0.4 s for 10 runs of
@@ -53,22 +58,15 @@ LISTING_TTL_SECONDS = 2.0
 # /runs never waits for the scan; older than this, the request lists and waits. Seconds.
 LISTING_STALE_SECONDS = 60.0
 
+# The background indexer runs at most once per this many seconds (TensorBoard reloads
+# the logdir every 5 s by default); each run re-reads only the series that grew.
+INDEX_INTERVAL_SECONDS = 5.0
+# Tags the indexer brings up to date first: what the view's first paint draws.
+INDEX_ORDER = (metadata.TAG_TIERS, metadata.TAG_READINGS, metadata.TAG_PAGES, metadata.TAG_TIMING)
+
+logger = logging.getLogger(__name__)
+
 Listing = dict[str, dict[str, Any]]  # run -> tag -> provider.TensorTimeSeries
-
-
-@dataclass(frozen=True)
-class SeriesData:
-    """Every stored step of one matrix or vector tag, decoded (a cache entry)."""
-
-    layout: Layout
-    steps: np.ndarray  # [N] int64
-    wall_times: np.ndarray  # [N] float64, seconds since the epoch
-    cells: np.ndarray  # [N, rows*columns] float64, NaN = not measured
-
-    @property
-    def nbytes(self) -> int:
-        """Memory held by the arrays, bytes."""
-        return int(self.steps.nbytes + self.wall_times.nbytes + self.cells.nbytes)
 
 
 class Reader:
@@ -78,8 +76,10 @@ class Reader:
         data_provider: TensorBoard's data provider.
         logdir: TensorBoard's ``--logdir`` ("" when there is none, e.g. ``--logdir_spec``);
             only :meth:`run_dir` uses it.
-        series_cache_bytes: budget of the decoded-steps cache (bytes).
+        series_cache_bytes: budget of the decoded steps and their levels (bytes).
         records_cache_bytes: budget of the decoded json-records cache (bytes).
+        index_in_background: when True (default), each new listing wakes a background
+            thread that brings every series' levels up to date (see the module docstring).
 
     Thread-safe: TensorBoard serves requests from a thread pool.
     """
@@ -90,14 +90,18 @@ class Reader:
         logdir: str = "",
         series_cache_bytes: int = SERIES_CACHE_BYTES,
         records_cache_bytes: int = RECORDS_CACHE_BYTES,
+        index_in_background: bool = True,
     ) -> None:
         self._data_provider = data_provider
         self.logdir = logdir
-        self._series_cache: CostLru[SeriesData] = CostLru(series_cache_bytes)
+        self._levels = LevelStore(series_cache_bytes)
         self._records_cache: CostLru[list[dict[str, Any]]] = CostLru(records_cache_bytes)
         self._listing_lock = threading.Lock()
         self._listings: dict[str, tuple[float, Listing]] = {}  # experiment -> (time, listing)
         self._listing_refreshes: set[str] = set()  # experiments being listed in background
+        self._indexing = False  # the background indexer is running
+        self._indexed_at = -math.inf  # time.monotonic() when it last finished
+        self.index_in_background = index_in_background
 
     # -- the listing ----------------------------------------------------------------------
     def listing(self, ctx: Any, experiment: str) -> Listing:
@@ -131,10 +135,55 @@ class Reader:
             )
             with self._listing_lock:
                 self._listings[experiment] = (time.monotonic(), listing)
+            self._kick_indexer(ctx, experiment, listing)
             return listing
         finally:
             with self._listing_lock:
                 self._listing_refreshes.discard(experiment)
+
+    # -- the background indexer ------------------------------------------------------------
+    def _kick_indexer(self, ctx: Any, experiment: str, listing: Listing) -> None:
+        """Start the background indexer over ``listing`` unless it is running or ran less
+        than INDEX_INTERVAL_SECONDS ago (or indexing is off)."""
+        if not self.index_in_background:
+            return
+        with self._listing_lock:
+            now = time.monotonic()
+            if self._indexing or now - self._indexed_at < INDEX_INTERVAL_SECONDS:
+                return
+            self._indexing = True
+        threading.Thread(
+            target=self._index,
+            args=(ctx, experiment, listing),
+            name="memory_hierarchy-indexer",
+            daemon=True,
+        ).start()
+
+    def _index(self, ctx: Any, experiment: str, listing: Listing) -> None:
+        """Bring every matrix and vector series of the listing up to its max_step, the
+        tags the view draws first before the others, the most recent runs first."""
+        try:
+            order = {tag: i for i, tag in enumerate(INDEX_ORDER)}
+            latest = {
+                run: max((s.max_wall_time for s in tags.values()), default=0.0)
+                for run, tags in listing.items()
+            }
+            jobs = sorted(
+                ((run, tag) for run, tags in listing.items() for tag in tags),
+                key=lambda rt: (order.get(rt[1], len(order)), -latest[rt[0]], rt[0]),
+            )
+            for run, tag in jobs:
+                series = listing[run][tag]
+                try:
+                    if cached_layout(series.plugin_content, run, tag).kind == metadata.KIND_JSON:
+                        continue
+                    self.series_levels(ctx, experiment, run, tag)
+                except Exception as exc:  # noqa: BLE001 - a request reports it; go on
+                    logger.debug("indexing %r/%r failed: %s", run, tag, exc)
+        finally:
+            with self._listing_lock:
+                self._indexing = False
+                self._indexed_at = time.monotonic()
 
     def require_run(self, ctx: Any, experiment: str, run: str) -> dict[str, Any]:
         """The run's tags (tag -> time series) from the listing.
@@ -160,8 +209,11 @@ class Reader:
         return cached_layout(series.plugin_content, run, tag), int(series.max_step)
 
     # -- matrix and vector tags -------------------------------------------------------------
-    def series_data(self, ctx: Any, experiment: str, run: str, tag: str) -> SeriesData:
-        """Every stored step of a matrix or vector tag, from the cache when unchanged.
+    def series_levels(self, ctx: Any, experiment: str, run: str, tag: str) -> SeriesLevels:
+        """Every stored step of a matrix or vector tag, with its min/max levels, brought
+        up to the listing's ``max_step`` (only the new steps are decoded and folded in).
+
+        Hold the returned object's ``lock`` while reading it with more than one call.
 
         Raises:
             NotFoundError: no such run or tag.
@@ -171,12 +223,70 @@ class Reader:
         layout, max_step = self.layout(ctx, experiment, run, tag)
         if layout.kind == metadata.KIND_JSON:
             raise errors.InvalidArgumentError(f"tag {tag!r} is a json tag; read it from /json")
+        key = (experiment, run, tag)
+        levels = self._levels.get(key)
+        if levels is None or levels.layout != layout:
+            levels = self._levels.setdefault(key, SeriesLevels(layout))
+        if levels.last_step < max_step:
+            with levels.lock:
+                if levels.last_step < max_step:  # not brought up to date meanwhile
+                    levels = self._extend(ctx, experiment, run, tag, levels)
+        return levels
 
-        def compute() -> tuple[SeriesData, int]:
-            data = self._decode_series(ctx, experiment, run, tag, layout)
-            return data, data.nbytes
+    def levels_step(self, experiment: str, run: str, tag: str) -> int | None:
+        """The last step the series' levels hold now (no read), or None if never read."""
+        levels = self._levels.get((experiment, run, tag))
+        return None if levels is None else levels.last_step
 
-        return self._series_cache.get_or_compute((experiment, run, tag, max_step), compute)
+    def _extend(
+        self, ctx: Any, experiment: str, run: str, tag: str, levels: SeriesLevels
+    ) -> SeriesLevels:
+        """Read the series and fold the steps after ``levels.last_step`` into ``levels``
+        (called with its lock held). If the stored steps before it changed (a restarted
+        run's steps replaced), a new SeriesLevels is built from every step instead."""
+        layout, after = levels.layout, levels.last_step
+        fast = fast_read.read_series(
+            self._data_provider,
+            experiment,
+            metadata.PLUGIN_NAME,
+            run,
+            tag,
+            READ_DOWNSAMPLE,
+            layout.shape,
+            after_step=after,
+        )
+        if fast is not None:
+            skipped, new = fast.skipped, (fast.steps, fast.wall_times, fast.cells)
+        else:
+            skipped, new = self._decode_after(ctx, experiment, run, tag, layout, after)
+        if skipped != levels.n:  # earlier steps changed: start again from every step
+            fresh = SeriesLevels(layout)
+            with fresh.lock:
+                _skipped, everything = (
+                    self._decode_after(ctx, experiment, run, tag, layout, -1)
+                    if fast is None
+                    else self._fast_all(experiment, run, tag, layout)
+                )
+                fresh.append(*everything)
+            self._levels.put((experiment, run, tag), fresh)
+            return fresh
+        levels.append(*new)
+        self._levels.touch((experiment, run, tag))
+        return levels
+
+    def _fast_all(self, experiment: str, run: str, tag: str, layout: Layout):  # noqa: ANN202
+        raw = fast_read.read_series(
+            self._data_provider,
+            experiment,
+            metadata.PLUGIN_NAME,
+            run,
+            tag,
+            READ_DOWNSAMPLE,
+            layout.shape,
+        )
+        if raw is None:  # the fast path stopped applying: the public one
+            return self._decode_after(None, experiment, run, tag, layout, -1)
+        return 0, (raw.steps, raw.wall_times, raw.cells)
 
     def _read(self, ctx: Any, experiment: str, run: str, tag: str) -> list[provider.TensorDatum]:
         data = self._data_provider.read_tensors(
@@ -188,26 +298,20 @@ class Reader:
         )
         return data.get(run, {}).get(tag, [])
 
-    def _decode_series(
-        self, ctx: Any, experiment: str, run: str, tag: str, layout: Layout
-    ) -> SeriesData:
-        """Read and decode every stored step of a matrix or vector tag."""
-        fast = fast_read.read_series(
-            self._data_provider,
-            experiment,
-            metadata.PLUGIN_NAME,
-            run,
-            tag,
-            READ_DOWNSAMPLE,
-            layout.shape,
-        )
-        if fast is not None:
-            return SeriesData(layout, fast.steps, fast.wall_times, fast.cells)
-        data = self._read(ctx, experiment, run, tag)
+    def _decode_after(
+        self, ctx: Any, experiment: str, run: str, tag: str, layout: Layout, after: int
+    ) -> tuple[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """(points at or before step ``after``, (steps, wall times, cells) of the points
+        after it) through the public ``read_tensors``."""
+        everything = self._read(ctx, experiment, run, tag)
+        data = [d for d in everything if d.step > after]
         width = int(np.prod(layout.shape))
         cells = np.empty((len(data), width), dtype=np.float64)  # [N, rows*columns]
         for i, datum in enumerate(data):
             array = np.asarray(datum.numpy, dtype=np.float64)
+            if array.ndim == 1 and array.size in metadata.LEGACY_WIDTHS.get(tag, ()):
+                # an older writer's vector: the columns added since are not measured
+                array = np.concatenate([array, np.full(layout.shape[0] - array.size, np.nan)])
             if array.shape != layout.shape:
                 raise DataContractError(
                     f"run {run!r}, tag {tag!r}, step {datum.step}: tensor shape "
@@ -216,7 +320,7 @@ class Reader:
             cells[i] = array.ravel()
         steps = np.fromiter((d.step for d in data), dtype=np.int64, count=len(data))
         walls = np.fromiter((d.wall_time for d in data), dtype=np.float64, count=len(data))
-        return SeriesData(layout, steps, walls, cells)
+        return len(everything) - len(data), (steps, walls, cells)
 
     # -- json tags -------------------------------------------------------------------------
     def records(self, ctx: Any, experiment: str, run: str, tag: str) -> list[dict[str, Any]]:

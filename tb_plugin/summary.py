@@ -24,6 +24,7 @@ from tensorboard.compat.proto import (
     tensor_shape_pb2,
     types_pb2,
 )
+from tensorboard.plugins.scalar import metadata as scalar_metadata
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 from tensorboard.util import tensor_util
 
@@ -52,24 +53,40 @@ class SummaryWriter:
         )
         self._lock = threading.Lock()
         self._closed = False
+        self._tags_written: set[str] = set()  # tags whose metadata is in the file already
 
     # -- low level -----------------------------------------------------------------------
     def _write(self, tag: str, step: int, tensor: np.ndarray, wall_time: float | None) -> None:
+        self._write_values([self._value(tag, tensor)], step, wall_time)
+
+    def _value(self, tag: str, tensor: np.ndarray) -> summary_pb2.Summary.Value:
+        value = summary_pb2.Summary.Value(tag=tag, tensor=_tensor_proto(tensor))
+        self._with_metadata(value, _metadata)
+        return value
+
+    def _with_metadata(self, value: summary_pb2.Summary.Value, make) -> None:  # noqa: ANN001
+        """Metadata on a tag's first value in this file only, as ``tf.summary`` writes it:
+        TensorBoard's readers (the Rust data server, the Python multiplexer through
+        ``dataclass_compat``) take a time series' metadata from its first value, and half
+        of a record's bytes are metadata."""
+        if value.tag not in self._tags_written:  # marked written by _write_values
+            value.metadata.CopyFrom(make(value.tag))
+
+    def _write_values(
+        self, values: list[summary_pb2.Summary.Value], step: int, wall_time: float | None
+    ) -> None:
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        value = summary_pb2.Summary.Value(tag=tag, tensor=_tensor_proto(tensor))
-        # Metadata on every value (cached per tag): the Rust data server and the Python
-        # multiplexer both accept it, and every value is self-describing.
-        value.metadata.CopyFrom(_metadata(tag))
         event = event_pb2.Event(
             wall_time=time.time() if wall_time is None else wall_time,
             step=int(step),
-            summary=summary_pb2.Summary(value=[value]),
+            summary=summary_pb2.Summary(value=values),
         )
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"SummaryWriter for {self.logdir!r} is closed")
             self._writer.add_event(event)
+            self._tags_written.update(v.tag for v in values if v.HasField("metadata"))
 
     def vector(
         self, tag: str, step: int, values: Mapping[str, float], wall_time: float | None = None
@@ -86,6 +103,9 @@ class SummaryWriter:
         Raises:
             ValueError: unknown column names, or the tag is not a vector tag.
         """
+        self._write_values([self._vector_value(tag, values)], step, wall_time)
+
+    def _vector_value(self, tag: str, values: Mapping[str, float]) -> summary_pb2.Summary.Value:
         kind, _rows, columns, _units = metadata.LAYOUTS[tag]
         if kind != metadata.KIND_VECTOR:
             raise ValueError(f"tag {tag!r} is a {kind} tag, not a vector tag")
@@ -93,7 +113,7 @@ class SummaryWriter:
         if unknown:
             raise ValueError(f"unknown columns {sorted(unknown)} for {tag!r}; known: {columns}")
         arr = np.array([_num(values.get(c)) for c in columns], dtype=np.float64)
-        self._write(tag, step, arr, wall_time)
+        return self._value(tag, arr)
 
     def matrix(
         self,
@@ -113,6 +133,11 @@ class SummaryWriter:
         Raises:
             ValueError: unknown row or column names, or the tag is not a matrix tag.
         """
+        self._write_values([self._matrix_value(tag, rows)], step, wall_time)
+
+    def _matrix_value(
+        self, tag: str, rows: Mapping[str, Mapping[str, float]]
+    ) -> summary_pb2.Summary.Value:
         kind, row_names, columns, _units = metadata.LAYOUTS[tag]
         if kind != metadata.KIND_MATRIX:
             raise ValueError(f"tag {tag!r} is a {kind} tag, not a matrix tag")
@@ -127,7 +152,37 @@ class SummaryWriter:
                 raise ValueError(f"unknown columns {sorted(unknown)} for {tag!r}; known: {columns}")
             for j, c in enumerate(columns):
                 arr[i, j] = _num(cells.get(c))
-        self._write(tag, step, arr, wall_time)
+        return self._value(tag, arr)
+
+    def record(
+        self,
+        step: int,
+        *,
+        matrices: Mapping[str, Mapping[str, Mapping[str, float]]] = {},  # noqa: B006
+        vectors: Mapping[str, Mapping[str, float]] = {},  # noqa: B006
+        scalars: Mapping[str, float] = {},  # noqa: B006
+        wall_time: float | None = None,
+    ) -> None:
+        """Write one step's matrix, vector and scalar tags as ONE event (one record in
+        the file instead of one per tag: less framing, fewer CRCs and queue hand-overs).
+        Readers see exactly what :meth:`matrix`, :meth:`vector` and :meth:`scalars` would
+        have written at that step.
+
+        Args:
+            step: the training step (int >= 0).
+            matrices: matrix tag -> rows (as :meth:`matrix`).
+            vectors: vector tag -> values (as :meth:`vector`).
+            scalars: scalar tag -> finite value (as :meth:`scalars`).
+            wall_time: seconds since the epoch (default: now).
+
+        Raises:
+            ValueError: as :meth:`matrix`, :meth:`vector` and :meth:`scalars`.
+        """
+        values = [self._matrix_value(tag, rows) for tag, rows in matrices.items()]
+        values += [self._vector_value(tag, v) for tag, v in vectors.items()]
+        values += self._scalar_values(scalars)
+        if values:
+            self._write_values(values, step, wall_time)
 
     def json(
         self, tag: str, step: int, obj: Mapping[str, Any], wall_time: float | None = None
@@ -150,6 +205,44 @@ class SummaryWriter:
         text = json.dumps(_finite(obj), allow_nan=False, sort_keys=True)
         self._write(tag, step, np.array(text.encode("utf-8"), dtype=object), wall_time)
 
+    def scalars(
+        self, step: int, values: Mapping[str, float], wall_time: float | None = None
+    ) -> None:
+        """Write standard TensorBoard scalars (what ``tf.summary.scalar`` writes: plugin
+        ``scalars``, ``DATA_CLASS_SCALAR``, a float32 scalar tensor), in one event; the
+        summary metadata goes with each tag's first value in the file.
+
+        Args:
+            step: the training step (int >= 0).
+            values: tag (one of :data:`tb_plugin.metadata.SCALAR_TAGS`) -> finite value.
+            wall_time: seconds since the epoch (default: now).
+
+        Raises:
+            ValueError: an unknown tag or a non-finite value.
+        """
+        protos = self._scalar_values(values)
+        if protos:
+            self._write_values(protos, step, wall_time)
+
+    def _scalar_values(self, values: Mapping[str, float]) -> list[summary_pb2.Summary.Value]:
+        protos = []
+        for tag, v in values.items():
+            if tag not in metadata.SCALAR_TAGS:
+                raise ValueError(
+                    f"unknown scalar tag {tag!r}; known: {sorted(metadata.SCALAR_TAGS)}"
+                )
+            if not math.isfinite(v):
+                raise ValueError(f"scalar {tag!r} must be finite, got {v!r}")
+            value = summary_pb2.Summary.Value(
+                tag=tag,
+                tensor=tensor_pb2.TensorProto(
+                    dtype=types_pb2.DT_FLOAT, float_val=[v], tensor_shape={}
+                ),
+            )
+            self._with_metadata(value, _scalar_metadata)
+            protos.append(value)
+        return protos
+
     def flush(self) -> None:
         """Write everything queued to disk (blocks until written)."""
         with self._lock:
@@ -162,6 +255,13 @@ class SummaryWriter:
             if not self._closed:
                 self._writer.close()
                 self._closed = True
+
+
+@functools.cache
+def _scalar_metadata(tag: str) -> summary_pb2.SummaryMetadata:
+    return scalar_metadata.create_summary_metadata(
+        display_name=tag, description=f"unit: {metadata.SCALAR_TAGS[tag]}"
+    )
 
 
 @functools.cache

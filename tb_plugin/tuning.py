@@ -65,8 +65,9 @@ def tunable_keys() -> list[dict[str, Any]]:
     """The keys that may be tuned live, from ``zero_runtime.config.TUNABLE_KEYS``.
 
     Returns:
-        ``[{"key", "unit", "min", "max", "description"}]`` in declaration order; ``min``
-        and ``max`` are inclusive ints in ``unit`` (bytes, elements or steps).
+        ``[{"key", "unit", "min", "max", "description", "takes_effect"}]`` in declaration
+        order; ``min`` and ``max`` are inclusive ints in ``unit`` (bytes, elements or
+        steps); ``takes_effect`` says when an applied change acts on the running job.
     """
     return [
         {
@@ -75,6 +76,7 @@ def tunable_keys() -> list[dict[str, Any]]:
             "min": t.minimum,
             "max": t.maximum,
             "description": t.description,
+            "takes_effect": t.takes_effect,
         }
         for t in TUNABLE_KEYS.values()
     ]

@@ -301,15 +301,31 @@ def test_step_time_view_names_unmeasured_parts(views_page):
     assert metrics["stall_seconds"]["text"] == "2 ms"
     assert metrics["step_seconds"]["text"] == "149 ms"  # 0.1 + 0.001 * 49 s
     assert metrics["overlap_ratio"] == {"text": "75%", "value": "0.75"}
+    assert metrics["io_seconds"]["text"] == "10 ms"
     expect(alpha.locator("canvas")).to_have_count(2)
     expect(alpha.locator(".mh-missing")).to_be_hidden()
+    # Step 0 traced the step function (4 s): drawn, marked, and kept out of the y-range.
+    expect(alpha.locator(".mh-note:not([hidden])").first).to_have_text(
+        "Step 0 traced (compiled) the step function (4 s); the y-axis scales to the other steps."
+    )
+    traced = alpha.locator('.mh-marker-traced[data-step="0"]')
+    expect(traced).to_have_count(1)
+    assert "traced the step function" in traced.get_attribute("title")
+    y_max = float(alpha.locator(".mh-plot").first.get_attribute("data-y-max"))
+    assert y_max == pytest.approx(0.149)  # the largest untraced value: step 49, 149 ms
     beta = frame.locator(f'{BETA} .mh-section[data-view="timing"]')
     metrics = beta.locator(".mh-summary").evaluate(READ_SUMMARY)["metrics"]
     assert metrics["step_seconds"]["text"] == "149 ms"
-    for part in ("compute_seconds", "comm_seconds", "overlap_seconds", "stall_seconds"):
+    for part in (
+        "compute_seconds",
+        "comm_seconds",
+        "overlap_seconds",
+        "stall_seconds",
+        "io_seconds",
+    ):
         assert metrics[part] == {"text": "not measured", "value": None}, part
     expect(beta.locator(".mh-missing")).to_have_text(
-        "Not measured: compute, communication, overlapped, stall, overlap ratio."
+        "Not measured: compute, communication, overlapped, stall, NVMe I/O, overlap ratio."
     )
     expect(beta.locator(".mh-note:not([hidden])")).to_have_text("Overlap ratio: not measured.")
     # Only the measured series is drawn: one canvas (the breakdown), no zero lines.
@@ -371,6 +387,11 @@ def test_predicted_versus_measured_and_config_markers(views_page):
     page, frame, console, _server = views_page
     rows = frame.locator(f"{ALPHA} .mh-estimate tr[data-tier]")
     expect(rows).to_have_count(3)
+    expect(frame.locator(f"{ALPHA} .mh-estimate caption")).to_have_text(
+        "Predicted: the estimator’s bytes per tier for this config and model, computed "
+        f"before training. Measured: step {synthetic.NUM_STEPS - 1}, the last recorded — "
+        "parameters + gradients + optimizer states per tier, and the peak inside that step."
+    )
     device = frame.locator(f'{ALPHA} .mh-estimate tr[data-tier="device"]')
     assert device.get_attribute("data-predicted-bytes") == str(100 * 2**20)
     # Measured model states = param + grad + optimizer = 7/8 of the synthetic tier's use.
@@ -549,8 +570,16 @@ def test_oom_postmortem_panel_shows_request_tiers_holders_history_and_advice(vie
 
 def test_tuning_panel_is_read_only_and_says_how_to_enable_when_the_flag_is_off(views_page):
     _page, frame, _console, _server = views_page
-    panel = frame.locator(f"{ALPHA} .mh-tuning")
+    # The stand-in run ended with its OOM post-mortem: nothing to tune, and it says so.
+    dead = frame.locator(f"{ALPHA} .mh-tuning")
+    expect(dead).to_have_attribute("data-job-ended", "true")
+    expect(dead.locator(".mh-tuning-note")).to_contain_text(
+        f"This job ended with an out-of-memory failure at step {synthetic.OOM_STEP}"
+    )
+    expect(dead.locator("form.mh-tuning-form")).to_be_hidden()
+    panel = frame.locator(f"{BETA} .mh-tuning")
     expect(panel).to_have_attribute("data-enabled", "false")
+    expect(panel).to_have_attribute("data-job-ended", "false")
     expect(panel.locator(".mh-tuning-note")).to_contain_text(
         "Live tuning is off in this TensorBoard: restart it with --memory_hierarchy_tuning"
     )
@@ -560,6 +589,10 @@ def test_tuning_panel_is_read_only_and_says_how_to_enable_when_the_flag_is_off(v
     expect(rows).to_have_count(7)
     telemetry = panel.locator('tr[data-key="telemetry_every_n_steps"]')
     expect(telemetry.locator(".mh-tuning-bounds")).to_have_text("1 … 1,000,000 (steps)")
+    expect(telemetry.locator(".mh-tuning-effect")).to_have_text("next step")
+    plan = panel.locator('tr[data-key="persistence_threshold"] .mh-tuning-effect')
+    expect(plan).to_have_attribute("data-rebuild", "true")
+    expect(plan).to_have_text("rebuild (stage 3's traced plan)")
     expect(telemetry.locator(".mh-tuning-current")).to_have_text("not recorded")
     expect(panel.locator(".mh-tuning-state")).to_have_text("No live-tuning request yet.")
 

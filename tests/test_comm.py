@@ -222,6 +222,81 @@ def test_raw_collectives_start_no_thread_and_arm_one_deadline_each(strategy, imp
     np.testing.assert_allclose(got, np.tile(data.sum(axis=0) * (runs - 1), n), rtol=1e-6)
 
 
+def test_one_deadline_spans_a_replicas_collectives_with_two_callbacks(strategy):
+    """``comm.one_deadline``: the reduce-scatter and the all-gather of one replica's step
+    share one deadline (armed once per replica per run, not once per collective), it is
+    disarmed when the last one completed, and the collectives' results are unchanged."""
+    group = comm.CollectiveGroup.create(strategy.extended.worker_devices, "all_to_all")
+    n = strategy.num_replicas_in_sync
+    data = _inputs(n)
+
+    @tf.function
+    def step(scale):
+        def replica_fn():
+            ctx = tf.distribute.get_replica_context()
+            rid = tf.get_static_value(ctx.replica_id_in_sync_group)
+            with comm.one_deadline(group.token_variable(rid)):
+                flat = tf.gather(tf.constant(data), ctx.replica_id_in_sync_group) * scale
+                shard = comm.reduce_scatter_sum_flat(flat, group)
+                return comm.all_gather_flat(shard, group)
+
+        return strategy.run(replica_fn)
+
+    step(tf.constant(1.0))  # trace
+    graph_def = step.get_concrete_function(tf.constant(1.0)).graph.as_graph_def()
+    nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
+    callbacks = [node.op for node in nodes if node.op == "EagerPyFunc"]
+    assert len(callbacks) == 2 * n  # arm + disarm per replica (was 2 per collective)
+    started = comm.WATCHDOG.deadlines_started
+    runs = 20
+    for i in range(runs):
+        out = step(tf.constant(float(i)))
+    assert comm.WATCHDOG.deadlines_started - started == runs * n  # one per replica step
+    assert comm.WATCHDOG.armed == 0 and comm.WATCHDOG.fired is None
+    got = np.concatenate([np.asarray(t) for t in strategy.experimental_local_results(out)])
+    np.testing.assert_allclose(got, np.tile(data.sum(axis=0) * (runs - 1), n), rtol=1e-6)
+
+
+def test_guarded_collectives_hand_their_intervals_to_listeners_per_device(strategy):
+    """Issue #19 item 2: each guarded collective's arm -> disarm reaches the interval
+    listeners as (replica device, start, end) inside the step's wall time; a listener
+    that is a bound method is held weakly."""
+    group = comm.CollectiveGroup.create(strategy.extended.worker_devices, "all_to_all")
+    n = strategy.num_replicas_in_sync
+    data = _inputs(n)
+
+    @tf.function
+    def step():
+        def replica_fn():
+            ctx = tf.distribute.get_replica_context()
+            flat = tf.gather(tf.constant(data), ctx.replica_id_in_sync_group)
+            return comm.reduce_scatter_sum_flat(flat, group)  # 1 raw collective
+
+        return strategy.run(replica_fn)
+
+    class Sink:
+        def __init__(self):
+            self.seen = []
+
+        def record(self, lane, start, end):
+            self.seen.append((lane, start, end))
+
+    step()  # trace
+    builds = comm.WATCHDOG.traced_builds
+    sink = Sink()
+    comm.WATCHDOG.add_interval_listener(sink.record)
+    t0 = time.time()
+    step()
+    t1 = time.time()
+    assert comm.WATCHDOG.traced_builds == builds  # no retrace, no new guarded builds
+    lanes = sorted(lane for lane, _, _ in sink.seen)
+    assert lanes == sorted(strategy.extended.worker_devices), lanes  # one per replica
+    assert all(t0 <= s <= e <= t1 for _, s, e in sink.seen)
+    del sink  # weakly held: no longer called, nothing to remove
+    step()
+    comm.WATCHDOG.remove_interval_listener(lambda *a: None)  # unknown: ignored
+
+
 def test_watchdog_aborts_once_when_a_deadline_passes():
     """The watchdog's own thread: one deadline due calls ``abort`` once with a message
     naming the collective and the timeout; disarmed and replaced deadlines never fire."""

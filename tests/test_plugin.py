@@ -30,7 +30,7 @@ from tensorboard.summary.writer.event_file_writer import EventFileWriter
 from tensorboard.util import tensor_util
 from werkzeug import test as werkzeug_test
 
-from tb_plugin import downsample, export, fast_read, metadata, plugin, reader, routing, tuning
+from tb_plugin import export, fast_read, metadata, plugin, reader, routing, tuning
 from tb_plugin.loader import MemoryHierarchyLoader, parse_bool_flag
 from tb_plugin.routes import runs as runs_routes
 from tb_plugin.routes import series as series_routes
@@ -203,7 +203,13 @@ def test_series_timing_keeps_unmeasured_parts_null(client):
     assert status == 200
     assert body["values"]["overlap_ratio"] == [0.75] * len(steps)
     assert body["values"]["compute_seconds"][10] == 0.06
-    assert body["units"][-1] == "ratio"
+    units = dict(zip(metadata.TIMING_COLUMNS, body["units"]))
+    assert (units["overlap_ratio"], units["traced"], units["io_seconds"]) == (
+        "ratio",
+        "flag",
+        "seconds",
+    )
+    assert body["values"]["traced"] == [1.0] + [0.0] * (len(steps) - 1)
     status, body = get_json(client, "/series", run=synthetic.RUN_HTML_NAME, tag=metadata.TAG_TIMING)
     assert status == 200
     assert body["values"]["step_seconds"] == [0.1 + 0.001 * s for s in steps]
@@ -566,28 +572,6 @@ def test_default_budget_thins_and_a_larger_budget_returns_every_step(spike_clien
     assert body["steps"] == list(range(SPIKE_STEPS)) and body["downsampled"] is False
 
 
-@pytest.mark.parametrize("budget", [2, 3, 10, 64, 999])
-def test_peak_keeping_indices_keeps_every_series_extremes(budget):
-    rng = np.random.default_rng(budget)
-    values = rng.normal(size=(5000, 3))  # [N, S]
-    values[::97, 2] = np.nan  # partly unmeasured
-    values[:, 1] = np.nan  # never measured: ignored
-    keep = peak_keeping_indices_checked(values, budget)
-    for s in (0, 2):
-        assert np.nanargmax(values[:, s]) in keep
-        assert np.nanargmin(values[:, s]) in keep
-    assert len(keep) <= max(budget, 2 * 2 + 2)
-    assert keep[0] == 0 and keep[-1] == 4999
-
-
-def peak_keeping_indices_checked(values: np.ndarray, budget: int) -> list[int]:
-    """Run peak_keeping_indices and check its indices are sorted, unique and in range."""
-    keep = downsample.peak_keeping_indices(values, budget).tolist()
-    assert keep == sorted(set(keep))
-    assert all(0 <= i < len(values) for i in keep)
-    return keep
-
-
 # -- data the reader must refuse -----------------------------------------------------------
 
 
@@ -748,6 +732,8 @@ def test_tuning_lists_keys_bounds_and_values_in_effect(tuned):
         "min": 64 * 1024,
         "max": 2**50,
         "description": "bytes the runtime may place on the device tier",
+        "takes_effect": "next step (budget check; stage 3: device tier capacity, pages move)",
+        "acts": True,
         "value": 512 * MIB,
         "recorded": True,
         "since_step": None,
@@ -757,11 +743,33 @@ def test_tuning_lists_keys_bounds_and_values_in_effect(tuned):
     assert (telemetry["unit"], telemetry["min"], telemetry["max"]) == ("steps", 1, 1_000_000)
     assert (telemetry["value"], telemetry["since_step"], telemetry["version"]) == (4, 3, 1)
     assert keys["host_budget_bytes"]["value"] is None  # unbounded as started
+    assert keys["persistence_threshold"]["takes_effect"].startswith("rebuild")
+    assert keys["persistence_threshold"]["acts"] is False  # part of stage 3's traced plan
+    assert keys["prefetch_bucket_size"]["acts"] is (STARTED.stage == 3)  # stage 3 + NVMe only
     assert body["config_version"] == 1
     assert body["request"]["state"] == "none"
     assert body["run_dir_error"] is None
+    assert body["job_ended"] is None  # no post-mortem: the job may still run
     status, body = get_json(client, "/tuning", run="nope")
     assert status == 404
+
+
+def test_tuning_states_answers_every_named_run_in_one_request(tuned):
+    """The view's poll: one GET /tuning_states for all its runs, each run's answer equal
+    to its own GET /tuning; an unknown run gets its 404 inside, not the whole request."""
+    client, _run_dir = tuned
+    _status, single = get_json(client, "/tuning", run=TUNED_RUN)
+    response = client.get(
+        f"{PREFIX}/tuning_states?{urlencode([('run', TUNED_RUN), ('run', 'nope')])}"
+    )
+    assert response.status_code == 200
+    body = json.loads(response.get_data(as_text=True))
+    assert body["runs"][TUNED_RUN] == single
+    assert body["runs"]["nope"]["error"]["code"] == 404
+    status, every = get_json(client, "/tuning_states")
+    assert status == 200 and every == {"runs": {TUNED_RUN: single}}
+    too_many = urlencode([("run", "r")] * 1001)
+    assert client.get(f"{PREFIX}/tuning_states?{too_many}").status_code == 400
 
 
 def test_tune_writes_a_versioned_request_and_tuning_follows_the_runtime(tuned):
@@ -1027,6 +1035,28 @@ def test_tune_over_a_malformed_ack_answers_a_json_conflict_and_writes_nothing(tu
     # The server is still up and the run still readable.
     status, view = get_json(client, "/tuning", run=TUNED_RUN)
     assert status == 200 and view["data_errors"]
+
+
+def test_a_job_that_ran_out_of_memory_is_not_offered_tuning(plugin_client, tmp_path):
+    """A run whose last record is its OOM post-mortem is dead: GET /tuning says so and
+    POST /tune answers 409 and writes nothing."""
+    logdir = tmp_path / "logs"
+    run_dir = write_tuned_run(logdir)
+    writer = SummaryWriter(run_dir)
+    writer.json(metadata.TAG_OOM, 5, {"summary": "Step 5 ran out of memory on the device tier"})
+    writer.close()
+    client = plugin_client(str(logdir), tuning=True)
+    status, body = get_json(client, "/tuning", run=TUNED_RUN)
+    assert status == 200
+    assert body["job_ended"] == {
+        "reason": "oom",
+        "step": 5,
+        "summary": "Step 5 ran out of memory on the device tier",
+    }
+    status, body = post_tune(client, {"updates": {"telemetry_every_n_steps": 3}})
+    assert status == 409, body
+    assert "out-of-memory failure at step 5" in body["error"]["message"]
+    assert not os.path.exists(os.path.join(run_dir, control.REQUEST_FILE))
 
 
 # -- DNS rebinding: POST /tune checks Host and Origin (issue #22 item 7) --------------------

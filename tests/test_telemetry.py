@@ -13,6 +13,7 @@ import pytest
 
 import zero_runtime
 from zero_runtime.telemetry import Timeline, intersect, overlap, total, union
+from zero_runtime.telemetry.collector import step_timing
 
 # -- Timeline -----------------------------------------------------------------------------
 
@@ -47,6 +48,32 @@ def test_partial_overlap_and_no_comm():
     assert o.overlap_seconds == pytest.approx(1.0)
     assert o.overlap_ratio == pytest.approx(0.25)
     assert math.isnan(overlap([], [(0, 1)]).overlap_ratio)  # no comm: not measured
+
+
+def test_step_timing_from_collective_lanes_and_io():
+    # Two replicas over a 10 s step. Replica A in collectives 2-4 and 6-7, replica B in
+    # 3-5 and 6-8: both inside one (blocked) during 3-4 and 6-7; comm covers 2-5 and 6-8.
+    lanes = [[(2, 4), (6, 7)], [(3, 5), (6, 8)]]
+    t = step_timing((0, 10), lanes, io=[], host_compute=[])
+    assert t["comm_seconds"] == pytest.approx(5.0)
+    assert t["compute_seconds"] == pytest.approx(8.0)  # 10 - blocked (1 + 1)
+    assert t["overlap_seconds"] == pytest.approx(3.0)  # 2-3, 4-5, 7-8
+    assert t["overlap_ratio"] == pytest.approx(0.6)
+    # NVMe I/O 8.5-9.5 runs while nothing is blocked; 0.5 s of page waits summed over the
+    # 2 replicas: 0.25 s of one replica's I/O was exposed.
+    t = step_timing((0, 10), lanes, io=[(8.5, 9.5)], host_compute=[], stall_seconds=0.5)
+    assert t["comm_seconds"] == pytest.approx(6.0)
+    assert t["overlap_seconds"] == pytest.approx(3.75)
+    # One replica: its collectives are blocked time (a lower bound: no overlap seen), the
+    # host update counts as compute; intervals outside the window are clipped.
+    t = step_timing((0, 10), [[(-1, 1), (2, 4)]], io=[], host_compute=[(3, 3.5)])
+    assert t["comm_seconds"] == pytest.approx(3.0)
+    assert t["compute_seconds"] == pytest.approx(7.5)
+    assert t["overlap_seconds"] == pytest.approx(0.5)
+    t = step_timing((0, 10), [], io=[], host_compute=[])
+    assert t["comm_seconds"] == 0 and math.isnan(t["overlap_ratio"])
+    with pytest.raises(ValueError, match="window"):
+        step_timing((5, 5), lanes, io=[], host_compute=[])
 
 
 def test_timeline_drain_clears_and_rejects_unknown_kind():
@@ -153,3 +180,36 @@ def test_paging_step_records_exact_counts_and_bytes(tmp_path):
     assert last.collectives["reduce_scatter_bytes"] == 0
     assert (last.stage, last.fallback_mirrored, last.config_version) == (1, False, 0)
     strategy.close()
+
+
+def test_headline_scalars_sum_the_measured_directions_and_drop_nan():
+    """Page-in = h2d + n2h, page-out = d2h + h2n (measured directions only), hit rate =
+    hits / (hits + misses); not-measured figures are left out, not written as 0."""
+    from tb_plugin import metadata
+
+    nan = float("nan")
+    got = metadata.headline_scalars(
+        {"device": {"used_bytes": 3e6, "peak_bytes": 5e6}, "nvme": {"used_bytes": nan}},
+        {
+            "h2d_bytes": 4096.0,
+            "n2h_bytes": 8192.0,
+            "d2h_bytes": 1024.0,
+            "h2n_bytes": nan,
+            "prefetch_hits": 3.0,
+            "prefetch_misses": 1.0,
+            "stall_seconds": 0.25,
+        },
+        {"step_seconds": 0.5, "overlap_ratio": nan, "stall_seconds": 0.25},
+    )
+    assert got == {
+        "zero/device/used_bytes": 3e6,
+        "zero/device/peak_bytes": 5e6,
+        "zero/pages/in_bytes": 12288.0,
+        "zero/pages/out_bytes": 1024.0,
+        "zero/pages/prefetch_hit_rate": 0.75,
+        "zero/timing/stall_seconds": 0.25,
+        "zero/timing/step_seconds": 0.5,
+    }
+    assert set(got) <= set(metadata.SCALAR_TAGS)
+    none = metadata.headline_scalars({}, {"prefetch_hits": 0.0, "prefetch_misses": 0.0}, {})
+    assert none == {}  # no prefetch at all: no hit rate

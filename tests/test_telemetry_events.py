@@ -1,6 +1,7 @@
 """The event files of a short demo run read back with TensorBoard's EventAccumulator:
 every tag docs/events.md documents is present, in its stated units, and sampled steps
-carry comm/compute intervals parsed from TensorFlow's profiler trace."""
+carry comm/compute intervals parsed from TensorFlow's profiler trace; step 0 is marked as
+traced (its time includes tracing the step function)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
+from tbparse import SummaryReader
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.util import tensor_util
 
@@ -33,7 +36,10 @@ WRITTEN = [
 ]
 
 
-def test_demo_events_have_every_documented_tag_in_units(tmp_path):
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The event directory of one short demo run (STEPS steps, a trace every 2 steps)."""
+    tmp_path = tmp_path_factory.mktemp("telemetry_events")
     env = dict(
         os.environ,
         TF_CPU_ALLOCATOR_USE_BFC="true",
@@ -49,10 +55,14 @@ def test_demo_events_have_every_documented_tag_in_units(tmp_path):
         timeout=400,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp_path / "gpt_zero1"
+
+
+def test_demo_events_have_every_documented_tag_in_units(demo_run):
     docs = (REPO / "docs" / "events.md").read_text()
     for tag in metadata.LAYOUTS:
         assert f"`{tag}`" in docs, f"{tag} is not documented in docs/events.md"
-    ea = EventAccumulator(str(tmp_path / "gpt_zero1"), size_guidance={"tensors": 0})
+    ea = EventAccumulator(str(demo_run), size_guidance={"tensors": 0})
     ea.Reload()
     assert set(WRITTEN) <= set(ea.Tags()["tensors"])
 
@@ -76,8 +86,10 @@ def test_demo_events_have_every_documented_tag_in_units(tmp_path):
             assert t["comm_seconds"] > 0 and t["compute_seconds"] > t["comm_seconds"]
             assert 0 <= t["overlap_ratio"] <= 1
             assert t["overlap_seconds"] <= t["comm_seconds"] + 1e-12
-        else:  # host-offload run without a trace: not measured
+        else:  # stage 1's collectives are the strategy's own: no host timestamps
             assert math.isnan(t["comm_seconds"]) and math.isnan(t["overlap_ratio"])
+        assert t["traced"] == (1.0 if s == 0 else 0.0)  # step 0 traces the step function
+        assert math.isnan(t["io_seconds"])  # no NVMe in this run: not measured
     for v in info.values():
         assert tuple(v[:3]) == (0, 1, 0)  # config version, stage, fallback flag
     coll = rows(metadata.TAG_COLLECTIVES)
@@ -95,3 +107,42 @@ def test_demo_events_have_every_documented_tag_in_units(tmp_path):
     placement = ea.Tensors(metadata.TAG_PLACEMENT)
     assert len(placement) == 1  # first step; the placement did not change
     assert json.loads(tensor_util.make_ndarray(placement[0].tensor_proto).item())["variables"]
+
+
+def test_tbparse_reads_the_headline_scalars(demo_run):
+    """tbparse (an outside reader, no plugin) finds the ``zero/...`` scalars of the demo
+    run, with the values of the tensors they repeat, at every step."""
+    docs = (REPO / "docs" / "events.md").read_text()
+    for tag in metadata.SCALAR_TAGS:
+        assert f"`{tag}`" in docs, f"{tag} is not documented in docs/events.md"
+    frame = SummaryReader(str(demo_run)).tensors  # TF2 scalars: tbparse's `tensors`
+    frame = frame[frame["tag"].str.startswith(metadata.SCALAR_PREFIX)]
+    got = {(r.tag, int(r.step)): float(r.value) for r in frame.itertuples()}
+    ea = EventAccumulator(str(demo_run), size_guidance={"tensors": 0})
+    ea.Reload()
+    assert metadata.PLUGIN_NAME not in set(ea.PluginTagToContent("scalars").values())
+    scalar_tags = {
+        t for t in ea.PluginTagToContent("scalars") if t.startswith(metadata.SCALAR_PREFIX)
+    }
+    # A stage-1 host-offload run: tiers and step time measured, no paged pool.
+    expect = {f"zero/{t}/{c}" for t in ("device", "host") for c in ("used_bytes", "peak_bytes")}
+    expect |= {"zero/timing/step_seconds"}
+    assert expect <= scalar_tags <= set(metadata.SCALAR_TAGS)
+    assert "zero/pages/prefetch_hit_rate" not in scalar_tags  # not measured: not written
+    tiers = {
+        e.step: tensor_util.make_ndarray(e.tensor_proto) for e in ea.Tensors(metadata.TAG_TIERS)
+    }
+    timing = {
+        e.step: tensor_util.make_ndarray(e.tensor_proto) for e in ea.Tensors(metadata.TAG_TIMING)
+    }
+    used = metadata.TIER_COLUMNS.index("used_bytes")
+    peak = metadata.TIER_COLUMNS.index("peak_bytes")
+    for step in range(STEPS):
+        for row, tier in enumerate(("device", "host")):
+            assert got[(f"zero/{tier}/used_bytes", step)] == np.float32(tiers[step][row, used])
+            assert got[(f"zero/{tier}/peak_bytes", step)] == np.float32(tiers[step][row, peak])
+        assert got[("zero/device/used_bytes", step)] > 1e5  # bytes
+        step_seconds = got[("zero/timing/step_seconds", step)]
+        assert step_seconds == np.float32(timing[step][0]) and 0 < step_seconds < 60
+    # The host tier holds the Adam moments of 137,216 parameters (2 slots, 2 shards).
+    assert got[("zero/host/used_bytes", STEPS - 1)] >= 2 * 2 * 4 * (137_216 // 2)

@@ -583,6 +583,12 @@ class Tunable:
         minimum: smallest accepted value, inclusive (int).
         maximum: largest accepted value, inclusive (int).
         description: one line for the UI.
+        takes_effect: when an applied change acts on the running job (one line for the
+            UI): ``"next step"``, or ``"rebuild"`` for a key only read when the model or
+            its pool is built (an applied change is recorded but changes nothing until the
+            job is rebuilt, e.g. restarted from a checkpoint), with the stages it acts at.
+        acts_when: ``(config key, value)`` pairs a run's config must all match for an
+            applied change to act on it (empty: every run); see :meth:`acts_in`.
 
     Values are ints (never bool, never float, never None); the resulting config must also
     pass ZeroConfig's own validation (e.g. a budget of at least one page).
@@ -593,6 +599,20 @@ class Tunable:
     minimum: int
     maximum: int
     description: str
+    takes_effect: str = "next step"
+    acts_when: tuple[tuple[str, Any], ...] = ()
+
+    def acts_in(self, config: Mapping[str, Any] | None) -> bool | None:
+        """Whether an applied change of this key acts on a running job started with
+        ``config`` (a ``ZeroConfig.to_dict()``): False for a rebuild key or a config that
+        does not match :attr:`acts_when`; None when ``config`` is unknown and it matters."""
+        if self.takes_effect.startswith("rebuild"):
+            return False
+        if not self.acts_when:
+            return True
+        if config is None:
+            return None
+        return all(config.get(k) == v for k, v in self.acts_when)
 
     def check(self, value: Any) -> int:
         """Return ``value`` as int if it is within bounds.
@@ -626,6 +646,7 @@ TUNABLE_KEYS: Mapping[str, Tunable] = MappingProxyType(
                 64 * _KIB,
                 _PIB,
                 "bytes the runtime may place on the device tier",
+                "next step (budget check; stage 3: device tier capacity, pages move)",
             ),
             Tunable(
                 "host_budget_bytes",
@@ -633,6 +654,7 @@ TUNABLE_KEYS: Mapping[str, Tunable] = MappingProxyType(
                 64 * _KIB,
                 _PIB,
                 "bytes the runtime may place in host memory",
+                "next step (budget check); the pool's host tier: rebuild",
             ),
             Tunable(
                 "persistence_threshold",
@@ -640,6 +662,7 @@ TUNABLE_KEYS: Mapping[str, Tunable] = MappingProxyType(
                 0,
                 _MAX_ELEMENTS,
                 "parameters with fewer elements stay replicated",
+                "rebuild (stage 3's traced plan)",
             ),
             Tunable(
                 "max_live_parameters",
@@ -647,6 +670,7 @@ TUNABLE_KEYS: Mapping[str, Tunable] = MappingProxyType(
                 1,
                 _MAX_ELEMENTS,
                 "max gathered parameter elements resident per replica",
+                "rebuild (stage 3's traced plan)",
             ),
             Tunable(
                 "max_reuse_distance",
@@ -654,6 +678,7 @@ TUNABLE_KEYS: Mapping[str, Tunable] = MappingProxyType(
                 0,
                 _MAX_ELEMENTS,
                 "keep a parameter gathered if reused within this many elements",
+                "rebuild (stage 3's traced plan)",
             ),
             Tunable(
                 "prefetch_bucket_size",
@@ -661,6 +686,8 @@ TUNABLE_KEYS: Mapping[str, Tunable] = MappingProxyType(
                 0,
                 _MAX_ELEMENTS,
                 "parameter elements fetched ahead of use (0 disables prefetch)",
+                "next step (stage 3 with NVMe: the next prefetch)",
+                (("stage", 3), ("offload_param", "nvme")),
             ),
             Tunable(
                 "telemetry_every_n_steps",
@@ -668,6 +695,7 @@ TUNABLE_KEYS: Mapping[str, Tunable] = MappingProxyType(
                 1,
                 1_000_000,
                 "write a StepStats summary every N steps",
+                "next step",
             ),
         )
     }

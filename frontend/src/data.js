@@ -239,7 +239,7 @@ export function configLabel(value) {
     const head = `v${value.version} ${value.status}`;
     if (value.status === 'applied') {
       const text = changesText(value.changes);
-      return `${head}: ${text || 'no change'}`;
+      return text ? `${head}: ${text}` : `v${value.version}: no change (values already in effect)`;
     }
     return value.reason ? `${head}: ${value.reason}` : head;
   }
@@ -269,13 +269,15 @@ export function configEvents(answer) {
 
 /**
  * Markers for the charts: the config events that changed something (a rejected or
- * ignored request changes nothing, so it is listed but not drawn).
+ * ignored request, or an applied one without changes, changes nothing, so it is listed
+ * but not drawn). The label names each key and its old → new value.
  * @returns {Array<{step: number, label: string}>}
  */
 export function configMarkers(answer) {
-  return configEvents(answer)
-    .filter((e) => e.status === null || e.status === 'applied')
-    .map(({ step, label }) => ({ step, label }));
+  const changed = (v) => v.status === 'applied' && Object.keys(v.changes ?? {}).length > 0;
+  return (answer?.events ?? [])
+    .filter((e) => !isDecision(e.value) || changed(e.value))
+    .map((e) => ({ step: e.step, label: configLabel(e.value) }));
 }
 
 // -- checkpoints ------------------------------------------------------------------------

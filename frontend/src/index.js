@@ -36,13 +36,19 @@ import {
   renderStatus,
 } from './views/run_panel.js';
 import { RunSelector, runColor } from './views/run_selector.js';
+import { recencyOf } from './selection.js';
 import { TierCharts } from './views/tier_chart.js';
 import { TimingView } from './views/timing_view.js';
 import { TuningPanel } from './views/tuning_panel.js';
 
 const POLL_MS = 5000; // how often a live run is checked for new steps (milliseconds)
-// Performance mark set once every selected run's tier charts have first drawn.
+// Performance mark set once the tier charts of every selected run in view have drawn.
 const FIRST_PAINT_MARK = 'mh-first-meaningful-paint';
+// The first selected runs' panels are filled at once; the others when they scroll within
+// LAZY_MARGIN of the view (IntersectionObserver), so hundreds of selected runs cost
+// nothing until seen.
+const EAGER_RUNS = 4;
+const LAZY_MARGIN = '800px 0px';
 
 function injectStyles(doc) {
   // CSP: TensorBoard's style-src allows inline <style>; scripts come only from 'self'.
@@ -91,6 +97,12 @@ class App {
     this.runNames = [];
     this.refreshing = false;
     this.firstPaintDone = false;
+    this.active = new Set(); // runs whose panels have come into view: fetched and drawn
+    this.tuningPoll = null; // {runs: Set, answer: Promise} of the current poll's /tuning_states
+    this.observer =
+      typeof IntersectionObserver === 'function'
+        ? new IntersectionObserver((items) => this.onIntersect(items), { rootMargin: LAZY_MARGIN })
+        : null;
     const header = document.createElement('h1');
     header.className = 'mh-header';
     header.textContent = 'Memory Hierarchy';
@@ -109,8 +121,23 @@ class App {
     if (!view) {
       view = new RunView(run, this.model);
       this.views.set(run, view);
+      if (this.observer) this.observer.observe(view.parts.element);
+      else this.active.add(run); // no IntersectionObserver: every panel is filled
     }
     return view;
+  }
+
+  /** Panels that came into view: fill them (once; polls keep them fresh after). */
+  onIntersect(items) {
+    const runs = [];
+    for (const item of items) {
+      const run = item.target.dataset.run;
+      if (item.isIntersecting && !this.active.has(run) && this.selected.has(run)) {
+        this.active.add(run);
+        runs.push(run);
+      }
+    }
+    if (runs.length && this.entries) this.refreshRuns(runs);
   }
 
   /** Show the panels of the selected runs, in name order; refresh them unless told not. */
@@ -118,8 +145,12 @@ class App {
     this.selected = selected;
     const order = this.runNames.filter((r) => selected.has(r));
     for (const [run, view] of this.views) {
-      if (!selected.has(run)) view.parts.element.remove();
+      if (!selected.has(run)) {
+        view.parts.element.remove();
+        this.active.delete(run); // filled again when selected and seen again
+      }
     }
+    order.slice(0, EAGER_RUNS).forEach((r) => this.active.add(r));
     this.list.replaceChildren(...order.map((r) => this.view(r).parts.element));
     this.updateOverlay();
     if (refresh && this.entries) return this.refreshRuns(order);
@@ -132,6 +163,7 @@ class App {
    */
   async refreshRuns(runs) {
     const jobs = runs
+      .filter((run) => this.active.has(run))
       .map((run) => this.entries.get(run))
       .filter(Boolean)
       .map((entry) => {
@@ -156,9 +188,16 @@ class App {
         this.status,
         runs.length ? '' : 'No memory_hierarchy data found in this logdir yet.',
       );
-      const selected = this.selector.setRuns(this.runNames);
+      const recency = new Map(runs.map((e) => [e.run, recencyOf(e)]));
+      const selected = this.selector.setRuns(this.runNames, recency);
       await this.select(selected, false);
-      await this.refreshRuns(this.runNames.filter((r) => selected.has(r)));
+      const shown = this.runNames.filter((r) => selected.has(r) && this.active.has(r));
+      // One request for every shown run's live-tuning state (not one /tuning per run).
+      this.tuningPoll = shown.length
+        ? { runs: new Set(shown), answer: this.model.tuningStates(shown) }
+        : null;
+      this.tuningPoll?.answer.catch(() => null); // reported per run by refreshOthers
+      await this.refreshRuns(shown);
     } catch (err) {
       renderStatus(this.status, `Could not load runs: ${err.message}`, true);
     } finally {
@@ -188,6 +227,7 @@ class App {
         this.fetchTag(entry, TAG_CONFIG_EVENT, 'json').catch(() => null),
       ]);
       if (stale()) return;
+      parts.element.dataset.filled = '1'; // its real height from now on (see style.css)
       const round = { tiers, readings, runInfoAnswer, configAnswer };
       view.changed = Object.entries(round).some(([k, v]) => view.shown[k] !== v);
       if (!view.changed) return;
@@ -208,6 +248,7 @@ class App {
       this.renderTierExports(view, entry);
       await nextFrame();
       view.drawn = true;
+      parts.element.dataset.drawn = '1';
       this.markFirstPaint();
     } catch (err) {
       view.changed = false;
@@ -247,7 +288,7 @@ class App {
       this.fetchTag(entry, TAG_PLACEMENT, 'json').catch(failed),
       this.fetchTag(entry, TAG_ESTIMATE, 'json').catch(() => null),
       this.fetchOom(entry).catch(() => null),
-      this.model.tuning(entry.run).catch(failed),
+      this.tuningOf(entry.run).catch(failed),
       this.fetchCheckpoints(entry).catch(failed),
     ]);
     const [pages, timing, placement, estimateAnswer, oomAnswer, tuningAnswer, checkpoints] =
@@ -292,6 +333,17 @@ class App {
     view.changed = false;
   }
 
+  /** A run's /tuning answer: from this poll's /tuning_states when it covers the run. */
+  async tuningOf(run) {
+    const poll = this.tuningPoll;
+    if (poll?.runs.has(run)) {
+      const answer = (await poll.answer).runs?.[run];
+      if (answer?.error) throw new Error(answer.error.message);
+      if (answer) return answer;
+    }
+    return this.model.tuning(run);
+  }
+
   drawSeriesView(view, name, answer, force, markers = view.markers ?? []) {
     if (!force && view.shown[name] === answer) return;
     const target = name === 'pages' ? view.pages : view.timing;
@@ -328,14 +380,20 @@ class App {
     renderExports(view.parts.exports.tiers, links);
   }
 
+  /** Mark the first meaningful paint once every selected run in view has drawn. */
   markFirstPaint() {
     if (this.firstPaintDone || !this.selected.size) return;
+    let drawn = 0;
     for (const run of this.selected) {
+      if (!this.active.has(run)) continue; // not in view: drawn when scrolled to
       if (!this.views.get(run)?.drawn) return;
+      drawn += 1;
     }
+    if (!drawn) return;
     this.firstPaintDone = true;
     performance.mark(FIRST_PAINT_MARK);
     document.body.dataset.firstPaint = 'done';
+    document.body.dataset.firstPaintRuns = String(drawn);
   }
 
   updateOverlay() {

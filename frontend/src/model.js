@@ -136,6 +136,17 @@ export class Model {
   }
 
   /**
+   * Several runs' /tuning answers in one request (GET /tuning_states; not cached):
+   * resolves to {runs: {run: answer or {error: {code, message}}}}.
+   * @param {string[]} runs
+   */
+  tuningStates(runs) {
+    const url = new URL('./tuning_states', this.base);
+    for (const run of runs) url.searchParams.append('run', run);
+    return this.getJson(url.href);
+  }
+
+  /**
    * Ask a running job to change tunable settings (POST /tune); resolves to the answer
    * ({run, version, updates, request}); rejects with an ApiError carrying the server's
    * message (400 invalid value, 403 tuning off, ...).

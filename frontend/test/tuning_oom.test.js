@@ -95,3 +95,11 @@ test('OOM helpers: holders largest first, advice by rank, recent steps columnar'
   assert.deepEqual(oomHolders({}), []);
   assert.deepEqual(rankedAdvice({ advice: 'x' }), []);
 });
+
+test('an applied request without changes is not drawn; a config marker names key and values', () => {
+  const answer = {
+    events: [{ step: 5, value: { version: 4, status: 'applied', step: 5, changes: {}, reason: null } }],
+  };
+  assert.deepEqual(configMarkers(answer), []);
+  assert.equal(configLabel(answer.events[0].value), 'v4: no change (values already in effect)');
+});

@@ -1,8 +1,9 @@
 """``GET /series``: one matrix or vector tag of one run as columnar arrays over steps.
 
-The answer is thinned to a point budget by :func:`tb_plugin.downsample.peak_keeping_indices`
-(every bucket's minimum and maximum kept), encoded and gzipped once, and kept in an answer
-cache keyed by ``(experiment, run, tag, max_step, points, format)``.
+The answer is thinned to a point budget from the series' precomputed min/max levels
+(:meth:`tb_plugin.levels.SeriesLevels.indices`: every bucket's minimum and maximum kept),
+encoded and gzipped once, and kept in an answer cache keyed by ``(experiment, run, tag,
+max_step, points, format)``. Every step (``points=0``) is streamed instead.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from werkzeug import wrappers
 
 from tb_plugin import export, metadata, routing
 from tb_plugin.cache import CostLru
-from tb_plugin.downsample import peak_keeping_indices
 from tb_plugin.reader import Reader
 
 DEFAULT_POINTS = 2000  # points per series in a /series answer when ?points is absent
@@ -67,7 +67,7 @@ def series_impl(
         experiment: the experiment id.
         run: the run name.
         tag: a matrix or vector tag.
-        points: the point budget (see :func:`peak_keeping_indices`);
+        points: the point budget (see :meth:`tb_plugin.levels.SeriesLevels.indices`);
             :data:`FULL_POINTS` (0) returns every stored step.
 
     Returns:
@@ -82,11 +82,12 @@ def series_impl(
         InvalidArgumentError: the tag is a json tag.
         DataContractError: undecodable metadata or a tensor of the wrong shape.
     """
-    data = reader.series_data(ctx, experiment, run, tag)
-    layout, cells = data.layout, data.cells
-    n = len(cells)
-    keep = np.arange(n) if points == FULL_POINTS else peak_keeping_indices(cells, points)
-    kept = cells[keep]
+    levels = reader.series_levels(ctx, experiment, run, tag)
+    with levels.lock:  # one consistent view while the indexer may append
+        n = levels.n
+        keep = np.arange(n) if points == FULL_POINTS else levels.indices(points)
+        steps, walls, kept = levels.rows(keep)
+    layout = levels.layout
     columns = layout.columns
     if layout.kind == metadata.KIND_MATRIX:
         grid = kept.reshape(len(keep), len(layout.rows), len(columns))  # [K, R, C]
@@ -103,8 +104,8 @@ def series_impl(
         "rows": list(layout.rows),
         "columns": list(columns),
         "units": list(layout.units),
-        "steps": data.steps[keep].tolist(),
-        "wall_times": data.wall_times[keep].tolist(),
+        "steps": steps.tolist(),
+        "wall_times": walls.tolist(),
         "values": values,
         "total_steps": n,
         "downsampled": len(keep) < n,
@@ -146,12 +147,17 @@ def series_route(
     """GET /series?run=R&tag=T[&points=N][&format=json|csv]: see :func:`series_impl`.
 
     With ``format`` the answer is a download (``Content-Disposition: attachment``):
-    the same JSON, or CSV (:func:`tb_plugin.export.series_csv`).
+    the same JSON, or CSV (:func:`tb_plugin.export.series_csv`). With ``points=0`` (every
+    step) the answer is streamed in chunks from the precomputed levels
+    (:func:`tb_plugin.export.stream_series`), never built whole in memory.
     """
     run = routing.required_arg(request, "run")
     tag = routing.required_arg(request, "tag")
     points = points_arg(request)
     fmt = routing.format_arg(request)
     ctx, experiment = routing.scope(request)
+    if points == FULL_POINTS:  # every step: streamed from the levels, never held whole
+        levels = reader.series_levels(ctx, experiment, run, tag)
+        return export.stream_series(request, levels, run, tag, fmt)
     answer = series_answer(reader, answers, ctx, experiment, run, tag, points, fmt)
     return routing.respond_answer(request, answer)

@@ -53,6 +53,31 @@ class ControlFileError(errors.PublicError):
     http_code = 409
 
 
+class JobEndedError(errors.PublicError):
+    """POST /tune over a run whose job has ended with an out-of-memory failure (its
+    ``memory_hierarchy/oom`` post-mortem exists; HTTP 409): no job reads the request, so
+    nothing is written."""
+
+    http_code = 409
+
+
+def job_ended(reader: Reader, ctx: Any, experiment: str, run: str) -> dict[str, Any] | None:
+    """``{"reason": "oom", "step": int, "summary": str | None}`` when the run's last
+    record is an out-of-memory post-mortem (the job is dead: a post-mortem is written as
+    it fails), else None. A run with step records after its post-mortem (a job started
+    again in the same run directory) is not ended."""
+    records = reader.records_if_any(ctx, experiment, run, metadata.TAG_OOM)
+    if not records:
+        return None
+    last = records[-1]
+    steps = reader.listing(ctx, experiment).get(run, {}).get(metadata.TAG_TIERS)
+    if steps is not None and int(getattr(steps, "max_step", -1)) > int(last["step"]):
+        return None
+    value = last["value"] if isinstance(last.get("value"), dict) else {}
+    summary = value.get("summary") if isinstance(value.get("summary"), str) else None
+    return {"reason": "oom", "step": int(last["step"]), "summary": summary}
+
+
 class PayloadTooLargeError(errors.PublicError):
     """A POST body larger than :data:`tb_plugin.tuning.MAX_BODY_BYTES` (HTTP 413)."""
 
@@ -125,8 +150,9 @@ def tuning_impl(
 
     Returns:
         ``{"run", "enabled", "flag", "keys": [{"key", "unit", "min", "max",
-        "description", "value", "recorded", "since_step", "version"}],
-        "config_version",
+        "description", "takes_effect", "acts", "value", "recorded", "since_step",
+        "version"}],
+        "config_version", "job_ended",
         "request": tuning.request_state(...), "run_dir_error", "tuning_run",
         "tuning_note", "data_errors"}``: ``enabled`` is whether
         this TensorBoard may write requests; ``value`` the value in effect (null when
@@ -137,6 +163,9 @@ def tuning_impl(
         non-chief worker of a multi-worker job the chief's run
         (:func:`tuning.job_chief_run`), whose request and decision ``request`` then
         shows (the job's); ``tuning_note`` says so (null for an ordinary run).
+        ``acts``: whether an applied change of the key acts on this run's job
+        (``zero_runtime.config.Tunable.acts_in`` of its recorded config; null: unknown).
+        ``job_ended`` is :func:`job_ended` (null while the job may still run).
         ``data_errors`` lists the malformed ``config_event`` records and
         acknowledgements that were skipped (:func:`tuning.record_problem`), each naming
         the record and what is wrong; empty normally.
@@ -158,7 +187,11 @@ def tuning_impl(
         run_dir_error = str(exc)
     data_errors += _ack_errors(run, ack)
     values = tuning.current_values(config if isinstance(config, dict) else None, events, ack)
-    keys = [{**spec, **values[spec["key"]]} for spec in tuning.tunable_keys()]
+    started = config if isinstance(config, dict) else None
+    keys = [
+        {**spec, **values[spec["key"]], "acts": tuning.TUNABLE_KEYS[spec["key"]].acts_in(started)}
+        for spec in tuning.tunable_keys()
+    ]
     # A non-chief worker: the job's request and decision live in the chief's run.
     chief = None if run_dir_error else tuning.job_chief_run(reader.logdir, run)
     note = None
@@ -176,6 +209,7 @@ def tuning_impl(
         "flag": f"--{tuning.FLAG_NAME}",
         "keys": keys,
         "config_version": max((v["version"] for v in values.values()), default=0),
+        "job_ended": job_ended(reader, ctx, experiment, run),
         "request": tuning.request_state(request, ack),
         "run_dir_error": run_dir_error,
         "tuning_run": chief or run,
@@ -193,6 +227,58 @@ def tuning_route(
     run = routing.required_arg(request, "run")
     ctx, experiment = routing.scope(request)
     return routing.respond_json(request, tuning_impl(reader, access, ctx, experiment, run))
+
+
+MAX_TUNING_RUNS = 1000  # runs one GET /tuning_states may name
+
+
+def tuning_states_impl(
+    reader: Reader, access: TuningAccess, ctx: Any, experiment: str, runs: list[str] | None
+) -> dict[str, Any]:
+    """Every named run's :func:`tuning_impl` answer in one (the view's poll).
+
+    Args:
+        reader: the plugin's reader.
+        access: whether this TensorBoard may write requests.
+        ctx: the request context.
+        experiment: the experiment id.
+        runs: the runs to answer for; None = every run with memory_hierarchy data.
+
+    Returns:
+        ``{"runs": {run: tuning_impl answer, or {"error": {"code", "message"}} for a run
+        that cannot be answered (404: not a run of this logdir)}}``.
+    """
+    if runs is None:
+        runs = sorted(reader.listing(ctx, experiment))
+    out: dict[str, Any] = {}
+    for run in runs:
+        try:
+            out[run] = tuning_impl(reader, access, ctx, experiment, run)
+        except errors.PublicError as exc:
+            out[run] = {"error": {"code": exc.http_code, "message": str(exc)}}
+    return {"runs": out}
+
+
+@wrappers.Request.application
+@routing.json_errors
+def tuning_states_route(
+    reader: Reader, access: TuningAccess, request: wrappers.Request
+) -> wrappers.Response:
+    """GET /tuning_states[?run=A&run=B...]: see :func:`tuning_states_impl` (no ``run``:
+    every run)."""
+    names = request.args.getlist("run")
+    if len(names) > MAX_TUNING_RUNS:
+        raise errors.InvalidArgumentError(
+            f"at most {MAX_TUNING_RUNS} 'run' parameters, got {len(names)}"
+        )
+    for name in names:
+        if not name or len(name) > routing.MAX_QUERY_VALUE_CHARS:
+            raise errors.InvalidArgumentError(
+                f"each 'run' must be 1 to {routing.MAX_QUERY_VALUE_CHARS} characters"
+            )
+    ctx, experiment = routing.scope(request)
+    body = tuning_states_impl(reader, access, ctx, experiment, names or None)
+    return routing.respond_json(request, body)
 
 
 def tune_impl(
@@ -231,9 +317,18 @@ def tune_impl(
             TensorBoard does not list (409; nothing written).
         ControlFileError: the run's acknowledgement file is malformed (409; nothing
             written).
+        JobEndedError: the run's job ended with an out-of-memory failure (409; nothing
+            written).
     """
     access.require_enabled()
     run_dir = reader.run_dir(ctx, experiment, run)
+    ended = job_ended(reader, ctx, experiment, run)
+    if ended is not None:
+        raise JobEndedError(
+            f"{run[:80]!r} ended with an out-of-memory failure at step {ended['step']}: no "
+            "job reads live-tuning requests any more; nothing was written (apply the "
+            "advice to the next run's config)"
+        )
     chief = tuning.job_chief_run(reader.logdir, run)
     if chief is not None:
         try:
@@ -279,7 +374,8 @@ def tune_route(
     Content-Type other than ``application/json`` (415); a body over
     ``tuning.MAX_BODY_BYTES`` (413); a body :func:`tuning.parse_tune_body` refuses or a
     run outside the logdir (400); an unknown run (404); a non-chief worker's run whose
-    chief run is not listed, or a malformed acknowledgement file (409). A worker's run
+    chief run is not listed, a malformed acknowledgement file or a job that ended with an
+    out-of-memory failure (409). A worker's run
     is written to its chief's.
     """
     if request.method != "POST":

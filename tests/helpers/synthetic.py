@@ -21,6 +21,7 @@ BASE_WALL_TIME = 1_700_000_000.0  # seconds since the epoch at step 0
 WALL_TIME_PER_STEP = 0.5  # seconds
 
 RUN_STANDIN = "alpha"  # device tier is a CPU stand-in
+TRACED_STEP_SECONDS = 4.0  # the stand-in run's step 0, which traced its step function
 # A run name that is also HTML: the view must show it as text and run nothing.
 RUN_HTML_NAME = "beta <img src=x onerror=window.__xss=1>"
 RUNS = (RUN_STANDIN, RUN_HTML_NAME)
@@ -141,20 +142,23 @@ def prefetch_hit_rate(run: str, step: int) -> float:
 def timing(run: str, step: int) -> dict[str, float]:
     """The memory_hierarchy/timing vector of ``run`` at ``step`` (seconds).
 
-    The stand-in run measures everything; the other run only ``step_seconds`` (the rest
-    is NaN: not measured, as with the demo's stage-1 runtime).
+    The stand-in run measures everything, and its step 0 traced the step function
+    (:data:`TRACED_STEP_SECONDS`); the other run only ``step_seconds`` (the rest is NaN:
+    not measured, as with the demo's stage-1 runtime).
     """
     step_seconds = 0.1 + 0.001 * step
     if run != RUN_STANDIN:
         return {"step_seconds": step_seconds}
-    compute, comm, overlap, stall = 0.06, 0.04, 0.03, 0.002
+    compute, comm, overlap, stall, io = 0.06, 0.04, 0.03, 0.002, 0.01
     return {
-        "step_seconds": step_seconds,
+        "step_seconds": TRACED_STEP_SECONDS if step == 0 else step_seconds,
         "compute_seconds": compute,
         "comm_seconds": comm,
         "overlap_seconds": overlap,
         "stall_seconds": stall,
         "overlap_ratio": overlap / comm,
+        "io_seconds": io,
+        "traced": float(step == 0),
     }
 
 

@@ -15,6 +15,7 @@ from zero_runtime.comm.watchdog import (
     CollectiveWatchdog,
     WatchdogState,
     guard_strategy_collectives,
+    one_deadline,
 )
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "broadcast_bytes",
     "gather_local_shards",
     "guard_strategy_collectives",
+    "one_deadline",
     "reduce_buckets",
     "reduce_scatter_sum_flat",
     "shard_of",

@@ -35,10 +35,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import inspect
 import itertools
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -68,6 +70,8 @@ class _Deadline:
     what: str
     scope: object  # the ordering token's id: its collectives run one at a time, or None
     traced: bool  # armed from a traced step (its disarm never runs if the step fails)
+    start: float = 0.0  # time.time() seconds when armed (the collective could start)
+    lane: object = None  # the replica's device (interval listeners' lane), or None
 
 
 class CollectiveWatchdog:
@@ -92,6 +96,8 @@ class CollectiveWatchdog:
         deadlines_started: deadlines armed since creation (int; one per guarded
             collective run).
         stale_dropped: traced deadlines dropped as stale (int).
+        traced_builds: guarded collectives built by tracing a step (int; :func:`guard`
+            counts them, so a change means a step function was traced or retraced).
     """
 
     def __init__(
@@ -108,9 +114,33 @@ class CollectiveWatchdog:
         self.fired: str | None = None
         self.deadlines_started = 0
         self.stale_dropped = 0
+        self.traced_builds = 0
+        self._listeners: list[Callable[[], Callable[[object, float, float], None] | None]] = []
+
+    def add_interval_listener(self, listener: Callable[[object, float, float], None]) -> None:
+        """Call ``listener(lane, start, end)`` when a traced collective is disarmed:
+        ``lane`` is the replica's device (its ordering token's), ``start`` / ``end``
+        ``time.time()`` seconds from its arm (input ready) to its disarm (result exists).
+        Free: the two timestamps come from the host callbacks the deadline runs anyway.
+        The listener runs on TensorFlow's inter-op pool and must be quick. A bound method
+        is held weakly (its object may be collected without being removed)."""
+        ref = weakref.WeakMethod(listener) if inspect.ismethod(listener) else (lambda: listener)
+        with self._cond:
+            self._listeners.append(ref)
+
+    def remove_interval_listener(self, listener: Callable[[object, float, float], None]) -> None:
+        """Stop calling ``listener``; an unknown listener is ignored."""
+        with self._cond:
+            self._listeners = [r for r in self._listeners if r() not in (None, listener)]
 
     def arm(
-        self, key: object, seconds: float, what: str, scope: object = None, traced: bool = False
+        self,
+        key: object,
+        seconds: float,
+        what: str,
+        scope: object = None,
+        traced: bool = False,
+        lane: object = None,
     ) -> None:
         """Start (or restart) the deadline of collective ``key``.
 
@@ -121,6 +151,7 @@ class CollectiveWatchdog:
             scope: the id of the collective's ordering token, or None: arming ends every
                 other deadline of the same scope (see the class docstring).
             traced: True when armed from a traced step (a host callback).
+            lane: the replica's device, handed to interval listeners (None: ``scope``).
 
         Raises:
             ValueError: ``seconds`` is not > 0.
@@ -132,7 +163,13 @@ class CollectiveWatchdog:
                 for other in [k for k, d in self._deadlines.items() if d.scope == scope]:
                     del self._deadlines[other]
             self._deadlines[key] = _Deadline(
-                time.monotonic() + seconds, seconds, what, scope, traced
+                time.monotonic() + seconds,
+                seconds,
+                what,
+                scope,
+                traced,
+                time.time(),
+                scope if lane is None else lane,
             )
             self.deadlines_started += 1
             if self._thread is None:
@@ -146,7 +183,14 @@ class CollectiveWatchdog:
     def disarm(self, key: object) -> None:
         """End the deadline of collective ``key`` (it completed); unknown keys are ignored."""
         with self._cond:
-            self._deadlines.pop(key, None)
+            done = self._deadlines.pop(key, None)
+            refs = list(self._listeners) if done is not None and done.traced else ()
+        if refs:
+            end = time.time()
+            for ref in refs:
+                listener = ref()
+                if listener is not None:
+                    listener(done.lane, done.start, end)
 
     def clear(self) -> None:
         """Drop every deadline."""
@@ -250,12 +294,17 @@ def guard(
     Returns:
         ``collective(flat)``'s result.
     """
+    WATCHDOG.traced_builds += 1
     if not seconds > 0:
         return collective(flat)
+    span = _open_spans().get(id(token))
+    if span is not None:
+        return span.add(collective, flat, seconds, what)
     key, scope = ("traced", next(_KEYS)), id(token)
+    lane = getattr(token, "device", None) or scope  # one lane per replica device
 
     def arm(_handle) -> list:
-        WATCHDOG.arm(key, seconds, what, scope=scope, traced=True)
+        WATCHDOG.arm(key, seconds, what, scope=scope, traced=True, lane=lane)
         return []
 
     def disarm(_handle) -> list:
@@ -271,10 +320,86 @@ def guard(
     return out
 
 
+#: Per thread (MirroredStrategy traces each replica on its own thread): id(token) -> the
+#: open :class:`_Span` of that ordering token.
+_SPANS = threading.local()
+
+
+def _open_spans() -> dict:
+    return _SPANS.__dict__.setdefault("open", {})
+
+
+class _Span:
+    """One deadline over consecutive guarded collectives on one ordering token."""
+
+    def __init__(self, token) -> None:
+        self.token = token
+        self.key = ("traced", next(_KEYS))
+        self.names: list[str] = []
+        self.last: tf.Tensor | None = None
+
+    def add(self, collective: Callable, flat: tf.Tensor, seconds: float, what: str) -> tf.Tensor:
+        self.names.append(what)
+        if self.last is None:  # the first collective: arm before it (as guard does)
+            key, scope, names = self.key, id(self.token), self.names
+
+            def arm(_handle) -> list:
+                WATCHDOG.arm(key, seconds, " then ".join(names), scope=scope, traced=True)
+                return []
+
+            with tf.control_dependencies([flat]):
+                armed = tf.py_function(arm, [self.token.handle], [], name="arm_deadline")
+            with tf.control_dependencies([armed]):
+                flat = tf.identity(flat)
+        self.last = collective(flat)
+        return self.last
+
+    def close(self) -> None:
+        if self.last is None:
+            return
+        key = self.key
+
+        def disarm(_handle) -> list:
+            WATCHDOG.disarm(key)
+            return []
+
+        with tf.control_dependencies([self.last]):
+            tf.py_function(disarm, [self.token.handle], [], name="disarm_deadline")
+
+
+@contextlib.contextmanager
+def one_deadline(token) -> Iterator[None]:
+    """While a step is traced: the guarded collectives on ``token`` built inside the block
+    share one deadline, armed before the first and disarmed after the last (two host
+    callbacks in all instead of two per collective).
+
+    The deadline (the first collective's ``seconds``) then also covers the ops between
+    those collectives, which run on the same replica (e.g. stage 2's shard update between
+    its reduce-scatter and its all-gather); its message names every collective. The
+    collectives on one token run one at a time, in trace order (the token orders them),
+    so a span is what the separate deadlines would cover, plus the ops between them.
+
+    Args:
+        token: the collectives' ordering-token variable (``CollectiveGroup.token_variable``).
+    """
+    spans = _open_spans()
+    if id(token) in spans or tf.executing_eagerly():
+        yield  # nested (the outer span covers it), or nothing is traced
+        return
+    span = spans[id(token)] = _Span(token)
+    try:
+        yield
+    finally:
+        del spans[id(token)]
+        span.close()
+
+
 def guard_strategy_collectives(strategy: tf.distribute.Strategy, seconds: Callable[[], float]):
     """Put the collectives ``strategy`` issues itself under :data:`WATCHDOG` deadlines.
 
-    For a ``MultiWorkerMirroredStrategy`` built without ``CommunicationOptions.timeout_seconds``:
+    For a ``MultiWorkerMirroredStrategy`` built without ``CommunicationOptions.timeout_seconds``
+    (and a single-worker ``MirroredStrategy`` whose cross-device ops are collective, as on
+    CPU: ``ZeroInfinityStrategy`` guards its own so that their host callbacks time them):
     every dense all-reduce and all-gather of its cross-device ops (its replicas' and its
     per-host ones; also Keras's loss/metric reductions and the distributed iterator's
     "every worker has data" check at the start of each step) goes through one
@@ -293,7 +418,10 @@ def guard_strategy_collectives(strategy: tf.distribute.Strategy, seconds: Callab
     """
     launchers = [
         launcher
-        for ops in (strategy.extended._cross_device_ops, strategy.extended._host_cross_device_ops)
+        for ops in (
+            getattr(strategy.extended, "_cross_device_ops", None),
+            getattr(strategy.extended, "_host_cross_device_ops", None),  # multi-worker only
+        )
         for launcher in getattr(ops, "_launchers", ())
     ]
     if not launchers:
@@ -306,6 +434,9 @@ def guard_strategy_collectives(strategy: tf.distribute.Strategy, seconds: Callab
 
 
 def _wrap_launcher(launcher: Any, seconds: Callable[[], float]) -> None:
+    if getattr(launcher, "_zero_runtime_guarded", False):  # already wrapped: once only
+        return
+    launcher._zero_runtime_guarded = True
     token = getattr(launcher, "_ordering_token", None)
     if token is None:  # (``or`` would ask the variable's truth value)
         token = device_token(launcher._device)

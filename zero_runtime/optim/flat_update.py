@@ -134,8 +134,17 @@ class FlatShardUpdate:
             return super()._backend_update_step(grads, trainable_variables, learning_rate)
         by_pos = self._zero_by_pos(grads, trainable_variables)
         active = tuple(g is not None for g in by_pos)
-        shard = self._zero_reduce(self._zero_bucket_flats(by_pos), by_pos)
-        self._zero_apply_shard(shard, active, learning_rate)
+        group = self._zero.group
+        # The step's raw collectives on this replica's token (stage 2's reduce-scatter and
+        # the all-gather) share one watchdog deadline: two host callbacks, not four.
+        span = (
+            comm.one_deadline(group.token_variable(replica_id()))
+            if group is not None
+            else contextlib.nullcontext()
+        )
+        with span:
+            shard = self._zero_reduce(self._zero_bucket_flats(by_pos), by_pos)
+            self._zero_apply_shard(shard, active, learning_rate)
 
     def _zero_by_pos(self, grads: list, trainable_variables: list) -> list:
         """Gradients in layout order (None for variables without one), densified."""
@@ -171,6 +180,31 @@ class FlatShardUpdate:
                 parts.append(tf.zeros([pad], tf.float32))
             flats.append(tf.concat(parts, axis=0) if len(parts) > 1 else parts[0])
         return flats
+
+    def _zero_param_shard(self, variables: list, shard: int) -> tf.Tensor:
+        """Shard ``shard`` of the parameters, float32 ``[shard_size]``: the pieces of the
+        padded flat buffer that shard owns, read from only the variables they cover.
+
+        Equal to slicing the flat buffer of every variable (:meth:`_zero_bucket_flats`)
+        but copies ``shard_size`` elements instead of the whole ``padded_total``."""
+        layout = self._zero.layout
+        parts = []
+        for b in layout.buckets:
+            lo = b.flat_offset + shard * b.piece_size
+            hi = lo + b.piece_size
+            for i in range(b.var_start, b.var_end):
+                begin = layout.offsets[i]
+                start, end = max(lo, begin), min(hi, begin + layout.sizes[i])
+                if start >= end:
+                    continue
+                flat = tf.reshape(tf.cast(variables[i], tf.float32), [layout.sizes[i]])
+                if end - start < layout.sizes[i]:
+                    flat = flat[start - begin : end - begin]
+                parts.append(flat)
+            pad = b.piece_size - max(0, min(hi, b.flat_offset + b.size) - lo)
+            if pad:
+                parts.append(tf.zeros([pad], tf.float32))
+        return tf.concat(parts, axis=0) if len(parts) > 1 else parts[0]
 
     def _zero_unflatten(self, flat: tf.Tensor, active: tuple[bool, ...]) -> list:
         """Per-variable tensors (None where inactive) from a padded flat buffer."""
@@ -261,10 +295,8 @@ class FlatShardUpdate:
         layout = zs.layout
         n = layout.num_shards
         all_vars = [unwrap(v) for v in self._trainable_variables]
-        param_flats = self._zero_bucket_flats([tf.cast(v, tf.float32) for v in all_vars])
-        pieces = [comm.shard_of(f, b.piece_size) for f, b in zip(param_flats, layout.buckets)]
-        param_shard = tf.concat(pieces, axis=0) if len(pieces) > 1 else pieces[0]
         replica = replica_id()
+        param_shard = self._zero_param_shard(all_vars, replica)
         scalars = self._zero_scalars(lr)
         step = self._zero_step()
         if isinstance(zs.store, DeviceOptimizerState):
@@ -305,7 +337,7 @@ class FlatShardUpdate:
             )
             self._zero_gate_tokens().append(new_shard)
         new_shard.set_shape([layout.shard_size])
-        gathered = comm.all_gather_flat(new_shard, zs.group if in_cond else None)
+        gathered = comm.all_gather_flat(new_shard, zs.group)  # raw: one collective
         rows = tf.reshape(gathered, [n, layout.shard_size])
         chosen = []
         for b in layout.buckets:

@@ -87,7 +87,8 @@ class ZeroOptimizerState:
         stage: 1, 2 or 3 (3: the variables are ShardedVariables, see ``apply_shard_gradients``).
         layout: the flat layout (buckets, shards) of the trainable variables.
         store: the optimizer-state shards on their tier (device, host or NVMe).
-        group: the raw-collective group for stage 2's reduce-scatter (None at stage 1).
+        group: the raw-collective group (stage 2's reduce-scatter, the all-gather of the
+            updated shards, the collectives inside ``tf.cond``).
         devices: the local replicas' devices, index = replica id.
         accumulators: per replica, the device gradient accumulator (float32
             ``[padded_total]`` at stage 1, ``[shard_size]`` at stage 2) when N > 1.
@@ -201,12 +202,13 @@ class _PartitionedUpdate(FlatShardUpdate, ShardedUpdate, TransactionalUpdate):
                 self._trainable_variables, n, bucket_size=config.reduce_bucket_size
             )
             store = self._zero_make_store(config, layout, devices)
-            group = None
-            if stage >= 2 or config.gradient_accumulation_steps > 1:
-                impl = getattr(strategy, "reduce_scatter_impl", None)
-                group = comm.CollectiveGroup.create(
-                    devices, impl, timeout_seconds=config.collective_timeout_seconds
-                )
+            # Stage 2's reduce-scatter, the all-gather of the updated shards (one raw
+            # CollectiveGatherV2: the strategy's all_gather also gathers the lengths and
+            # copies twice to pad and unpad) and the collectives inside tf.cond.
+            impl = getattr(strategy, "reduce_scatter_impl", None)
+            group = comm.CollectiveGroup.create(
+                devices, impl, timeout_seconds=config.collective_timeout_seconds
+            )
             accumulators = []
             if config.gradient_accumulation_steps > 1:
                 if self.use_ema:

@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 from zero_runtime import control, oom
+from zero_runtime.comm.watchdog import WATCHDOG
 from zero_runtime.config import ZeroConfig
 from zero_runtime.devices import DeviceInfo
 from zero_runtime.runtime import accounting
@@ -100,6 +101,9 @@ class ZeroRuntime:
         self.accounting = Accounting(device)
         self.clock = StepClock(len(device.devices))
         self.collector = TelemetryCollector(device, self.accounting)
+        # Every guarded collective's arm -> disarm becomes a comm interval of the step.
+        WATCHDOG.add_interval_listener(self.collector.record_collective)
+        self._traced_builds: int | None = None  # WATCHDOG.traced_builds at the last step
         # Summaries are serialised off the step's critical path (telemetry/emitter.py).
         self.summaries = RunSummaries(logdir, self.placement) if logdir else None
         self.control = control.ControlChannel(logdir, config) if logdir else None
@@ -236,6 +240,9 @@ class ZeroRuntime:
         step = end.step
         self._write_run_info(only_if_changed=True)  # e.g. a reduce-scatter fell back
         trace = self.collector.profiler.stop()  # the sampled window ends with this step
+        # Traced: the process's first step, or a step that built guarded collectives.
+        traced = self._traced_builds is None or WATCHDOG.traced_builds != self._traced_builds
+        self._traced_builds = WATCHDOG.traced_builds
         if self.telemetry_enabled and step % self.config.telemetry_every_n_steps == 0:
             stats = self.collector.collect(
                 step,
@@ -245,6 +252,7 @@ class ZeroRuntime:
                 config_version=self.config_version,
                 fallback_mirrored=self.fallback_mirrored,
                 trace=trace,
+                traced=traced,
             )
             self.recorder.append(stats)
             self.steps_recorded += 1
@@ -407,6 +415,7 @@ class ZeroRuntime:
         if self.state is RuntimeState.CLOSED:
             return
         self.state = RuntimeState.CLOSED
+        WATCHDOG.remove_interval_listener(self.collector.record_collective)
         self.accounting.close_stores()  # e.g. the NVMe pool's files
         if self.summaries is not None:
             self.summaries.close()  # every StepStats handed over is written first

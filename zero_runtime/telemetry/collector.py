@@ -4,15 +4,19 @@ At a step end the coordinator (``zero_runtime.runtime.ZeroRuntime``) hands the c
 the step, its duration, the active config and the sampled profiler trace; the collector
 takes the readings (:mod:`~zero_runtime.telemetry.probes`), asks the accounting for the
 tiers and page counters (:class:`TierAccounting`, implemented by
-``zero_runtime.runtime.accounting.Accounting``), and computes the step's timing from its
-own timeline of runtime-driven intervals (the NVMe I/O it watches, the host update).
-It owns the timeline, the profiler sampler and the page-move recorder; it holds no
-config and writes nothing (``zero_runtime.telemetry.summaries`` writes).
+``zero_runtime.runtime.accounting.Accounting``), and computes the step's timing on every
+step from the runtime's own intervals (:func:`step_timing`): the collectives it issues
+(arm -> disarm of their deadline host callbacks, handed to :meth:`record_collective`), the
+NVMe I/O it watches and the host update. Sampled steps use the profiler's op intervals
+instead (op-level detail). It owns the timeline, the profiler sampler and the page-move
+recorder; it holds no config and writes nothing (``zero_runtime.telemetry.summaries``
+writes).
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import time
 from typing import Any, Protocol
 
@@ -22,7 +26,7 @@ from zero_runtime.telemetry.probes import Readings, read_probes
 from zero_runtime.telemetry.profile import ProfileSampler, TraceIntervals
 from zero_runtime.telemetry.recorder import PageMoveRecorder
 from zero_runtime.telemetry.stats import StepStats, TierStats
-from zero_runtime.telemetry.timeline import Timeline, overlap
+from zero_runtime.telemetry.timeline import Interval, Timeline, overlap, total, union
 
 
 class TierAccounting(Protocol):
@@ -65,6 +69,24 @@ class TelemetryCollector:
         self.timeline = Timeline()
         self.profiler = ProfileSampler()
         self.page_moves = PageMoveRecorder()
+        self._lanes_lock = threading.Lock()
+        self._lanes: dict[object, list[Interval]] = {}
+
+    def record_collective(self, lane: object, start: float, end: float) -> None:
+        """One in-graph collective of replica ``lane`` ran from ``start`` (its input existed)
+        to ``end`` (its result existed), ``time.time()`` seconds; thread-safe, O(1).
+
+        Fed by the collective watchdog's host callbacks
+        (``zero_runtime.comm.watchdog.CollectiveWatchdog.add_interval_listener``)."""
+        with self._lanes_lock:
+            lane_list = self._lanes.setdefault(lane, [])
+            if len(lane_list) < 100_000:
+                lane_list.append((start, end))
+
+    def _drain_lanes(self) -> list[list[Interval]]:
+        with self._lanes_lock:
+            lanes, self._lanes = self._lanes, {}
+        return list(lanes.values())
 
     def collect(
         self,
@@ -76,6 +98,7 @@ class TelemetryCollector:
         config_version: int,
         fallback_mirrored: bool,
         trace: TraceIntervals | None = None,
+        traced: bool = False,
     ) -> StepStats:
         """The record of the step that just ended; consumes its counters and intervals.
 
@@ -87,6 +110,7 @@ class TelemetryCollector:
             config_version: its version (0 = as started).
             fallback_mirrored: whether the strategy runs as plain mirrored.
             trace: the profiler trace sampled over this step, or None.
+            traced: True when the step traced its step function (step 0, a retrace).
         """
         readings = read_probes(self.device, config.nvme_path)
         tiers, pages = self.accounting.close_step(step, readings, config)
@@ -97,7 +121,7 @@ class TelemetryCollector:
             wall_time=wall_time,
             tiers=tiers,
             readings=readings,
-            timing=self._timing(step_seconds, pages, trace),
+            timing=self._timing(wall_time, step_seconds, pages, trace) | {"traced": float(traced)},
             pages=pages,
             config_version=config_version,
             collectives=self.accounting.collectives(),
@@ -109,6 +133,7 @@ class TelemetryCollector:
     def skip(self) -> None:
         """A step without a record: drop its intervals (the next record starts clean)."""
         self.timeline.drain()
+        self._drain_lanes()
 
     def add_compute(self, seconds: float) -> None:
         """Record ``seconds`` of runtime-driven compute that ended now (the host update)."""
@@ -140,37 +165,41 @@ class TelemetryCollector:
         )
 
     def _timing(
-        self, step_seconds: float, pages: dict[str, float], trace: TraceIntervals | None
+        self,
+        wall_time: float,
+        step_seconds: float,
+        pages: dict[str, float],
+        trace: TraceIntervals | None,
     ) -> dict[str, float]:
         """The step's TIMING_COLUMNS (seconds; ratio in [0, 1]; NaN = not measured).
 
-        Sampled steps (``trace``): collectives and ops from the profiler trace plus the
-        runtime's NVMe I/O. Other steps: only what the runtime drives itself (NVMe I/O as
-        comm, the host update as compute); without an NVMe tier nothing is measured.
-        Overlaps are computed per clock and summed (the trace has its own clock).
+        Every step: :func:`step_timing` of the runtime's own intervals over the step's
+        window ``[wall_time - step_seconds, wall_time]``. Sampled steps (``trace``): the
+        profiler's op intervals instead, plus the runtime's NVMe I/O (the trace has its
+        own clock, so the two overlaps are summed).
         """
         drained = self.timeline.drain()
-        io = overlap(drained["comm"], drained["compute"])
+        lanes = self._drain_lanes()
         has_io = self.accounting.has_runtime_io()
-        timing = {
-            "step_seconds": step_seconds,
-            "stall_seconds": pages.get("stall_seconds", math.nan),
-        }
+        io = drained["comm"] if has_io else []
+        stall = pages.get("stall_seconds", math.nan)
+        timing = {"step_seconds": step_seconds, "stall_seconds": stall}
+        if has_io:
+            timing["io_seconds"] = total(io)
         if trace is not None:
             t = overlap(trace.comm, trace.compute)
-            comm = t.comm_seconds + (io.comm_seconds if has_io else 0.0)
-            both = t.overlap_seconds + (io.overlap_seconds if has_io else 0.0)
-            compute = t.compute_seconds
-        elif has_io:
-            comm, both, compute = io.comm_seconds, io.overlap_seconds, io.compute_seconds
-        else:
+            o = overlap(io, drained["compute"])
+            comm, both = t.comm_seconds + o.comm_seconds, t.overlap_seconds + o.overlap_seconds
+            timing.update(
+                comm_seconds=comm,
+                compute_seconds=t.compute_seconds,
+                overlap_seconds=both,
+                overlap_ratio=both / comm if comm > 0 else math.nan,
+            )
             return timing
-        timing.update(
-            comm_seconds=comm,
-            compute_seconds=compute,
-            overlap_seconds=both,
-            overlap_ratio=both / comm if comm > 0 else math.nan,
-        )
+        if step_seconds > 0 and (lanes or io):
+            window = (wall_time - step_seconds, wall_time)
+            timing.update(step_timing(window, lanes, io, drained["compute"], stall))
         return timing
 
     def _reset_framework_peak(self) -> None:
@@ -180,3 +209,89 @@ class TelemetryCollector:
             tf.config.experimental.reset_memory_stats(self.device.memory_info_device)
         except (ValueError, RuntimeError):
             pass
+
+
+def step_timing(
+    window: Interval,
+    lanes: list[list[Interval]],
+    io: list[Interval],
+    host_compute: list[Interval],
+    stall_seconds: float = math.nan,
+) -> dict[str, float]:
+    """A step's comm/compute breakdown from host-observed intervals (no profiler).
+
+    Definitions (every interval clipped to ``window``; the overlap is HTA's
+    ``|union(comm) ∩ union(compute)| / |union(comm)|``, :mod:`.timeline`):
+
+    - comm: the union of every replica's collectives (``lanes``: one list of
+      ``(arm, disarm)`` intervals per replica) and the NVMe I/O (``io``);
+    - blocked: the times when *every* replica was inside a collective (intersection of the
+      lanes' unions): nothing the host observes can be computing then;
+    - compute: the window minus blocked, plus the host update (``host_compute``);
+    - overlap: ``|comm ∩ compute|``, less one replica's share of ``stall_seconds`` (the
+      pool's page waits, summed over the replicas' threads: I/O that computation did not
+      hide), clamped at 0.
+
+    A lower bound of the true overlap: ops a replica runs alongside its own collective
+    inside the graph are not seen (the sampled profiler steps see them).
+
+    Args:
+        window: the step's ``(start, end)``, ``time.time()`` seconds.
+        lanes: per replica, its collectives' intervals (any order, may be empty).
+        io: NVMe I/O job intervals.
+        host_compute: host optimizer update intervals.
+        stall_seconds: seconds the pool waited for pages, summed over the replicas'
+            threads (NaN: none known).
+
+    Returns:
+        ``comm_seconds``, ``compute_seconds``, ``overlap_seconds`` (seconds) and
+        ``overlap_ratio`` in [0, 1] (NaN when there was no communication).
+    """
+    lo, hi = window
+    if not hi > lo:
+        raise ValueError(f"window={window!r} is empty: expected (start, end) with end > start")
+
+    def clip(intervals: list[Interval]) -> list[Interval]:
+        return [(max(s, lo), min(e, hi)) for s, e in intervals if e > lo and s < hi]
+
+    unions = [union(clip(lane)) for lane in lanes if lane]
+    comm = union([iv for u in unions for iv in u] + clip(io))
+    blocked = unions[0] if unions else []
+    for u in unions[1:]:
+        blocked = _intersect_merged(blocked, u)
+    free: list[Interval] = []
+    cursor = lo
+    for s, e in blocked:
+        if s > cursor:
+            free.append((cursor, s))
+        cursor = max(cursor, e)
+    if cursor < hi:
+        free.append((cursor, hi))
+    compute = union(free + clip(host_compute))
+    c = sum(e - s for s, e in comm)
+    both = sum(e - s for s, e in _intersect_merged(comm, compute))
+    if stall_seconds == stall_seconds and stall_seconds > 0:  # not NaN
+        # the pool sums its page waits over the replicas' threads: a replica's share
+        both = max(0.0, both - stall_seconds / max(1, len(unions)))
+    return {
+        "comm_seconds": c,
+        "compute_seconds": sum(e - s for s, e in compute),
+        "overlap_seconds": both,
+        "overlap_ratio": both / c if c > 0 else math.nan,
+    }
+
+
+def _intersect_merged(a: list[Interval], b: list[Interval]) -> list[Interval]:
+    """:func:`~zero_runtime.telemetry.timeline.intersect` of two already merged (sorted,
+    disjoint) interval lists, without merging them again."""
+    out: list[Interval] = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        s, e = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if e > s:
+            out.append((s, e))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out

@@ -14,11 +14,19 @@ plugin is not installed here, but the proto's Python module ships with TensorFlo
 - times are ``line.timestamp_ns + offset_ps / 1000`` ns, converted to seconds.
 
 The sampled window runs from the end of step ``s`` to the end of step ``s + 1``; its
-figures are reported for step ``s + 1`` (a ``profiled`` flag says so).
+figures are reported for step ``s + 1`` (a ``profiled`` flag says so). Every other step's
+timing comes from the runtime's own intervals (``zero_runtime.telemetry.collector``); the
+profiler only adds op-level detail on the sampled ones.
+
+TensorFlow's profiler session logs five INFO lines per start/stop from C++
+(``profiler_session.cc``, ``save_profile.cc``) unless ``TF_CPP_MIN_LOG_LEVEL`` >= 1: the
+sampler silences the process's stderr (file descriptor 2) for the duration of those two
+calls only (:func:`quiet_native_info`); its own errors go through Python logging after.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import logging
@@ -38,6 +46,30 @@ DEFAULT_PROFILE_EVERY_N_STEPS = 50
 PROFILE_ENV = "ZERO_RUNTIME_PROFILE_EVERY"
 
 _COMM_PREFIXES = ("Collective", "Nccl")
+
+
+@contextlib.contextmanager
+def quiet_native_info():
+    """Send file descriptor 2 (native stderr) to ``/dev/null`` inside the block when
+    TensorFlow's C++ INFO lines are on (``TF_CPP_MIN_LOG_LEVEL`` unset or ``0``); a no-op
+    otherwise, or when fd 2 cannot be duplicated. Other threads' stderr writes during the
+    block (milliseconds around a profiler start/stop) are lost too."""
+    if os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0") not in ("", "0"):
+        yield
+        return
+    try:
+        saved = os.dup(2)
+        null = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        yield
+        return
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +167,8 @@ class ProfileSampler:
 
         self._dir = tempfile.mkdtemp(prefix="zr-profile-")
         try:
-            tf.profiler.experimental.start(self._dir)
+            with quiet_native_info():
+                tf.profiler.experimental.start(self._dir)
         except Exception as exc:  # noqa: BLE001 - a profiler already running, etc.
             log.warning("telemetry: cannot start the TensorFlow profiler: %s", exc)
             self.failures += 1
@@ -154,7 +187,8 @@ class ProfileSampler:
         directory, step = self._dir, self._step
         self._dir = self._step = None
         try:
-            tf.profiler.experimental.stop()
+            with quiet_native_info():
+                tf.profiler.experimental.stop()
             files = sorted(glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True))
             if not files:
                 raise FileNotFoundError(f"no .xplane.pb written under {directory}")

@@ -112,18 +112,24 @@ class RunSummaries:
 
     def _write_step(self, stats: StepStats) -> None:
         w = self._writer
-        w.matrix(
-            metadata.TAG_TIERS,
+        tiers = {name: t.as_dict() for name, t in stats.tiers.items()}
+        vectors = {
+            metadata.TAG_READINGS: stats.readings.as_dict(),
+            metadata.TAG_TIMING: stats.timing,
+            metadata.TAG_PAGES: stats.pages,
+            metadata.TAG_STEP_INFO: stats.step_info(),
+        }
+        if stats.collectives:
+            vectors[metadata.TAG_COLLECTIVES] = stats.collectives
+        # One event per record: the tensors, and the headline figures again as standard
+        # scalars (``zero/...``) for other readers.
+        w.record(
             stats.step,
-            {name: t.as_dict() for name, t in stats.tiers.items()},
+            matrices={metadata.TAG_TIERS: tiers},
+            vectors=vectors,
+            scalars=metadata.headline_scalars(tiers, stats.pages, stats.timing),
             wall_time=stats.wall_time,
         )
-        w.vector(metadata.TAG_READINGS, stats.step, stats.readings.as_dict(), stats.wall_time)
-        w.vector(metadata.TAG_TIMING, stats.step, stats.timing, stats.wall_time)
-        w.vector(metadata.TAG_PAGES, stats.step, stats.pages, stats.wall_time)
-        w.vector(metadata.TAG_STEP_INFO, stats.step, stats.step_info(), stats.wall_time)
-        if stats.collectives:
-            w.vector(metadata.TAG_COLLECTIVES, stats.step, stats.collectives, stats.wall_time)
         placement = self._placement()
         if placement != self._last_placement:  # first step and whenever it changes
             w.json(metadata.TAG_PLACEMENT, stats.step, placement, stats.wall_time)

@@ -70,7 +70,11 @@ function markersPlugin(getMarkers) {
           line.style.left = `${left}px`;
           const tag = document.createElement('span');
           tag.className = 'mh-marker-label';
-          tag.textContent = String(marker.step);
+          // A config change names its keys and values on the chart ("12: key a → b");
+          // other kinds (checkpoints, traced steps) show the step, the title says more.
+          tag.textContent = marker.kind
+            ? String(marker.step)
+            : `${marker.step}: ${String(marker.label).replace(/^v\d+ applied: /, '')}`;
           line.append(tag);
           layer.append(line);
         }

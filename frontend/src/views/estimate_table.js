@@ -16,6 +16,19 @@ function bar(value, max, className) {
 }
 
 /**
+ * The one line above the table: what is compared with what.
+ * @param {number|null} step the last recorded step (null: none yet)
+ */
+export function estimateExplanation(step) {
+  const when = step === null ? 'the last recorded step' : `step ${step}, the last recorded`;
+  return (
+    'Predicted: the estimator\u2019s bytes per tier for this config and model, computed ' +
+    `before training. Measured: ${when} \u2014 parameters + gradients + optimizer ` +
+    'states per tier, and the peak inside that step.'
+  );
+}
+
+/**
  * @param {HTMLTableElement} table
  * @param {object|null} estimate the latest memory_hierarchy/estimate value (null: none)
  * @param {object|null} tiers a /series answer for memory_hierarchy/tiers
@@ -29,6 +42,8 @@ export function renderEstimate(table, estimate, tiers, runInfo, readings = null)
     return;
   }
   table.dataset.state = 'shown';
+  const last = tiers?.steps?.length ? tiers.steps[tiers.steps.length - 1] : null;
+  table.append(el('caption', 'mh-estimate-explain', estimateExplanation(last)));
   const rows = predictedVsMeasured(estimate, tiers, readings);
   const max = Math.max(0, ...rows.flatMap((r) => [r.predicted ?? 0, r.measured ?? 0]));
   const head = el('tr');

@@ -1,6 +1,15 @@
 // View: the run selector, as in TensorBoard: a checkbox per run (with its color), a regex
 // filter, and "all"/"none". It reports changes through a callback and keeps no data.
+// A first visit selects the most recent runs only (selection.js); the user's choice is
+// remembered in localStorage.
 
+import {
+  DEFAULT_SELECTED_RUNS,
+  loadSelection,
+  mergeSelection,
+  pageStorage,
+  saveSelection,
+} from '../selection.js';
 import { el } from './run_panel.js';
 
 // TensorBoard's run palette (the first colors of its default scheme).
@@ -18,12 +27,18 @@ export class RunSelector {
   /**
    * @param {HTMLElement} container
    * @param {(selected: Set<string>) => void} onChange
+   * @param {object} [options]
+   * @param {Storage|null} [options.storage] where the choice is remembered (localStorage)
+   * @param {number} [options.limit] runs selected by default (the most recent ones)
    */
-  constructor(container, onChange) {
+  constructor(container, onChange, { storage = pageStorage(), limit = DEFAULT_SELECTED_RUNS } = {}) {
     this.onChange = onChange;
+    this.storage = storage;
+    this.limit = limit;
     this.runs = [];
-    this.selected = new Set();
-    this.known = new Set();
+    const stored = loadSelection(storage);
+    this.selected = stored?.selected ?? new Set();
+    this.known = stored?.known ?? new Set();
     this.filter = '';
     this.element = el('fieldset', 'mh-runs-selector');
     this.element.append(el('legend', null, 'Runs'));
@@ -69,24 +84,34 @@ export class RunSelector {
       if (on) this.selected.add(run);
       else this.selected.delete(run);
     }
+    this.save();
     this.renderList();
     this.onChange(new Set(this.selected));
   }
 
+  save() {
+    saveSelection(this.storage, this.selected, this.known);
+  }
+
   /**
-   * Show these runs; a run seen for the first time is selected (TensorBoard's default).
+   * Show these runs. A run seen for the first time is selected while fewer than `limit`
+   * runs are (most recent first); known runs keep the user's choice (selection.js).
    * @param {string[]} runs sorted names
+   * @param {Map<string, number>} [recency] run -> its newest wall time (seconds)
    * @returns {Set<string>} the selection
    */
-  setRuns(runs) {
+  setRuns(runs, recency = new Map()) {
     const same = runs.length === this.runs.length && runs.every((r, i) => r === this.runs[i]);
-    for (const run of runs) {
-      if (!this.known.has(run)) {
-        this.known.add(run);
-        this.selected.add(run);
-      }
-    }
-    for (const run of [...this.selected]) if (!runs.includes(run)) this.selected.delete(run);
+    const merged = mergeSelection({
+      runs,
+      recency,
+      selected: this.selected,
+      known: this.known,
+      limit: this.limit,
+    });
+    this.selected = merged.selected;
+    this.known = merged.known;
+    if (merged.changed) this.save();
     this.runs = runs;
     if (!same) this.renderList();
     return new Set(this.selected);
@@ -94,7 +119,7 @@ export class RunSelector {
 
   renderList() {
     const match = this.matcher();
-    this.list.replaceChildren();
+    const fragment = document.createDocumentFragment();
     this.runs.forEach((run, index) => {
       const label = el('label', 'mh-run-option');
       label.dataset.run = run;
@@ -107,12 +132,14 @@ export class RunSelector {
       box.addEventListener('change', () => {
         if (box.checked) this.selected.add(run);
         else this.selected.delete(run);
+        this.save();
         this.onChange(new Set(this.selected));
       });
       const swatch = el('span', 'mh-swatch');
       swatch.style.background = runColor(index);
       label.append(box, swatch, el('span', 'mh-run-option-name', run));
-      this.list.append(label);
+      fragment.append(label);
     });
+    this.list.replaceChildren(fragment);
   }
 }

@@ -1,10 +1,12 @@
-// View: step-time breakdown of one run (compute, communication, overlapped, stall and the
-// whole step) and the overlap ratio (memory_hierarchy/timing). A part that was never
-// measured is named "not measured", never drawn as zero.
+// View: step-time breakdown of one run (compute, communication, overlapped, stall, NVMe
+// I/O and the whole step) and the overlap ratio (memory_hierarchy/timing). A part that was
+// never measured is named "not measured", never drawn as zero. Steps that traced (compiled)
+// the step function (column `traced`) are drawn but kept out of the y-range, with a marker.
 
-import { isMeasured, STEP_TIME_PARTS } from '../data.js';
+import { isMeasured } from '../data.js';
 import { formatPercent, formatSeconds } from '../format.js';
 import { Chart } from './chart.js';
+import { TIMING_PARTS, tracedSteps } from './timing_parts.js';
 import { el, renderNote, renderSummary } from './run_panel.js';
 
 const HEIGHT = 180; // px
@@ -14,13 +16,14 @@ const PART_COLORS = {
   comm_seconds: '#e8710a',
   overlap_seconds: '#12a05c',
   stall_seconds: '#c5221f',
+  io_seconds: '#9334e6',
 };
 
 /** The summary items of the last step (see renderSummary). */
 export function timingSummaryItems(series) {
   const last = series.steps.length - 1;
   const v = (column) => series.values[column]?.[last] ?? null;
-  const items = STEP_TIME_PARTS.map((p) => ({
+  const items = TIMING_PARTS.map((p) => ({
     metric: p.column,
     label: p.label,
     value: v(p.column),
@@ -74,15 +77,35 @@ export class TimingView {
     renderSummary(summary, x[x.length - 1], timingSummaryItems(series));
     const lines = [];
     const absent = [];
-    for (const part of STEP_TIME_PARTS) {
+    const drawn = [];
+    for (const part of TIMING_PARTS) {
       const values = series.values[part.column];
       if (isMeasured(values)) {
         lines.push({ label: part.label, values, stroke: PART_COLORS[part.column], width: 1.5 });
+        drawn.push(part.column);
       } else {
         absent.push(part.label);
       }
     }
-    breakdown.chart.update({ x, series: lines, scales: { y: { unit: 'seconds' } }, markers });
+    const { traced, top } = tracedSteps(series, drawn);
+    const tracedMarkers = traced.map(({ step, seconds }) => ({
+      step,
+      kind: 'traced',
+      label: `traced the step function (compile): ${formatSeconds(seconds)}, off the y-axis`,
+    }));
+    breakdown.note.textContent = traced.length
+      ? `Step ${traced.map((t) => t.step).join(', ')} traced (compiled) the step function ` +
+        `(${traced.map((t) => formatSeconds(t.seconds)).join(', ')}); the y-axis scales to ` +
+        'the other steps.'
+      : '';
+    breakdown.note.hidden = !traced.length || top === null;
+    breakdown.box.dataset.yMax = top === null ? '' : String(top); // '' : scaled to every step
+    breakdown.chart.update({
+      x,
+      series: lines,
+      scales: { y: top === null ? { unit: 'seconds' } : { unit: 'seconds', max: top } },
+      markers: [...markers, ...tracedMarkers],
+    });
     const ratioValues = series.values.overlap_ratio;
     const ratioMeasured = isMeasured(ratioValues);
     if (!ratioMeasured) absent.push('overlap ratio');

@@ -2,12 +2,17 @@
 // its value in effect, bounds and unit, an input for a new value when this TensorBoard
 // allows tuning, and the state of the latest request (pending, applied at step N, rejected
 // with its reason). Builds DOM from data; the controller supplies `submit`.
+// Each key says when an applied change acts on the running job (`takes_effect`: next step,
+// or rebuild for a key only read when the model is built) and whether it acts in this run
+// (`acts`); a change that does not is "recorded", never "applied". A job that ended (GET /tuning's `job_ended`: its OOM post-mortem
+// exists) offers no form: nothing would read the request.
 // A worker's run of a multi-worker job is tuned through its chief's run (the server writes
 // there; GET /tuning's `tuning_note` says so and is shown above the table).
 // The inputs are built once per key list and kept across refreshes, so polling never
 // clobbers what a user is typing.
 
 import {
+  changesText,
   formatConfigValue,
   groupDigits,
   parseTunableInput,
@@ -19,6 +24,45 @@ import { el } from './run_panel.js';
 
 function boundText(value, unit) {
   return unit === 'bytes' ? formatBytes(value) : groupDigits(value);
+}
+
+/** True when a key's change acts only when the job is rebuilt (GET /tuning's takes_effect). */
+export function actsAtRebuild(spec) {
+  return typeof spec?.takes_effect === 'string' && spec.takes_effect.startsWith('rebuild');
+}
+
+/**
+ * True when an applied change of the key changes nothing in this run's job: GET /tuning's
+ * `acts` is false (a rebuild key, or a key that does not act at this run's stage).
+ */
+export function changesNothingNow(spec) {
+  return spec?.acts === false || actsAtRebuild(spec);
+}
+
+/**
+ * The request line: tuningStateText, except that an applied request says which keys
+ * changed nothing in the running job (they act at rebuild) and a request without changes
+ * is not called applied.
+ * @param {object|null} request GET /tuning's request state
+ * @param {object[]} keys GET /tuning's keys ({key, takes_effect})
+ * @param {number} nowSeconds
+ */
+export function requestText(request, keys, nowSeconds) {
+  if (request?.state !== 'applied') return tuningStateText(request, nowSeconds);
+  const v = request.version === null || request.version === undefined ? '' : ` v${request.version}`;
+  const changes = request.changes && typeof request.changes === 'object' ? request.changes : {};
+  const specs = new Map((keys ?? []).map((k) => [k.key, k]));
+  const later = Object.keys(changes).filter((k) => changesNothingNow(specs.get(k)));
+  const now = Object.fromEntries(Object.entries(changes).filter(([k]) => !later.includes(k)));
+  if (!Object.keys(changes).length) {
+    return `Request${v}: changed nothing at step ${request.step} (its values were already in effect).`;
+  }
+  const pick = (names) => Object.fromEntries(names.map((k) => [k, changes[k]]));
+  const rebuild = later.length
+    ? `recorded, changes nothing in the running job: ${changesText(pick(later))}`
+    : '';
+  if (!Object.keys(now).length) return `Request${v} at step ${request.step}: ${rebuild}.`;
+  return `Request${v}: applied at step ${request.step} (${changesText(now)})${rebuild ? `; ${rebuild}` : ''}.`;
 }
 
 /** The live-tuning panel of one run; create once, then update with each /tuning answer. */
@@ -64,7 +108,7 @@ export class TuningPanel {
     this.table.replaceChildren();
     this.rows.clear();
     const head = el('tr');
-    const titles = ['setting', 'in effect', 'bounds', 'meaning'];
+    const titles = ['setting', 'in effect', 'takes effect', 'bounds', 'meaning'];
     if (enabled) titles.push('new value');
     for (const t of titles) head.append(el('th', null, t));
     this.table.append(head);
@@ -78,7 +122,17 @@ export class TuningPanel {
         'mh-tuning-bounds',
         `${boundText(spec.min, spec.unit)} … ${boundText(spec.max, spec.unit)} (${spec.unit})`,
       );
-      row.append(el('th', 'mh-tuning-key', spec.key), value, bounds, el('td', 'mh-tuning-desc', spec.description));
+      const idle = spec.acts === false && !actsAtRebuild(spec) ? ' \u2014 not in this run' : '';
+      const effect = el('td', 'mh-tuning-effect', `${spec.takes_effect ?? 'not stated'}${idle}`);
+      effect.dataset.rebuild = String(actsAtRebuild(spec));
+      effect.dataset.acts = String(spec.acts ?? '');
+      row.append(
+        el('th', 'mh-tuning-key', spec.key),
+        value,
+        effect,
+        bounds,
+        el('td', 'mh-tuning-desc', spec.description),
+      );
       let input = null;
       if (enabled) {
         input = el('input', 'mh-tuning-input');
@@ -116,10 +170,20 @@ export class TuningPanel {
       this.keysKey = keysKey;
     }
     this.note.className = 'mh-tuning-note';
-    this.note.textContent = enabled
-      ? 'Changes are written to the run directory and take effect at the job\u2019s next step boundary.'
-      : `Live tuning is off in this TensorBoard: restart it with ${answer.flag} to change ` +
-        'these settings from here. They are shown read-only.';
+    const ended = answer.job_ended ?? null;
+    this.body.dataset.jobEnded = String(Boolean(ended));
+    if (ended) {
+      this.note.textContent =
+        `This job ended with an out-of-memory failure at step ${ended.step}: no job reads ` +
+        'tuning requests any more. The settings are shown read-only; apply the advice to ' +
+        'the next run\u2019s config.';
+    } else {
+      this.note.textContent = enabled
+        ? 'Changes are written to the run directory; the job reads them at its next step ' +
+          'boundary and each takes effect as its \u201ctakes effect\u201d column says.'
+        : `Live tuning is off in this TensorBoard: restart it with ${answer.flag} to change ` +
+          'these settings from here. They are shown read-only.';
+    }
     this.note.classList.toggle('mh-tuning-off', !enabled);
     if (answer.run_dir_error) {
       this.note.textContent += ` The run directory cannot be read: ${answer.run_dir_error}`;
@@ -134,7 +198,9 @@ export class TuningPanel {
       const sinceText =
         spec.since_step === null || spec.since_step === undefined
           ? ''
-          : ` since step ${spec.since_step} (v${spec.version})`;
+          : changesNothingNow(spec)
+            ? ` recorded at step ${spec.since_step} (v${spec.version}); changes nothing in this job`
+            : ` since step ${spec.since_step} (v${spec.version})`;
       parts.since.textContent = sinceText;
       const current = spec.recorded === false ? 'not recorded' : formatConfigValue(spec.key, spec.value);
       parts.value.replaceChildren(
@@ -146,14 +212,14 @@ export class TuningPanel {
     this.state.dataset.state = request.state;
     this.state.dataset.version = request.version === null ? '' : String(request.version ?? '');
     this.state.dataset.step = request.step === null ? '' : String(request.step ?? '');
-    this.state.textContent = tuningStateText(request, Date.now() / 1000);
+    this.state.textContent = requestText(request, answer.keys, Date.now() / 1000);
     this.state.classList.toggle('mh-error', request.state === 'rejected');
     // "Request vN written; waiting" is stale once the job decided on vN.
     if (this.written !== null && request.version === this.written && request.state !== 'pending') {
       this.written = null;
       this.say('');
     }
-    this.form.hidden = !enabled;
+    this.form.hidden = !enabled || Boolean(ended);
   }
 
   /** Read the inputs, post the non-empty ones, report the answer. */
