@@ -301,6 +301,8 @@ def oom_postmortem(run: str) -> dict | None:
                 "description": "Partition the parameters too (ZeRO stage 3)",
                 "frees_bytes": 64 * MIB,
                 "fits": False,
+                "verdict": "may fit",
+                "missing_bytes": 8 * MIB,
                 "speed_cost": "medium",
             },
         ],
