@@ -17,8 +17,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from playwright.sync_api import expect
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.util import tensor_util
+from test_browser import open_view, plugin_frame, require_built_frontend
 
 from tb_plugin import metadata
 from zero_runtime import oom
@@ -27,6 +29,7 @@ pytestmark = [pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 8
+SCREENSHOT = REPO / "docs" / "screenshot_demo.png"  # the README's first picture
 BUDGET = 5 << 20  # bytes: the mirrored run needs ~15 MiB, ZeRO-Infinity fits
 ARGS = ["--d-model", "128", "--layers", "2"]
 
@@ -114,3 +117,30 @@ def test_zero_infinity_run_times_every_step(main_job):
         assert 0 <= r["overlap_seconds"] <= r["comm_seconds"] + 1e-9
         assert 0 < r["compute_seconds"] <= r["step_seconds"] + 1e-9
     assert sum(r["io_seconds"] for r in rows) > 0  # NVMe page I/O, timed per job
+
+
+@pytest.mark.browser
+def test_both_runs_side_by_side_in_the_tab(main_job, tensorboard_server, browser):
+    """The README's first picture: both runs selected in the Memory Hierarchy tab, the
+    mirrored run's OOM post-mortem shown, the ZeRO-Infinity run's last step read out with
+    bytes on the device, host and NVMe tiers."""
+    require_built_frontend()
+    logdir, _ = main_job
+    server = tensorboard_server(str(logdir), load_fast=True)
+    page, frame, console = open_view(browser, server)
+    try:
+        zero = frame.locator('section.mh-run[data-run="zero_infinity"]')
+        readout = zero.locator(f'.mh-readout[data-step="{STEPS - 1}"]')
+        expect(readout).to_have_count(1, timeout=60_000)
+        for tier in ("device", "host", "nvme"):
+            used = readout.locator(f'tr[data-tier="{tier}"]').get_attribute("data-used-bytes")
+            assert float(used) > 0, tier
+        mirrored = frame.locator('section.mh-run[data-run="mirrored_oom"]')
+        oom_view = mirrored.locator('.mh-section[data-view="oom"]')
+        expect(oom_view).to_be_visible(timeout=60_000)
+        expect(oom_view.locator(".mh-oom-headline")).to_contain_text("Out of memory at step 0")
+        assert plugin_frame(page).evaluate("window.__cspViolations") == []
+        assert [c for c in console if c.startswith(("error", "pageerror"))] == []
+        page.screenshot(path=str(SCREENSHOT), full_page=True)
+    finally:
+        page.context.close()
