@@ -144,3 +144,31 @@ def test_both_runs_side_by_side_in_the_tab(main_job, tensorboard_server, browser
         page.screenshot(path=str(SCREENSHOT), full_page=True)
     finally:
         page.context.close()
+
+
+def test_the_story_through_the_plugin_routes(main_job, plugin_client):
+    """Issue #19's end-to-end check, through ``/data/plugin/memory_hierarchy/``: the
+    mirrored run has an OOM record; the ZeRO run moved pages both ways between host and
+    NVMe, held NVMe bytes, measured overlap on >= 90% of its steps."""
+    logdir, _ = main_job
+    client = plugin_client(str(logdir))
+    base = "/data/plugin/memory_hierarchy"
+
+    def get(route: str, **query: str) -> dict:
+        resp = client.get(f"{base}/{route}", query_string=query)
+        assert resp.status_code == 200, (route, query, resp.get_data(as_text=True)[:500])
+        return json.loads(resp.get_data(as_text=True))
+
+    names = {r["run"] for r in get("runs")["runs"]}
+    assert {"mirrored_oom", "zero_infinity"} <= names, names
+    report = get("oom", run="mirrored_oom")
+    assert json.dumps(report).count("DeviceBudgetExceededError") >= 1
+    pages = get("series", run="zero_infinity", tag=metadata.TAG_PAGES)["values"]
+    assert sum(v or 0 for v in pages["h2n_bytes"]) > 0
+    assert sum(v or 0 for v in pages["n2h_bytes"]) > 0
+    tiers = get("series", run="zero_infinity", tag=metadata.TAG_TIERS)["values"]
+    assert all((v or 0) > 0 for v in tiers["nvme"]["used_bytes"])
+    timing = get("series", run="zero_infinity", tag=metadata.TAG_TIMING)["values"]
+    ratios = timing["overlap_ratio"]
+    assert len(ratios) == STEPS
+    assert sum(r is not None for r in ratios) >= 0.9 * STEPS, ratios
