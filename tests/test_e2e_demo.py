@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.slow]
 REPO = Path(__file__).resolve().parent.parent
 DEMO_STEPS = 30
 RUN = "gpt_zero1"
-SCREENSHOT = REPO / "docs" / "screenshot_demo.png"
+SCREENSHOT = REPO / "docs" / "screenshot_stage1.png"  # the README's first picture: test_main_job
 
 
 @pytest.fixture(scope="session")

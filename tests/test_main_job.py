@@ -17,8 +17,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from playwright.sync_api import expect
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.util import tensor_util
+from test_browser import open_view, plugin_frame, require_built_frontend
 
 from tb_plugin import metadata
 from zero_runtime import oom
@@ -27,6 +29,7 @@ pytestmark = [pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 8
+SCREENSHOT = REPO / "docs" / "screenshot_demo.png"  # the README's first picture
 BUDGET = 5 << 20  # bytes: the mirrored run needs ~15 MiB, ZeRO-Infinity fits
 ARGS = ["--d-model", "128", "--layers", "2"]
 
@@ -117,3 +120,58 @@ def test_zero_infinity_run_times_every_step(main_job):
         assert 0 <= r["overlap_seconds"] <= r["comm_seconds"] + 1e-9
         assert 0 < r["compute_seconds"] <= r["step_seconds"] + 1e-9
     assert sum(r["io_seconds"] for r in rows) > 0  # NVMe page I/O, timed per job
+
+
+@pytest.mark.browser
+def test_both_runs_side_by_side_in_the_tab(main_job, tensorboard_server, browser):
+    """The README's first picture: both runs selected in the Memory Hierarchy tab, the
+    mirrored run's OOM post-mortem shown, the ZeRO-Infinity run's last step read out with
+    bytes on the device, host and NVMe tiers."""
+    require_built_frontend()
+    logdir, _ = main_job
+    server = tensorboard_server(str(logdir), load_fast=True)
+    page, frame, console = open_view(browser, server)
+    try:
+        zero = frame.locator('section.mh-run[data-run="zero_infinity"]')
+        readout = zero.locator(f'.mh-readout[data-step="{STEPS - 1}"]')
+        expect(readout).to_have_count(1, timeout=60_000)
+        for tier in ("device", "host", "nvme"):
+            used = readout.locator(f'tr[data-tier="{tier}"]').get_attribute("data-used-bytes")
+            assert float(used) > 0, tier
+        mirrored = frame.locator('section.mh-run[data-run="mirrored_oom"]')
+        oom_view = mirrored.locator('.mh-section[data-view="oom"]')
+        expect(oom_view).to_be_visible(timeout=60_000)
+        expect(oom_view.locator(".mh-oom-headline")).to_contain_text("Out of memory at step 0")
+        assert plugin_frame(page).evaluate("window.__cspViolations") == []
+        assert [c for c in console if c.startswith(("error", "pageerror"))] == []
+        page.screenshot(path=str(SCREENSHOT), full_page=True)
+    finally:
+        page.context.close()
+
+
+def test_the_story_through_the_plugin_routes(main_job, plugin_client):
+    """Issue #19's end-to-end check, through ``/data/plugin/memory_hierarchy/``: the
+    mirrored run has an OOM record; the ZeRO run moved pages both ways between host and
+    NVMe, held NVMe bytes, measured overlap on >= 90% of its steps."""
+    logdir, _ = main_job
+    client = plugin_client(str(logdir))
+    base = "/data/plugin/memory_hierarchy"
+
+    def get(route: str, **query: str) -> dict:
+        resp = client.get(f"{base}/{route}", query_string=query)
+        assert resp.status_code == 200, (route, query, resp.get_data(as_text=True)[:500])
+        return json.loads(resp.get_data(as_text=True))
+
+    names = {r["run"] for r in get("runs")["runs"]}
+    assert {"mirrored_oom", "zero_infinity"} <= names, names
+    report = get("oom", run="mirrored_oom")
+    assert json.dumps(report).count("DeviceBudgetExceededError") >= 1
+    pages = get("series", run="zero_infinity", tag=metadata.TAG_PAGES)["values"]
+    assert sum(v or 0 for v in pages["h2n_bytes"]) > 0
+    assert sum(v or 0 for v in pages["n2h_bytes"]) > 0
+    tiers = get("series", run="zero_infinity", tag=metadata.TAG_TIERS)["values"]
+    assert all((v or 0) > 0 for v in tiers["nvme"]["used_bytes"])
+    timing = get("series", run="zero_infinity", tag=metadata.TAG_TIMING)["values"]
+    ratios = timing["overlap_ratio"]
+    assert len(ratios) == STEPS
+    assert sum(r is not None for r in ratios) >= 0.9 * STEPS, ratios

@@ -38,6 +38,15 @@ export function clearWidthCache() {
   widthCache.clear();
 }
 
+/** True when ``values`` holds fewer than two finite numbers. */
+function fewerThanTwo(values) {
+  let n = 0;
+  for (const v of values ?? []) {
+    if (v !== null && v !== undefined && Number.isFinite(v) && ++n >= 2) return false;
+  }
+  return true;
+}
+
 /**
  * uPlot plugin: vertical markers at steps (config changes, checkpoints), as DOM elements
  * over the plot (`.mh-marker[data-step]`, title = the change; a marker with a `kind` also
@@ -151,7 +160,9 @@ export class Chart {
         width: s.width ?? 1.5,
         show: s.show ?? true,
         spanGaps: true,
-        points: { show: false },
+        // A series with one value (e.g. a run that failed at its first step) has no
+        // line to draw: show its point instead.
+        points: { show: (u, si) => fewerThanTwo(u.data[si]) },
         value: (_u, v, _si, idx) =>
           s.legend && idx !== null && idx !== undefined ? s.legend(idx) : unit.format(v),
       });
