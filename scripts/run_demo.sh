@@ -17,5 +17,8 @@ LOGDIR="${LOGDIR:-logs/demo}"
 echo
 echo "Memory Hierarchy View: http://127.0.0.1:${PORT}/#memory_hierarchy   (Ctrl-C stops TensorBoard)"
 echo
+# TensorBoard loads TensorFlow too: the same start-up lines are dropped (demo/compare.py).
+export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
 exec .venv/bin/tensorboard --logdir "$LOGDIR" --host 127.0.0.1 --port "$PORT" \
-  --samples_per_plugin=memory_hierarchy=0
+  --samples_per_plugin=memory_hierarchy=0 \
+  2> >(grep --line-buffered -Ev '^(WARNING: All log messages before absl::InitializeLog|[IW][0-9]{4} [0-9:. ]+ +[0-9]+ [a-z_]+\.cc:[0-9]+\])' >&2)
