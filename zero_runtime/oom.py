@@ -211,14 +211,14 @@ def build_report(
     nothing_fits = not any(a["fits"] for a in advice)
     used, cap = t.get("used_bytes"), t.get("capacity_bytes")
     top = sorted(t.get("holders", []), key=lambda h: -h["bytes"])[:3]
-    holders = ", ".join(f"{h['name']} {_fmt(h['bytes'])}" for h in top) or "no known holders"
+    holders = ", ".join(f"{h['name']} {fmt_bytes(h['bytes'])}" for h in top) or "no known holders"
     req = failed.get("bytes")
     # The step and tier, then the cause, then the figures, holders and the best change.
     text = (
         f"Step {step} ran out of memory on the {tier} tier"
         + (f": {cause}" if cause else "")
-        + f" ({failed['error_type']}; {_fmt(used)} used of {_fmt(cap)}"
-        + (f", {_fmt(req)} more requested" if req else "")
+        + f" ({failed['error_type']}; {fmt_bytes(used)} used of {fmt_bytes(cap)}"
+        + (f", {fmt_bytes(req)} more requested" if req else "")
         + f"). Largest holders: {holders}. "
     )
     if nothing_fits:
@@ -228,7 +228,7 @@ def build_report(
             m = maybe[0]
             change = ", ".join(f"{k}={json.dumps(v)}" for k, v in m["change"].items())
             short = m.get("missing_bytes")
-            text += f"; {change} may fit" + (f" ({_fmt(short)} short)" if short else "")
+            text += f"; {change} may fit" + (f" ({fmt_bytes(short)} short)" if short else "")
         text += "."
     else:
         best = advice[0]
@@ -255,7 +255,8 @@ def build_report(
     }
 
 
-def _fmt(n: Any) -> str:
+def fmt_bytes(n: Any) -> str:
+    """``n`` bytes as text with a binary unit ("3.91 MiB"); "unknown" for None/NaN."""
     if n is None or (isinstance(n, float) and not math.isfinite(n)):
         return "unknown"
     n = float(n)
@@ -298,25 +299,26 @@ def format_report(report: Mapping[str, Any], path: str | None = None) -> str:
     f = report["failed_request"]
     lines = ["OOM post-mortem" + (f" ({path})" if path else ""), "", report["summary"], ""]
     lines.append(
-        f"failed request: tier {f['tier']}, {_fmt(f.get('bytes')) if f.get('bytes') else '-'}"
+        f"failed request: tier {f['tier']}, {fmt_bytes(f.get('bytes')) if f.get('bytes') else '-'}"
         f", tensor {f.get('tensor') or '-'}, op {f.get('op') or '-'}, {f['error_type']}"
     )
     lines.append(f"step {report['step']}, config version {report['config_version']}")
     lines.append("")
     for name, t in report["tiers"].items():
-        lines.append(f"{name}: used {_fmt(t.get('used_bytes'))} of {_fmt(t.get('capacity_bytes'))}")
+        used, cap = fmt_bytes(t.get("used_bytes")), fmt_bytes(t.get("capacity_bytes"))
+        lines.append(f"{name}: used {used} of {cap}")
         for h in sorted(t.get("holders", []), key=lambda h: -h["bytes"])[:10]:
             pages = f", {h['pages']} pages" if h.get("pages") is not None else ""
-            lines.append(f"    {h['name']:<40} {h['kind']:<10} {_fmt(h['bytes'])}{pages}")
+            lines.append(f"    {h['name']:<40} {h['kind']:<10} {fmt_bytes(h['bytes'])}{pages}")
     lines.append("")
     lines.append("advice (rank, change, frees, verdict, speed cost):")
     for a in report["advice"]:
         change = ", ".join(f"{k}={json.dumps(v)}" for k, v in a["change"].items())
         verdict = a.get("verdict") or ("fits" if a["fits"] else "does not fit")
         if verdict != "fits" and a.get("missing_bytes"):
-            verdict += f" ({_fmt(a['missing_bytes'])} short)"
+            verdict += f" ({fmt_bytes(a['missing_bytes'])} short)"
         lines.append(
-            f"  {a['rank']}. {change}: frees {_fmt(a['frees_bytes'])}, "
+            f"  {a['rank']}. {change}: frees {fmt_bytes(a['frees_bytes'])}, "
             f"{verdict}, {a['speed_cost']} - {a['description']}"
         )
     if not report["advice"]:

@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from zero_runtime import estimator
+from zero_runtime.oom import fmt_bytes
 
 #: Fraction of the capacity kept free when the checked figure is the runtime's accounting.
 MARGIN_ACCOUNTED = 0.05
@@ -99,17 +100,6 @@ class Evidence:
     def largest_unit(self) -> Unit | None:
         """The unit with the most gathered bytes, or None."""
         return max(self.units, key=lambda u: u.gathered_bytes, default=None)
-
-
-def fmt_bytes(n: Any) -> str:
-    """``n`` bytes as text with a binary unit ("3.91 MiB"); "unknown" for None/NaN."""
-    if n is None or (isinstance(n, float) and not math.isfinite(n)):
-        return "unknown"
-    n = float(n)
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 def _round_up(n: float, quantum: int) -> int:

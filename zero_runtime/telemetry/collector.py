@@ -26,7 +26,14 @@ from zero_runtime.telemetry.probes import Readings, read_probes
 from zero_runtime.telemetry.profile import ProfileSampler, TraceIntervals
 from zero_runtime.telemetry.recorder import PageMoveRecorder
 from zero_runtime.telemetry.stats import StepStats, TierStats
-from zero_runtime.telemetry.timeline import Interval, Timeline, overlap, total, union
+from zero_runtime.telemetry.timeline import (
+    Interval,
+    Timeline,
+    intersect_merged,
+    overlap,
+    total,
+    union,
+)
 
 
 class TierAccounting(Protocol):
@@ -258,7 +265,7 @@ def step_timing(
     comm = union([iv for u in unions for iv in u] + clip(io))
     blocked = unions[0] if unions else []
     for u in unions[1:]:
-        blocked = _intersect_merged(blocked, u)
+        blocked = intersect_merged(blocked, u)
     free: list[Interval] = []
     cursor = lo
     for s, e in blocked:
@@ -269,7 +276,7 @@ def step_timing(
         free.append((cursor, hi))
     compute = union(free + clip(host_compute))
     c = sum(e - s for s, e in comm)
-    both = sum(e - s for s, e in _intersect_merged(comm, compute))
+    both = sum(e - s for s, e in intersect_merged(comm, compute))
     if stall_seconds == stall_seconds and stall_seconds > 0:  # not NaN
         # the pool sums its page waits over the replicas' threads: a replica's share
         both = max(0.0, both - stall_seconds / max(1, len(unions)))
@@ -279,19 +286,3 @@ def step_timing(
         "overlap_seconds": both,
         "overlap_ratio": both / c if c > 0 else math.nan,
     }
-
-
-def _intersect_merged(a: list[Interval], b: list[Interval]) -> list[Interval]:
-    """:func:`~zero_runtime.telemetry.timeline.intersect` of two already merged (sorted,
-    disjoint) interval lists, without merging them again."""
-    out: list[Interval] = []
-    i = j = 0
-    while i < len(a) and j < len(b):
-        s, e = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if e > s:
-            out.append((s, e))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out

@@ -49,7 +49,12 @@ def union(intervals: Iterable[Interval]) -> list[Interval]:
 
 def intersect(a: Sequence[Interval], b: Sequence[Interval]) -> list[Interval]:
     """Intersection of two interval sets (each merged first), sorted and disjoint."""
-    a, b = union(a), union(b)
+    return intersect_merged(union(a), union(b))
+
+
+def intersect_merged(a: Sequence[Interval], b: Sequence[Interval]) -> list[Interval]:
+    """:func:`intersect` of two already merged (sorted, disjoint) interval lists, without
+    merging them again."""
     out: list[Interval] = []
     i = j = 0
     while i < len(a) and j < len(b):
