@@ -333,3 +333,26 @@ def test_close_while_prefetching_finishes_io_and_removes_the_file(tmp_path):
         pool.prefetch(tid)
     pool.close()
     assert pool.closed and not list((tmp_path / "nvme").iterdir())
+
+
+def test_a_placement_that_keeps_losing_its_pages_fails_instead_of_waiting_forever(
+    tmp_path, monkeypatch
+):
+    """A blocking placement is bounded by its own page moves (the demo's stall of
+    session 5: two acquires evicting each other's pages); the bound is lowered here so a
+    two-hop NVMe -> host -> device move crosses it."""
+    from zero_runtime.memory import placement
+
+    data = values(F32_PER_PAGE, 3)
+    with make_pool(tmp_path, device=1, host=1) as pool:
+        for tid in "ab":
+            pool.allocate(tid, data.shape, data.dtype, tier="host")
+            pool.write(tid, data)
+        assert tiers_of(pool, "a") == ["nvme"]
+        monkeypatch.setattr(placement, "THRASH_HOPS_PER_PAGE", 0)
+        monkeypatch.setattr(placement, "THRASH_SLACK_HOPS", 1)
+        with pytest.raises(PoolOutOfMemoryError, match="placement thrashes: 2 page moves for 1"):
+            pool.acquire("a", tier="device")
+        monkeypatch.setattr(placement, "THRASH_SLACK_HOPS", 16)
+        assert np.array_equal(pool.read("a"), data)  # nothing lost, pool still serves
+        assert np.array_equal(pool.read("b"), data)

@@ -41,6 +41,13 @@ from zero_runtime.memory.transitions import SnapshotFn, TierTransitions
 S = PageState
 
 WAIT_SLICE_SECONDS = 0.25  # seconds; waits re-check their condition at least this often
+# A blocking placement gives up (PoolOutOfMemoryError) when its own pages keep being
+# pushed back down (thrashing): more than THRASH_HOPS_PER_PAGE hops per page it places
+# (a page needs at most 2: NVMe -> host -> device) plus THRASH_SLACK_HOPS.
+THRASH_HOPS_PER_PAGE = 4
+THRASH_SLACK_HOPS = 16
+# ... or when it has waited this long in all without a page of its own moving.
+STUCK_SECONDS = 300.0
 
 
 class Placement:
@@ -105,8 +112,15 @@ class Placement:
         already on its way to the host as done, and get False instead of an error when
         stuck, when a job failed, or when a blocking caller is starved.
 
+        A blocking call is bounded: it raises instead of waiting forever when its own pages
+        are moved back down by other callers again and again (more than
+        ``THRASH_HOPS_PER_PAGE`` hops per page plus ``THRASH_SLACK_HOPS``: two acquires
+        evicting each other's pages under a tight budget), or when none of its pages has
+        moved for ``STUCK_SECONDS`` (300 s) while I/O is pending.
+
         Raises:
-            PoolOutOfMemoryError: (blocking callers) nothing can make room.
+            PoolOutOfMemoryError: (blocking callers) nothing can make room, or the
+                placement thrashes or makes no progress (the reason says which).
             PagingError: (blocking callers) an NVMe job of this call failed.
             KeyError: a page's tensor was freed meanwhile.
             PoolClosedError: the pool closed meanwhile.
@@ -114,6 +128,9 @@ class Placement:
         pages = list({id(p): p for p in pages}.values())  # a tensor may be listed twice
         jobs: list[IoJob] = []
         starving = False
+        own_hops = 0
+        max_hops = THRASH_HOPS_PER_PAGE * len(pages) + THRASH_SLACK_HOPS
+        last_progress = time.monotonic()
         try:
             while True:
                 self._check_open()
@@ -145,11 +162,23 @@ class Placement:
                     if tier.has_free():
                         self._moves.hop(p, dst, tier.take(), jobs, evicting=False)
                         acted = True
+                        own_hops += 1
+                        last_progress = time.monotonic()
                     else:
                         lacking[dst].append(p)
                 if not advisory and starving != any(lacking.values()):
                     starving = not starving
                     self.starved += 1 if starving else -1
+                if not advisory and own_hops > max_hops:
+                    raise self.out_of_memory(
+                        pages, target, lacking, exclude,
+                        reason=(
+                            f"placement thrashes: {own_hops} page moves for {len(pages)} "
+                            f"pages bound for the {target} tier (at most {max_hops}); other "
+                            "callers keep evicting them, so the tiers are too small for the "
+                            "pages in use at once"
+                        ),
+                    )
                 if any(lacking.values()):
                     acted = self._make_room(lacking, exclude, jobs, limit) or acted
                 if acted:
@@ -158,6 +187,15 @@ class Placement:
                     if advisory:
                         return False
                     raise self.out_of_memory(pages, target, lacking, exclude)
+                if not advisory and time.monotonic() - last_progress > STUCK_SECONDS:
+                    raise self.out_of_memory(
+                        pages, target, lacking, exclude,
+                        reason=(
+                            f"placement made no progress for {STUCK_SECONDS:.0f} s: none of "
+                            f"{len(todo)} pages bound for the {target} tier could move while "
+                            "other I/O kept the pool busy"
+                        ),
+                    )
                 self._cond.wait(WAIT_SLICE_SECONDS)
         finally:
             if starving:
@@ -327,18 +365,22 @@ class Placement:
         target: str,
         lacking: dict[str, list[PageRecord]],
         exclude: set[str],
+        reason: str | None = None,
     ) -> PoolOutOfMemoryError:
-        """The error of a placement that cannot proceed, with the stuck tier's reason."""
+        """The error of a placement that cannot proceed, with the stuck tier's reason
+        (or ``reason`` when the caller knows better)."""
         stuck = next((name for name in TIER_ORDER if lacking[name]), target)
         tier = self._tiers[stuck]
         lower = self.below(stuck)
-        reason = f"the {stuck} tier is full ({tier.used} of {tier.n_slots} page slots)"
-        if lower is None:
-            reason += "; it is the lowest tier" if stuck == "nvme" else "; there is no NVMe tier"
-        elif not self.victims(stuck, 1, exclude, None):
-            reason += "; none of its pages can move down (all pinned, acquired or requested)"
-        else:
-            reason += f"; the {lower} tier below is full too"
+        if reason is None:
+            reason = f"the {stuck} tier is full ({tier.used} of {tier.n_slots} page slots)"
+            if lower is None:
+                lowest = stuck == "nvme"
+                reason += "; it is the lowest tier" if lowest else "; there is no NVMe tier"
+            elif not self.victims(stuck, 1, exclude, None):
+                reason += "; none of its pages can move down (all pinned, acquired or requested)"
+            else:
+                reason += f"; the {lower} tier below is full too"
         tensor_ids = list(dict.fromkeys(p.tensor_id for p in pages))
         request = len(pages) * self._page_size
         return PoolOutOfMemoryError(self._snapshot(request, ",".join(tensor_ids), target, reason))
