@@ -124,7 +124,8 @@ class _Spec:
                 noun = "a power-of-two int"
             lo, hi = self.minimum, self.maximum
             if lo is not None and hi is not None:
-                text = f"{noun} in [{_fmt(lo)}, {_fmt(hi)}]"
+                left = "(" if self.kind == "float" else "["  # a float's minimum is exclusive
+                text = f"{noun} in {left}{_fmt(lo)}, {_fmt(hi)}]"
             elif lo is not None:
                 op = ">" if self.kind == "float" else ">="
                 text = f"{noun} {op} {_fmt(lo)}"
@@ -171,6 +172,7 @@ _SPECS: Mapping[str, _Spec] = MappingProxyType(
         "mirrored_fallback_bytes": _Spec("int", "bytes", 0, None),
         "collective_timeout_seconds": _Spec("float", "seconds", 0.0, None),
         "embedding_row_paging_threshold": _Spec("int", "elements", 1, _COUNT_MAX),
+        "offload_optimizer_ratio": _Spec("float", "", 0.0, 1.0),
     }
 )
 
@@ -335,6 +337,12 @@ class ZeroConfig:
             up move; hot rows stay on the device tier, cold ones on the offload tier; lazy
             sparse updates, see zero_runtime/stage3/embedding.py), elements, int >= 1.
             Default 10_000_000 (a 40 MB float32 table; smaller tables are gathered whole).
+        offload_optimizer_ratio: fraction of each replica's optimizer-state shard kept and
+            updated on the host when ``offload_optimizer='cpu'``, float in (0, 1]; the rest
+            stays on the device and is updated there concurrently (partial offload,
+            DeepSpeed's ``offload_optimizer.ratio``, ZeRO-Offload++ "Twin-Flow";
+            zero_runtime/optim/split_state.py). Default 1.0 (all on the host). Below 1.0
+            it requires ``offload_optimizer='cpu'`` and stage 1 or 2.
 
     Raises:
         ZeroConfigError: on construction, for a value of the wrong type (bool is never an
@@ -365,6 +373,7 @@ class ZeroConfig:
     mirrored_fallback_bytes: int = 0
     collective_timeout_seconds: float = 60.0
     embedding_row_paging_threshold: int = 10_000_000
+    offload_optimizer_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -380,6 +389,18 @@ class ZeroConfig:
                 key="offload_param",
                 value=self.offload_param,
                 accepted="'none' unless stage == 3",
+            )
+        if self.offload_optimizer_ratio < 1.0 and (
+            self.offload_optimizer != "cpu" or self.stage not in (1, 2)
+        ):
+            raise ZeroConfigError(
+                f"offload_optimizer_ratio={self.offload_optimizer_ratio!r} is invalid with "
+                f"offload_optimizer={self.offload_optimizer!r} and stage={self.stage}: partial "
+                "optimizer offload splits the states between the device and the host, so it "
+                "needs offload_optimizer='cpu' at stage 1 or 2 (or ratio 1.0)",
+                key="offload_optimizer_ratio",
+                value=self.offload_optimizer_ratio,
+                accepted="1.0, or a float in (0, 1) with offload_optimizer='cpu' and stage 1 or 2",
             )
         for key in ("offload_optimizer", "offload_param"):
             if getattr(self, key) == "nvme" and self.nvme_path is None:
@@ -1059,6 +1080,11 @@ class _DeepSpeedImport:
                     self.ignore(sub, f"{path}.device is {device!r}, not 'nvme'")
             elif sub_key == "pin_memory":
                 pins.append((sub, self.value("pin_memory", sub, value)))
+            elif sub_key == "ratio" and key == "offload_optimizer":
+                if device == "cpu":
+                    self.put("offload_optimizer_ratio", sub, value)
+                else:
+                    self.ignore(sub, f"{path}.device is {device!r}; ratio applies to 'cpu'")
             else:
                 self.ignore(sub)
         return pins
