@@ -356,7 +356,7 @@ def diff_csv(body: dict[str, Any], part: str) -> str:
     """CSV text of a ``/diff`` answer: ``part`` ``"steps"`` (one row per step: ``step``
     and each column's ``b - a``, empty where not measured) or ``"placement"`` (one row
     per differing variable: name, status, changed fields, then each field for A and B,
-    bytes A, B and delta)."""
+    held bytes A, B and delta as held_bytes_a, held_bytes_b, held_bytes_delta)."""
     if part == "steps":
         cols = body["columns"]
         rows = ([s, *(body["values"][c][i] for c in cols)] for i, s in enumerate(body["steps"]))
