@@ -53,13 +53,13 @@ def test_first_step_and_unmeasured_steps_decide_nothing():
     assert c.observe(2, 50 * MIB, NVME3) is None  # window of 1 < interval
 
 
-def test_near_oom_shrinks_at_once_by_twice_the_overshoot_and_halves_prefetch():
+def test_near_oom_shrinks_at_once_by_three_times_the_overshoot_and_halves_prefetch():
     c = _controller()
     c.observe(0, 0, NVME3)
     budget = c.budget
     d = c.observe(1, 96 * MIB, NVME3)
     assert d is not None
-    cut = math.ceil(2 * (96 * MIB - c.target_bytes) / PAGE) * PAGE
+    cut = math.ceil(3 * (96 * MIB - c.target_bytes) / PAGE) * PAGE  # one peak: no spread
     assert d.updates == {
         "device_budget_bytes": budget - cut,
         "prefetch_bucket_size": NVME3.prefetch_bucket_size // 2,
@@ -81,7 +81,8 @@ def test_over_the_target_shrinks_at_once_and_growth_waits_for_a_quiet_window():
     budget = c.budget
     assert c.observe(1, 85 * MIB, NVME3) is None
     d = c.observe(2, 92 * MIB, NVME3)
-    cut = math.ceil((92 * MIB - c.target_bytes) / PAGE) * PAGE
+    spread = 92 * MIB - 85 * MIB  # of the recent peaks
+    cut = math.ceil((2 * (92 * MIB - c.target_bytes) + spread) / PAGE) * PAGE
     assert d.updates == {"device_budget_bytes": budget - cut}
     assert "over the target" in d.reason
     # well under for a whole window: grows by half the slack, never past the target

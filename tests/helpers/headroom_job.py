@@ -40,7 +40,7 @@ from zero_runtime.devices import local_devices  # noqa: E402
 MODEL = GPTConfig(vocab_size=256, seq_len=32, d_model=128, n_heads=2, n_layers=4, d_ff=512)
 STEPS = 40
 HEADROOM = 0.25
-WARMUP = 5
+WARMUP = 8
 
 
 def main(out_path: str, workdir: str, budget: str) -> None:
