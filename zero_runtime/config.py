@@ -109,6 +109,7 @@ class _Spec:
     choices: tuple[str, ...] = ()
     nullable: bool = False  # None accepted (meaning documented per key)
     power_of_two: bool = False
+    auto: bool = False  # the string "auto" accepted (meaning documented per key)
 
     def accepted(self) -> str:
         """Human-readable description of the accepted values, used in error messages."""
@@ -124,7 +125,8 @@ class _Spec:
                 noun = "a power-of-two int"
             lo, hi = self.minimum, self.maximum
             if lo is not None and hi is not None:
-                text = f"{noun} in [{_fmt(lo)}, {_fmt(hi)}]"
+                left = "(" if self.kind == "float" else "["  # a float's minimum is exclusive
+                text = f"{noun} in {left}{_fmt(lo)}, {_fmt(hi)}]"
             elif lo is not None:
                 op = ">" if self.kind == "float" else ">="
                 text = f"{noun} {op} {_fmt(lo)}"
@@ -134,6 +136,8 @@ class _Spec:
                 text += f" ({self.unit})"
         if self.nullable:
             text += ", or None"
+        if self.auto:
+            text += ", or 'auto'"
         return text
 
 
@@ -154,7 +158,7 @@ _SPECS: Mapping[str, _Spec] = MappingProxyType(
         "page_size_bytes": _Spec(
             "int", "bytes", MIN_PAGE_SIZE_BYTES, MAX_PAGE_SIZE_BYTES, power_of_two=True
         ),
-        "device_budget_bytes": _Spec("int", "bytes", 1, None, nullable=True),
+        "device_budget_bytes": _Spec("int", "bytes", 1, None, nullable=True, auto=True),
         "host_budget_bytes": _Spec("int", "bytes", 1, None, nullable=True),
         "nvme_budget_bytes": _Spec("int", "bytes", 1, None, nullable=True),
         "persistence_threshold": _Spec("int", "elements", 0, _COUNT_MAX),
@@ -171,6 +175,8 @@ _SPECS: Mapping[str, _Spec] = MappingProxyType(
         "mirrored_fallback_bytes": _Spec("int", "bytes", 0, None),
         "collective_timeout_seconds": _Spec("float", "seconds", 0.0, None),
         "embedding_row_paging_threshold": _Spec("int", "elements", 1, _COUNT_MAX),
+        "offload_optimizer_ratio": _Spec("float", "", 0.0, 1.0),
+        "headroom_fraction": _Spec("float", "", 0.0, 0.9),
     }
 )
 
@@ -204,6 +210,8 @@ def _check_value(key: str, value: Any, spec: _Spec) -> Any:
         if spec.nullable:
             return None
         raise fail("got None")
+    if spec.auto and isinstance(value, str) and value == "auto":
+        return value
 
     if spec.kind == "bool":
         if isinstance(value, bool):
@@ -297,6 +305,10 @@ class ZeroConfig:
             (4194304). Must be a power of two in [64 KiB, 1 GiB] ([65536, 1073741824]).
         device_budget_bytes: bytes the runtime may place on the device tier, int >= 1, or
             None (default) meaning the tier's physical size. Must be >= ``page_size_bytes``.
+            Or ``'auto'``: the runtime holds its own headroom, adjusting the budget (and,
+            near an OOM, prefetch and reuse distance) to keep the measured in-step peak
+            ``headroom_fraction`` below the device's real capacity
+            (zero_runtime/runtime/headroom.py); the strategy resolves it to an int at start.
         host_budget_bytes: bytes the runtime may place in host memory, int >= 1, or None
             (default) meaning physical memory. Must be >= ``page_size_bytes`` and at most
             this machine's physical memory (:func:`physical_memory_bytes`), at every stage.
@@ -335,6 +347,15 @@ class ZeroConfig:
             up move; hot rows stay on the device tier, cold ones on the offload tier; lazy
             sparse updates, see zero_runtime/stage3/embedding.py), elements, int >= 1.
             Default 10_000_000 (a 40 MB float32 table; smaller tables are gathered whole).
+        offload_optimizer_ratio: fraction of each replica's optimizer-state shard kept and
+            updated on the host when ``offload_optimizer='cpu'``, float in (0, 1]; the rest
+            stays on the device and is updated there concurrently (partial offload,
+            DeepSpeed's ``offload_optimizer.ratio``, ZeRO-Offload++ "Twin-Flow";
+            zero_runtime/optim/split_state.py). Default 1.0 (all on the host). Below 1.0
+            it requires ``offload_optimizer='cpu'`` and stage 1 or 2.
+        headroom_fraction: with ``device_budget_bytes='auto'``, the fraction of the
+            device's real capacity the runtime keeps free below its measured in-step
+            peak, float in (0, 0.9]. Default 0.1. Ignored otherwise.
 
     Raises:
         ZeroConfigError: on construction, for a value of the wrong type (bool is never an
@@ -348,7 +369,7 @@ class ZeroConfig:
     offload_param: str = "none"
     nvme_path: str | None = None
     page_size_bytes: int = 4 * _MIB
-    device_budget_bytes: int | None = None
+    device_budget_bytes: int | str | None = None
     host_budget_bytes: int | None = None
     nvme_budget_bytes: int | None = None
     persistence_threshold: int = 100_000
@@ -365,6 +386,8 @@ class ZeroConfig:
     mirrored_fallback_bytes: int = 0
     collective_timeout_seconds: float = 60.0
     embedding_row_paging_threshold: int = 10_000_000
+    offload_optimizer_ratio: float = 1.0
+    headroom_fraction: float = 0.1
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -381,6 +404,18 @@ class ZeroConfig:
                 value=self.offload_param,
                 accepted="'none' unless stage == 3",
             )
+        if self.offload_optimizer_ratio < 1.0 and (
+            self.offload_optimizer != "cpu" or self.stage not in (1, 2)
+        ):
+            raise ZeroConfigError(
+                f"offload_optimizer_ratio={self.offload_optimizer_ratio!r} is invalid with "
+                f"offload_optimizer={self.offload_optimizer!r} and stage={self.stage}: partial "
+                "optimizer offload splits the states between the device and the host, so it "
+                "needs offload_optimizer='cpu' at stage 1 or 2 (or ratio 1.0)",
+                key="offload_optimizer_ratio",
+                value=self.offload_optimizer_ratio,
+                accepted="1.0, or a float in (0, 1) with offload_optimizer='cpu' and stage 1 or 2",
+            )
         for key in ("offload_optimizer", "offload_param"):
             if getattr(self, key) == "nvme" and self.nvme_path is None:
                 raise ZeroConfigError(
@@ -392,7 +427,7 @@ class ZeroConfig:
                 )
         for key in ("device_budget_bytes", "host_budget_bytes", "nvme_budget_bytes"):
             budget = getattr(self, key)
-            if budget is not None and budget < self.page_size_bytes:
+            if budget is not None and budget != "auto" and budget < self.page_size_bytes:
                 raise ZeroConfigError(
                     f"{key}={budget!r} is invalid: expected None or an int >= "
                     f"page_size_bytes ({self.page_size_bytes}) bytes; a tier must hold at "
@@ -1059,6 +1094,11 @@ class _DeepSpeedImport:
                     self.ignore(sub, f"{path}.device is {device!r}, not 'nvme'")
             elif sub_key == "pin_memory":
                 pins.append((sub, self.value("pin_memory", sub, value)))
+            elif sub_key == "ratio" and key == "offload_optimizer":
+                if device == "cpu":
+                    self.put("offload_optimizer_ratio", sub, value)
+                else:
+                    self.ignore(sub, f"{path}.device is {device!r}; ratio applies to 'cpu'")
             else:
                 self.ignore(sub)
         return pins
