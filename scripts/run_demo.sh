@@ -9,10 +9,20 @@
 # LOGDIR (default logs/demo).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
 PORT="${PORT:-6006}"
 STEPS="${STEPS:-100}"
 LOGDIR="${LOGDIR:-logs/demo}"
+# Checked before setup and the minutes of training, not when TensorBoard starts.
+if ! [[ "$PORT" =~ ^[0-9]+$ ]] || [ "$PORT" -lt 1 ] || [ "$PORT" -gt 65535 ]; then
+  echo "run_demo.sh: PORT must be an integer in [1, 65535], got '$PORT'" >&2; exit 2
+fi
+if ! [[ "$STEPS" =~ ^[0-9]+$ ]] || [ "$STEPS" -lt 1 ]; then
+  echo "run_demo.sh: STEPS must be an integer >= 1, got '$STEPS'" >&2; exit 2
+fi
+if python3 -c "import socket,sys; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('127.0.0.1', int(sys.argv[1])))" "$PORT" 2>/dev/null; then :; else
+  echo "run_demo.sh: port $PORT on 127.0.0.1 is already in use (another TensorBoard?); stop it or pick another, e.g. PORT=6007" >&2; exit 2
+fi
+bash scripts/setup.sh
 .venv/bin/python -m demo.compare --logdir "$LOGDIR" --steps "$STEPS"
 echo
 echo "Memory Hierarchy View: http://127.0.0.1:${PORT}/#memory_hierarchy   (Ctrl-C stops TensorBoard)"

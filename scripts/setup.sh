@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Set up zero-infinity-tf on a fresh machine; safe to run again (idempotent).
 #  - Debian's chromium for the browser tests (when missing; needs root or sudo),
+#  - the frontend built from frontend/ with npm into tb_plugin/static/ (before pip:
+#    setup.py ships that directory as the package tb_plugin.static),
 #  - a virtual environment in .venv with the package (editable) and its test extra
-#    (pytest, hypothesis, playwright, ruff, tbparse: setup.py),
-#  - the frontend built from frontend/ with npm into tb_plugin/static/.
+#    (pytest, hypothesis, playwright, ruff, tbparse: setup.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,6 +16,16 @@ if ! command -v chromium >/dev/null 2>&1; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
 fi
+
+# The frontend first: setup.py lists tb_plugin/static (built here, not in git) as a
+# package, so pip fails on a fresh clone when it does not exist yet.
+log "building the frontend (npm)"
+if [ ! -f frontend/node_modules/.package-lock.json ] \
+   || [ frontend/package-lock.json -nt frontend/node_modules/.package-lock.json ]; then
+  (cd frontend && npm ci --no-audit --no-fund --loglevel=error)
+fi
+(cd frontend && npm run --silent build)
+test -f tb_plugin/static/index.js
 
 if [ ! -x .venv/bin/python ]; then
   log "creating .venv"
@@ -35,11 +46,4 @@ else
   log "Python packages up to date (.[${EXTRA},test])"
 fi
 
-log "building the frontend (npm)"
-if [ ! -f frontend/node_modules/.package-lock.json ] \
-   || [ frontend/package-lock.json -nt frontend/node_modules/.package-lock.json ]; then
-  (cd frontend && npm ci --no-audit --no-fund --loglevel=error)
-fi
-(cd frontend && npm run --silent build)
-test -f tb_plugin/static/index.js
 log "ready"

@@ -583,14 +583,17 @@ def test_tuning_panel_is_read_only_and_says_how_to_enable_when_the_flag_is_off(v
     expect(dead.locator(".mh-tuning-note")).to_contain_text(
         f"This job ended with an out-of-memory failure at step {synthetic.OOM_STEP}"
     )
-    expect(dead.locator("form.mh-tuning-form")).to_be_hidden()
+    # Read-only: the settings are shown (as the note says), with no inputs and no button.
+    expect(dead.locator("tr[data-key]").first).to_be_visible()
+    expect(dead.locator("button.mh-tuning-submit")).to_be_hidden()
+    assert dead.locator("input").count() == 0
     panel = frame.locator(f"{BETA} .mh-tuning")
     expect(panel).to_have_attribute("data-enabled", "false")
     expect(panel).to_have_attribute("data-job-ended", "false")
     expect(panel.locator(".mh-tuning-note")).to_contain_text(
         "Live tuning is off in this TensorBoard: restart it with --memory_hierarchy_tuning"
     )
-    expect(panel.locator("form.mh-tuning-form")).to_be_hidden()
+    expect(panel.locator("button.mh-tuning-submit")).to_be_hidden()
     assert panel.locator("input").count() == 0
     rows = panel.locator("tr[data-key]")
     expect(rows).to_have_count(7)

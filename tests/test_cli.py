@@ -357,3 +357,10 @@ def test_estimate_model_factory_that_compiles_is_refused_clearly(capsys):
     data, _ = run_json(capsys, [*argv, "--optimizer", "sgd_momentum", "--accounting", "sc20"])
     assert data["inputs"]["optimizer"] == "sgd_momentum"
     assert data["device_bytes"] == (4 + 4 + 4) * 3_432
+
+
+def test_oom_report_of_a_missing_path_says_it_does_not_exist(tmp_path, capsys):
+    # A mistyped path is a usage error (exit 2) naming it, not "no run ran out of memory".
+    missing = tmp_path / "no-such-logdir"
+    assert main(["oom-report", str(missing)]) == 2
+    assert f"{str(missing)!r} does not exist" in capsys.readouterr().err

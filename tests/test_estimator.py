@@ -153,6 +153,14 @@ def test_estimate_for_config_uses_stage_and_offloads():
     assert default.host_bytes == 1_406_250_000
 
 
+def test_estimate_for_config_ignores_offload_optimizer_at_stage_0():
+    # ZeroConfig's default offload_optimizer is 'cpu'; at stage 0 the runtime keeps the
+    # states on the device (docs/config.md), so the prediction must too: 16 bytes per
+    # parameter on the device (4 + 4 + 8, SC20 fp32 Adam), none on the host.
+    result = estimate_for_config(1000, 2, ZeroConfig(stage=0), precision="fp32")
+    assert (result.device_bytes, result.host_bytes, result.nvme_bytes) == (16_000, 0, 0)
+
+
 def test_tier_estimate_accessors():
     result = estimate(100, 2, 1, offload_optimizer="nvme")
     assert result.bytes_on("device") == 400 and result.bytes_on("nvme") == 600

@@ -583,6 +583,8 @@ def _oom_report_add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _oom_report_run(args: argparse.Namespace) -> int:
     """Print the newest OOM post-mortem under ``args.path``; exit 1 when there is none."""
+    if not os.path.exists(args.path):
+        raise UsageError(f"{args.path!r} does not exist")
     from zero_runtime import oom  # imports TensorFlow: only for this subcommand
 
     path = oom.find_report(args.path)

@@ -493,7 +493,9 @@ def estimate_for_config(
         num_params: Ψ, elements, int >= 1.
         num_replicas: N_d, int >= 1.
         config: supplies ``stage``, ``offload_optimizer``, ``offload_param`` and, with
-            ``page_rounding``, ``page_size_bytes``.
+            ``page_rounding``, ``page_size_bytes``. At stage 0 ``offload_optimizer`` is
+            ignored (taken as 'none'), as the runtime does (docs/config.md): plain data
+            parallelism keeps the optimizer states on every replica's device.
         precision: 'mixed' (default) or 'fp32'.
         optimizer: see ``estimate``. Default 'adam'.
         accounting: 'sc20' (default) or 'sc21', see ``estimate``.
@@ -507,7 +509,7 @@ def estimate_for_config(
         num_params,
         num_replicas,
         config.stage,
-        config.offload_optimizer,
+        "none" if config.stage == 0 else config.offload_optimizer,
         config.offload_param,
         precision,
         optimizer,

@@ -164,13 +164,15 @@ export class TuningPanel {
     this.answer = answer;
     const enabled = answer.enabled === true;
     this.body.dataset.enabled = String(enabled);
-    const keysKey = JSON.stringify([enabled, answer.keys.map((k) => [k.key, k.unit, k.min, k.max])]);
+    const ended = answer.job_ended ?? null;
+    // Read-only (flag off, or the job is dead): the table stays, without inputs or button.
+    const editable = enabled && !ended;
+    const keysKey = JSON.stringify([editable, answer.keys.map((k) => [k.key, k.unit, k.min, k.max])]);
     if (keysKey !== this.keysKey) {
-      this.buildRows(answer.keys, enabled);
+      this.buildRows(answer.keys, editable);
       this.keysKey = keysKey;
     }
     this.note.className = 'mh-tuning-note';
-    const ended = answer.job_ended ?? null;
     this.body.dataset.jobEnded = String(Boolean(ended));
     if (ended) {
       this.note.textContent =
@@ -219,7 +221,7 @@ export class TuningPanel {
       this.written = null;
       this.say('');
     }
-    this.form.hidden = !enabled || Boolean(ended);
+    this.button.hidden = !editable;
   }
 
   /** Read the inputs, post the non-empty ones, report the answer. */
