@@ -20,7 +20,7 @@ import json
 import os
 import sys
 
-CAPACITY_MIB = 40
+CAPACITY_MIB = 18
 CAPACITY = int(sys.argv[3]) if len(sys.argv) > 3 else CAPACITY_MIB
 os.environ["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(CAPACITY)
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
