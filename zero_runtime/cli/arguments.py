@@ -30,15 +30,14 @@ def parse_count(text: str) -> int:
     raw = text.strip()
     suffix = raw[-1:].lower() if raw[-1:].isalpha() and raw[-1:].lower() != "e" else ""
     number = raw[: len(raw) - len(suffix)] if suffix else raw
-    try:
-        value = Decimal(number) * _SUFFIXES[suffix]
-    except (InvalidOperation, KeyError):
-        raise argparse.ArgumentTypeError(
-            f"invalid count {text!r}: expected a whole number such as 7500000000, 7.5e9 or 7.5B"
-        ) from None
-    if not value.is_finite() or value != value.to_integral_value() or value < 1:
-        raise argparse.ArgumentTypeError(f"invalid count {text!r}: expected a whole number >= 1")
-    return int(value)
+    return _scaled_whole(
+        text,
+        number,
+        _SUFFIXES.get(suffix),
+        "count",
+        "a whole number such as 7500000000, 7.5e9 or 7.5B",
+        "a whole number >= 1",
+    )
 
 
 def positive_int(text: str) -> int:
@@ -80,16 +79,35 @@ def parse_bytes(text: str) -> int:
     stripped = text.strip()
     number = stripped.rstrip("KMGTBikmgtb")
     suffix = stripped[len(number) :].lower()
+    return _scaled_whole(
+        text,
+        number,
+        _BYTE_SUFFIXES.get(suffix),
+        "byte count",
+        "e.g. 34359738368, 32GiB, 32GB or 3.2e10",
+        "a whole number of bytes >= 1",
+    )
+
+
+def _scaled_whole(
+    text: str, number: str, multiplier: int | None, noun: str, examples: str, whole: str
+) -> int:
+    """``number`` (decimal text) times ``multiplier`` (its suffix's; None: an unknown
+    suffix), which must be a whole number >= 1.
+
+    Raises:
+        argparse.ArgumentTypeError: ``"invalid {noun} {text!r}: expected {examples}"`` for
+            text that is not a number or an unknown suffix, ``... expected {whole}`` for a
+            value that is not a whole number >= 1.
+    """
     try:
-        value = Decimal(number) * _BYTE_SUFFIXES[suffix]
-    except (InvalidOperation, KeyError):
-        raise argparse.ArgumentTypeError(
-            f"invalid byte count {text!r}: expected e.g. 34359738368, 32GiB, 32GB or 3.2e10"
-        ) from None
+        if multiplier is None:
+            raise InvalidOperation
+        value = Decimal(number) * multiplier
+    except InvalidOperation:
+        raise argparse.ArgumentTypeError(f"invalid {noun} {text!r}: expected {examples}") from None
     if not value.is_finite() or value != value.to_integral_value() or value < 1:
-        raise argparse.ArgumentTypeError(
-            f"invalid byte count {text!r}: expected a whole number of bytes >= 1"
-        )
+        raise argparse.ArgumentTypeError(f"invalid {noun} {text!r}: expected {whole}")
     return int(value)
 
 
