@@ -12,8 +12,11 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["zero_runtime", "zero_runtime.*", "tb_plugin", "tb_plugin.*"]),
-    package_data={"tb_plugin": ["static/*", "static/**/*"]},
+    packages=[
+        *find_packages(include=["zero_runtime", "zero_runtime.*", "tb_plugin", "tb_plugin.*"]),
+        "tb_plugin.static",  # the built frontend (data only; listed so setuptools ships it)
+    ],
+    package_data={"tb_plugin.static": ["*", "**/*"]},
     include_package_data=True,
     install_requires=[
         # TensorFlow itself is declared through an extra so that CPU-only hosts take the

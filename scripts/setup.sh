@@ -23,9 +23,17 @@ fi
 # A GPU host takes tensorflow[and-cuda]; everything else the smaller tensorflow-cpu.
 EXTRA=cpu
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then EXTRA=gpu; fi
-log "installing Python packages (.[${EXTRA},test])"
-.venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[${EXTRA},test]"
+# Installed once per version of the package's metadata: a warm run skips pip entirely.
+STAMP=".venv/.zero-infinity-setup"
+WANT="${EXTRA} $(cat setup.py pyproject.toml | sha256sum | cut -d' ' -f1)"
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ] || ! .venv/bin/python -c "import zero_runtime" 2>/dev/null; then
+  log "installing Python packages (.[${EXTRA},test])"
+  .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[${EXTRA},test]"
+  echo "$WANT" > "$STAMP"
+else
+  log "Python packages up to date (.[${EXTRA},test])"
+fi
 
 log "building the frontend (npm)"
 if [ ! -f frontend/node_modules/.package-lock.json ] \

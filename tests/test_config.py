@@ -51,6 +51,7 @@ EXPECTED_DEFAULTS = {
     "mirrored_fallback_bytes": 0,
     "collective_timeout_seconds": 60.0,
     "embedding_row_paging_threshold": 10_000_000,  # issue #6 item 3 (row-paged tables)
+    "offload_optimizer_ratio": 1.0,  # issue #21 item 4 (partial offload, Twin-Flow)
 }
 
 

@@ -236,6 +236,11 @@ class _DeepSpeedImport:
                     self.ignore(sub, f"{path}.device is {device!r}, not 'nvme'")
             elif sub_key == "pin_memory":
                 pins.append((sub, self.value("pin_memory", sub, value)))
+            elif sub_key == "ratio" and key == "offload_optimizer":
+                if device == "cpu":
+                    self.put("offload_optimizer_ratio", sub, value)
+                else:
+                    self.ignore(sub, f"{path}.device is {device!r}; ratio applies to 'cpu'")
             else:
                 self.ignore(sub)
         return pins

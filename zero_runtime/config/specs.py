@@ -56,7 +56,8 @@ class KeySpec:
                 noun = "a power-of-two int"
             lo, hi = self.minimum, self.maximum
             if lo is not None and hi is not None:
-                text = f"{noun} in [{_fmt(lo)}, {_fmt(hi)}]"
+                left = "(" if self.kind == "float" else "["  # a float's minimum is exclusive
+                text = f"{noun} in {left}{_fmt(lo)}, {_fmt(hi)}]"
             elif lo is not None:
                 op = ">" if self.kind == "float" else ">="
                 text = f"{noun} {op} {_fmt(lo)}"
@@ -103,6 +104,7 @@ SPECS: Mapping[str, KeySpec] = MappingProxyType(
         "mirrored_fallback_bytes": KeySpec("int", "bytes", 0, None),
         "collective_timeout_seconds": KeySpec("float", "seconds", 0.0, None),
         "embedding_row_paging_threshold": KeySpec("int", "elements", 1, COUNT_MAX),
+        "offload_optimizer_ratio": KeySpec("float", "", 0.0, 1.0),
     }
 )
 

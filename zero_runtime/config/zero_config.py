@@ -84,6 +84,12 @@ class ZeroConfig:
             up move; hot rows stay on the device tier, cold ones on the offload tier; lazy
             sparse updates, see zero_runtime/stage3/embedding.py), elements, int >= 1.
             Default 10_000_000 (a 40 MB float32 table; smaller tables are gathered whole).
+        offload_optimizer_ratio: fraction of each replica's optimizer-state shard kept and
+            updated on the host when ``offload_optimizer='cpu'``, float in (0, 1]; the rest
+            stays on the device and is updated there concurrently (partial offload,
+            DeepSpeed's ``offload_optimizer.ratio``, ZeRO-Offload++ "Twin-Flow";
+            zero_runtime/optim/split_state.py). Default 1.0 (all on the host). Below 1.0
+            it requires ``offload_optimizer='cpu'`` and stage 1 or 2.
 
     Raises:
         ZeroConfigError: on construction, for a value of the wrong type (bool is never an
@@ -114,6 +120,7 @@ class ZeroConfig:
     mirrored_fallback_bytes: int = 0
     collective_timeout_seconds: float = 60.0
     embedding_row_paging_threshold: int = 10_000_000
+    offload_optimizer_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -129,6 +136,18 @@ class ZeroConfig:
                 key="offload_param",
                 value=self.offload_param,
                 accepted="'none' unless stage == 3",
+            )
+        if self.offload_optimizer_ratio < 1.0 and (
+            self.offload_optimizer != "cpu" or self.stage not in (1, 2)
+        ):
+            raise ZeroConfigError(
+                f"offload_optimizer_ratio={self.offload_optimizer_ratio!r} is invalid with "
+                f"offload_optimizer={self.offload_optimizer!r} and stage={self.stage}: partial "
+                "optimizer offload splits the states between the device and the host, so it "
+                "needs offload_optimizer='cpu' at stage 1 or 2 (or ratio 1.0)",
+                key="offload_optimizer_ratio",
+                value=self.offload_optimizer_ratio,
+                accepted="1.0, or a float in (0, 1) with offload_optimizer='cpu' and stage 1 or 2",
             )
         for key in ("offload_optimizer", "offload_param"):
             if getattr(self, key) == "nvme" and self.nvme_path is None:

@@ -29,6 +29,7 @@ from zero_runtime import comm
 from zero_runtime.lifecycle import host_function
 from zero_runtime.optim.device_state import DeviceOptimizerState
 from zero_runtime.optim.replica_context import local_copy, replica_id, unwrap
+from zero_runtime.optim.split_state import SplitOptimizerState
 
 #: Per thread (each replica's function is traced on its own thread): the gate tokens of
 #: the step being traced and the control-dependency scopes opened on them.
@@ -317,6 +318,10 @@ class FlatShardUpdate:
                     stateful=True,
                     name="zero_step_clock",
                 )
+        elif isinstance(zs.store, SplitOptimizerState):
+            new_shard = self._zero_split_step(
+                zs.store, replica, param_shard, grad_shard, active, lr, scalars, step
+            )
         else:
             # AdamW's decoupled weight decay is applied here, in the update (not by Keras
             # on the variables first), so a step that fails leaves the weights untouched.
@@ -364,6 +369,67 @@ class FlatShardUpdate:
         tf.__internal__.distribute.interim.maybe_merge_call(
             _assign, self._distribution_strategy, chosen
         )
+
+    def _zero_split_step(
+        self,
+        store: SplitOptimizerState,
+        replica: int,
+        param_shard: tf.Tensor,
+        grad_shard: tf.Tensor,
+        active: tuple[bool, ...],
+        lr,
+        scalars: list,
+        step: tf.Tensor,
+    ) -> tf.Tensor:
+        """Partial offload (Twin-Flow, :mod:`.split_state`): the new parameter shard,
+        float32 ``[shard_size]``, from the device update of elements ``[0, device_size)``
+        and the host update of the rest, which TensorFlow runs concurrently (no data
+        dependency between them). AdamW's decay is applied to the whole shard first, in
+        TensorFlow (Keras's ``v - v * wd * lr``), so a failed step leaves the weights as
+        they were and neither part decays twice."""
+        layout = self._zero.layout
+        k = store.device_size
+        decayed = tuple(
+            on and self.weight_decay is not None and self._use_weight_decay(v)
+            for on, v in zip(active, self._trainable_variables)
+        )
+        if any(decayed):
+            m = np.zeros(layout.shard_size, bool)
+            for s, e in layout.active_ranges(replica, decayed):
+                m[s:e] = True
+            wd = tf.cast(self.weight_decay, tf.float32)
+            lr32 = tf.cast(lr, tf.float32)
+            param_shard = tf.where(
+                tf.constant(m), param_shard - param_shard * wd * lr32, param_shard
+            )
+        parts = []
+        if k:
+            mask = None
+            if not all(active):
+                m = np.zeros(k, bool)
+                for s, e in layout.active_ranges(replica, active):
+                    m[min(s, k) : min(e, k)] = True
+                mask = tf.constant(m)
+            parts.append(
+                self._zero_device_step(
+                    store.device.slots(replica), param_shard[:k], grad_shard[:k], scalars, mask
+                )
+            )
+        host_fn = functools.partial(
+            self._zero_host_update, replica=replica, active=active, decayed=(False,) * len(active)
+        )
+        host_part = host_function(
+            host_fn,
+            [step, grad_shard[k:], param_shard[k:], tf.constant(0.0), tf.cast(lr, tf.float32)]
+            + list(scalars),
+            tf.float32,
+            stateful=True,
+            name="zero_host_update",
+        )
+        host_part.set_shape([layout.shard_size - k])
+        self._zero_gate_tokens().append(host_part)
+        parts.append(host_part)
+        return tf.concat(parts, axis=0) if len(parts) > 1 else parts[0]
 
     def _zero_tick(self, step: np.ndarray, replica: int) -> np.int64:
         if self._zero.runtime is not None:

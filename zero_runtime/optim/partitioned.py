@@ -59,6 +59,7 @@ from zero_runtime.optim.mirrored import MirroredOptimizerState
 from zero_runtime.optim.nvme_state import NvmeOptimizerState
 from zero_runtime.optim.replica_context import replica_id
 from zero_runtime.optim.shard_update import ShardedUpdate
+from zero_runtime.optim.split_state import SplitOptimizerState
 from zero_runtime.optim.transaction import StepJournals, TransactionalUpdate
 from zero_runtime.sharded_variable import ShardedVariable, is_deferred
 
@@ -271,6 +272,10 @@ class _PartitionedUpdate(FlatShardUpdate, ShardedUpdate, TransactionalUpdate):
             if owner is not None:
                 owner.adopt(store, ClosePhase.OPTIMIZER_STATES, f"{self.name} NVMe states")
             return store
+        if config.offload_optimizer_ratio < 1.0:  # partial offload (stages 1-2, config)
+            return SplitOptimizerState(
+                layout, self._zero_slots, devices, config.offload_optimizer_ratio
+            )
         return HostOptimizerState(layout, self._zero_slots)
 
     @property

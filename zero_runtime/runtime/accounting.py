@@ -253,8 +253,11 @@ class Accounting:
         Returns:
             ``{"variables": [{"name", "shape", "dtype", "bytes", "partitioning",
             "shard_bytes_per_replica", "param_tier", "grad_tier", "optimizer_tier"}]}``
-            with bytes as ints. Stage-3 variables come from the engines' pools as of the
-            last step record (``Stage3Engine.placement_rows``).
+            with bytes as ints; with partial offload (``offload_optimizer_ratio`` < 1) a
+            row also has ``"optimizer_host_fraction"`` (the ratio: that fraction of each
+            shard's states is on ``optimizer_tier``, the rest on the device). Stage-3
+            variables come from the engines' pools as of the last step record
+            (``Stage3Engine.placement_rows``).
         """
         rows = []
         opt_tier = OPTIMIZER_TIER[offload_optimizer]
@@ -270,9 +273,12 @@ class Accounting:
                 text = f"optimizer state and gradient sharded 1/{n} (ZeRO-2); parameter replicated"
             else:
                 text = f"optimizer state sharded 1/{n} (ZeRO-1); parameter and gradient replicated"
+            ratio = zs.config.offload_optimizer_ratio if zs.stage > 0 else 1.0
+            extra = {"optimizer_host_fraction": ratio} if ratio < 1.0 else {}
             for name, shape, size in zip(layout.names, layout.shapes, layout.sizes):
                 rows.append(
-                    {
+                    extra
+                    | {
                         "name": name,
                         "shape": list(shape),
                         "dtype": "float32",

@@ -1,0 +1,105 @@
+"""Partial optimizer offload (``offload_optimizer_ratio``, DeepSpeed's Twin-Flow ratio):
+step time between no offload and full offload, measured side by side in one run.
+
+The model, data, replicas and interleaved measurement are those of
+``bench/bench_step_time.py`` (its functions are reused): for stages 1 and 2, the
+configurations ``offload_optimizer='none'``, ``'cpu'`` with ratio 0.5 and ``'cpu'``
+(ratio 1.0), plus MirroredStrategy as the common baseline. Goal (issue #21 item 4): the
+partial run's median step lies between the no-offload and the full-offload runs'.
+
+On a CPU-only host the "device" part of the update also runs on the CPU, so the gain of
+updating both parts at once comes only from TensorFlow's inter-op parallelism (2 cores
+here); on a GPU the device part runs on the accelerator while the host part runs on the
+CPU (ZeRO-Offload++).
+
+Writes ``bench/results/partial_offload.json``.
+
+Usage: ``.venv/bin/python bench/bench_partial_offload.py [--rounds R] [--steps N]``
+"""
+
+from __future__ import annotations
+
+# isort: skip_file  (bench_step_time sets the environment before TensorFlow is imported)
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_step_time as base  # noqa: E402
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from helpers.reference_optimizers import DenseGradAdam  # noqa: E402
+
+import zero_runtime  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results" / "partial_offload.json"
+RATIO = 0.5
+CONFIGS = {
+    f"stage{s}_{name}": {"stage": s, **cfg}
+    for s in (1, 2)
+    for name, cfg in (
+        ("none", {"offload_optimizer": "none"}),
+        ("partial", {"offload_optimizer": "cpu", "offload_optimizer_ratio": RATIO}),
+        ("cpu", {"offload_optimizer": "cpu"}),
+    )
+}
+
+
+def main() -> None:
+    """Build every configuration, measure them interleaved and write the results file."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=9, help="steps per configuration per round")
+    ap.add_argument("--batch", type=int, default=64)
+    args = ap.parse_args()
+    load_before = os.getloadavg()
+    ds = base._data(args.steps, args.batch)
+    mirrored = tf.distribute.MirroredStrategy(list(base.DEVICES.devices))
+    models = {"mirrored": base.build_trained(mirrored, lambda: DenseGradAdam(1e-3), ds)}
+    strategies = []
+    for name, cfg in CONFIGS.items():
+        strategy = zero_runtime.ZeroInfinityStrategy(cfg)
+        strategies.append(strategy)
+        models[name] = base.build_trained(strategy, lambda: keras.optimizers.get("adam"), ds)
+    names = list(models)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(args.rounds):
+        for name in names if r % 2 == 0 else reversed(names):
+            times[name] += base.time_steps(models[name], ds)
+    for strategy in strategies:
+        strategy.close()
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    between = {
+        f"stage{s}": medians[f"stage{s}_none"]
+        <= medians[f"stage{s}_partial"]
+        <= medians[f"stage{s}_cpu"]
+        for s in (1, 2)
+    }
+    result = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "nproc": os.cpu_count(),
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "note": (
+            "configurations measured interleaved in one process; a load average above ~1 "
+            "means other processes shared the 2 cores during the run"
+        ),
+        "model_params": base.build_model().count_params(),
+        "global_batch": args.batch,
+        "ratio": RATIO,
+        "timed_steps_per_config": len(times["mirrored"]),
+        "median_step_seconds": medians,
+        "ratios_vs_mirrored": {k: v / medians["mirrored"] for k, v in medians.items()},
+        "partial_between_none_and_cpu": between,
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

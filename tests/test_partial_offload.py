@@ -1,0 +1,182 @@
+"""Partial optimizer offload (``offload_optimizer_ratio``, DeepSpeed's Twin-Flow ratio):
+part of each shard's optimizer states on the device, the rest on the host, one step.
+
+Parity: the same model, data and seed with ratio 0.5 give the same losses, weights and
+optimizer moments as full offload (ratio 1.0) and as MirroredStrategy with Keras's
+optimizer (stages 1 and 2; AdamW, so the decoupled weight decay is covered too).
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers.mirrored import Mirrored
+
+import zero_runtime
+from zero_runtime.config import DeepSpeedKeyIgnoredWarning, ZeroConfig, ZeroConfigError
+from zero_runtime.optim import partitioned
+from zero_runtime.optim.split_state import SplitOptimizerState, device_elements
+
+STEPS = 6
+GLOBAL_BATCH = 16
+
+
+class DenseGradAdamW(keras.optimizers.AdamW):
+    """Keras's AdamW given dense gradients (the parity reference, see docs/parity.md)."""
+
+    def apply(self, grads, trainable_variables=None):
+        grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+        return super().apply(grads, trainable_variables)
+
+
+def _model() -> keras.Model:
+    keras.utils.set_random_seed(3)
+    frozen = keras.layers.Dense(16, name="frozen")
+    frozen.trainable = False
+    return keras.Sequential(
+        [
+            keras.Input((10,)),
+            keras.layers.Dense(40, activation="relu", name="hidden"),
+            keras.layers.LayerNormalization(name="norm"),
+            frozen,
+            keras.layers.Dense(4, name="head"),
+        ]
+    )
+
+
+def _fit(strategy, optimizer):
+    rng = np.random.RandomState(11)
+    x = rng.standard_normal((STEPS * GLOBAL_BATCH, 10)).astype("float32")
+    y = rng.randint(0, 4, size=(STEPS * GLOBAL_BATCH,)).astype("int32")
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+    with strategy.scope():
+        model = _model()
+        model.compile(
+            optimizer=optimizer(),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    losses: list[float] = []
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: losses.append(float(logs["loss"]))
+    )
+    model.fit(ds, epochs=1, verbose=0, callbacks=[record], shuffle=False)
+    return losses, model
+
+
+def _adamw() -> dict:
+    return {"class_name": "adamw", "config": {"learning_rate": 0.01, "weight_decay": 0.05}}
+
+
+@pytest.fixture(scope="module")
+def reference(cpu_devices):
+    return _fit(
+        Mirrored(cpu_devices), lambda: DenseGradAdamW(learning_rate=0.01, weight_decay=0.05)
+    )
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["stage1", "stage2"])
+def runs(request, tmp_path_factory, cpu_devices):
+    """(stage, {ratio: (losses, model, strategy)}) for ratio 0.5 and 1.0."""
+    out = {}
+    for ratio in (0.5, 1.0):
+        config = ZeroConfig(
+            stage=request.param, offload_optimizer="cpu", offload_optimizer_ratio=ratio
+        )
+        logdir = tmp_path_factory.mktemp(f"partial_s{request.param}_{ratio}")
+        strategy = zero_runtime.ZeroInfinityStrategy(config, logdir=str(logdir))
+        losses, model = _fit(strategy, _adamw)
+        out[ratio] = (losses, model, strategy)
+    yield request.param, out
+    for _, _, strategy in out.values():
+        strategy.close()
+
+
+def test_partial_offload_matches_full_offload_and_mirrored(runs, reference):
+    _, out = runs
+    ref_losses, ref_model = reference
+    half_losses, half_model, _ = out[0.5]
+    full_losses, full_model, _ = out[1.0]
+    assert len(half_losses) == STEPS and half_losses[-1] < half_losses[0]
+    np.testing.assert_array_equal(half_losses, full_losses)
+    np.testing.assert_allclose(half_losses, ref_losses, rtol=1e-6, atol=0)
+    for h, f, r in zip(half_model.get_weights(), full_model.get_weights(), ref_model.get_weights()):
+        np.testing.assert_array_equal(h, f)
+        np.testing.assert_allclose(h, r, rtol=1e-6, atol=1e-7)
+
+
+def test_states_are_split_between_device_and_host(runs):
+    _, out = runs
+    _, half_model, _ = out[0.5]
+    _, full_model, _ = out[1.0]
+    opt = half_model.optimizer
+    assert isinstance(opt, partitioned.AdamW)
+    store = opt.host_state
+    assert isinstance(store, SplitOptimizerState)
+    n = opt.flat_layout.shard_size
+    k = store.device_size
+    assert k == device_elements(n, 0.5) == round(0.5 * n) and 0 < k < n
+    usage = store.usage()
+    # two slots (momentum, velocity), float32, two local replicas
+    assert usage["device"] == (2 * 4 * k * 2, 0)
+    assert usage["host"][0] == 2 * 4 * (n - k) * 2
+    assert store.updates(0) == store.updates(1) == STEPS
+    # The split moments, read back whole, equal full offload's.
+    full = full_model.optimizer.host_state
+    for slot in ("momentum", "velocity"):
+        np.testing.assert_array_equal(store.slot_values(slot), full.slot_values(slot))
+        assert np.any(store.read_shard(0, slot)[:k] != 0)  # the device part was updated
+
+
+def test_runtime_accounts_both_tiers(runs):
+    _, out = runs
+    _, half_model, strategy = out[0.5]
+    store = half_model.optimizer.host_state
+    accounting = strategy.runtime.accounting
+    assert accounting.state_bytes_on("device")[0] == store.device.state_bytes > 0
+    assert accounting.state_bytes_on("host")[0] == store.host.state_bytes > 0
+    rows = accounting.placement("cpu")["variables"]
+    assert rows and all(r["optimizer_host_fraction"] == 0.5 for r in rows)
+
+
+def test_split_store_write_then_read_is_exact(cpu_devices):
+    from zero_runtime.optim.layout import FlatLayout
+
+    layout = FlatLayout.from_variables([tf.zeros([7, 3]), tf.zeros([5])], 2, bucket_size=100)
+    store = SplitOptimizerState(layout, ("momentum",), cpu_devices, ratio=0.25)
+    values = np.arange(layout.shard_size, dtype=np.float32) + 0.5
+    store.write_shard(1, "momentum", values)
+    np.testing.assert_array_equal(store.read_shard(1, "momentum"), values)
+    np.testing.assert_array_equal(store.read_shard(0, "momentum"), 0)
+    with pytest.raises(ValueError, match=r"expects \(13,\)"):
+        store.write_shard(0, "momentum", values[:-1])
+    with pytest.raises(ValueError, match=r"ratio=1.0: expected a float in \(0, 1\)"):
+        SplitOptimizerState(layout, ("momentum",), cpu_devices, ratio=1.0)
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"offload_optimizer_ratio": 0.0}, "expected a finite number in (0, 1]"),
+        ({"offload_optimizer_ratio": 1.2}, "expected a finite number in (0, 1]"),
+        (
+            {"offload_optimizer_ratio": 0.5, "offload_optimizer": "none"},
+            "needs offload_optimizer='cpu' at stage 1 or 2",
+        ),
+        ({"offload_optimizer_ratio": 0.5, "stage": 3}, "offload_optimizer='cpu' and stage=3"),
+    ],
+)
+def test_bad_ratio_is_refused_naming_the_value(kw, message):
+    with pytest.raises(ZeroConfigError) as info:
+        ZeroConfig(**kw)
+    assert message in str(info.value)
+    assert "offload_optimizer_ratio" in str(info.value)
+
+
+def test_deepspeed_ratio_maps_to_offload_optimizer_ratio():
+    ds = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}}
+    assert ZeroConfig.from_deepspeed(ds).offload_optimizer_ratio == 0.3
+    ds["zero_optimization"]["offload_optimizer"] = {"device": "none", "ratio": 0.3}
+    with pytest.warns(DeepSpeedKeyIgnoredWarning, match="ratio applies to 'cpu'"):
+        assert ZeroConfig.from_deepspeed(ds).offload_optimizer_ratio == 1.0
