@@ -60,7 +60,9 @@ def _cell(value: Any) -> Any:
     return "'" + value if value.startswith(_FORMULA_START) else value
 
 
-def _to_csv(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+def table_csv(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """CSV text of a table: ``header`` then one line per row, cells as :func:`_cell`
+    writes them (empty for None, text defused against spreadsheet formulas)."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(header)
@@ -86,7 +88,7 @@ def series_csv(answer: dict[str, Any]) -> str:
         [step, wall, *(c[i] for c in columns)]
         for i, (step, wall) in enumerate(zip(answer["steps"], answer["wall_times"]))
     )
-    return _to_csv(["step", "wall_time", *names], rows)
+    return table_csv(["step", "wall_time", *names], rows)
 
 
 STREAM_ROWS = 32_768  # steps per chunk of a streamed export
@@ -225,9 +227,9 @@ def json_csv(answer: dict[str, Any]) -> str:
                             *(var.get(c) for c in PLACEMENT_COLUMNS),
                         ]
                     )
-        return _to_csv(["step", "wall_time", *PLACEMENT_COLUMNS], rows)
+        return table_csv(["step", "wall_time", *PLACEMENT_COLUMNS], rows)
     rows = ([e["step"], e["wall_time"], e["value"]] for e in answer["events"])
-    return _to_csv(["step", "wall_time", "value"], rows)
+    return table_csv(["step", "wall_time", "value"], rows)
 
 
 def download_name(run: str, tag: str, suffix: str, extension: str) -> str:

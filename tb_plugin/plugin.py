@@ -30,7 +30,7 @@ from tensorboard.plugins import base_plugin
 from tb_plugin import metadata, routing, tuning
 from tb_plugin.cache import CostLru
 from tb_plugin.reader import SERIES_CACHE_BYTES, Reader
-from tb_plugin.routes import checkpoints, oom, records, runs, series, static, tune
+from tb_plugin.routes import checkpoints, diff, oom, records, runs, series, static, tune
 from tb_plugin.routes.series import ANSWER_CACHE_BYTES
 from tb_plugin.routes.static import STATIC_DIR
 
@@ -88,6 +88,7 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
             "/tune": functools.partial(tune.tune_route, reader, access),
             "/oom": functools.partial(oom.oom_route, reader),
             "/checkpoints": functools.partial(checkpoints.checkpoints_route, reader),
+            "/diff": functools.partial(diff.diff_route, reader),
             "/*": functools.partial(static.static_route, self._static_dir),
         }
 

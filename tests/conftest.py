@@ -8,6 +8,9 @@
   ``tensorboard`` process, one per (logdir, load_fast, reload_interval, extra_args) per
   session, stopped at session end.
 - ``browser``: a Playwright Chromium (Debian's ``/usr/bin/chromium``), one per session.
+- ``two_stage_logdir``: two short real demo runs written by the runtime, ZeRO stage 0
+  (``stage0``, 4 steps) and stage 3 with the optimizer states on the host (``stage3``,
+  6 steps), a tiny model each (about 1.5 min on 2 cores); the run diff's tests.
 """
 
 from __future__ import annotations
@@ -249,3 +252,29 @@ def browser() -> Iterator[Browser]:
             yield chromium
         finally:
             chromium.close()
+
+
+REPO = Path(__file__).resolve().parent.parent
+# The two runs of ``two_stage_logdir``: name -> (steps, extra ``--set`` overrides).
+TWO_STAGE_RUNS = {
+    "stage0": (4, ["stage=0"]),
+    "stage3": (6, ["stage=3", "page_size_bytes=262144", 'offload_optimizer="cpu"']),
+}
+
+
+@pytest.fixture(scope="session")
+def two_stage_logdir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A logdir with the two short real training runs of :data:`TWO_STAGE_RUNS`
+    (``python -m demo.train``, d_model 64, one block, 2 CPU replicas)."""
+    logdir = tmp_path_factory.mktemp("two_stage_logs")
+    # BFC: the allocator's peak is measured; no profiler traces (not needed, slower).
+    quiet = {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env = {**os.environ, **quiet, "ZERO_RUNTIME_PROFILE_EVERY": "0"}
+    for run, (steps, sets) in TWO_STAGE_RUNS.items():
+        cmd = [sys.executable, "-m", "demo.train", "--logdir", str(logdir), "--run", run]
+        cmd += ["--steps", str(steps), "--d-model", "64", "--layers", "1"]
+        for item in sets:
+            cmd += ["--set", item]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return str(logdir)

@@ -64,8 +64,11 @@ class ControlOutcome:
         step: the step from which an applied change is in effect (the next step), or at
             which the request was rejected / ignored.
         changes: key -> ``{"old": value, "new": value}`` (applied requests only).
-        reason: why a request was rejected or ignored; None when applied.
+        reason: why a request was rejected or ignored; None when a user's request was
+            applied; for the runtime's own decisions, why it made them.
         decided_at: seconds since the epoch.
+        source: ``"user"`` (a control request, e.g. from the tab) or ``"auto"`` (the
+            runtime's headroom controller, zero_runtime/runtime/headroom.py).
     """
 
     version: int
@@ -74,6 +77,7 @@ class ControlOutcome:
     changes: dict[str, dict[str, Any]]
     reason: str | None
     decided_at: float
+    source: str = "user"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form (the ack file and the ``config_event`` summary)."""
@@ -165,6 +169,35 @@ class ControlChannel:
         outcome = self._outcome(version, status, step, decision.get("reason"), changes)
         self.history.append(outcome)
         _write_json_atomic(os.path.join(self.run_dir, ACK_FILE), outcome.to_dict())
+        return outcome
+
+    def apply_auto(self, updates: Mapping[str, Any], step: int, reason: str) -> ControlOutcome:
+        """Apply the runtime's own decision (``device_budget_bytes='auto'``).
+
+        The change is validated like a request and replaces :attr:`config`; the version
+        stays (it numbers the user's requests), and the outcome, with ``source='auto'``
+        and ``reason``, is recorded in :attr:`history` (not acknowledged: the ack file
+        answers the user's requests).
+
+        Args:
+            updates: tunable key -> new value (may be empty: a decision that only reports).
+            step: the step from which the change is in effect.
+            reason: why (one sentence with the figures).
+
+        Raises:
+            ZeroConfigError: an update outside ``TUNABLE_KEYS`` bounds.
+        """
+        new = validate_tunable_update(self.config, dict(updates))
+        changes = {
+            k: {"old": getattr(self.config, k), "new": getattr(new, k)}
+            for k in updates
+            if getattr(self.config, k) != getattr(new, k)
+        }
+        self.config = new
+        outcome = ControlOutcome(
+            self.version, Status.APPLIED, step, changes, reason, time.time(), "auto"
+        )
+        self.history.append(outcome)
         return outcome
 
     def _decide(self, step: int, size: int) -> ControlOutcome:

@@ -42,7 +42,7 @@ from zero_runtime.config import ZeroConfig
 from zero_runtime.devices import DeviceInfo, local_devices
 from zero_runtime.lifecycle import ClosePhase, Resources
 from zero_runtime.optim.partitioned import PARTITIONED_BY_NAME
-from zero_runtime.runtime import ZeroRuntime
+from zero_runtime.runtime import ZeroRuntime, headroom
 
 # Re-exported: the implemented combinations live in zero_runtime.capabilities (read by the
 # strategy and by the OOM advice, which must not import each other).
@@ -161,12 +161,17 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
         self._collective_key_base = next(_COLLECTIVE_KEY_BASES)
         self.resources = Resources(f"{type(self).__name__}(stage={config.stage})")
         self.device_info: DeviceInfo = self._init_distribute_base(config, num_cpu_replicas)
+        # device_budget_bytes='auto': the starting budget from the device's capacity, and
+        # the controller that holds the headroom from then on (runtime/headroom.py).
+        config, headroom_controller = headroom.resolve_auto(config, self.device_info)
+        self._initial_config = config
         self.runtime = ZeroRuntime(
             config,
             self.device_info,
             self.num_replicas_in_sync,
             self._runtime_logdir(logdir),
             fallback_mirrored=config.stage == 0,
+            headroom=headroom_controller,
         )
         self.resources.adopt(self.runtime, ClosePhase.TELEMETRY, "runtime")
         if self.time_strategy_collectives and config.collective_timeout_seconds > 0:

@@ -236,6 +236,11 @@ export function configLabel(value) {
     return value.description;
   }
   if (isDecision(value)) {
+    if (value.source === 'auto') {
+      // The runtime's own headroom decision (device_budget_bytes='auto'): what and why.
+      const text = changesText(value.changes);
+      return `auto${text ? `: ${text}` : ''}${value.reason ? ` (${value.reason})` : ''}`;
+    }
     const head = `v${value.version} ${value.status}`;
     if (value.status === 'applied') {
       const text = changesText(value.changes);

@@ -24,6 +24,7 @@ import { renderCheckpoints } from './views/checkpoint_table.js';
 import { renderConfigList } from './views/config_list.js';
 import { renderEstimate } from './views/estimate_table.js';
 import { clearWidthCache } from './views/chart.js';
+import { DiffView } from './views/diff_view.js';
 import { OomView } from './views/oom_view.js';
 import { OverlayView } from './views/overlay_view.js';
 import { PagesView } from './views/pages_view.js';
@@ -111,9 +112,11 @@ class App {
     const selectorBox = document.createElement('div');
     this.selector = new RunSelector(selectorBox, (selected) => this.select(selected));
     this.overlay = new OverlayView();
+    // "Compare runs" (GET /diff): a closed section, fetched only once opened.
+    this.diff = new DiffView(model);
     this.list = document.createElement('div');
     this.list.className = 'mh-runs';
-    root.append(header, this.status, selectorBox, this.overlay.element, this.list);
+    root.append(header, this.status, selectorBox, this.overlay.element, this.diff.element, this.list);
   }
 
   view(run) {
@@ -191,6 +194,8 @@ class App {
       const recency = new Map(runs.map((e) => [e.run, recencyOf(e)]));
       const selected = this.selector.setRuns(this.runNames, recency);
       await this.select(selected, false);
+      const versions = new Map(runs.map((e) => [e.run, e.tags[TAG_TIERS]?.max_step ?? -1]));
+      this.diff.setRuns(this.runNames, selected, recency, versions);
       const shown = this.runNames.filter((r) => selected.has(r) && this.active.has(r));
       // One request for every shown run's live-tuning state (not one /tuning per run).
       this.tuningPoll = shown.length
@@ -408,6 +413,7 @@ class App {
     clearWidthCache();
     for (const view of this.views.values()) view.resize();
     this.overlay.resize();
+    this.diff.resize();
   }
 }
 

@@ -130,6 +130,19 @@ export class Model {
     return this.cached('./checkpoints', run, TAG_CHECKPOINT, version);
   }
 
+  /**
+   * Run B compared with run A (GET /diff: B − A per step, summaries, placement diff);
+   * not cached (the view asks again only when either run's steps grew).
+   */
+  diff(a, b, points = CHART_POINTS) {
+    return this.getJson('./diff', { a, b, points });
+  }
+
+  /** Download link of a /diff answer: format 'csv' (part 'steps' or 'placement') or 'json'. */
+  diffExportUrl(a, b, format, part = 'steps') {
+    return this.url('./diff', { a, b, format, part });
+  }
+
   /** A run's tunable keys, values in effect and request state (GET /tuning; not cached). */
   tuning(run) {
     return this.getJson('./tuning', { run });

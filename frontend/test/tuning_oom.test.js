@@ -103,3 +103,18 @@ test('an applied request without changes is not drawn; a config marker names key
   assert.deepEqual(configMarkers(answer), []);
   assert.equal(configLabel(answer.events[0].value), 'v4: no change (values already in effect)');
 });
+
+test('an auto headroom decision is labelled with its changes and reason', () => {
+  const value = {
+    version: 0,
+    status: 'applied',
+    step: 12,
+    source: 'auto',
+    changes: { device_budget_bytes: { old: 8388608, new: 6291456 } },
+    reason: 'in-step peak over the target',
+  };
+  assert.equal(
+    configLabel(value),
+    'auto: device_budget_bytes 8 MiB → 6 MiB (in-step peak over the target)',
+  );
+});

@@ -41,6 +41,7 @@ class KeySpec:
     choices: tuple[str, ...] = ()
     nullable: bool = False  # None accepted (meaning documented per key)
     power_of_two: bool = False
+    auto: bool = False  # the string "auto" accepted (meaning documented per key)
 
     def accepted(self) -> str:
         """Human-readable description of the accepted values, used in error messages."""
@@ -67,6 +68,8 @@ class KeySpec:
                 text += f" ({self.unit})"
         if self.nullable:
             text += ", or None"
+        if self.auto:
+            text += ", or 'auto'"
         return text
 
 
@@ -87,7 +90,7 @@ SPECS: Mapping[str, KeySpec] = MappingProxyType(
         "page_size_bytes": KeySpec(
             "int", "bytes", MIN_PAGE_SIZE_BYTES, MAX_PAGE_SIZE_BYTES, power_of_two=True
         ),
-        "device_budget_bytes": KeySpec("int", "bytes", 1, None, nullable=True),
+        "device_budget_bytes": KeySpec("int", "bytes", 1, None, nullable=True, auto=True),
         "host_budget_bytes": KeySpec("int", "bytes", 1, None, nullable=True),
         "nvme_budget_bytes": KeySpec("int", "bytes", 1, None, nullable=True),
         "persistence_threshold": KeySpec("int", "elements", 0, COUNT_MAX),
@@ -105,6 +108,7 @@ SPECS: Mapping[str, KeySpec] = MappingProxyType(
         "collective_timeout_seconds": KeySpec("float", "seconds", 0.0, None),
         "embedding_row_paging_threshold": KeySpec("int", "elements", 1, COUNT_MAX),
         "offload_optimizer_ratio": KeySpec("float", "", 0.0, 1.0),
+        "headroom_fraction": KeySpec("float", "", 0.0, 0.9),
     }
 )
 
@@ -132,6 +136,8 @@ def check_value(key: str, value: Any, spec: KeySpec) -> Any:
         if spec.nullable:
             return None
         raise fail("got None")
+    if spec.auto and isinstance(value, str) and value == "auto":
+        return value
 
     if spec.kind == "bool":
         if isinstance(value, bool):

@@ -46,6 +46,10 @@ class ZeroConfig:
             (4194304). Must be a power of two in [64 KiB, 1 GiB] ([65536, 1073741824]).
         device_budget_bytes: bytes the runtime may place on the device tier, int >= 1, or
             None (default) meaning the tier's physical size. Must be >= ``page_size_bytes``.
+            Or ``'auto'``: the runtime holds its own headroom, adjusting the budget (and,
+            near an OOM, prefetch and reuse distance) to keep the measured in-step peak
+            ``headroom_fraction`` below the device's real capacity
+            (zero_runtime/runtime/headroom.py); the strategy resolves it to an int at start.
         host_budget_bytes: bytes the runtime may place in host memory, int >= 1, or None
             (default) meaning physical memory. Must be >= ``page_size_bytes`` and at most
             this machine's physical memory (:func:`physical_memory_bytes`), at every stage.
@@ -90,6 +94,9 @@ class ZeroConfig:
             DeepSpeed's ``offload_optimizer.ratio``, ZeRO-Offload++ "Twin-Flow";
             zero_runtime/optim/split_state.py). Default 1.0 (all on the host). Below 1.0
             it requires ``offload_optimizer='cpu'`` and stage 1 or 2.
+        headroom_fraction: with ``device_budget_bytes='auto'``, the fraction of the
+            device's real capacity the runtime keeps free below its measured in-step
+            peak, float in (0, 0.9]. Default 0.1. Ignored otherwise.
 
     Raises:
         ZeroConfigError: on construction, for a value of the wrong type (bool is never an
@@ -103,7 +110,7 @@ class ZeroConfig:
     offload_param: str = "none"
     nvme_path: str | None = None
     page_size_bytes: int = 4 * MIB
-    device_budget_bytes: int | None = None
+    device_budget_bytes: int | str | None = None
     host_budget_bytes: int | None = None
     nvme_budget_bytes: int | None = None
     persistence_threshold: int = 100_000
@@ -121,6 +128,7 @@ class ZeroConfig:
     collective_timeout_seconds: float = 60.0
     embedding_row_paging_threshold: int = 10_000_000
     offload_optimizer_ratio: float = 1.0
+    headroom_fraction: float = 0.1
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -160,7 +168,7 @@ class ZeroConfig:
                 )
         for key in ("device_budget_bytes", "host_budget_bytes", "nvme_budget_bytes"):
             budget = getattr(self, key)
-            if budget is not None and budget < self.page_size_bytes:
+            if budget is not None and budget != "auto" and budget < self.page_size_bytes:
                 raise ZeroConfigError(
                     f"{key}={budget!r} is invalid: expected None or an int >= "
                     f"page_size_bytes ({self.page_size_bytes}) bytes; a tier must hold at "

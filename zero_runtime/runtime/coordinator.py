@@ -22,16 +22,18 @@ the runtime (``register_*``, :meth:`ZeroRuntime.on_shard_updated`,
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from typing import Any
 
 from zero_runtime import control, oom
 from zero_runtime.comm.watchdog import WATCHDOG
-from zero_runtime.config import ZeroConfig
+from zero_runtime.config import ZeroConfig, validate_tunable_update
 from zero_runtime.devices import DeviceInfo
 from zero_runtime.runtime import accounting
 from zero_runtime.runtime.accounting import Accounting
 from zero_runtime.runtime.clock import StepClock, StepEnd
+from zero_runtime.runtime.headroom import HeadroomController
 from zero_runtime.runtime.postmortem import (
     FailureContext,
     PostMortem,
@@ -42,6 +44,8 @@ from zero_runtime.runtime.postmortem import (
 from zero_runtime.telemetry import FlightRecorder
 from zero_runtime.telemetry.collector import TelemetryCollector
 from zero_runtime.telemetry.summaries import RunSummaries
+
+log = logging.getLogger(__name__)
 
 
 class RuntimeState(enum.Enum):
@@ -87,8 +91,10 @@ class ZeroRuntime:
         num_replicas: int,
         logdir: str | None,
         fallback_mirrored: bool = False,
+        headroom: HeadroomController | None = None,
     ) -> None:
         self.config = config
+        self.headroom = headroom
         self.device = device
         self.num_replicas = num_replicas
         self.logdir = logdir
@@ -270,6 +276,8 @@ class ZeroRuntime:
             raise self._fail(err, step)
         # After this step's record, before the next step runs: a change applies from it on.
         self._poll_control(step + 1)
+        if self.headroom is not None:
+            self._hold_headroom(step, self.collector.last_device_peak())
         if self.telemetry_enabled:
             self.collector.profiler.maybe_start(step)
 
@@ -290,10 +298,33 @@ class ZeroRuntime:
         if outcome.status is control.Status.APPLIED:
             self.config = self.control.config
             self.config_version = self.control.version
+            if self.headroom is not None and "device_budget_bytes" in outcome.changes:
+                self.headroom.turn_off()  # the user's budget takes over from 'auto'
+                log.info("headroom: a manual device_budget_bytes change turned 'auto' off")
             for engine in self.accounting.live_stage3_engines():
                 engine.apply_config(self.config)
         if self.summaries is not None:
             self.summaries.config_event(next_step, outcome.to_dict())
+
+    def _hold_headroom(self, step: int, peak_bytes: float) -> None:
+        """``device_budget_bytes='auto'``: let the controller see the step's allocator
+        peak and apply its decision from the next step, like a live-tuning change
+        (recorded as a config event with ``source='auto'`` and its reason)."""
+        decision = self.headroom.observe(step, peak_bytes, self.config)
+        if decision is None:
+            return
+        log.info("headroom: %s", decision.reason)
+        if self.control is not None:
+            outcome = self.control.apply_auto(decision.updates, step + 1, decision.reason)
+            self.config = self.control.config
+        else:
+            self.config = validate_tunable_update(self.config, decision.updates)
+            outcome = None
+        if decision.updates:
+            for engine in self.accounting.live_stage3_engines():
+                engine.apply_config(self.config)
+        if self.summaries is not None and outcome is not None:
+            self.summaries.config_event(step + 1, outcome.to_dict())
 
     # -- checkpoints ---------------------------------------------------------------------
     def record_checkpoint(self, record: dict[str, Any]) -> None:
@@ -402,7 +433,12 @@ class ZeroRuntime:
             return
         self._run_info_impl = impl
         self.summaries.run_info(
-            self.config, self.num_replicas, self.device, self.fallback_mirrored, impl
+            self.config,
+            self.num_replicas,
+            self.device,
+            self.fallback_mirrored,
+            impl,
+            None if self.headroom is None else self.headroom.describe(),
         )
 
     def flush(self) -> None:

@@ -78,6 +78,7 @@ class TelemetryCollector:
         self.page_moves = PageMoveRecorder()
         self._lanes_lock = threading.Lock()
         self._lanes: dict[object, list[Interval]] = {}
+        self._last_peak = math.nan
 
     def record_collective(self, lane: object, start: float, end: float) -> None:
         """One in-graph collective of replica ``lane`` ran from ``start`` (its input existed)
@@ -120,6 +121,7 @@ class TelemetryCollector:
             traced: True when the step traced its step function (step 0, a retrace).
         """
         readings = read_probes(self.device, config.nvme_path)
+        self._last_peak = readings.framework_device_peak_bytes
         tiers, pages = self.accounting.close_step(step, readings, config)
         if self.reset_peak_each_step:
             self._reset_framework_peak()
@@ -208,6 +210,13 @@ class TelemetryCollector:
             window = (wall_time - step_seconds, wall_time)
             timing.update(step_timing(window, lanes, io, drained["compute"], stall))
         return timing
+
+    def last_device_peak(self) -> float:
+        """The framework allocator's peak in-use bytes of the step last collected, once:
+        NaN when no step was collected since the last call (or the allocator does not
+        report a peak)."""
+        peak, self._last_peak = self._last_peak, math.nan
+        return peak
 
     def _reset_framework_peak(self) -> None:
         import tensorflow as tf  # lazy: the telemetry package imports without TensorFlow

@@ -43,13 +43,16 @@ class RunSummaries:
         device: DeviceInfo,
         fallback_mirrored: bool,
         reduce_scatter_impl: str | None = None,
+        device_budget: Mapping[str, Any] | None = None,
     ) -> None:
         """``memory_hierarchy/run_info`` at step 0 (at start and whenever it changes): the
         stage, replicas, devices and the nature of the device tier, the config, whether
         the strategy runs as plain mirrored, the host's physical memory (bytes) and, once a
         stage-2 optimizer is built, ``reduce_scatter_impl``: the implementation its
         reduce-scatter runs ('nccl', 'all_to_all' or 'all_reduce', also after a fallback;
-        zero_runtime.comm.reduce_scatter_sum_flat)."""
+        zero_runtime.comm.reduce_scatter_sum_flat) and, with ``device_budget_bytes='auto'``,
+        ``device_budget``: the headroom controller's settings as started
+        (``HeadroomController.describe``: mode, capacity, headroom fraction, target peak)."""
         info = {
             "stage": config.stage,
             "num_replicas": num_replicas,
@@ -63,6 +66,8 @@ class RunSummaries:
         }
         if reduce_scatter_impl is not None:
             info["reduce_scatter_impl"] = reduce_scatter_impl
+        if device_budget is not None:
+            info["device_budget"] = dict(device_budget)
         self._writer.json(metadata.TAG_RUN_INFO, 0, info)
 
     def estimate(self, estimate: Mapping[str, Any]) -> None:
