@@ -51,33 +51,51 @@ WIDE = ["--d-model", "128"]  # stage 3: the embedding (288 x 128 fp32) spans 3 p
 PSI = 30_432
 
 
+# Device-tier scenarios: (stage, offload_optimizer or None for the demo's default, the
+# runtime's device accounting in bytes per Ψ over both replicas, the readings to fail).
+DEVICE_SCENARIOS = (
+    (0, None, 32, ("accounting", "allocator")),
+    (1, "none", 24, ("accounting", "allocator")),
+    (2, "none", 20, ("accounting", "allocator")),
+    (2, "cpu", 12, ("accounting",)),
+)
+# How the device tier is read: reading -> (BFC allocator on, budget / accounted need). The
+# runtime's accounting (plain CPU allocator) fails just below its need; the BFC
+# allocator's reading also holds TensorFlow's own buffers, so it fails above it.
+DEVICE_READINGS = {"accounting": (False, 0.95), "allocator": (True, 1.1)}
+
+
+def overrides(change: dict) -> list[str]:
+    """``--set`` arguments applying a config ``change`` (an advice's, or a scenario's)."""
+    return [a for k, v in change.items() for a in ("--set", f"{k}={json.dumps(v)}")]
+
+
 def _s(**kv) -> list[str]:
-    return [a for k, v in kv.items() for a in ("--set", f"{k}={json.dumps(v)}")]
+    """``overrides`` of keyword arguments (the scenario table's shorthand)."""
+    return overrides(kv)
+
+
+def device_scenarios(base: dict) -> list[dict]:
+    """The device-tier scenarios of ``DEVICE_SCENARIOS``, by reading then by table row."""
+    out = []
+    for reading, (bfc, factor) in DEVICE_READINGS.items():
+        for stage, offload, per_psi, readings in DEVICE_SCENARIOS:
+            if reading not in readings:
+                continue
+            keys = {**base, "stage": stage}
+            if offload is not None:
+                keys["offload_optimizer"] = offload
+            keys["device_budget_bytes"] = int(factor * per_psi * PSI)
+            cpu = "cpu-" if offload == "cpu" else ""
+            name = f"s{stage}-{cpu}device-{reading}"
+            out.append(dict(name=name, bfc=bfc, tier="device", args=overrides(keys)))
+    return out
 
 
 def scenarios(nvme: str) -> list[dict]:
     """The OOM scenarios: name, extra demo arguments, BFC allocator on/off, expected tier."""
     base = {"page_size_bytes": PAGE}
-    return [
-        dict(name="s0-device-accounting", bfc=False, tier="device",
-             args=_s(**base, stage=0, device_budget_bytes=int(0.95 * 32 * PSI))),
-        dict(name="s1-device-accounting", bfc=False, tier="device",
-             args=_s(**base, stage=1, offload_optimizer="none",
-                     device_budget_bytes=int(0.95 * 24 * PSI))),
-        dict(name="s2-device-accounting", bfc=False, tier="device",
-             args=_s(**base, stage=2, offload_optimizer="none",
-                     device_budget_bytes=int(0.95 * 20 * PSI))),
-        dict(name="s2-cpu-device-accounting", bfc=False, tier="device",
-             args=_s(**base, stage=2, offload_optimizer="cpu",
-                     device_budget_bytes=int(0.95 * 12 * PSI))),
-        dict(name="s0-device-allocator", bfc=True, tier="device",
-             args=_s(**base, stage=0, device_budget_bytes=int(1.1 * 32 * PSI))),
-        dict(name="s1-device-allocator", bfc=True, tier="device",
-             args=_s(**base, stage=1, offload_optimizer="none",
-                     device_budget_bytes=int(1.1 * 24 * PSI))),
-        dict(name="s2-device-allocator", bfc=True, tier="device",
-             args=_s(**base, stage=2, offload_optimizer="none",
-                     device_budget_bytes=int(1.1 * 20 * PSI))),
+    return device_scenarios(base) + [
         dict(name="s3-unit-over-budget", bfc=False, tier="device",
              args=WIDE + _s(**base, stage=3, offload_param="cpu", offload_optimizer="cpu",
                      persistence_threshold=0, device_budget_bytes=4 * PAGE)),
@@ -122,11 +140,6 @@ def run_demo(
 def verdict(a: dict) -> str:
     """An advice row's label: its ``verdict``, else "fits"/"does not fit" from ``fits``."""
     return a.get("verdict") or ("fits" if a.get("fits") else "does not fit")
-
-
-def overrides(change: dict) -> list[str]:
-    """``--set`` arguments applying an advice ``change``."""
-    return [a for k, v in change.items() for a in ("--set", f"{k}={json.dumps(v)}")]
 
 
 def run_scenario(sc: dict, work: str) -> dict:

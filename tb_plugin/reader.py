@@ -245,6 +245,24 @@ class Reader:
         (called with its lock held). If the stored steps before it changed (a restarted
         run's steps replaced), a new SeriesLevels is built from every step instead."""
         layout, after = levels.layout, levels.last_step
+        skipped, new = self._decode(ctx, experiment, run, tag, layout, after)
+        if skipped != levels.n:  # earlier steps changed: start again from every step
+            fresh = SeriesLevels(layout)
+            with fresh.lock:
+                _skipped, everything = self._decode(ctx, experiment, run, tag, layout, -1)
+                fresh.append(*everything)
+            self._levels.put((experiment, run, tag), fresh)
+            return fresh
+        levels.append(*new)
+        self._levels.touch((experiment, run, tag))
+        return levels
+
+    def _decode(
+        self, ctx: Any, experiment: str, run: str, tag: str, layout: Layout, after: int
+    ) -> tuple[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """(points at or before step ``after``, (steps, wall times, cells) of the points
+        after it): read straight from the data server when that applies
+        (``fast_read.read_series``), else through the public ``read_tensors``."""
         fast = fast_read.read_series(
             self._data_provider,
             experiment,
@@ -255,38 +273,9 @@ class Reader:
             layout.shape,
             after_step=after,
         )
-        if fast is not None:
-            skipped, new = fast.skipped, (fast.steps, fast.wall_times, fast.cells)
-        else:
-            skipped, new = self._decode_after(ctx, experiment, run, tag, layout, after)
-        if skipped != levels.n:  # earlier steps changed: start again from every step
-            fresh = SeriesLevels(layout)
-            with fresh.lock:
-                _skipped, everything = (
-                    self._decode_after(ctx, experiment, run, tag, layout, -1)
-                    if fast is None
-                    else self._fast_all(experiment, run, tag, layout)
-                )
-                fresh.append(*everything)
-            self._levels.put((experiment, run, tag), fresh)
-            return fresh
-        levels.append(*new)
-        self._levels.touch((experiment, run, tag))
-        return levels
-
-    def _fast_all(self, experiment: str, run: str, tag: str, layout: Layout):  # noqa: ANN202
-        raw = fast_read.read_series(
-            self._data_provider,
-            experiment,
-            metadata.PLUGIN_NAME,
-            run,
-            tag,
-            READ_DOWNSAMPLE,
-            layout.shape,
-        )
-        if raw is None:  # the fast path stopped applying: the public one
-            return self._decode_after(None, experiment, run, tag, layout, -1)
-        return 0, (raw.steps, raw.wall_times, raw.cells)
+        if fast is None:
+            return self._decode_after(ctx, experiment, run, tag, layout, after)
+        return fast.skipped, (fast.steps, fast.wall_times, fast.cells)
 
     def _read(self, ctx: Any, experiment: str, run: str, tag: str) -> list[provider.TensorDatum]:
         data = self._data_provider.read_tensors(

@@ -1,0 +1,45 @@
+"""``zero-runtime launch``: run a training script as N local workers with ``TF_CONFIG``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from zero_runtime.cli.arguments import positive_int
+from zero_runtime.cli.commands import Command, UsageError
+
+
+def _launch_add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nproc", type=positive_int, required=True, help="worker processes")
+    p.add_argument(
+        "--port-base",
+        type=positive_int,
+        default=None,
+        help="worker r listens on port PORT_BASE + r (default: free ports)",
+    )
+    p.add_argument("script", help="a Python script (run with this interpreter) or a program")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def _launch_run(args: argparse.Namespace) -> int:
+    from zero_runtime import launch
+
+    command = [args.script, *args.args]
+    if args.script.endswith(".py"):
+        if not os.path.isfile(args.script):
+            raise UsageError(f"script {args.script!r} not found")
+        command = [sys.executable, *command]
+    try:
+        return launch.launch(args.nproc, command, port_base=args.port_base)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+COMMAND = Command(
+    name="launch",
+    help="run a training script as N local workers with TF_CONFIG (multi-worker)",
+    add_arguments=_launch_add_arguments,
+    run=_launch_run,
+)
+"""The subcommand (registered by :mod:`zero_runtime.cli`)."""
