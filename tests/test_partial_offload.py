@@ -180,3 +180,21 @@ def test_deepspeed_ratio_maps_to_offload_optimizer_ratio():
     ds["zero_optimization"]["offload_optimizer"] = {"device": "none", "ratio": 0.3}
     with pytest.warns(DeepSpeedKeyIgnoredWarning, match="ratio applies to 'cpu'"):
         assert ZeroConfig.from_deepspeed(ds).offload_optimizer_ratio == 1.0
+
+
+def test_estimator_splits_the_optimizer_states_by_the_ratio():
+    from zero_runtime import estimator
+
+    config = ZeroConfig(stage=2, offload_optimizer="cpu", offload_optimizer_ratio=0.25)
+    split = estimator.estimate_for_config(1_000_000, 2, config, precision="fp32")
+    full = estimator.estimate_for_config(
+        1_000_000, 2, ZeroConfig(stage=2, offload_optimizer="cpu"), precision="fp32"
+    )
+    host = split.breakdown["optimizer_states"]
+    device = split.breakdown["optimizer_states_device"]
+    assert (host["tier"], device["tier"]) == ("host", "device")
+    assert host["elements"] == 250_000 and device["elements"] == 750_000
+    assert host["bytes"] + device["bytes"] == full.breakdown["optimizer_states"]["bytes"]
+    assert split.device_bytes - full.device_bytes == device["bytes"] == 8 * 750_000 // 2
+    with pytest.raises(ValueError, match=r"offload_ratio=0 is invalid"):
+        estimator.estimate(10, 1, offload_optimizer="cpu", offload_ratio=0)

@@ -239,6 +239,7 @@ class _Inputs:
     trainable_units: list[int] | None = None
     row_cache_bytes: int = 0  # stage 3: row caches of row-paged embeddings, device
     activation_bytes: int = 0  # device: activations kept for backward (activation_bytes)
+    offload_ratio: float = 1.0  # host share of offloaded optimizer states (Twin-Flow)
 
 
 def _estimate(i: _Inputs) -> TierEstimate:
@@ -269,9 +270,17 @@ def _estimate(i: _Inputs) -> TierEstimate:
         breakdown["fp32_grads"] = _term(
             opt_tier, 4, trainable, n if stage >= 1 else 1, units=i.trainable_units, **paging
         )
-    breakdown["optimizer_states"] = _term(
-        opt_tier, c.k, trainable, n if stage >= 1 else 1, units=i.trainable_units, **paging
-    )
+    if opt_tier != "device" and i.offload_ratio < 1.0:
+        # Partial offload (offload_optimizer_ratio, zero_runtime/optim/split_state.py): the
+        # shard's first (1 - ratio) elements keep their states on the device.
+        on_host = round(i.offload_ratio * trainable)
+        divisor = n if stage >= 1 else 1
+        breakdown["optimizer_states"] = _term(opt_tier, c.k, on_host, divisor, **paging)
+        breakdown["optimizer_states_device"] = _term("device", c.k, trainable - on_host, divisor)
+    else:
+        breakdown["optimizer_states"] = _term(
+            opt_tier, c.k, trainable, n if stage >= 1 else 1, units=i.trainable_units, **paging
+        )
     if stage >= 3 and i.persistent_params:
         breakdown["persistent_params"] = _term("device", p, i.persistent_params, 1)
     # Byte terms on the device: bytes_per_param and divisor 1, elements = bytes.
@@ -306,6 +315,7 @@ def estimate(
     accounting: str = "sc20",
     largest_unit_params: int = 0,
     page_size_bytes: int | None = None,
+    offload_ratio: float = 1.0,
 ) -> TierEstimate:
     """Bytes per replica on each tier, by the SC20 or SC21 accounting (module docstring).
 
@@ -329,6 +339,10 @@ def estimate(
             ``(p + g) * largest_unit_params`` device bytes of working memory. Default 0.
         page_size_bytes: page size of the paged pool, bytes; None (default) rounds
             nothing, else host and NVMe terms are rounded up to whole pages.
+        offload_ratio: with an offloaded optimizer, the fraction of its states on the
+            offload tier, float in (0, 1] (ZeroConfig ``offload_optimizer_ratio``,
+            DeepSpeed's Twin-Flow ``ratio``); the rest is a device term
+            ``optimizer_states_device``. Default 1.0.
 
     Returns:
         TierEstimate with integer bytes per replica; e.g. Ψ=7.5e9, N_d=64, mixed Adam,
@@ -360,8 +374,15 @@ def estimate(
             num_replicas,
             working_set_bytes=working,
             page_size_bytes=_check_page(page_size_bytes),
+            offload_ratio=_check_ratio(offload_ratio),
         )
     )
+
+
+def _check_ratio(ratio: Any) -> float:
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+        raise ValueError(f"offload_ratio={ratio!r} is invalid: expected a number in (0, 1]")
+    return float(ratio)
 
 
 def estimate_for_config(
@@ -404,4 +425,5 @@ def estimate_for_config(
         accounting=accounting,
         largest_unit_params=largest_unit_params,
         page_size_bytes=config.page_size_bytes if page_rounding else None,
+        offload_ratio=config.offload_optimizer_ratio,
     )

@@ -170,6 +170,7 @@ def estimate_for_model(
                 if u.table_shape
             ),
             activation_bytes=activations,
+            offload_ratio=config.offload_optimizer_ratio,
         )
     )
     return ModelEstimate(
