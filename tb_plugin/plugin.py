@@ -30,7 +30,17 @@ from tensorboard.plugins import base_plugin
 from tb_plugin import metadata, routing, tuning
 from tb_plugin.cache import CostLru
 from tb_plugin.reader import SERIES_CACHE_BYTES, Reader
-from tb_plugin.routes import checkpoints, diff, oom, records, runs, series, static, tune
+from tb_plugin.routes import (
+    checkpoints,
+    diff,
+    first_view,
+    oom,
+    records,
+    runs,
+    series,
+    static,
+    tune,
+)
 from tb_plugin.routes.series import ANSWER_CACHE_BYTES
 from tb_plugin.routes.static import STATIC_DIR
 
@@ -82,6 +92,7 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
         return {
             "/runs": functools.partial(runs.runs_route, reader),
             "/series": functools.partial(series.series_route, reader, self.answers),
+            "/first_view": functools.partial(first_view.first_view_route, reader, self.answers),
             "/json": functools.partial(records.json_route, reader),
             "/tuning": functools.partial(tune.tuning_route, reader, access),
             "/tuning_states": functools.partial(tune.tuning_states_route, reader, access),

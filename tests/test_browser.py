@@ -227,6 +227,47 @@ def test_new_steps_of_a_live_run_appear_without_reloading(
         page.context.close()
 
 
+# The plugin frame's data requests (route names), sent before and after the first paint
+# mark, from the frame's resource timing entries.
+REQUESTS_AROUND_PAINT = """
+() => {
+  const paint = performance.getEntriesByName('mh-first-meaningful-paint')[0].startTime;
+  const routes = {before: [], after: []};
+  for (const e of performance.getEntriesByType('resource')) {
+    const m = e.name.match(/\\/data\\/plugin\\/memory_hierarchy\\/([a-z_]+)(\\?|$)/);
+    if (m && m[1] !== 'index') (e.startTime < paint ? routes.before : routes.after).push(m[1]);
+  }
+  return routes;
+}
+"""
+
+
+def test_first_paint_takes_one_request_for_listing_and_first_panels(
+    browser, tensorboard_server, synthetic_logdir
+):
+    """GET /first_view brings the listing and the first panels' tier data: until the tier
+    charts have drawn, the view sends no /runs, /series or /json request of its own."""
+    require_built_frontend()
+    server = tensorboard_server(synthetic_logdir, load_fast=True)
+    page, frame, console = open_view(browser, server)
+    try:
+        expect(frame.locator("body[data-first-paint=done]")).to_have_count(
+            1, timeout=LOAD_TIMEOUT_MS
+        )
+        assert frame.locator("body").get_attribute("data-first-paint-runs") == str(
+            len(synthetic.RUNS)
+        )
+        # Round 2 (page moves, step time, placement) is fetched after the paint.
+        expect(frame.locator(".mh-placement tbody tr")).to_have_count(9, timeout=LOAD_TIMEOUT_MS)
+        routes = plugin_frame(page).evaluate(REQUESTS_AROUND_PAINT)
+        assert routes["before"] == ["first_view"]
+        assert "series" in routes["after"] and "json" in routes["after"]
+        assert "first_view" not in routes["after"]
+        assert [c for c in console if c.startswith(("error", "pageerror"))] == []
+    finally:
+        page.context.close()
+
+
 # -- the other views (one page load against the shared load_fast server) ------------------
 
 DOCS = REPO / "docs"

@@ -98,6 +98,7 @@ class App {
     this.runNames = [];
     this.refreshing = false;
     this.firstPaintDone = false;
+    this.firstViewAsked = false; // GET /first_view is asked once, by the first refresh
     this.active = new Set(); // runs whose panels have come into view: fetched and drawn
     this.tuningPoll = null; // {runs: Set, answer: Promise} of the current poll's /tuning_states
     this.observer =
@@ -184,7 +185,7 @@ class App {
     if (this.refreshing) return;
     this.refreshing = true;
     try {
-      const runs = await this.model.runs();
+      const runs = await this.listRuns();
       this.entries = new Map(runs.map((e) => [e.run, e]));
       this.runNames = runs.map((e) => e.run);
       renderStatus(
@@ -197,16 +198,31 @@ class App {
       const versions = new Map(runs.map((e) => [e.run, e.tags[TAG_TIERS]?.max_step ?? -1]));
       this.diff.setRuns(this.runNames, selected, recency, versions);
       const shown = this.runNames.filter((r) => selected.has(r) && this.active.has(r));
-      // One request for every shown run's live-tuning state (not one /tuning per run).
-      this.tuningPoll = shown.length
-        ? { runs: new Set(shown), answer: this.model.tuningStates(shown) }
-        : null;
-      this.tuningPoll?.answer.catch(() => null); // reported per run by refreshOthers
+      // One request for every shown run's live-tuning state (not one /tuning per run),
+      // sent by the first run's round 2 (after the tier charts: the first paint waits
+      // for no request it does not draw).
+      this.tuningPoll = shown.length ? { runs: new Set(shown), answer: null } : null;
       await this.refreshRuns(shown);
     } catch (err) {
       renderStatus(this.status, `Could not load runs: ${err.message}`, true);
     } finally {
       this.refreshing = false;
+    }
+  }
+
+  /**
+   * The /runs listing. The first time, GET /first_view brings the first panels' answers
+   * with it (the remembered selection's first runs by name, else the server picks the
+   * default ones the same way); if that route fails, /runs alone.
+   */
+  async listRuns() {
+    if (this.firstViewAsked) return this.model.runs();
+    this.firstViewAsked = true;
+    const remembered = [...this.selector.selected].sort().slice(0, EAGER_RUNS);
+    try {
+      return await this.model.firstView(remembered, { limit: this.selector.limit, eager: EAGER_RUNS });
+    } catch {
+      return this.model.runs();
     }
   }
 
@@ -342,6 +358,7 @@ class App {
   async tuningOf(run) {
     const poll = this.tuningPoll;
     if (poll?.runs.has(run)) {
+      poll.answer ??= this.model.tuningStates([...poll.runs]);
       const answer = (await poll.answer).runs?.[run];
       if (answer?.error) throw new Error(answer.error.message);
       if (answer) return answer;

@@ -77,8 +77,43 @@ export class Model {
     return (await this.getJson('./runs')).runs;
   }
 
+  /**
+   * The /runs listing and the first paint's answers in one request (GET /first_view):
+   * the embedded /series and /json answers are put in the cache under the max_step the
+   * listing gives, so the refresh that follows finds them there.
+   * @param {string[]} runs the panels to fill first (the remembered selection), or [] for
+   *   the server's default (of the `limit` most recent runs, the first `eager` by name)
+   * @param {{limit: number, eager: number}} counts
+   * @returns {Promise<Array<{run: string, tags: Object}>>} as runs()
+   */
+  async firstView(runs, { limit, eager }) {
+    const url = new URL('./first_view', this.base);
+    for (const run of runs) url.searchParams.append('run', run);
+    url.searchParams.set('limit', String(limit));
+    url.searchParams.set('eager', String(eager));
+    url.searchParams.set('points', String(CHART_POINTS));
+    const body = await this.getJson(url.href);
+    const tagsOf = new Map(body.runs.map((entry) => [entry.run, entry.tags]));
+    const seed = (route, answers, extra) => {
+      for (const [run, byTag] of Object.entries(answers ?? {})) {
+        for (const [tag, data] of Object.entries(byTag)) {
+          const maxStep = tagsOf.get(run)?.[tag]?.max_step;
+          if (data?.error || maxStep === undefined) continue; // its own route reports it
+          this.cache.set(this.key(route, run, tag, extra), { maxStep, data });
+        }
+      }
+    };
+    seed('./series', body.series, { points: body.points });
+    seed('./json', body.json, {});
+    return body.runs;
+  }
+
+  key(route, run, tag, extra) {
+    return JSON.stringify([route, run, tag, extra]);
+  }
+
   async cached(route, run, tag, maxStep, extra = {}) {
-    const key = JSON.stringify([route, run, tag, extra]);
+    const key = this.key(route, run, tag, extra);
     const hit = this.cache.get(key);
     if (hit && hit.maxStep === maxStep) return hit.data;
     // One request per key at a time: a poll that starts while the previous one for the

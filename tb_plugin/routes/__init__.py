@@ -1,6 +1,8 @@
 """The plugin's HTTP routes, one module per view's routes (registered by :mod:`tb_plugin.plugin`).
 
 - :mod:`~tb_plugin.routes.runs`: ``GET /runs``, the runs and their tags (the run selector).
+- :mod:`~tb_plugin.routes.first_view`: ``GET /first_view``, the listing and the first
+  panels' ``/series`` and ``/json`` answers in one request (the first paint).
 - :mod:`~tb_plugin.routes.series`: ``GET /series``, a matrix or vector tag over steps
   (tier, timing and page charts), thinned keeping peaks; downloads.
 - :mod:`~tb_plugin.routes.records`: ``GET /json``, every record of a json tag (run info,
