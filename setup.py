@@ -27,6 +27,8 @@ setup(
         "psutil>=5.9",
         "nvidia-ml-py>=12.0",
         "numpy>=1.24",
+        # CRC-32C page checksums of the NVMe tier (LGPL-2.1-or-later, used unmodified).
+        "crc32c>=2.3",
     ],
     extras_require={
         "cpu": ["tensorflow-cpu>=2.16"],

@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from zero_runtime.memory import PagedBufferPool  # noqa: E402
 from zero_runtime.memory import io as memory_io  # noqa: E402
+from zero_runtime.memory.checksum import page_checksum  # noqa: E402
 
 MIB = 1 << 20
 PAGE = 4 * MIB  # bytes per page (the pool's default)
@@ -150,12 +151,10 @@ def pool_round_trip(
         }
 
 
-class _NoCrc:
-    """Stand-in for zlib in the I/O module: a constant CRC (to time the pool without it)."""
-
-    @staticmethod
-    def crc32(data) -> int:
-        return 0
+def _no_checksum(data) -> int:
+    """Stand-in for the I/O module's page checksum: a constant (to time the pool without
+    it)."""
+    return 0
 
 
 def crc_throughput(threads: int, buffers: int = 64) -> float:
@@ -255,13 +254,13 @@ def main() -> None:
                 flush=True,
             )
 
-        memory_io.zlib = _NoCrc  # type: ignore[assignment]
+        memory_io.page_checksum = _no_checksum  # type: ignore[assignment]
         try:
             no_crc = pool_round_trip(
                 work, total, args.tensor_pages, args.io_threads, args.queue_depth
             )
         finally:
-            memory_io.zlib = zlib
+            memory_io.page_checksum = page_checksum
 
         trace_cfg = {"layers": 24, "pages_per_layer": 2, "steps": 3, "compute": 0.04}
         trace = {

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up zero-infinity-tf on a fresh machine; safe to run again (idempotent).
-#  - Debian's chromium for the browser tests (when missing; needs root or sudo),
+#  - Debian's chromium for the browser tests and fio for bench/bench_paging.py (each
+#    when missing; needs root or sudo),
 #  - the frontend built from frontend/ with npm into tb_plugin/static/ (before pip:
 #    setup.py ships that directory as the package tb_plugin.static),
 #  - a virtual environment in .venv with the package (editable) and its test extra
@@ -10,11 +11,16 @@ cd "$(dirname "$0")/.."
 
 log() { printf '[setup] %s\n' "$*"; }
 
-if ! command -v chromium >/dev/null 2>&1; then
-  log "installing Debian's chromium (browser tests)"
+# Debian packages, each only when its command is missing: chromium (browser tests) and
+# fio (bench/bench_paging.py measures the disk with it).
+MISSING=()
+command -v chromium >/dev/null 2>&1 || MISSING+=(chromium)
+command -v fio >/dev/null 2>&1 || MISSING+=(fio)
+if [ "${#MISSING[@]}" -gt 0 ]; then
+  log "installing Debian's ${MISSING[*]}"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${MISSING[@]}" >/dev/null
 fi
 
 # The frontend first: setup.py lists tb_plugin/static (built here, not in git) as a

@@ -1,6 +1,7 @@
 """Integrity and bad conditions of the paged buffer pool's NVMe tier.
 
-Checksums, a full disk, unusable paths, an oversized host budget, I/O mode detection and
+Checksums (a flipped byte, another process's write, a torn write), the preallocated
+slab, a full disk, unusable paths, an oversized host budget, I/O mode detection and
 ownership of slab files. Where a test needs a small or read-only filesystem it mounts a
 tmpfs (this runs as root); if ``mount`` is not permitted that test is skipped and the
 fallback test beside it still runs.
@@ -34,6 +35,23 @@ F32_PER_PAGE = PS // 4
 
 def values(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+
+
+def store(pool: PagedBufferPool, data: dict[str, np.ndarray]) -> None:
+    """Allocate each tensor of ``data`` (id -> array) on the host and write it."""
+    for tid, d in data.items():
+        pool.allocate(tid, d.shape, d.dtype)
+        pool.write(tid, d)
+
+
+def budgeted_pool(nvme_path: Path) -> PagedBufferPool:
+    """A pool of 4 host pages over an 8-page (preallocated) NVMe budget at ``nvme_path``."""
+    return PagedBufferPool(
+        page_size_bytes=PS,
+        host_budget_bytes=4 * PS,
+        nvme_path=str(nvme_path),
+        nvme_budget_bytes=8 * PS,
+    )
 
 
 def tiers_of(pool: PagedBufferPool, tid: str) -> list[str | None]:
@@ -93,21 +111,153 @@ def test_corrupted_page_on_disk_raises_checksum_error_naming_file_page_and_tenso
         pool.release("a")
 
 
+def test_corruption_by_another_process_is_detected_at_page_in_not_before(tmp_path):
+    """dd (another process, conv=notrunc) overwrites 512 bytes inside page 2 of a
+    preallocated slab; the pool only notices when that page is paged in, and the other
+    pages, before and after it in the file, come back intact."""
+    data = {f"t{i}": values(F32_PER_PAGE, 10 + i) for i in range(4)}
+    with budgeted_pool(tmp_path) as pool:
+        store(pool, data)
+        pool.evict(list(data), "nvme")
+        slot = pool.describe("t2").pages[0].slot
+        garbage = tmp_path / "garbage"
+        garbage.write_bytes(b"\x5a" * 512)
+        subprocess.run(
+            [
+                "dd",
+                f"if={garbage}",
+                f"of={pool.nvme_file}",
+                "bs=512",
+                f"seek={slot * PS // 512 + 3}",
+                "conv=notrunc,fsync",
+                "status=none",
+            ],
+            check=True,
+        )
+        pool.prefetch(["t0", "t1"])
+        pool.synchronize()  # pages not touched by dd page in cleanly
+        with pytest.raises(PageChecksumError, match="crc32c") as info:
+            pool.acquire("t2")
+        assert (info.value.offset, info.value.tensor_id) == (slot * PS, "t2")
+        assert tiers_of(pool, "t2") == ["nvme"]
+        for tid in ("t0", "t1", "t3"):
+            assert np.array_equal(pool.acquire(tid), data[tid])
+            pool.release(tid)
+
+
+def test_a_torn_write_is_detected_by_the_checksum(tmp_path, monkeypatch):
+    """A torn write: the page is rewritten in its slot, but only the first half of the new
+    contents reaches the file while the write reports success (a device that loses part
+    of a write). The slot then holds half new and half old bytes, and the next page-in
+    must refuse it rather than return a page that never existed."""
+    old, new = values(F32_PER_PAGE, 20), values(F32_PER_PAGE, 21)
+    with PagedBufferPool(
+        page_size_bytes=PS, host_budget_bytes=2 * PS, nvme_path=str(tmp_path)
+    ) as pool:
+        pool.allocate("a", old.shape, old.dtype)
+        pool.write("a", old)
+        pool.evict("a", "nvme")
+        slot = pool.describe("a").pages[0].slot
+        pool.acquire("a", writable=True)[:] = new  # paged in, changed on the host
+        pool.release("a")
+        real_pwrite = os.pwrite
+
+        def torn(fd, data, offset):
+            if os.readlink(f"/proc/self/fd/{fd}") != pool.nvme_file:
+                return real_pwrite(fd, data, offset)
+            real_pwrite(fd, memoryview(data)[: len(data) // 2], offset)
+            return len(data)  # reports the whole write
+
+        monkeypatch.setattr(os, "pwrite", torn)
+        pool.evict("a", "nvme")  # the page-out "succeeds"
+        monkeypatch.undo()
+        assert pool.describe("a").pages[0].slot == slot  # the old page's slot, reused
+        on_disk = np.fromfile(pool.nvme_file, np.float32, PS // 4, offset=slot * PS)
+        half = F32_PER_PAGE // 2
+        assert np.array_equal(on_disk[:half], new[:half])
+        assert np.array_equal(on_disk[half:], old[half:])  # torn: half old, half new
+        with pytest.raises(PageChecksumError, match="page 0 of tensor 'a'"):
+            pool.acquire("a")
+        assert tiers_of(pool, "a") == ["nvme"]
+
+
+# --- the slab file --------------------------------------------------------------------
+def test_budgeted_slab_is_preallocated_and_pages_sit_at_aligned_offsets(tmp_path):
+    with PagedBufferPool(
+        page_size_bytes=PS,
+        host_budget_bytes=4 * PS,
+        nvme_path=str(tmp_path),
+        nvme_budget_bytes=6 * PS + 100,  # whole pages are reserved: 6
+    ) as pool:
+        slab = Path(pool.nvme_file)
+        before = slab.stat()
+        assert before.st_size == 6 * PS and before.st_blocks * 512 >= 6 * PS
+        a = values(3 * F32_PER_PAGE - 7, 30)  # a partial last page
+        pool.allocate("a", a.shape, a.dtype)
+        pool.write("a", a)
+        pool.evict("a", "nvme")
+        offsets = [p.slot * PS for p in pool.describe("a").pages]
+        assert offsets == [0, PS, 2 * PS] and all(o % 4096 == 0 for o in offsets)
+        assert slab.stat().st_size == 6 * PS  # no write grew the file
+        assert np.array_equal(pool.read("a"), a)
+        assert "(preallocated)" in pool._p.nvme.description
+
+
+def test_unbounded_slab_is_preallocated_in_extents_as_slots_are_first_used(tmp_path):
+    from zero_runtime.memory.io import GROW_PAGES
+
+    with PagedBufferPool(
+        page_size_bytes=PS, host_budget_bytes=(GROW_PAGES + 2) * PS, nvme_path=str(tmp_path)
+    ) as pool:
+        slab = Path(pool.nvme_file)
+        assert slab.stat().st_size == 0
+        pool.allocate("one", (F32_PER_PAGE,), np.float32)
+        pool.evict("one", "nvme")
+        assert slab.stat().st_size == GROW_PAGES * PS  # one extent, not one page
+        pool.allocate("more", ((GROW_PAGES + 1) * F32_PER_PAGE,), np.float32)
+        pool.evict("more", "nvme")
+        assert slab.stat().st_size == 2 * GROW_PAGES * PS
+        assert slab.stat().st_blocks * 512 >= 2 * GROW_PAGES * PS
+
+
+def test_slab_falls_back_to_growing_when_fallocate_is_unsupported(tmp_path, monkeypatch, caplog):
+    def unsupported(fd, offset, length):
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    with caplog.at_level("INFO", logger="zero_runtime.memory.io"):
+        pool = PagedBufferPool(
+            page_size_bytes=PS,
+            host_budget_bytes=4 * PS,
+            nvme_path=str(tmp_path),
+            nvme_budget_bytes=8 * PS,
+        )
+    with pool:
+        assert "(not preallocated (no fallocate))" in pool._p.nvme.description
+        a = values(2 * F32_PER_PAGE, 31)
+        pool.allocate("a", a.shape, a.dtype)
+        pool.write("a", a)
+        with caplog.at_level("INFO", logger="zero_runtime.memory.io"):
+            pool.evict("a", "nvme")
+        assert Path(pool.nvme_file).stat().st_size == 2 * PS  # grown by the writes
+        assert np.array_equal(pool.read("a"), a)
+    said = [r for r in caplog.records if "fallocate is not supported" in r.getMessage()]
+    assert len(said) == 1  # said once, not per write
+
+
 # --- a full disk ----------------------------------------------------------------------
 def test_disk_full_while_paging_out_keeps_pages_on_host(tmpfs):
-    """Real ENOSPC: a 1 MiB tmpfs, filled by another file after the pool has started."""
+    """Real ENOSPC: a 1 MiB tmpfs, filled by another file after the pool has started. The
+    tier is unbounded, so its slab is preallocated only as slots are first used."""
     nvme = tmpfs("small", "size=1m")
     data = {f"t{i}": values(F32_PER_PAGE, i) for i in range(4)}
     with PagedBufferPool(
         page_size_bytes=PS,
         host_budget_bytes=4 * PS,
         nvme_path=str(nvme),
-        nvme_budget_bytes=8 * PS,
         queue_depth=1,  # one write at a time: exactly two pages fit
     ) as pool:
-        for tid, d in data.items():
-            pool.allocate(tid, d.shape, d.dtype)
-            pool.write(tid, d)
+        store(pool, data)
         filler = nvme / "filler"
         filler.write_bytes(b"\xa5" * (shutil.disk_usage(nvme).free - 2 * PS))
         with pytest.raises(NvmeFullError) as info:
@@ -124,6 +274,25 @@ def test_disk_full_while_paging_out_keeps_pages_on_host(tmpfs):
         filler.unlink()
         pool.evict(list(data), "nvme")
         assert [tiers_of(pool, tid)[0] for tid in data] == ["nvme"] * 4
+        for tid, d in data.items():
+            assert np.array_equal(pool.read(tid), d)
+
+
+def test_a_budgeted_slab_is_reserved_at_start_so_a_full_disk_later_cannot_fail_it(tmpfs):
+    """The same 1 MiB tmpfs and filler as above, with an 8-page budget: the budget was
+    preallocated when the pool started, so every page-out still finds its extent."""
+    nvme = tmpfs("reserved", "size=1m")
+    data = {f"t{i}": values(F32_PER_PAGE, i) for i in range(4)}
+    with budgeted_pool(nvme) as pool:
+        slab = Path(pool.nvme_file)
+        assert slab.stat().st_size == 8 * PS and slab.stat().st_blocks * 512 >= 8 * PS
+        store(pool, data)
+        filler = nvme / "filler"
+        filler.write_bytes(b"\xa5" * shutil.disk_usage(nvme).free)
+        assert shutil.disk_usage(nvme).free < PS
+        pool.evict(list(data), "nvme")
+        assert [tiers_of(pool, tid)[0] for tid in data] == ["nvme"] * 4
+        assert slab.stat().st_size == 8 * PS  # writes land inside the reservation
         for tid, d in data.items():
             assert np.array_equal(pool.read(tid), d)
 

@@ -5,6 +5,7 @@ Small capacities (64 KiB pages, a few pages per tier) and real slab files in tmp
 
 from __future__ import annotations
 
+import crc32c
 import numpy as np
 import psutil
 import pytest
@@ -290,9 +291,7 @@ def test_page_info_reports_state_and_checksum(tmp_path):
         pool.evict("a")
         page = pool.describe("a").pages[0]
         assert page.state is PageState.ON_NVME and page.payload == 40
-        import zlib
-
-        assert page.checksum == zlib.crc32(np.zeros(10, np.float32).tobytes())
+        assert page.checksum == crc32c.crc32c(np.zeros(10, np.float32).tobytes())
 
 
 def test_closed_pool_refuses_calls_and_removes_its_file(tmp_path):

@@ -31,7 +31,7 @@ class PageCounters:
             their way there (count).
         prefetch_misses: pages an ``acquire`` had to bring in itself (count).
         stall_seconds: wall time ``acquire`` spent waiting for pages (seconds).
-        io_seconds: time the I/O threads spent in pread/pwrite and CRC32, summed over
+        io_seconds: time the I/O threads spent in pread/pwrite and CRC-32C, summed over
             threads, so it can exceed wall time (seconds).
     """
 

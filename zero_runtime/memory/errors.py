@@ -34,15 +34,15 @@ class NvmePathError(PagingError):
 
 
 class PageChecksumError(PagingError):
-    """A page read back from the NVMe tier does not match the CRC32 recorded when written.
+    """A page read back from the NVMe tier does not match the CRC-32C recorded when written.
 
     Attributes:
         path: the slab file read.
         offset: byte offset of the page's slot in that file.
         tensor_id: the tensor the page belongs to.
         page_index: the page's index within the tensor (0-based).
-        expected: CRC32 recorded at write time.
-        actual: CRC32 of the bytes read.
+        expected: CRC-32C recorded at write time (:mod:`.checksum`).
+        actual: CRC-32C of the bytes read.
     """
 
     def __init__(
@@ -62,7 +62,7 @@ class PageChecksumError(PagingError):
         self.actual = actual
         super().__init__(
             f"checksum mismatch reading page {page_index} of tensor {tensor_id!r} from "
-            f"{path} at offset {offset}: expected crc32 {expected:#010x}, read {actual:#010x}; "
+            f"{path} at offset {offset}: expected crc32c {expected:#010x}, read {actual:#010x}; "
             f"the file was modified or the disk returned bad data. The page stays on NVMe."
         )
 

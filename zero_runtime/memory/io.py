@@ -6,6 +6,14 @@ holds an exclusive ``flock`` on it for its whole life. At start, files of proces
 are gone (pid not alive *and* the lock free) are removed; files of live processes never
 are.
 
+The slab is preallocated with ``posix_fallocate``: the whole budget at start when the
+tier has one (so a disk that fills up later cannot make a page-out fail), else in
+:data:`GROW_PAGES`-page extents as slots are first used (a failed extent retries with
+just the page, so a nearly full disk still takes what fits). Writes then land in
+allocated extents and never extend the file, which keeps ``O_DIRECT`` writes off the
+filesystem's block allocator. Where ``fallocate`` is not supported the file grows as
+pages are written, and that is logged once.
+
 I/O uses ``os.pwrite`` and ``os.preadv`` (``os.pread`` cannot read into a caller's
 buffer, which ``O_DIRECT`` needs). ``O_DIRECT`` is tried at open with a page-aligned
 (mmap) buffer; if the filesystem refuses it, buffered I/O is used. The mode is recorded
@@ -25,14 +33,15 @@ import os
 import re
 import secrets
 import shutil
+import threading
 import time
-import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import psutil
 
+from zero_runtime.memory.checksum import page_checksum
 from zero_runtime.memory.errors import NvmePathError
 
 logger = logging.getLogger(__name__)
@@ -40,6 +49,12 @@ logger = logging.getLogger(__name__)
 # Alignment of O_DIRECT offsets, lengths and buffers (bytes). 4096 covers 512-byte and
 # 4 KiB logical-block devices.
 IO_ALIGN = 4096
+
+# Pages by which an unbounded slab is extended (preallocated) at a time.
+GROW_PAGES = 16
+
+# errnos of a filesystem without fallocate (the slab then grows as pages are written).
+_NO_FALLOCATE = (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 SLAB_PATTERN = re.compile(r"^zrpool-(\d+)-[0-9a-f]+\.slab$")
 
@@ -100,19 +115,31 @@ def aligned_buffer(nbytes: int) -> mmap.mmap:
 
 
 class NvmeFile:
-    """One slab file: open, ownership lock, I/O mode detection, full-length pread/pwrite.
+    """One slab file: open, ownership lock, I/O mode detection, preallocation, full-length
+    pread/pwrite.
 
     Args:
         directory: an existing, writable directory.
         budget_bytes: bytes the tier may use (``None``: unbounded). Refused if larger
-            than the free space of the filesystem.
+            than the free space of the filesystem; otherwise its whole slots are
+            preallocated at once.
+        page_size: bytes per slot (the extent unit of an unbounded slab); default 4 MiB.
 
     Raises:
         NvmePathError: the directory is missing, not a directory, read-only or not
-            writable, or has less free space than ``budget_bytes`` (both numbers given).
+            writable, or has less free space than ``budget_bytes`` (both numbers given),
+            or the budget could not be preallocated.
+
+    Attributes:
+        path: the slab file.
+        io_mode: ``"direct"`` (``O_DIRECT``) or ``"buffered"``.
+        preallocated: True while ``posix_fallocate`` works on this filesystem (False:
+            the file grows as pages are written).
+        reserved_bytes: bytes of the file preallocated so far (the budget, or whole
+            extents of :data:`GROW_PAGES` pages).
     """
 
-    def __init__(self, directory: str, budget_bytes: int | None) -> None:
+    def __init__(self, directory: str, budget_bytes: int | None, page_size: int = 4 << 20) -> None:
         directory = os.path.abspath(directory)
         if not os.path.exists(directory):
             raise NvmePathError(
@@ -132,6 +159,10 @@ class NvmeFile:
             ) from exc
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self._closed = False
+        self._page_size = page_size
+        self._grow_lock = threading.Lock()  # guards reserved_bytes / preallocated
+        self.reserved_bytes = 0
+        self.preallocated = True
         free = shutil.disk_usage(directory).free
         if budget_bytes is not None and budget_bytes > free:
             self.close()
@@ -141,12 +172,66 @@ class NvmeFile:
             )
         try:
             self.fd, self.io_mode = self._open_io_fd()
+            if budget_bytes is not None:
+                self._reserve_budget(budget_bytes // page_size * page_size)
         except BaseException:
             self.close()
             raise
 
+    def _reserve_budget(self, nbytes: int) -> None:
+        """Preallocate the whole budget (``nbytes``) at start."""
+        try:
+            self._fallocate(nbytes)
+        except OSError as exc:
+            raise NvmePathError(
+                f"could not preallocate nvme_budget_bytes={nbytes} in {self.path} "
+                f"({errno.errorcode.get(exc.errno or 0, '?')}: {exc.strerror}); lower the "
+                f"budget or free disk space"
+            ) from exc
+
+    def _fallocate(self, end: int) -> None:
+        """Preallocate the file up to ``end`` bytes (lock held or at construction).
+        Where the filesystem has no fallocate, logs it once and stops trying."""
+        if not self.preallocated or end <= self.reserved_bytes:
+            return
+        try:
+            os.posix_fallocate(self._lock_fd, self.reserved_bytes, end - self.reserved_bytes)
+        except OSError as exc:
+            if exc.errno not in _NO_FALLOCATE:
+                raise
+            self.preallocated = False
+            logger.info(
+                "fallocate is not supported for %s (%s); the slab file grows as pages are written",
+                self.path,
+                exc,
+            )
+            return
+        self.reserved_bytes = end
+
+    def ensure(self, end: int) -> None:
+        """Make sure bytes ``[0, end)`` of the slab are allocated before writing there.
+
+        A no-op inside the reservation; else extends it to the next multiple of
+        :data:`GROW_PAGES` pages, or, if that fails for lack of space, to ``end`` alone.
+        Thread-safe (called by the I/O threads before each write).
+
+        Raises:
+            OSError: ``ENOSPC`` (or another error) from ``posix_fallocate`` for ``end``.
+        """
+        if end <= self.reserved_bytes or not self.preallocated:
+            return
+        with self._grow_lock:
+            extent = round_up(end, GROW_PAGES * self._page_size)
+            try:
+                self._fallocate(extent)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                self._fallocate(end)  # whatever still fits
+
     def _open_io_fd(self) -> tuple[int, str]:
-        """Open the descriptor used for I/O: O_DIRECT if an aligned probe write/read works."""
+        """Open the descriptor used for I/O: O_DIRECT if an aligned probe write/read works
+        (else buffered, logged once per file)."""
         if hasattr(os, "O_DIRECT"):
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_DIRECT)
@@ -168,12 +253,13 @@ class NvmeFile:
         return os.dup(self._lock_fd), "buffered"
 
     def pwrite(self, buf: memoryview, offset: int) -> None:
-        """Write all of ``buf`` at ``offset`` (bytes).
+        """Write all of ``buf`` at ``offset`` (bytes), preallocating first (:meth:`ensure`).
 
         Raises:
-            OSError: as raised by ``os.pwrite``; a write that makes no progress (a short
-                write on a full disk) raises ``OSError(errno.ENOSPC)``.
+            OSError: as raised by ``os.pwrite`` or ``posix_fallocate``; a write that makes
+                no progress (a short write on a full disk) raises ``OSError(errno.ENOSPC)``.
         """
+        self.ensure(offset + len(buf))
         done = 0
         while done < len(buf):
             n = os.pwrite(self.fd, buf[done:], offset + done)
@@ -224,9 +310,10 @@ class IoJob:
         page: the page record (a ``PageRecord``), in flight while the job runs.
         buffer: the host slot's memory, ``round_up(payload)`` bytes.
         offset: byte offset in the slab file.
-        payload: bytes covered by the CRC32 (the page's payload).
+        payload: bytes covered by the checksum (the page's payload).
         evicting: the write is an eviction (counted as such when it completes).
-        crc: CRC32 of the payload, computed by the job (before writing / after reading).
+        crc: CRC-32C of the payload (:mod:`.checksum`), computed by the job (before
+            writing / after reading).
         seconds: time spent in I/O and CRC (seconds).
         error: the exception the job ended with, if any.
         done: set when the pool has processed the completion.
@@ -302,11 +389,11 @@ class IoScheduler:
         start = time.perf_counter()
         try:
             if job.op == "write":
-                job.crc = zlib.crc32(job.buffer[: job.payload])
+                job.crc = page_checksum(job.buffer[: job.payload])
                 self._file.pwrite(job.buffer, job.offset)
             else:
                 self._file.pread_into(job.buffer, job.offset)
-                job.crc = zlib.crc32(job.buffer[: job.payload])
+                job.crc = page_checksum(job.buffer[: job.payload])
         except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
             job.error = exc
         job.seconds = time.perf_counter() - start

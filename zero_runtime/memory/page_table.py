@@ -40,7 +40,7 @@ class PageState(enum.Enum):
     - ``UNPLACED``: record created by ``allocate`` but no slot yet; counts nowhere.
     - ``ON_DEVICE``: in a device slot; counts toward the device tier.
     - ``ON_HOST``: in a host slot; counts toward the host tier.
-    - ``ON_NVME``: in an NVMe slot with a recorded CRC32; counts toward the NVMe tier.
+    - ``ON_NVME``: in an NVMe slot with a recorded CRC-32C; counts toward the NVMe tier.
     - ``IN_FLIGHT_OUT``: being written host -> NVMe; holds its host slot (the source) and
       its NVMe slot (the destination), so it counts toward both until the write ends.
     - ``IN_FLIGHT_IN``: being read NVMe -> host; holds its NVMe slot (the source) and a
@@ -117,7 +117,7 @@ class PageRecord:
         payload: bytes of the tensor in this page (<= page size).
         state: the :class:`PageState`.
         slots: tier name -> slot index, for each tier in ``HOLDS[state]``.
-        checksum: CRC32 of the payload as last written to NVMe (``None`` before that).
+        checksum: CRC-32C of the payload as last written to NVMe (``None`` before that).
         last_use_step: the step of the last use (allocate, write, acquire, page-in).
         last_use_tick: a pool-wide counter at the last use, to order uses within a step.
     """

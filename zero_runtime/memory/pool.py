@@ -15,7 +15,7 @@ The pool is a façade over parts with one owner each (``docs/paging.md``):
 Threads and locking. One lock guards the page table, the tiers and the counters; public
 methods hold it except while they wait, and they wait only on the condition variable tied
 to it, so an I/O thread can always take it to finish a job. I/O threads do only pread,
-pwrite and CRC32 on buffers that the page table has reserved for the job (the page is
+pwrite and CRC-32C on buffers that the page table has reserved for the job (the page is
 ``IN_FLIGHT_*``); the completion is then recorded under the lock
 (:meth:`TierTransitions.on_io_complete`). ``prefetch`` hands tensors to one background
 thread that runs the same placement loop as ``acquire`` but yields whenever a caller is
@@ -125,8 +125,10 @@ class PoolConfig:
         nvme_path: an existing writable directory for the NVMe slab file; ``None``
             disables the NVMe tier.
         nvme_budget_bytes: NVMe tier capacity (bytes), rounded down to whole pages;
-            ``None`` for unbounded. Refused if larger than the disk's free space. Not
-            reserved on disk: a disk that fills up later raises :class:`NvmeFullError`.
+            ``None`` for unbounded. Refused if larger than the disk's free space;
+            preallocated on disk at start (``posix_fallocate``), so a disk that fills up
+            later cannot fail a page-out. An unbounded tier is preallocated in extents as
+            it grows, and a full disk then raises :class:`NvmeFullError`.
         io_threads: I/O threads for the NVMe tier (default 4).
         queue_depth: maximum NVMe page reads/writes outstanding at once (default 8).
         pin_host_memory: request page-locked host memory; recorded only (no effect

@@ -36,7 +36,7 @@ class PageInfo:
         tier: the tier it is in (the source tier while in flight).
         slot: its slot in that tier (the NVMe slot is at ``slot * page_size`` in the slab).
         payload: tensor bytes in the page.
-        checksum: CRC32 of its last NVMe copy, or ``None``.
+        checksum: CRC-32C of its last NVMe copy, or ``None``.
         last_use_step: step of its last use.
     """
 

@@ -9,8 +9,9 @@ tracks used and peak slots. Storage per tier:
   cut into page-sized numpy views; the OS commits memory on first touch, and no memory is
   allocated per page afterwards. Slots are page-aligned, so O_DIRECT reads and writes use
   them directly.
-- :class:`NvmeTier`: slots at ``slot * page_size`` in one slab file
-  (:class:`~zero_runtime.memory.io.NvmeFile`), grown as slots are first used.
+- :class:`NvmeTier`: slots at ``slot * page_size`` (page-aligned offsets) in one slab
+  file (:class:`~zero_runtime.memory.io.NvmeFile`), preallocated: the whole budget at
+  start, or in extents as slots are first used when the tier is unbounded.
 """
 
 from __future__ import annotations
@@ -219,11 +220,18 @@ class NvmeTier(SlotTier):
     def __init__(self, page_size: int, directory: str, capacity_bytes: int | None) -> None:
         n_slots = None if capacity_bytes is None else capacity_bytes // page_size
         super().__init__("nvme", page_size, n_slots)
-        self.file = NvmeFile(directory, capacity_bytes)
+        self.file = NvmeFile(directory, capacity_bytes, page_size)
+        if not self.file.preallocated:
+            reserved = "not preallocated (no fallocate)"
+        elif capacity_bytes is None:
+            reserved = "preallocated as slots are first used"
+        else:
+            reserved = "preallocated"
         self.description = (
             f"nvme: slab file {self.file.path}, {page_size}-byte slots, "
             f"{self.file.io_mode} I/O, budget "
             f"{'unbounded' if capacity_bytes is None else f'{self.capacity_bytes} bytes'}"
+            f" ({reserved})"
         )
 
     def offset(self, slot: int) -> int:

@@ -30,11 +30,11 @@ import errno
 import logging
 import threading
 import time
-import zlib
 from collections.abc import Callable
 
 import numpy as np
 
+from zero_runtime.memory.checksum import page_checksum
 from zero_runtime.memory.counters import CounterAccumulator
 from zero_runtime.memory.errors import (
     NvmeFullError,
@@ -192,7 +192,7 @@ class TierTransitions:
         self._submit("read", page, slot, page.slots["nvme"], jobs, False)
 
     def finish_page_out(self, job: IoJob) -> None:
-        """IN_FLIGHT_OUT -> ON_NVME (written; CRC recorded) or back to ON_HOST (failed:
+        """IN_FLIGHT_OUT -> ON_NVME (written; CRC-32C recorded) or back to ON_HOST (failed:
         ``job.error`` becomes the pool's error naming the page and file)."""
         page = job.page
         self._expect(page, S.IN_FLIGHT_OUT, "end of page-out")
@@ -295,7 +295,7 @@ class TierTransitions:
 
     # --- synchronous NVMe access (no state change) --------------------------------------
     def write_nvme(self, page: PageRecord, data: np.ndarray) -> None:
-        """Write ``data`` (1-D uint8, the payload) to the page's NVMe slot; set its CRC."""
+        """Write ``data`` (1-D uint8, the payload) to the page's NVMe slot; set its CRC-32C."""
         assert self._nvme is not None
         n = page.payload
         self._staging_arr[:n] = data
@@ -304,7 +304,7 @@ class TierTransitions:
         offset = self._nvme.offset(page.slots["nvme"])
         start = time.perf_counter()
         try:
-            crc = zlib.crc32(memoryview(self._staging)[:n])
+            crc = page_checksum(memoryview(self._staging)[:n])
             self._nvme.file.pwrite(memoryview(self._staging)[:xfer], offset)
         except OSError as exc:
             raise self.write_error(page, offset, exc) from exc
@@ -313,14 +313,14 @@ class TierTransitions:
         page.checksum = crc
 
     def read_nvme(self, page: PageRecord, out: np.ndarray) -> None:
-        """Read the page's NVMe copy into ``out`` (1-D uint8, payload), checking its CRC."""
+        """Read the page's NVMe copy into ``out`` (1-D uint8, payload), checking its CRC-32C."""
         assert self._nvme is not None
         n = page.payload
         offset = self._nvme.offset(page.slots["nvme"])
         start = time.perf_counter()
         try:
             self._nvme.file.pread_into(memoryview(self._staging)[: round_up(n)], offset)
-            crc = zlib.crc32(memoryview(self._staging)[:n])
+            crc = page_checksum(memoryview(self._staging)[:n])
         except OSError as exc:
             raise PagingError(
                 f"I/O error reading page {page.index} of tensor {page.tensor_id!r} from "
