@@ -1,6 +1,7 @@
 """Page access: a tensor's bytes read from and written to its pages where they are.
 
-Terms in :mod:`.page_table`. No page changes state here (:mod:`.transitions` owns
+Terms in :mod:`.page_table`. No page changes state and no use is stamped here (the
+core's ``use``/``acquire`` stamp them) (:mod:`.transitions` owns
 that): ``read``/``write`` copy a tensor's payloads in place on each page's tier (an NVMe
 page through the synchronous staging I/O of :class:`TierTransitions`), and an acquire's
 array or device tensor is assembled from pages already brought to its tier. Called
@@ -58,7 +59,6 @@ class PageAccess:
                 self._host.view(page.slots["host"])[: page.payload] = chunk
             else:
                 self._moves.write_nvme(page, chunk)
-            self._table.touch(page)
 
     def read(self, entry: TensorEntry) -> np.ndarray:
         """A copy of ``entry``'s bytes, of its shape and dtype (its pages are settled)."""
@@ -72,7 +72,6 @@ class PageAccess:
                 chunk[:] = self._host.view(page.slots["host"])[: page.payload]
             else:
                 self._moves.read_nvme(page, chunk)
-            self._table.touch(page)
         return out.view(entry.dtype).reshape(entry.shape)
 
     @staticmethod

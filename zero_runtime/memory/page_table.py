@@ -258,6 +258,15 @@ class PageTable:
         for entry in list(self._tensors.values()):
             yield from entry.pages
 
+    @property
+    def tick(self) -> int:
+        """The pool-wide use counter (the last tick handed out by :meth:`touch`)."""
+        return self._tick
+
+    def resume_tick(self, tick: int) -> None:
+        """Continue counting uses from ``tick`` (a recorded state, for a replay)."""
+        self._tick = int(tick)
+
     # --- pages ------------------------------------------------------------------------
     def touch(self, page: PageRecord) -> None:
         """Mark ``page`` as used now (for LRU ordering)."""

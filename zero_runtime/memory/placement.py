@@ -171,7 +171,10 @@ class Placement:
                     self.starved += 1 if starving else -1
                 if not advisory and own_hops > max_hops:
                     raise self.out_of_memory(
-                        pages, target, lacking, exclude,
+                        pages,
+                        target,
+                        lacking,
+                        exclude,
                         reason=(
                             f"placement thrashes: {own_hops} page moves for {len(pages)} "
                             f"pages bound for the {target} tier (at most {max_hops}); other "
@@ -189,7 +192,10 @@ class Placement:
                     raise self.out_of_memory(pages, target, lacking, exclude)
                 if not advisory and time.monotonic() - last_progress > STUCK_SECONDS:
                     raise self.out_of_memory(
-                        pages, target, lacking, exclude,
+                        pages,
+                        target,
+                        lacking,
+                        exclude,
                         reason=(
                             f"placement made no progress for {STUCK_SECONDS:.0f} s: none of "
                             f"{len(todo)} pages bound for the {target} tier could move while "

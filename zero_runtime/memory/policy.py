@@ -26,6 +26,21 @@ class EvictionPolicy:
         self._cursor = 0  # index in _order of the next expected use
 
     @property
+    def order(self) -> tuple[str, ...]:
+        """The access order set (empty: none)."""
+        return tuple(self._order)
+
+    @property
+    def cursor(self) -> int:
+        """Index in :attr:`order` of the next expected use."""
+        return self._cursor
+
+    def resume(self, tensor_ids: Sequence[str] | None, cursor: int) -> None:
+        """Set the order and the position in it (a recorded state, for a replay)."""
+        self.set_order(tensor_ids)
+        self._cursor = int(cursor)
+
+    @property
     def ordered(self) -> bool:
         """True when an access order is set."""
         return bool(self._order)

@@ -45,31 +45,27 @@ from typing import TYPE_CHECKING
 import numpy as np
 import psutil
 
-from zero_runtime.memory.access import PageAccess
-from zero_runtime.memory.counters import CounterAccumulator, PageCounters, TierUsage
-from zero_runtime.memory.errors import OomSnapshot, PoolClosedError
+from zero_runtime.memory.core import PoolCore
+from zero_runtime.memory.counters import PageCounters, TierUsage
+from zero_runtime.memory.errors import PoolClosedError
 from zero_runtime.memory.io import IoJob
 from zero_runtime.memory.page_table import (
     KINDS,
     LEVEL,
     TIER_ORDER,
     PageRecord,
-    PageTable,
     TensorEntry,
 )
-from zero_runtime.memory.placement import WAIT_SLICE_SECONDS, Placement
-from zero_runtime.memory.policy import EvictionPolicy
-from zero_runtime.memory.prefetch import Prefetcher
+from zero_runtime.memory.placement import WAIT_SLICE_SECONDS
 from zero_runtime.memory.reports import (
     MAX_HOLDERS,
     PageInfo,
     TensorInfo,
     describe,
-    oom_snapshot,
     usage,
 )
 from zero_runtime.memory.tiers import DeviceTier, HostTier, NvmeTier, SlotTier
-from zero_runtime.memory.transitions import SnapshotFn, TierTransitions
+from zero_runtime.memory.trace import StepTrace
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -231,103 +227,21 @@ def _check_tier(tier: str, allowed: Sequence[str], device_slots: int, has_nvme: 
         raise ValueError("the NVMe tier is disabled (no nvme_path)")
 
 
-@dataclasses.dataclass(eq=False)
-class _Parts:
-    """The pool's parts, each the one owner of its concern (see the module doc), wired to
-    one lock (``cond``) and one counter accumulator."""
-
-    cond: threading.Condition
-    counters: CounterAccumulator
-    tiers: dict[str, SlotTier]
-    nvme: NvmeTier | None
-    table: PageTable
-    policy: EvictionPolicy
-    moves: TierTransitions
-    placement: Placement
-    access: PageAccess
-    prefetcher: Prefetcher
-    snapshot: SnapshotFn  # (nbytes, tensor_id, tier, reason) -> OomSnapshot
-
-    @property
-    def device(self) -> DeviceTier:
-        """The device tier."""
-        return self.tiers["device"]  # type: ignore[return-value]
-
-    @property
-    def host(self) -> HostTier:
-        """The host tier."""
-        return self.tiers["host"]  # type: ignore[return-value]
-
-    @classmethod
-    def build(
-        cls, config: PoolConfig, check_open: Callable[[], None], closed: Callable[[], bool]
-    ) -> _Parts:
-        """Make the tiers and the parts over them (the slab file and I/O threads with
-        ``nvme_path``), logging one line that describes the tiers."""
-        cond = threading.Condition(threading.Lock())
-        counters = CounterAccumulator()
-        tiers, nvme = _make_tiers(config)
-        table = PageTable(tiers, counters)
-        policy = EvictionPolicy()
-        ps = int(config.page_size_bytes)
-
-        def snapshot(nbytes: int, tensor_id: str, tier: str, reason: str) -> OomSnapshot:
-            return oom_snapshot(table, tiers, ps, (nbytes, tensor_id, tier), reason)
-
-        moves = TierTransitions(table, tiers, nvme, counters, cond, snapshot)
-        if nvme is not None:
-            moves.attach_io(int(config.io_threads), int(config.queue_depth))
-        placement = Placement(
-            table, tiers, nvme is not None, moves, policy, cond, check_open, snapshot, counters
-        )
-        access = PageAccess(table, tiers["device"], tiers["host"], moves)  # type: ignore[arg-type]
-        prefetcher = Prefetcher(table, placement, policy, cond, closed)
-        described = [t.description for t in tiers.values() if t is not tiers["nvme"]]
-        described.append(nvme.description if nvme is not None else "nvme: disabled")
-        logger.info("paged buffer pool: %d-byte pages; %s", ps, "; ".join(described))
-        return cls(
-            cond,
-            counters,
-            tiers,
-            nvme,
-            table,
-            policy,
-            moves,
-            placement,
-            access,
-            prefetcher,
-            snapshot,
-        )
-
-    def shutdown(self) -> None:
-        """Stop the prefetcher, wait for outstanding I/O, stop the I/O threads (the pool
-        is CLOSING; called without the lock)."""
-        self.prefetcher.stop()
-        with self.cond:
-            while self.moves.io_busy():
-                self.cond.wait(WAIT_SLICE_SECONDS)
-        if self.moves.io is not None:
-            self.moves.io.shutdown()
-
-    def release_all(self) -> None:
-        """Free every page, drop the device pages, unmap the host memory and the staging
-        buffer (lock held; after :meth:`shutdown`)."""
-        for entry in self.table.entries():
-            self.moves.free(entry)
-        self.device.close()
-        self.host.close()
-        self.moves.close()
-
-    def close_step(self, step: int) -> PageCounters:
-        """The step's counters, zeroed after; peaks and the access order restart; pages
-        used afterwards are stamped ``step + 1`` (lock held)."""
-        snapshot = self.counters.snapshot()
-        self.counters.reset()
-        for tier in self.tiers.values():
-            tier.reset_peak()
-        self.table.step = int(step) + 1
-        self.policy.restart()
-        return snapshot
+def _build_core(
+    config: PoolConfig, check_open: Callable[[], None], closed: Callable[[], bool]
+) -> PoolCore:
+    """Make the tiers and the core over them (the slab file and I/O threads with
+    ``nvme_path``), logging one line that describes the tiers."""
+    tiers, nvme = _make_tiers(config)
+    core = PoolCore.assemble(tiers, nvme, threading.Condition(threading.Lock()), check_open, closed)
+    if nvme is not None:
+        core.moves.attach_io(int(config.io_threads), int(config.queue_depth))
+    described = [t.description for t in tiers.values() if t is not tiers["nvme"]]
+    described.append(nvme.description if nvme is not None else "nvme: disabled")
+    logger.info(
+        "paged buffer pool: %d-byte pages; %s", config.page_size_bytes, "; ".join(described)
+    )
+    return core
 
 
 class PagedBufferPool:
@@ -376,7 +290,7 @@ class PagedBufferPool:
         )
         self._page_size = int(page_size_bytes)
         self._state = PoolState.OPEN
-        self._p = _Parts.build(config, self._check_open, lambda: self.closed)
+        self._p = _build_core(config, self._check_open, lambda: self.closed)
         self._finalizer = weakref.finalize(
             self, self._p.nvme.close if self._p.nvme is not None else (lambda: None)
         )
@@ -473,16 +387,8 @@ class PagedBufferPool:
         with self._p.cond:
             self._check_open()
             self._check_tier(tier, TIER_ORDER)
-            pages = entry.pages
-            self._p.table.add(entry)
-            try:
-                self._p.placement.check_fits(entry, tier)
-                self._p.placement.settle(pages, tier, {tensor_id}, advisory=False)
-            except BaseException:
-                self._p.moves.free(entry)
-                raise
-            for page in pages:
-                self._p.table.touch(page)
+            self._p.allocate(entry, tier)
+            self._trace("A", tensor_id, entry.nbytes, entry.dtype.itemsize, kind, tier)
 
     def free(self, tensor_id: str) -> None:
         """Free a tensor's pages on every tier (waiting for its I/O in flight).
@@ -492,15 +398,8 @@ class PagedBufferPool:
             ValueError: the tensor is pinned or acquired.
         """
         with self._p.cond:
-            entry = self._entry(tensor_id)
-            if entry.pinned:
-                raise ValueError(
-                    f"tensor {tensor_id!r} is pinned ({entry.pin_count}) or acquired "
-                    f"({entry.acquire_count}); unpin/release it before free"
-                )
-            self._p.placement.wait_settled(entry)
-            self._p.moves.free(entry)
-            self._p.cond.notify_all()
+            self._p.free(self._entry(tensor_id))
+            self._trace("F", tensor_id)
 
     def write(self, tensor_id: str, array: np.ndarray) -> None:
         """Overwrite a tensor's contents where its pages are (no page moves).
@@ -521,8 +420,8 @@ class PagedBufferPool:
         with self._p.cond:
             entry = self._entry(tensor_id)
             data = _payload(entry, array)
-            self._p.placement.wait_settled(entry)
-            self._p.access.write(entry, data)
+            self._p.use(entry, lambda: self._p.access.write(entry, data))
+            self._trace("W", tensor_id)
 
     def read(self, tensor_id: str) -> np.ndarray:
         """Return a copy of a tensor's contents (no page moves).
@@ -537,8 +436,9 @@ class PagedBufferPool:
         """
         with self._p.cond:
             entry = self._entry(tensor_id)
-            self._p.placement.wait_settled(entry)
-            return self._p.access.read(entry)
+            out = self._p.use(entry, lambda: self._p.access.read(entry))
+            self._trace("D", tensor_id)
+            return out
 
     def acquire(
         self, tensor_id: str, tier: str = "host", writable: bool = False
@@ -573,18 +473,8 @@ class PagedBufferPool:
         with self._p.cond:
             entry = self._entry(tensor_id)
             self._check_tier(tier, ("host", "device"))
-            self._p.access.check_acquire(entry, tier, writable)
-            self._p.placement.check_fits(entry, tier)
-            self._p.access.count_acquire(entry, tier)
-            try:
-                self._p.placement.bring(entry, tier)
-                result = self._p.access.materialise(entry, tier, writable)
-            except BaseException:
-                self._p.access.drop_acquire(entry)
-                raise
-            self._p.policy.advance(tensor_id)
-            for page in entry.pages:
-                self._p.table.touch(page)
+            result = self._p.acquire(entry, tier, writable)
+            self._trace("Q", tensor_id, tier)
             return result
 
     def release(self, tensor_id: str) -> None:
@@ -595,13 +485,8 @@ class PagedBufferPool:
             ValueError: the tensor is not acquired.
         """
         with self._p.cond:
-            entry = self._entry(tensor_id)
-            if entry.acquire_count == 0:
-                raise ValueError(f"tensor {tensor_id!r} is not acquired")
-            if entry.acquire_count == 1 and entry.writable and len(entry.pages) > 1:
-                self._p.access.write_back(entry)
-            self._p.access.drop_acquire(entry)
-            self._p.cond.notify_all()
+            self._p.release(self._entry(tensor_id))
+            self._trace("R", tensor_id)
 
     def prefetch(self, tensor_ids: str | Iterable[str], tier: str = "host") -> None:
         """Schedule page-ins of tensors ahead of use; returns at once.
@@ -626,6 +511,7 @@ class PagedBufferPool:
             for tid in ids:
                 self._p.table.get(tid)
             self._p.prefetcher.submit(ids, tier)
+            self._trace("P", ids, tier)
 
     def evict(self, tensor_ids: str | Iterable[str], to_tier: str = "nvme") -> None:
         """Move tensors' pages down to ``to_tier`` (pages already lower stay); waits.
@@ -648,6 +534,7 @@ class PagedBufferPool:
             self._check_open()
             self._check_tier(to_tier, ("host", "nvme"))
             self._p.placement.evict([self._entry(tid) for tid in ids], to_tier)
+            self._trace("E", ids, to_tier)
 
     def pin(self, tensor_id: str) -> None:
         """Keep a tensor's pages from being evicted until a matching :meth:`unpin`.
@@ -656,7 +543,8 @@ class PagedBufferPool:
             KeyError: unknown tensor.
         """
         with self._p.cond:
-            self._entry(tensor_id).pin_count += 1
+            self._p.pin(self._entry(tensor_id))
+            self._trace("N", tensor_id)
 
     def unpin(self, tensor_id: str) -> None:
         """Undo one :meth:`pin`.
@@ -666,11 +554,8 @@ class PagedBufferPool:
             ValueError: the tensor is not pinned.
         """
         with self._p.cond:
-            entry = self._entry(tensor_id)
-            if entry.pin_count == 0:
-                raise ValueError(f"tensor {tensor_id!r} is not pinned")
-            entry.pin_count -= 1
-            self._p.cond.notify_all()
+            self._p.unpin(self._entry(tensor_id))
+            self._trace("U", tensor_id)
 
     def set_access_order(self, tensor_ids: Sequence[str] | None) -> None:
         """Declare the order in which a step acquires tensors, for reuse-distance eviction.
@@ -683,6 +568,7 @@ class PagedBufferPool:
         """
         with self._p.cond:
             self._p.policy.set_order(tensor_ids)
+            self._trace("O", self._p.policy.order)
 
     def set_device_budget(self, capacity_bytes: int) -> int:
         """Change the device tier's capacity (e.g. a live ``device_budget_bytes`` change).
@@ -707,8 +593,8 @@ class PagedBufferPool:
         with self._p.cond:
             self._check_open()
             self._check_tier("device", ("device",))
-            moved = self._p.placement.shrink_device(new)
-            self._p.cond.notify_all()
+            moved = self._p.set_device_slots(new)
+            self._trace("B", new)
             return moved
 
     def synchronize(self) -> None:
@@ -749,6 +635,23 @@ class PagedBufferPool:
         """Return the ids of the allocated tensors (allocation order)."""
         with self._p.cond:
             return [e.tensor_id for e in self._p.table.entries()]
+
+    def take_trace_steps(self) -> list[StepTrace]:
+        """The access trace's closed steps not taken yet (at most ``TRACE_STEPS``),
+        oldest first (:mod:`zero_runtime.memory.trace`; the runtime writes them to the
+        run's log directory)."""
+        with self._p.cond:
+            return self._p.trace.take_unwritten() if self._p.trace is not None else []
+
+    @property
+    def trace_steps(self) -> list[StepTrace]:
+        """The access trace's last closed steps (a ring of ``TRACE_STEPS``), oldest first."""
+        with self._p.cond:
+            return list(self._p.trace.closed) if self._p.trace is not None else []
+
+    def _trace(self, *event: object) -> None:
+        if self._p.trace is not None:
+            self._p.trace.add(*event)
 
     def _check_open(self) -> None:
         if self._state is not PoolState.OPEN:

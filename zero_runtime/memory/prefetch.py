@@ -47,6 +47,8 @@ class Prefetcher:
         cond: the pool's condition variable; every method but :meth:`stop` is called
             with its lock held.
         closed: True once the pool is closing (the thread then ends).
+        on_run: called with ``(ids, tier)`` when the thread starts placing a request
+            (the access trace's ``X`` event); None for none.
     """
 
     def __init__(
@@ -56,8 +58,10 @@ class Prefetcher:
         policy: EvictionPolicy,
         cond: threading.Condition,
         closed: Callable[[], bool],
+        on_run: Callable[[tuple[str, ...], str], None] | None = None,
     ) -> None:
         self._table = table
+        self._on_run = on_run
         self._placement = placement
         self._policy = policy
         self._cond = cond
@@ -93,6 +97,28 @@ class Prefetcher:
             self._thread.join()
         self.state = PrefetcherState.STOPPED
 
+    def place(self, ids: tuple[str, ...], tier: str) -> bool:
+        """Place one request's pages on ``tier``, advisory (lock held): tensors freed
+        meanwhile are skipped; with an access order, only pages used later than the
+        furthest of ``ids`` may be evicted. Returns True when every page is placed.
+        Never raises but ``PoolClosedError`` (a failure is logged and counts as done).
+
+        The prefetch thread runs it; so does the what-if simulator
+        (:mod:`zero_runtime.memory.simulate`) at the points the thread ran.
+        """
+        ids = tuple(t for t in ids if t in self._table)
+        pages = [p for t in ids for p in self._table.get(t).pages]
+        limit = None
+        if self._policy.ordered and ids:
+            limit = max(self._policy.distance(t) for t in ids)
+        try:
+            return self._placement.settle(pages, tier, set(ids), advisory=True, limit=limit)
+        except PoolClosedError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - prefetch is advisory
+            logger.warning("prefetch of %s failed: %s", ids, exc)
+            return True
+
     def _loop(self) -> None:
         with self._cond:
             while not self._closed():
@@ -103,18 +129,12 @@ class Prefetcher:
                     continue
                 ids, tier = self._queue.popleft()
                 self._working = True
-                ids = tuple(t for t in ids if t in self._table)
-                pages = [p for t in ids for p in self._table.get(t).pages]
-                limit = None
-                if self._policy.ordered and ids:
-                    limit = max(self._policy.distance(t) for t in ids)
+                if self._on_run is not None:
+                    self._on_run(ids, tier)
                 try:
-                    done = self._placement.settle(pages, tier, set(ids), advisory=True, limit=limit)
+                    done = self.place(ids, tier)
                 except PoolClosedError:
                     break
-                except Exception as exc:  # noqa: BLE001 - prefetch is advisory
-                    logger.warning("prefetch of %s failed: %s", ids, exc)
-                    done = True
                 if not done and self._placement.starved and not self._closed():
                     self._queue.appendleft((ids, tier))  # resume after the caller
             self._working = False

@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import time
 from typing import Any
 
 from zero_runtime import control, oom
 from zero_runtime.comm.watchdog import WATCHDOG
-from zero_runtime.config import ZeroConfig, validate_tunable_update
+from zero_runtime.config import TUNABLE_KEYS, ZeroConfig, validate_tunable_update
 from zero_runtime.devices import DeviceInfo
+from zero_runtime.memory.trace import TRACE_DIR, write_steps
 from zero_runtime.runtime import accounting
 from zero_runtime.runtime.accounting import Accounting
 from zero_runtime.runtime.clock import StepClock, StepEnd
@@ -274,6 +276,7 @@ class ZeroRuntime:
         )
         if err is not None:
             raise self._fail(err, step)
+        self._write_access_trace()
         # After this step's record, before the next step runs: a change applies from it on.
         self._poll_control(step + 1)
         if self.headroom is not None:
@@ -282,6 +285,30 @@ class ZeroRuntime:
             self.collector.profiler.maybe_start(step)
 
     # -- live tuning ---------------------------------------------------------------------
+    def _write_access_trace(self) -> None:
+        """Write the first stage-3 pool's newly closed access-trace steps into the run's
+        log directory (``<logdir>/memory_hierarchy_trace/step_<step>.json``, the last
+        ``TRACE_STEPS`` kept), each with the tunable values in effect (``config``) and
+        ``config_version``: the tab's what-if replays them
+        (:mod:`zero_runtime.memory.simulate`, docs/tuning.md). A write error is logged,
+        never raised."""
+        if self.logdir is None:
+            return
+        engines = self.accounting.live_stage3_engines()
+        if not engines:
+            return
+        steps = engines[0].pool.take_trace_steps()
+        if not steps:
+            return
+        extra = {
+            "config": {k: getattr(self.config, k) for k in TUNABLE_KEYS},
+            "config_version": self.config_version,
+        }
+        try:
+            write_steps(os.path.join(self.logdir, TRACE_DIR), steps, extra)
+        except (OSError, TypeError, ValueError) as exc:
+            log.warning("access trace not written: %s", exc)
+
     def _poll_control(self, next_step: int) -> None:
         """Decide on a new control request before ``next_step`` runs (zero_runtime.control).
 

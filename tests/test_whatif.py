@@ -1,0 +1,205 @@
+"""What-if before apply (issue #21 item 1): the access trace and its replay.
+
+- A pool's recorded steps, replayed through the same core with the configuration
+  unchanged, reproduce the measured page moves, evictions, used bytes and device peak
+  exactly (device + host, and with an NVMe tier), and the prefetch hits and misses and
+  host/NVMe peaks where no I/O thread races the acquires (no NVMe), also after a round trip through the trace's JSON form.
+- The trace is bounded: a ring of ``TRACE_STEPS`` steps, events cut at ``max_events``.
+- Replayed with a smaller device budget, the prediction equals a real pool run at that
+  budget; a budget below what one step pins at once is predicted to run out of memory.
+- A real stage-3 job writes its trace into the run directory; predicting its own budget
+  from it is exact, and predicting a lower budget from a run at a high one matches a
+  second real run at the lower budget.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from zero_runtime.memory import PagedBufferPool
+from zero_runtime.memory.simulate import Proposal, ReplayError, predict, replay
+from zero_runtime.memory.trace import TRACE_DIR, TRACE_STEPS, AccessTrace, StepTrace, read_steps
+
+PAGE = 65536  # bytes per page
+MOVES = ("d2h_pages", "h2d_pages", "h2n_pages", "n2h_pages", "evictions")
+HITS = ("prefetch_hits", "prefetch_misses")
+
+
+def _workload(pool: PagedBufferPool, steps: int, nvme: bool) -> list:
+    """Six 2-page shards; per step, six 3-page gathered buffers on the device, half of them
+    kept to a second use (backward) while the others are freed at once; prefetch with NVMe."""
+    for i in range(6):
+        pool.allocate(f"p{i}", (PAGE // 2,), np.float32, "param", "nvme" if nvme else "host")
+    pool.set_access_order([f"p{i}" for i in range(6)])
+    counters = []
+    for s in range(steps):
+        for i in range(6):
+            if nvme and i + 1 < 6:
+                pool.prefetch([f"p{i + 1}"])
+            pool.allocate(f"g{i}", (3 * PAGE // 4,), np.float32, "param", "device")
+            pool.write(f"g{i}", np.full(3 * PAGE // 4, s, np.float32))
+            pool.acquire(f"p{i}", "host")
+            pool.release(f"p{i}")
+            if i % 2:
+                pool.free(f"g{i}")
+        for i in range(0, 6, 2):
+            pool.acquire(f"g{i}", "device")
+            pool.release(f"g{i}")
+            pool.free(f"g{i}")
+        pool.synchronize()
+        counters.append(pool.step_boundary(s))
+    return counters
+
+
+def _run(device_pages: int, nvme_dir=None, steps: int = 5):
+    host = 8 if nvme_dir else 30
+    with PagedBufferPool(
+        host_budget_bytes=host * PAGE,
+        page_size_bytes=PAGE,
+        device_budget_bytes=device_pages * PAGE,
+        nvme_path=str(nvme_dir) if nvme_dir else None,
+    ) as pool:
+        counters = _workload(pool, steps, nvme_dir is not None)
+        trace = [StepTrace.from_json(json.loads(json.dumps(s.to_json()))) for s in pool.trace_steps]
+    return counters, trace
+
+
+@pytest.mark.parametrize("nvme", [False, True])
+def test_replay_unchanged_reproduces_the_recorded_moves_exactly(tmp_path, nvme):
+    counters, trace = _run(10, tmp_path if nvme else None)
+    assert [s.step for s in trace] == [0, 1, 2, 3, 4]
+    result = replay(trace[1:])  # from the state at the start of step 1
+    assert result.oom is None and len(result.steps) == 4
+    for figures, recorded, measured in zip(result.steps, trace[1:], counters[1:]):
+        for field in MOVES:
+            assert figures.counters[field] == getattr(measured, field), (figures.step, field)
+        # With NVMe the prefetch thread races the acquires: which of a page's uses finds it
+        # already read is timing; the pages used are not.
+        for field in HITS if not nvme else ():
+            assert figures.counters[field] == getattr(measured, field), (figures.step, field)
+        assert sum(figures.counters[f] for f in HITS) == sum(getattr(measured, f) for f in HITS)
+        assert figures.used_bytes == recorded.measured["used_bytes"]
+        # A page in flight holds a slot on both tiers until its I/O ends: host and NVMe
+        # peaks depend on when that is.
+        tiers = ("device",) if nvme else ("device", "host", "nvme")
+        for tier in tiers:
+            assert figures.peak_bytes[tier] == recorded.measured["peak_bytes"][tier]
+    # The workload pages: gathered buffers spill to the host and come back, every step;
+    # with NVMe the shards page in and out too.
+    assert counters[-1].d2h_pages > 0 and counters[-1].h2d_pages > 0
+    assert (counters[-1].n2h_pages > 0) == nvme
+
+
+def test_a_smaller_budget_is_predicted_as_a_real_run_at_that_budget():
+    _, trace = _run(10)
+    real, _ = _run(6)
+    predicted = replay(trace[1:], Proposal(device_slots=6))
+    assert predicted.oom is None
+    # Steady steps (after the first, whose shrink moves the excess down at apply).
+    for figures, measured in zip(predicted.steps[1:], real[2:]):
+        for field in MOVES:
+            assert figures.counters[field] == getattr(measured, field), field
+        assert figures.peak_bytes["device"] == 6 * PAGE
+    assert predicted.steps[1].counters["d2h_pages"] > trace[2].measured["d2h_pages"]
+    # Two gathered buffers of 3 pages are held at once at least: 5 pages cannot serve it.
+    tight = replay(trace[1:], Proposal(device_slots=2))
+    assert tight.oom is not None and tight.oom["op"] == "A" and "device" in tight.oom["message"]
+
+
+def test_the_trace_is_a_bounded_ring():
+    trace = AccessTrace(PAGE, False, steps=3, max_events=5)
+    start = {"tensors": [], "tick": 0, "order": [], "cursor": 0, "slots": {}}
+    trace.begin(start)
+    for step in range(5):
+        for i in range(7):
+            trace.add("W", f"t{i}")
+        trace.close(step, {}, start)
+    assert [s.step for s in trace.closed] == [2, 3, 4]
+    assert all(len(s.events) == 5 and s.truncated for s in trace.closed)
+    assert [s.step for s in trace.take_unwritten()] == [2, 3, 4]
+    assert trace.take_unwritten() == []
+    with pytest.raises(ReplayError, match="truncated"):
+        replay(list(trace.closed))
+
+
+def test_replay_refuses_what_it_cannot_replay():
+    _, trace = _run(10, steps=3)
+    with pytest.raises(ReplayError, match="no recorded steps"):
+        replay([])
+    with pytest.raises(ReplayError, match="not consecutive"):
+        replay([trace[0], trace[2]])
+    with pytest.raises(ReplayError, match="below one page"):
+        predict([s.to_json({"config": {}}) for s in trace], {}, {"device_budget_bytes": 100})
+    with pytest.raises(ReplayError, match="no access trace"):
+        predict([], {}, {"device_budget_bytes": 4 * PAGE})
+
+
+# --- a real stage-3 job -------------------------------------------------------------------
+STEPS = 8
+HIGH, LOW = 64 * PAGE, 16 * PAGE  # all gathered buffers of a step need 28 pages
+
+
+def _stage3_job(run: str, budget: int) -> None:
+    import keras
+    import tensorflow as tf
+
+    import zero_runtime
+
+    config = {
+        "stage": 3,
+        "offload_param": "cpu",
+        "offload_optimizer": "cpu",
+        "page_size_bytes": PAGE,
+        "device_budget_bytes": budget,
+        "persistence_threshold": 300,
+        "max_reuse_distance": 10**9,
+        "collective_timeout_seconds": 30,
+    }
+    strategy = zero_runtime.ZeroInfinityStrategy(config, logdir=run)
+    keras.utils.set_random_seed(2)
+    with strategy.scope():
+        model = strategy.shard_model(
+            keras.Sequential(
+                [keras.Input((64,))]
+                + [keras.layers.Dense(256, activation="relu") for _ in range(3)]
+                + [keras.layers.Dense(10)]
+            )
+        )
+        model.compile(
+            optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((STEPS * 16, 64)).astype("float32")  # [N, 64]
+    y = rng.integers(0, 10, size=(STEPS * 16,)).astype("int32")  # [N]
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(16), epochs=1, verbose=0)
+    model.close()
+    strategy.close()
+
+
+@pytest.mark.slow
+def test_a_stage3_job_writes_its_trace_and_a_lower_budget_is_predicted(tmp_path):
+    high_run, low_run = str(tmp_path / "high"), str(tmp_path / "low")
+    _stage3_job(high_run, HIGH)
+    _stage3_job(low_run, LOW)
+    high = read_steps(f"{high_run}/{TRACE_DIR}")
+    low = read_steps(f"{low_run}/{TRACE_DIR}")
+    assert [r["step"] for r in high] == list(range(STEPS - TRACE_STEPS, STEPS))
+    assert high[-1]["config"]["device_budget_bytes"] == HIGH
+    same = predict(high, high[-1]["config"], {"device_budget_bytes": HIGH})
+    assert same["replay_exact"] is True
+    assert same["replayed"]["moves_per_step"] == same["recorded"]["moves_per_step"]
+    assert same["predicted"]["steady"]["moves_per_step"] == same["recorded"]["moves_per_step"]
+    lowered = predict(high, high[-1]["config"], {"device_budget_bytes": LOW})
+    measured = predict(low, low[-1]["config"], {})["recorded"]
+    predicted = lowered["predicted"]["steady"]
+    print("predicted", predicted["moves_per_step"], "measured", measured["moves_per_step"])
+    assert measured["moves_per_step"]["h2d"] > 0
+    for d in ("d2h", "h2d"):
+        assert predicted["moves_per_step"][d] == pytest.approx(
+            measured["moves_per_step"][d], rel=0.2
+        )
+    assert predicted["peak_bytes"]["device"] <= LOW
+    assert predicted["peak_bytes"]["device"] == measured["peak_bytes"]["device"]
