@@ -363,25 +363,43 @@ def _loss_scalars(run_dir: str, first_step: int):
 
 
 def _out_of_memory(strategy, exc: BaseException) -> int:
-    """Report an out-of-memory failure: the error's first line and where the post-mortem
-    is (``zero-runtime oom-report``); returns exit status 1."""
+    """Report an out-of-memory failure in two lines: the step, the tier, the cause and the
+    best verified change (from the post-mortem), then the post-mortem's path, once.
+    Returns exit status 1."""
     path = strategy.write_postmortem(exc)
     strategy.close()
-    summary = None
-    try:  # the post-mortem's own one-line account names the tier, the step and the cause
+    report = None
+    try:  # the post-mortem's own account names the tier, the step and the cause
         with open(path, encoding="utf-8") as f:
-            summary = json.load(f).get("summary")
+            report = json.load(f)
     except (OSError, ValueError, TypeError):
         pass
-    if not summary:
-        text = str(exc).strip()
-        summary = text.splitlines()[0] if text else type(exc).__name__
-    print(f"demo.train: error: out of memory: {summary}", file=sys.stderr)
+    print(f"demo.train: error: out of memory: {_oom_line(report, exc)}", file=sys.stderr)
+    where = path or "(not written: no run directory)"
     print(
-        f"demo.train: OOM post-mortem: {path} (read it with: zero-runtime oom-report RUN_DIR)",
+        f"demo.train: OOM post-mortem: {where} (read it with: zero-runtime oom-report "
+        f"{os.path.dirname(path) if path else 'RUN_DIR'})",
         file=sys.stderr,
     )
     return 1
+
+
+def _oom_line(report: dict | None, exc: BaseException) -> str:
+    """One line for the log: "Step S ran out of memory on the T tier: CAUSE; best change:
+    K=V (fits)"; without a report, the error's first line (the path left out: the next
+    line names it)."""
+    if not isinstance(report, dict) or "failed_request" not in report:
+        text = str(exc).split("\npost-mortem:")[0].strip()
+        return text.splitlines()[0] if text else type(exc).__name__
+    tier = report["failed_request"].get("tier")
+    line = f"Step {report.get('step')} ran out of memory on the {tier} tier"
+    if report.get("cause"):
+        line += f": {report['cause']}"
+    best = (report.get("advice") or [None])[0]
+    if best and best.get("verdict") in ("fits", "may fit"):
+        change = ", ".join(f"{k}={json.dumps(v)}" for k, v in best["change"].items())
+        line += f"; best change: {change} ({best['verdict']})"
+    return line
 
 
 if __name__ == "__main__":

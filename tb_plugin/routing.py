@@ -87,6 +87,27 @@ def run_path_arg(request: wrappers.Request) -> str:
     return run
 
 
+#: The values a 0/1 flag query parameter accepts (e.g. ``/runs?levels=1``).
+FLAG_VALUES = ("0", "1")
+
+
+def flag_arg(request: wrappers.Request, name: str) -> bool:
+    """A 0/1 flag query parameter: absent or ``0`` -> False, ``1`` -> True.
+
+    Raises:
+        InvalidArgumentError: any other value (e.g. ``abc``, ``true``), naming it and the
+            accepted values.
+    """
+    raw = request.args.get(name)
+    if raw is None:
+        return False
+    if raw not in FLAG_VALUES:
+        raise errors.InvalidArgumentError(
+            f"query parameter {name!r} must be one of {list(FLAG_VALUES)}, got {raw[:40]!r}"
+        )
+    return raw == "1"
+
+
 def format_arg(request: wrappers.Request) -> str | None:
     """The ?format of a download: None (plain answer), 'json' or 'csv'.
 

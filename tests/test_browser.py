@@ -548,7 +548,7 @@ def test_oom_postmortem_panel_shows_request_tiers_holders_history_and_advice(vie
     expect(oom).to_be_visible()
     expect(oom).to_have_attribute("data-step", str(synthetic.OOM_STEP))
     expect(oom.locator(".mh-oom-headline")).to_have_text(
-        "Out of memory at step 49: 96 MiB requested on device (CPU stand-in)."
+        "Out of memory at step 49 on device (CPU stand-in): 96 MiB requested."
     )
     expect(oom.locator(".mh-oom-summary")).to_have_text(want["summary"])
     request = oom.locator(".mh-oom-request")
@@ -587,10 +587,16 @@ def test_oom_postmortem_panel_shows_request_tiers_holders_history_and_advice(vie
         synthetic.HTML_HOLDER,  # shown as text, not run as HTML
     ]
     assert oom.locator("img").count() == 0
-    recent = oom.locator(".mh-oom-recent .mh-plot")
+    # One panel per tier, each with its own scale (issue #19: the host's capacity set one
+    # shared axis and flattened the device and NVMe lines at zero).
+    panels = oom.locator(".mh-oom-recent-tier")
+    expect(panels).to_have_count(3)
+    assert panels.evaluate_all("(c) => c.map((e) => e.dataset.tier)") == ["device", "host", "nvme"]
+    recent = panels.first.locator(".mh-plot")
     expect(recent).to_have_attribute("data-points", str(synthetic.OOM_RECENT_STEPS))
     expect(recent.locator("canvas")).to_have_count(1)
     expect(recent.locator(".u-legend")).to_contain_text("device (CPU stand-in) used")
+    expect(panels.nth(1).locator(".mh-tier-notes")).to_contain_text("(off scale)")
     advice = oom.locator(".mh-oom-advice-item")
     expect(advice).to_have_count(3)
     assert advice.evaluate_all("(lis) => lis.map((li) => li.dataset.rank)") == ["1", "2", "3"]

@@ -364,3 +364,35 @@ def test_oom_report_of_a_missing_path_says_it_does_not_exist(tmp_path, capsys):
     missing = tmp_path / "no-such-logdir"
     assert main(["oom-report", str(missing)]) == 2
     assert f"{str(missing)!r} does not exist" in capsys.readouterr().err
+
+
+def test_oom_report_does_not_import_tensorflow(tmp_path):
+    """Issue #19: ``zero-runtime oom-report`` imported TensorFlow (seconds of start-up and
+    its log lines) to print a JSON file. It reads and formats the report through
+    ``zero_runtime.oom_report`` alone."""
+    from zero_runtime import oom_report
+
+    failed = {"bytes": None, "tier": "device", "error_type": "DeviceBudgetExceededError"}
+    row = oom_report.tier_row(
+        12 << 20, [oom_report.holder("parameters", "param", 20 << 20)], 28 << 20, "allocator"
+    )
+    report = oom_report.build_report(
+        step=0, failed=failed, tiers={"device": row}, recent_steps=[], config={},
+        config_version=0, config_history=[], readings={}, advice=[], cause=None,
+    )  # fmt: skip
+    oom_report.write_json_atomic(str(tmp_path / "run" / oom_report.OOM_FILENAME), report)
+    code = (
+        "import sys\n"
+        "from zero_runtime.cli import main\n"
+        f"rc = main(['oom-report', {str(tmp_path)!r}])\n"
+        "print('TF_LOADED', 'tensorflow' in sys.modules, rc)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=pathlib.Path(__file__).resolve().parent.parent,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "TF_LOADED False 0" in proc.stdout, proc.stdout[-2000:]
+    assert "no single request: the budget is checked" in proc.stdout
+    assert "unattributed" in proc.stdout  # the reading beyond the holders, as a holder

@@ -176,14 +176,35 @@ def test_stage3_unit_larger_than_budget_is_the_named_cause():
     assert advice[0] is raise_row
     cause = diagnose("device", 4 * MiB, int(4.5 * MiB), holders, ev)
     assert cause.startswith("the largest gathered unit, `embedding` 3.90 MiB per replica × 2")
-    # A limit below the gathered elements does change something: offered, never verified.
+    # A limit below the gathered elements that still lets only the embedding in at once
+    # (1.2 M: embedding + block_0 is 1.28 M) frees nothing when halved: not offered.
     low = _advise(
         config.replace(max_live_parameters=1_200_000), required_bytes=int(4.5 * MiB),
         capacity_bytes=64 * MiB, holders=holders, evidence=ev,
     )  # fmt: skip
-    (live,) = [a for a in low if "max_live_parameters" in a["change"]]
-    assert live["change"]["max_live_parameters"] >= 1_022_362  # never below the largest unit
-    assert live["verdict"] == "may fit"
+    assert not any("max_live_parameters" in a["change"] for a in low)
+
+
+def test_lower_max_live_parameters_is_replayed_and_dropped_when_it_frees_nothing():
+    """Issue #19: advice that frees nothing is not offered. Three 1 MiB units of 262 144
+    elements: a limit of 600 000 gathers two at once, 300 000 only one: 1 MiB freed per
+    replica, replayed on the upper bound (shards + persistent + gathered at once)."""
+    config = ZeroConfig(
+        stage=3, offload_param="cpu", offload_optimizer="cpu", device_budget_bytes=8 * MiB,
+        max_live_parameters=600_000,
+    )  # fmt: skip
+    units = tuple(Unit(f"block_{i}", MiB, 262_144) for i in range(3))
+    ev = Evidence(num_params=800_000, local_replicas=2, units=units, shard_bytes=MiB)
+    advice = _advise(
+        config, required_bytes=9 * MiB, capacity_bytes=8 * MiB, holders={"param": 4 * MiB},
+        evidence=ev,
+    )  # fmt: skip
+    (live,) = [a for a in advice if "max_live_parameters" in a["change"]]
+    assert live["change"]["max_live_parameters"] == 300_000
+    assert live["frees_bytes"] == 2 * MiB  # two gathered units -> one, on 2 replicas
+    assert live["predicted_bytes"] == 2 * MiB  # one unit gathered on each replica
+    assert live["verdict"] == "fits"
+    assert all(a["frees_bytes"] > 0 for a in advice)
 
 
 def test_nvme_full_offers_host_memory_when_it_has_room():
@@ -245,6 +266,90 @@ def test_a_pool_failure_without_the_whole_need_is_never_verified():
     assert raise_row["verdict"] == "fits"
 
 
+def test_tier_row_uses_one_accounting_for_used_and_holders():
+    """Issue #19: "28 MiB used" beside holders summing to 44 MiB. A tier row's used bytes
+    are the sum of its holders; the checked reading is kept beside them with its source,
+    and a reading above the holders adds the unattributed remainder as a holder."""
+    holders = [
+        oom.holder("parameters", "param", 11 * MiB),
+        oom.holder("gradients", "grad", 11 * MiB),
+        oom.holder("optimizer states", "optimizer", 22 * MiB),
+    ]
+    row = oom.tier_row(12 * MiB, holders, 28 * MiB, "allocator")
+    assert row["used_bytes"] == 44 * MiB == sum(h["bytes"] for h in row["holders"])
+    assert (row["checked_bytes"], row["checked_source"]) == (28 * MiB, "allocator")
+    assert row["accounted_bytes"] == 44 * MiB and len(row["holders"]) == 3
+    above = oom.tier_row(12 * MiB, holders[:1], 28 * MiB, "allocator")
+    assert above["used_bytes"] == 28 * MiB == sum(h["bytes"] for h in above["holders"])
+    (extra,) = [h for h in above["holders"] if h["name"] == oom.UNATTRIBUTED]
+    assert extra == {"name": oom.UNATTRIBUTED, "kind": "other", "bytes": 17 * MiB, "pages": None}
+    with pytest.raises(ValueError, match="checked_source='gpu'"):
+        oom.tier_row(None, [], 1, "gpu")
+    failed = {"bytes": None, "tier": "device", "error_type": "DeviceBudgetExceededError"}
+    report = oom.build_report(
+        step=0, failed=failed, tiers={"device": row}, recent_steps=[], config={},
+        config_version=0, config_history=[], readings={}, advice=[], cause=None,
+    )  # fmt: skip
+    assert "44.00 MiB by the runtime's accounting of 12.00 MiB" in report["summary"]
+    assert "TensorFlow's allocator read 28.00 MiB at the check" in report["summary"]
+    assert report["request_text"].startswith("no single request: the budget is checked")
+    assert set(report["figures"]["checked_bytes"]) == {"allocator"}
+
+
+def test_stage0_advice_verifies_zero_infinity_and_drops_what_frees_nothing():
+    """Issue #19: the demo's stage-0 OOM ranked "raise the budget" first, offered
+    ZeRO-Infinity with "frees 0 B, may fit" and stages 1-2 as "may fit (short)". With the
+    estimator's stage-3 figures of the model (Stage3Plan), ZeRO-Infinity is replayed and
+    verified, and ranks first; the stages whose replay stays over the budget are "does
+    not fit" with the bytes over; nothing freeing 0 bytes is offered."""
+    from zero_runtime.runtime.advice import Stage3Plan
+
+    config = ZeroConfig(stage=0, device_budget_bytes=12 * MiB)
+    holders = {"param": 11 * MiB, "grad": 11 * MiB, "optimizer": 22 * MiB}
+    plan = Stage3Plan(
+        device_bytes=int(4.4 * MiB), host_bytes=int(8.25 * MiB), largest_unit="block_0"
+    )
+    ev = Evidence(
+        allocator=True, recent_used=(28 * MiB,), recent_peaks=(28 * MiB,),
+        num_params=1_445_824, local_replicas=2, stage3_plan=plan,
+    )  # fmt: skip
+    advice = _advise(
+        config, required_bytes=44 * MiB, capacity_bytes=12 * MiB, holders=holders, evidence=ev,
+    )  # fmt: skip
+    top = advice[0]
+    assert top["change"] == {"stage": 3, "offload_param": "cpu", "offload_optimizer": "cpu"}
+    assert top["verdict"] == "fits" and top["predicted_bytes"] == 2 * int(4.4 * MiB)
+    assert top["frees_bytes"] == 44 * MiB - 2 * int(4.4 * MiB)
+    assert "block_0" in top["description"]
+    rows = _by_change(advice)
+    for key, over in (('{"stage": 1}', 44 - 11 - 12), ('{"stage": 2}', 44 - 16.5 - 12)):
+        assert rows[key]["verdict"] == "does not fit", rows[key]
+        assert rows[key]["missing_bytes"] == int(over * MiB)
+    raise_row = next(a for a in advice if "device_budget_bytes" in a["change"])
+    assert advice.index(raise_row) == 1  # after the verified change of the job
+    assert all(a["frees_bytes"] > 0 for a in advice)
+    # Without the model's figures ZeRO-Infinity cannot be replayed: not offered.
+    unknown = _advise(
+        config, required_bytes=44 * MiB, capacity_bytes=12 * MiB, holders=holders,
+        evidence=dataclasses.replace(ev, stage3_plan=None),
+    )  # fmt: skip
+    assert not any(a["change"].get("stage") == 3 for a in unknown)
+    # The plan over the budget on the local replicas: "does not fit".
+    big = dataclasses.replace(plan, device_bytes=7 * MiB)
+    (row,) = [
+        a
+        for a in _advise(
+            config,
+            required_bytes=44 * MiB,
+            capacity_bytes=12 * MiB,
+            holders=holders,
+            evidence=dataclasses.replace(ev, stage3_plan=big),
+        )  # fmt: skip
+        if a["change"].get("stage") == 3
+    ]
+    assert row["verdict"] == "does not fit" and row["missing_bytes"] == 2 * MiB
+
+
 def test_holder_names_carry_no_object_ids():
     assert oom.display_name("g/gpt.block_0.mlp_norm.gamma#7f3254ce0f10/r0") == (
         "g/gpt.block_0.mlp_norm.gamma/r0"
@@ -267,6 +372,9 @@ def test_demo_over_budget_writes_postmortem_in_both_forms(oom_logdir):
     assert "out of memory: Step 0 ran out of memory on the device tier" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert f"OOM post-mortem: {path}" in proc.stderr
+    # Issue #19: the report's path once in the whole log (the runtime's own log line
+    # and the demo's both named it).
+    assert (proc.stdout + proc.stderr).count(str(path)) == 1, proc.stderr
     report = json.loads(path.read_text())
     assert report["version"] == 1 and report["step"] == 0
     assert report["failed_request"]["tier"] == "device"
@@ -275,6 +383,11 @@ def test_demo_over_budget_writes_postmortem_in_both_forms(oom_logdir):
     assert device["capacity_bytes"] == BUDGET and device["used_bytes"] == 3_293_184
     kinds = {h["kind"]: h["bytes"] for h in device["holders"]}
     assert kinds == {"param": 1_097_728, "grad": 1_097_728, "optimizer": 1_097_728}
+    # One accounting: used is the holders' sum; the check's figure and source beside it.
+    assert sum(h["bytes"] for h in device["holders"]) == device["used_bytes"]
+    assert (device["checked_bytes"], device["checked_source"]) == (3_293_184, "accounting")
+    assert report["request_text"].startswith("no single request")
+    assert "accounting" in report["figures"]["checked_bytes"]
     assert report["advice"][0]["change"] == {"offload_optimizer": "cpu"}
     assert report["advice"][0]["fits"] and not report["nothing_fits"]
     assert report["config"]["device_budget_bytes"] == BUDGET

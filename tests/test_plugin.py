@@ -115,6 +115,24 @@ def test_runs_lists_each_run_with_its_tags(client):
         assert item["tags"] == want, run
 
 
+@pytest.mark.parametrize("value", ["abc", "true", "2", ""])
+def test_runs_refuses_a_levels_flag_it_does_not_know(client, value):
+    """Issue #19: ``/runs?levels=abc`` answered 200 (any value but "1" meant off); bad
+    input is a 400 naming the value and what is accepted."""
+    status, body = get_json(client, f"/runs?levels={value}")
+    assert status == 400, body
+    message = body["error"]["message"]
+    assert repr(value) in message and "['0', '1']" in message, body
+
+
+def test_runs_levels_flag_accepts_0_and_1(client):
+    on = get_json(client, "/runs?levels=1")
+    off = get_json(client, "/runs?levels=0")
+    assert on[0] == off[0] == 200
+    tiers = lambda body: body["runs"][0]["tags"][metadata.TAG_TIERS]  # noqa: E731
+    assert "levels_step" in tiers(on[1]) and "levels_step" not in tiers(off[1])
+
+
 # -- /series -------------------------------------------------------------------------------
 
 

@@ -53,7 +53,8 @@ def runs_impl(reader: Reader, ctx: Any, experiment: str, levels: bool = False) -
 @wrappers.Request.application
 @routing.json_errors
 def runs_route(reader: Reader, request: wrappers.Request) -> wrappers.Response:
-    """GET /runs[?levels=1]: see :func:`runs_impl`."""
+    """GET /runs[?levels=0|1]: see :func:`runs_impl`; another ``levels`` value is a 400
+    naming it."""
+    levels = routing.flag_arg(request, "levels")
     ctx, experiment = routing.scope(request)
-    levels = request.args.get("levels") == "1"
     return routing.respond_json(request, runs_impl(reader, ctx, experiment, levels))

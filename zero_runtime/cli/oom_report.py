@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+from zero_runtime import oom_report  # the report's contract, without TensorFlow
 from zero_runtime.cli.commands import PROG, Command, UsageError
 
 
@@ -24,12 +25,10 @@ def _oom_report_run(args: argparse.Namespace) -> int:
     """Print the newest OOM post-mortem under ``args.path``; exit 1 when there is none."""
     if not os.path.exists(args.path):
         raise UsageError(f"{args.path!r} does not exist")
-    from zero_runtime import oom  # imports TensorFlow: only for this subcommand
-
-    path = oom.find_report(args.path)
+    path = oom_report.find_report(args.path)
     if path is None:
         print(
-            f"{PROG} oom-report: no {oom.OOM_FILENAME} under {args.path!r} "
+            f"{PROG} oom-report: no {oom_report.OOM_FILENAME} under {args.path!r} "
             "(no run there ran out of memory)",
             file=sys.stderr,
         )
@@ -42,7 +41,7 @@ def _oom_report_run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=1, sort_keys=True))
     else:
-        print(oom.format_report(report, path))
+        print(oom_report.format_report(report, path))
     return 0
 
 

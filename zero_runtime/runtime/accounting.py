@@ -36,12 +36,15 @@ class Accounting:
         optimizers: the registered partitioned optimizers (``zero_state`` holds the layout,
             stage, store and accumulators).
         stage3_engines: the registered :class:`~zero_runtime.stage3.Stage3Engine` objects.
+        stage3_plan: at stages 0-2, what ZeRO-Infinity would need for the trained model
+            (``runtime.postmortem.plan_stage3``, for the OOM advice); None when unknown.
     """
 
     def __init__(self, device: DeviceInfo) -> None:
         self.device = device
         self.optimizers: list[Any] = []
         self.stage3_engines: list[Any] = []
+        self.stage3_plan: Any = None
         self._lock = threading.Lock()
         self._host_peak = 0  # bytes: the host tier's peak since the last record
         self._stage3_rows: list[dict[str, Any]] = []  # placement rows of the last record
@@ -309,7 +312,8 @@ def estimate(
         ``{"per_replica": TierEstimate.to_dict(), "local_replicas": int,
         "per_process": {"device_bytes", "host_bytes", "nvme_bytes"}, "num_params": int,
         "precision": "fp32", "optimizer": kind, "source": str, "per_process_peak":
-        {"device_bytes", "host_bytes", "nvme_bytes"}, "peak_source": str}``.
+        {"device_bytes", "host_bytes", "nvme_bytes"}, "peak_source": str,
+        "not_modelled": {tier: [str]}}`` (:func:`not_modelled`).
         ``per_process`` is the per-replica figure times ``local_replicas``.
         ``per_process_peak`` is the predicted in-step peak of model states: every replica
         holds its full fp32 gradient (4 bytes x Ψ) between the backward pass and the
@@ -348,7 +352,59 @@ def estimate(
         "precision": "fp32",
         "optimizer": kind,
         "source": "ZeRO (Rajbhandari et al., SC20) sections 3.1 and 5.1, zero_runtime.estimator",
+        "not_modelled": not_modelled(config),
     }
+
+
+def not_modelled(config: ZeroConfig) -> dict[str, list[str]]:
+    """What the Ψ-only prediction of :func:`estimate` leaves out that this runtime's
+    measured tiers hold, per tier (the view shows it beside "predicted vs measured").
+
+    The estimator counts model states from Ψ alone (SC20 section 3.1, fp32 bytes per
+    element divided as section 5.1 says). The paged pool (stage 3, and NVMe optimizer
+    states at stages 1-2) differs from that in ways named here: page rounding (every
+    variable's shard takes whole ``page_size_bytes`` pages), the host window the pool
+    keeps for NVMe pages, and stage 3's update in backward (gradient shards leave the
+    device block by block).
+
+    Args:
+        config: the active config.
+
+    Returns:
+        ``{"device"|"host"|"nvme": [sentence, ...]}``, only tiers with something to say.
+    """
+    out: dict[str, list[str]] = {}
+    kib = config.page_size_bytes // 1024
+    rounding = (
+        f"page rounding: every variable's shard takes whole pages of {kib} KiB "
+        "(page_size_bytes), so small variables (biases, norms) take a page each"
+    )
+    paged_nvme = config.offload_optimizer == "nvme" or (
+        config.stage == 3 and config.offload_param == "nvme"
+    )
+    if config.stage == 3:
+        out["device"] = [
+            "gathered parameters: the paged pool holds the units in use on the device, "
+            "within the budget, and frees them by the step boundary",
+            "the update in backward: reduced gradient shards leave the device block by "
+            "block, so fewer than Ψ/N are there at once",
+        ]
+        tier = {"cpu": "host", "nvme": "nvme"}.get(config.offload_param)
+        if tier:
+            out.setdefault(tier, []).append(rounding)
+    if paged_nvme:
+        out.setdefault("nvme", [])
+        if rounding not in out["nvme"]:
+            out["nvme"].append(rounding)
+        if config.host_budget_bytes is None:
+            out.setdefault("host", []).append(
+                "the paged pool's host window for NVMe pages: copies of the pages in use "
+                "and prefetched (the two largest blocks' shards plus slack), kept full as "
+                "a cache"
+            )
+    if config.stage == 3 and config.offload_optimizer == "cpu":
+        out.setdefault("host", []).append(rounding)
+    return {k: v for k, v in out.items() if v}
 
 
 def _or_nan(value: int | None) -> float:

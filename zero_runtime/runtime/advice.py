@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from zero_runtime import estimator
-from zero_runtime.oom import fmt_bytes
+from zero_runtime.oom_report import fmt_bytes
 
 #: Fraction of the capacity kept free when the checked figure is the runtime's accounting.
 MARGIN_ACCOUNTED = 0.05
@@ -63,6 +63,28 @@ class Unit:
 
 
 @dataclasses.dataclass(frozen=True)
+class Stage3Plan:
+    """What ZeRO-Infinity (stage 3, parameters and optimizer states offloaded to host
+    memory) would hold for a model trained at stages 0-2: the estimator's figures
+    (:func:`zero_runtime.estimator.estimate_for_model`, page-rounded) of one replica.
+
+    Attributes:
+        device_bytes: what the paged pool's device tier must hold within a step, bytes:
+            the persistent (small, replicated) parameters plus the working set, the
+            largest unit's gathered parameters and the next unit's prefetch (SC20
+            section 5.3; ZeRO-Infinity, SC21 section 5). The pool keeps its device tier
+            within the budget by moving other gathered buffers to host memory, so this
+            is what the budget must hold per replica.
+        host_bytes: model states the change puts in host memory, bytes.
+        largest_unit: the name of the largest unit (a top-level layer).
+    """
+
+    device_bytes: int
+    host_bytes: int
+    largest_unit: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Evidence:
     """What the runtime recorded about the failed step, for the replay.
 
@@ -83,6 +105,8 @@ class Evidence:
         optimizer: the optimizer kind for the estimator ('adam', 'sgd', ...).
         in_step: True when the failure happened inside a step (an allocator or pool
             OOM); the need then includes the step's transient bytes.
+        stage3_plan: at stages 0-2, the estimator's figures for ZeRO-Infinity on this
+            model (:class:`Stage3Plan`); None when the model was not known.
     """
 
     allocator: bool = False
@@ -95,6 +119,7 @@ class Evidence:
     persistent_bytes: int = 0
     optimizer: str = "adam"
     in_step: bool = False
+    stage3_plan: Stage3Plan | None = None
 
     @property
     def largest_unit(self) -> Unit | None:
@@ -157,13 +182,19 @@ class _Replay:
     ) -> None:
         """Label one candidate: ``after`` = predicted bytes on the failed tier (None:
         unknown), ``floor`` = bytes no such change removes, ``moves`` = target tier ->
-        bytes it must take."""
+        bytes it must take. "does not fit" when the floor or ``after`` is over the
+        capacity (``missing_bytes`` = bytes over it); "fits" when ``after`` plus the
+        margin is within it; "may fit" when only the margin is short (``missing_bytes``
+        = bytes of margin missing) or ``after`` is unknown."""
         cap, margin = self.cap, self.margin
         verdict, missing = "may fit", None
         if cap is None:
             verdict = "may fit"
         elif floor is not None and floor > cap:
             verdict, missing = "does not fit", floor - cap
+        elif after is not None and after > cap:
+            # The replay puts the tier over its capacity even without a margin.
+            verdict, missing = "does not fit", after - cap
         elif after is not None:
             missing = max(0, after + margin - cap)
             verdict = "fits" if missing == 0 else "may fit"
@@ -227,8 +258,11 @@ def advise(
     Returns:
         ``[{"rank", "change", "description", "frees_bytes", "fits", "verdict",
         "predicted_bytes", "margin_bytes", "missing_bytes", "speed_cost"}]``, rank 1 =
-        best: "fits" first, then "may fit", then "does not fit"; within a verdict, changes
-        of the job before a budget raise, then by speed cost, then by bytes freed.
+        best: "fits" first, then "may fit", then "does not fit"; within a verdict,
+        changes of the job (no more hardware) before a budget raise, then by speed
+        cost, then by bytes freed. A verified change of the job thus ranks above a
+        budget raise. A change of the job that frees nothing on the failed tier
+        (``frees_bytes`` 0, e.g. one whose effect the replay cannot predict) is left out.
         ``fits`` is ``verdict == "fits"`` (the schema's version-1 flag).
 
     Raises:
@@ -250,6 +284,8 @@ def advise(
     else:
         _offload_tier(r, implemented)
     _budget_raise(r)
+    # A change of the job that frees nothing on the failed tier is no advice.
+    r.rows = [c for c in r.rows if c["_machine"] or c["frees_bytes"] > 0]
     order = {v: i for i, v in enumerate(VERDICTS)}
     r.rows.sort(
         key=lambda c: (
@@ -313,18 +349,25 @@ def _device_stages012(r: _Replay, implemented) -> None:
             "low",
             f"ZeRO stage 1 -> 2 keeps only the reduced gradient shard (1/{n})",
         )
-    if c.stage in (0, 1, 2) and param and _impl(implemented, 3, "cpu"):
-        # ZeRO-Infinity: parameters and states leave the device; what stays is the
-        # gathered working memory, unknown before the units are built: at most every
-        # parameter gathered on every live replica (the parameters' bytes now).
+    plan = r.ev.stage3_plan
+    if c.stage in (0, 1, 2) and param and plan is not None and _impl(implemented, 3, "cpu"):
+        # ZeRO-Infinity: parameters and states leave the device. The paged pool keeps
+        # its device tier within the budget by moving gathered buffers to host memory;
+        # it must hold the persistent parameters and the largest unit's working set on
+        # every local replica (the estimator's figures).
+        local = r.ev.local_replicas
+        after = plan.device_bytes * local
         change = {"stage": 3, "offload_param": "cpu", "offload_optimizer": "cpu"}
         r.add(
             change,
-            None,  # the gathered units (page-rounded per variable) are not known yet
+            after,
             "medium",
-            "ZeRO-Infinity: stage 3 with parameters and optimizer states offloaded to "
-            "host memory (only the units in use are gathered on the device)",
-            moves={"host": param // r.ev.local_replicas + opt},
+            "ZeRO-Infinity: stage 3 with parameters and optimizer states in host memory; "
+            "the device keeps only the small persistent parameters and the units in use "
+            f"(largest: `{plan.largest_unit}`), {fmt_bytes(plan.device_bytes)} per replica "
+            f"x {local} by the estimator",
+            floor=after,
+            moves={"host": plan.host_bytes * local},
         )
 
 
@@ -375,15 +418,33 @@ def _device_stage3(r: _Replay, implemented) -> None:
         # Only below the gathered elements does the limit change anything; never below
         # the largest unit (it is gathered whole).
         new_live = max(largest.elements, live // 2)
-        if new_live < live:
+        upper, _ = _stage3_need(r, c)
+        now = _live_upper(r.ev.units, live) * r.ev.local_replicas
+        then = _live_upper(r.ev.units, new_live) * r.ev.local_replicas
+        if new_live < live and upper is not None and then < now:
+            after = upper - sum(u.gathered_bytes for u in r.ev.units) * r.ev.local_replicas
             r.add(
                 {"max_live_parameters": new_live},
-                None,
+                after + then,
                 "medium",
                 f"lower max_live_parameters to {new_live} elements (at least the largest "
-                f"unit, {largest.name})",
+                f"unit, {largest.name}): at most {fmt_bytes(then)} gathered at once",
                 floor=floor,
+                frees=now - then,
             )
+
+
+def _live_upper(units: Sequence[Unit], live: int) -> int:
+    """Gathered bytes of one replica with at most ``live`` elements gathered at once, an
+    upper bound: the ``k`` units with the most bytes, where ``k`` is how many units fit
+    in ``live`` elements at most (the smallest first); at least the largest unit."""
+    k = total = 0
+    for elements in sorted(u.elements for u in units):
+        if total + elements > live:
+            break
+        total += elements
+        k += 1
+    return sum(sorted((u.gathered_bytes for u in units), reverse=True)[: max(1, k)])
 
 
 def _offload_tier(r: _Replay, implemented) -> None:

@@ -42,6 +42,7 @@ from zero_runtime.runtime.postmortem import (
     as_oom_error,
     check_budgets,
     model_facts,
+    plan_stage3,
 )
 from zero_runtime.telemetry import FlightRecorder
 from zero_runtime.telemetry.collector import TelemetryCollector
@@ -173,6 +174,10 @@ class ZeroRuntime:
         ``memory_hierarchy/estimate`` event, so the view can draw predicted beside measured.
         """
         self.accounting.add_optimizer(optimizer)
+        if self.config.stage < 3 and self.accounting.stage3_plan is None:
+            # Keras is building the optimizer for its model now: the OOM advice's
+            # ZeRO-Infinity candidate is sized from that model (postmortem.plan_stage3).
+            self.accounting.stage3_plan = plan_stage3(optimizer, self.config, self.num_replicas)
         self._observe_store(optimizer.zero_state.store)
         if self.summaries is not None:
             self.summaries.estimate(self.estimate(optimizer))

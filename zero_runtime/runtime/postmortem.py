@@ -35,8 +35,19 @@ _HOLDER_LABELS = {
     "param": "parameters (local replicas)",
     "grad": "gradients (local replicas)",
     "optimizer": "optimizer states",
-    "other": "activations, scratch and framework (unattributed)",
+    "other": "scratch buffers (the stores' tiles) and other runtime buffers",
 }
+
+
+def _device_source(ctx: FailureContext) -> str:
+    """What the device tier's checked figure is (``oom.CHECKED_SOURCES``), as
+    ``Accounting.device_used_bytes`` chooses it: the stage-3 pools' pages, else
+    TensorFlow's allocator reading, else the runtime's accounting."""
+    if ctx.facts is not None and ctx.facts.units:
+        return "pool"
+    if math.isfinite(ctx.snapshot.readings.framework_device_bytes):
+        return "allocator"
+    return "accounting"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +182,9 @@ class PostMortem:
             oom.write_json_atomic(path, report)
         self.path, self.report = path, report
         err.attach(path, report)
-        log.error("out of memory at step %d on tier %s; post-mortem: %s", step, err.tier, path)
+        # INFO, not ERROR: the raised error's message already names the file, so a log
+        # line at a visible level would print the path twice (issue #19 item 3).
+        log.info("out of memory at step %d on tier %s; post-mortem: %s", step, err.tier, path)
         return err
 
 
@@ -191,34 +204,43 @@ def build_report(
     :func:`advice_for`.
     """
     snap = ctx.snapshot
+    device_source = _device_source(ctx)
     tiers: dict[str, dict[str, Any]] = {}
     for name, t in snap.tiers.items():
+        # The device tier's "other" is the reading beyond the holders: tier_row adds it
+        # back as the unattributed holder (one accounting: used = the holders' sum).
+        kinds = ("param", "grad", "optimizer") + (() if name == "device" else ("other",))
         holders = [
             oom.holder(_HOLDER_LABELS[k], k, getattr(t, f"{k}_bytes"))
-            for k in ("param", "grad", "optimizer", "other")
+            for k in kinds
             if math.isfinite(getattr(t, f"{k}_bytes")) and getattr(t, f"{k}_bytes") > 0
         ]
-        tiers[name] = {
-            "capacity_bytes": or_none(t.capacity_bytes),
-            "used_bytes": or_none(t.used_bytes),
-            "holders": holders,
-        }
+        checked = or_none(t.used_bytes)
+        tiers[name] = oom.tier_row(
+            or_none(t.capacity_bytes),
+            holders,
+            checked,
+            device_source if name == "device" else "accounting",
+        )
     pool_snap = getattr(cause, "snapshot", None)
     request_bytes = tensor = None
     if pool_snap is not None:  # the pool's own tiers, tensor by tensor
         for name, t in pool_snap.tiers.items():
-            tiers[name] = {
-                "capacity_bytes": t["capacity_bytes"],
-                "used_bytes": t["used_bytes"],
-                "holders": [
+            tiers[name] = oom.tier_row(
+                t["capacity_bytes"],
+                [
                     oom.holder(h.tensor_id, h.kind, h.bytes, h.pages)
                     for h in pool_snap.holders.get(name, ())
                 ],
-            }
+                t["used_bytes"],
+                "pool",
+            )
         request_bytes = pool_snap.request_bytes
         tensor = oom.display_name(pool_snap.request_tensor_id)
     elif isinstance(err, oom.DeviceBudgetExceededError):
-        tiers["device"]["used_bytes"] = err.used_bytes
+        row = tiers["device"]
+        base = [h for h in row["holders"] if h["name"] != oom.UNATTRIBUTED]
+        tiers["device"] = oom.tier_row(row["capacity_bytes"], base, err.used_bytes, device_source)
     else:
         request_bytes = oom.request_from_message(str(cause))
     tier = err.tier
@@ -357,6 +379,43 @@ def advice_for(
     )
 
 
+def plan_stage3(
+    optimizer: Any, config: ZeroConfig, num_replicas: int
+) -> advice_mod.Stage3Plan | None:
+    """What ZeRO-Infinity would need for the model ``optimizer`` trains (stages 0-2), for
+    the advice's stage-3 candidate; call while Keras builds the optimizer (its model is
+    found on the call stack, ``zero_runtime.stage3.autoshard.find_trainer``).
+
+    Args:
+        optimizer: the optimizer being built.
+        config: the active config (page size, persistence threshold, prefetch size).
+        num_replicas: replicas in sync (N_d).
+
+    Returns:
+        The estimator's per-replica figures (``estimate_for_model`` at stage 3 with both
+        offloads ``cpu``, page-rounded), or None when the model is not found or the
+        estimator cannot count it (a failure here never stops training).
+    """
+    try:
+        from zero_runtime import estimator
+        from zero_runtime.stage3.autoshard import find_trainer
+
+        model = find_trainer(optimizer)
+        if model is None:
+            return None
+        target = config.replace(stage=3, offload_param="cpu", offload_optimizer="cpu")
+        est = estimator.estimate_for_model(model, target, num_replicas, page_rounding=True)
+    except Exception as exc:  # noqa: BLE001 - advice only; the run goes on without it
+        log.debug("no stage-3 plan for the OOM advice: %s", exc)
+        return None
+    persistent = est.tiers.to_dict()["breakdown"].get("persistent_params", {}).get("bytes", 0)
+    return advice_mod.Stage3Plan(
+        device_bytes=int(est.working_set_bytes) + int(persistent),
+        host_bytes=int(est.tiers.host_bytes),
+        largest_unit=est.largest_block_name,
+    )
+
+
 def model_facts(acct: Any, config: ZeroConfig) -> advice_mod.Evidence:
     """The model's figures for the advice's replay, from the runtime's accounting.
 
@@ -404,6 +463,7 @@ def model_facts(acct: Any, config: ZeroConfig) -> advice_mod.Evidence:
         shard_bytes=shard_bytes,
         persistent_bytes=persistent_bytes,
         optimizer=kind,
+        stage3_plan=acct.stage3_plan,
     )
 
 

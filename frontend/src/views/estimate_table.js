@@ -16,6 +16,28 @@ function bar(value, max, className) {
 }
 
 /**
+ * The notes under the table: per tier, what the prediction does not model that the
+ * measured tier holds (the estimate's `not_modelled`), and a tier predicted at 0 but
+ * measured above it.
+ * @param {object|null} estimate the latest memory_hierarchy/estimate value
+ * @param {Array<{tier, predicted, measured}>} rows predictedVsMeasured's rows
+ * @param {(tier: string) => string} label a tier's display name
+ * @returns {string[]}
+ */
+export function estimateNotes(estimate, rows, label) {
+  const gaps = estimate?.not_modelled && typeof estimate.not_modelled === 'object' ? estimate.not_modelled : {};
+  const notes = [];
+  for (const r of rows) {
+    const said = Array.isArray(gaps[r.tier]) ? gaps[r.tier].map(String) : [];
+    if (said.length) notes.push(`${label(r.tier)}: not modelled: ${said.join('; ')}.`);
+    else if (r.predicted === 0 && r.measured) {
+      notes.push(`${label(r.tier)}: predicted 0, measured ${formatBytes(r.measured)}: held by something the estimator does not count.`);
+    }
+  }
+  return notes;
+}
+
+/**
  * The one line above the table: what is compared with what.
  * @param {number|null} step the last recorded step (null: none yet)
  */
@@ -73,6 +95,18 @@ export function renderEstimate(table, estimate, tiers, runInfo, readings = null)
       el('td', 'mh-measured-peak', formatBytes(r.measuredPeak)),
       el('td', 'mh-peak-ratio', r.peakRatio === null ? '—' : formatPercent(r.peakRatio)),
     );
+    table.append(tr);
+  }
+  const notes = estimateNotes(estimate, rows, (tier) => tierLabel(tier, runInfo));
+  if (notes.length) {
+    // A row spanning the table: the notes stay with the figures they explain.
+    const tr = el('tr', 'mh-estimate-notes-row');
+    const td = el('td');
+    td.colSpan = columns.length;
+    const list = el('ul', 'mh-estimate-notes');
+    for (const note of notes) list.append(el('li', null, note));
+    td.append(list);
+    tr.append(td);
     table.append(tr);
   }
 }

@@ -1,15 +1,25 @@
 // View: the out-of-memory post-mortem of a run (GET /oom; the shared OOM contract in
-// docs/http_api.md): the summary a human reads first, the failed request, each tier at the
-// moment of failure as a bar against its capacity, the holders, the last steps' occupancy
-// as a small chart, and the advice ranked. Every text from the post-mortem (tensor names,
-// messages, advice) goes through textContent, never HTML.
+// docs/http_api.md): the summary a human reads first, the failed request (or why its size
+// is not known), each tier at the moment of failure as a bar against its capacity with what
+// each figure measures (one accounting: used = the holders' sum; the checked reading
+// beside it), the holders, the last steps' occupancy as one small chart per tier (each its
+// own scale), and the advice ranked with its replayed bytes. Every text from the
+// post-mortem (tensor names, messages, advice) goes through textContent, never HTML.
 
-import { formatConfigValue, oomHolders, oomRecentSeries, rankedAdvice, TIERS } from '../data.js';
-import { formatBytes, formatPercent } from '../format.js';
+import { formatConfigValue, oomHolders, rankedAdvice, TIERS } from '../data.js';
+import { formatBytes } from '../format.js';
+import {
+  adviceVerdictText,
+  oomFigureNotes,
+  oomHeadline,
+  oomRecentPanels,
+  oomTierFigures,
+  requestText,
+} from '../oom.js';
 import { Chart } from './chart.js';
 import { el, tierLabel } from './run_panel.js';
 
-const HEIGHT = 160; // px
+const HEIGHT = 120; // px, one panel per tier
 const TIER_COLORS = { device: '#1a73e8', host: '#12a05c', nvme: '#e8710a' };
 
 function facts(rows) {
@@ -25,23 +35,21 @@ function facts(rows) {
 }
 
 function tierBar(tier, info, runInfo, failedTier) {
-  const used = typeof info?.used_bytes === 'number' ? info.used_bytes : null;
-  const capacity = typeof info?.capacity_bytes === 'number' ? info.capacity_bytes : null;
+  const f = oomTierFigures(info);
   const row = el('div', 'mh-oom-tier');
   row.dataset.tier = tier;
-  if (used !== null) row.dataset.usedBytes = String(used);
-  if (capacity !== null) row.dataset.capacityBytes = String(capacity);
+  if (f.used !== null) row.dataset.usedBytes = String(f.used);
+  if (f.capacity !== null) row.dataset.capacityBytes = String(f.capacity);
+  if (f.checked !== null) row.dataset.checkedBytes = String(f.checked);
+  if (f.source !== null) row.dataset.checkedSource = f.source;
   if (tier === failedTier) row.classList.add('mh-oom-failed-tier');
   const track = el('span', 'mh-bar-track mh-oom-track');
   const fill = el('span', 'mh-bar mh-oom-fill');
-  const share = used !== null && capacity ? used / capacity : null;
-  fill.style.width = `${share === null ? 0 : Math.min(100, 100 * share)}%`;
+  fill.style.width = `${f.share === null ? 0 : Math.min(100, 100 * f.share)}%`;
   track.append(fill);
-  const text =
-    capacity === null
-      ? `${formatBytes(used)} used (capacity unbounded)`
-      : `${formatBytes(used)} of ${formatBytes(capacity)} (${formatPercent(share)})`;
-  row.append(el('span', 'mh-oom-tier-name', tierLabel(tier, runInfo)), track, el('span', 'mh-oom-tier-text', text));
+  const text = el('span', 'mh-oom-tier-text', f.text);
+  if (f.checkedText) text.append(el('span', 'mh-oom-checked', ` · ${f.checkedText}`));
+  row.append(el('span', 'mh-oom-tier-name', tierLabel(tier, runInfo)), track, text);
   return row;
 }
 
@@ -57,7 +65,7 @@ export class OomView {
   constructor(section, body) {
     this.section = section;
     this.body = body;
-    this.chart = null;
+    this.charts = [];
     this.section.hidden = true;
   }
 
@@ -70,7 +78,7 @@ export class OomView {
     if (!pm || typeof pm !== 'object') {
       this.section.hidden = true;
       this.body.replaceChildren();
-      this.chart = null;
+      this.charts = [];
       return;
     }
     this.section.hidden = false;
@@ -79,9 +87,7 @@ export class OomView {
     const headline = el(
       'p',
       'mh-oom-headline',
-      `Out of memory at step ${pm.step ?? answer.step}: ` +
-        `${formatBytes(typeof fr.bytes === 'number' ? fr.bytes : null)} requested on ` +
-        `${tierLabel(String(fr.tier ?? '?'), runInfo)}.`,
+      oomHeadline(pm, answer.step, tierLabel(String(fr.tier ?? '?'), runInfo)),
     );
     const summary = el('p', 'mh-oom-summary', String(pm.summary ?? ''));
 
@@ -91,7 +97,7 @@ export class OomView {
     request.append(
       el('h4', 'mh-subtitle', 'Failed request'),
       facts([
-        ['bytes', typeof fr.bytes === 'number' ? `${formatBytes(fr.bytes)} (${fr.bytes} bytes)` : 'unknown'],
+        ['bytes', typeof fr.bytes === 'number' ? `${formatBytes(fr.bytes)} (${fr.bytes} bytes)` : requestText(pm)],
         ['tier', fr.tier],
         ['tensor', fr.tensor],
         ['op', fr.op],
@@ -105,6 +111,7 @@ export class OomView {
     for (const tier of TIERS) {
       if (pm.tiers?.[tier]) tiersBox.append(tierBar(tier, pm.tiers[tier], runInfo, fr.tier));
     }
+    for (const note of oomFigureNotes(pm)) tiersBox.append(el('p', 'mh-note mh-oom-figure-note', note));
 
     const holders = el('table', 'mh-oom-holders');
     const head = el('tr');
@@ -127,14 +134,31 @@ export class OomView {
     holdersBox.append(el('h4', 'mh-subtitle', 'Holders'), holders);
 
     const recentBox = el('div', 'mh-oom-recent');
-    recentBox.append(el('h4', 'mh-subtitle', 'Occupancy over the last steps'));
-    const plotBox = el('div', 'mh-plot');
-    recentBox.append(plotBox);
-    const recent = oomRecentSeries(pm);
+    recentBox.append(
+      el('h4', 'mh-subtitle', 'Occupancy over the last steps (one scale per tier)'),
+      el('p', 'mh-note', 'Each step’s recorded use: the figure the limit check reads.'),
+    );
+    const recent = oomRecentPanels(pm);
+    const panelBoxes = [];
+    for (const panel of recent.panels) {
+      const cell = el('div', 'mh-oom-recent-tier');
+      cell.dataset.tier = panel.tier;
+      const head = el('div', 'mh-tier-head');
+      head.append(
+        el('span', 'mh-tier-title', tierLabel(panel.tier, runInfo)),
+        el('span', 'mh-tier-notes', panel.notes.join(' · ')),
+      );
+      const box = el('div', 'mh-plot');
+      box.dataset.points = String(recent.steps.length);
+      cell.append(head, box);
+      recentBox.append(cell);
+      panelBoxes.push([panel, box]);
+    }
 
     const adviceBox = el('div', 'mh-oom-advice-box');
     adviceBox.append(el('h4', 'mh-subtitle', 'What would have made it fit (best first)'));
     const list = el('ol', 'mh-oom-advice');
+    const capacity = pm.tiers?.[fr.tier]?.capacity_bytes ?? null;
     for (const a of rankedAdvice(pm)) {
       const li = el('li', 'mh-oom-advice-item');
       li.dataset.rank = String(a?.rank ?? '');
@@ -142,12 +166,8 @@ export class OomView {
       // `verdict` ("fits" / "may fit" / "does not fit", replayed on the recorded figures);
       // reports without it (older runs) have only the `fits` flag.
       const known = ['fits', 'may fit', 'does not fit'];
-      const flag = a?.fits === true ? 'fits' : 'does not fit';
-      let verdict = known.includes(a?.verdict) ? a.verdict : flag;
-      li.dataset.verdict = verdict;
-      if (verdict !== 'fits' && typeof a?.missing_bytes === 'number' && a.missing_bytes > 0) {
-        verdict += ` (${formatBytes(a.missing_bytes)} short)`;
-      }
+      li.dataset.verdict = known.includes(a?.verdict) ? a.verdict : a?.fits === true ? 'fits' : 'does not fit';
+      if (typeof a?.frees_bytes === 'number') li.dataset.freesBytes = String(a.frees_bytes);
       li.append(
         el('span', 'mh-oom-advice-desc', String(a?.description ?? '')),
         el('span', 'mh-oom-advice-change', changeText(a?.change)),
@@ -155,7 +175,8 @@ export class OomView {
           'span',
           'mh-oom-advice-meta',
           `frees ${formatBytes(typeof a?.frees_bytes === 'number' ? a.frees_bytes : null)} · ` +
-            `${verdict} · speed cost ${a?.speed_cost ?? 'unknown'}`,
+            `${adviceVerdictText(a, typeof capacity === 'number' ? capacity : null)} · ` +
+            `speed cost ${a?.speed_cost ?? 'unknown'}`,
         ),
       );
       list.append(li);
@@ -169,25 +190,21 @@ export class OomView {
     grid.append(request, tiersBox, recentBox, adviceBox);
     this.body.replaceChildren(headline, summary, grid, holdersBox);
 
-    this.chart = null;
-    if (recent.steps.length) {
-      this.chart = new Chart(plotBox, { height: HEIGHT, widthKey: 'oom' });
-      const series = [];
-      for (const [tier, s] of Object.entries(recent.tiers)) {
-        const label = tierLabel(tier, runInfo);
-        series.push({ label: `${label} used`, values: s.used, stroke: TIER_COLORS[tier], width: 2 });
-        if (s.capacity.some((v) => v !== null)) {
-          series.push({ label: `${label} capacity`, values: s.capacity, stroke: TIER_COLORS[tier], dash: [4, 4] });
-        }
+    this.charts = [];
+    for (const [panel, box] of panelBoxes) {
+      const chart = new Chart(box, { height: HEIGHT, widthKey: 'oom' });
+      const label = tierLabel(panel.tier, runInfo);
+      const series = [{ label: `${label} used`, values: panel.used, stroke: TIER_COLORS[panel.tier], width: 2 }];
+      if (panel.capacity) {
+        series.push({ label: `${label} capacity`, values: panel.capacity, stroke: TIER_COLORS[panel.tier], dash: [4, 4] });
       }
-      plotBox.dataset.points = String(recent.steps.length);
-      this.chart.update({ x: recent.steps, series, scales: { y: { unit: 'bytes' } }, markers: [] });
-    } else {
-      plotBox.append(el('p', 'mh-note', 'No recent steps recorded.'));
+      chart.update({ x: recent.steps, series, scales: { y: { unit: 'bytes', max: panel.yMax } }, markers: [] });
+      this.charts.push(chart);
     }
+    if (!panelBoxes.length) recentBox.append(el('p', 'mh-note', 'No recent steps recorded.'));
   }
 
   resize() {
-    this.chart?.resize();
+    for (const chart of this.charts) chart.resize();
   }
 }

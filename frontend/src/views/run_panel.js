@@ -4,6 +4,7 @@
 // textContent, never through HTML.
 
 import { formatBytes } from '../format.js';
+import { runBadges } from '../oom.js';
 
 export const TIERS = ['device', 'host', 'nvme'];
 export const STANDIN_LABEL = 'device (CPU stand-in)';
@@ -128,7 +129,7 @@ export function renderStatus(statusEl, text, isError = false) {
   statusEl.classList.toggle('mh-error', isError);
 }
 
-/** Render the run_info facts: stage, replicas, device tier, fallback. */
+/** Render the run_info facts: stage, replicas, device tier, and the badges (oom.js runBadges). */
 export function renderFacts(factsEl, runInfo) {
   factsEl.replaceChildren();
   if (!runInfo) {
@@ -147,11 +148,10 @@ export function renderFacts(factsEl, runInfo) {
     fact.append(el('span', 'mh-fact-name', `${name}: `), el('span', 'mh-fact-value', String(value)));
     factsEl.append(fact);
   }
-  if (runInfo.device_is_standin === true) {
-    factsEl.append(el('span', 'mh-standin', STANDIN_LABEL));
-  }
-  if (runInfo.fallback_mirrored === true) {
-    factsEl.append(el('span', 'mh-fallback', 'fallback: MirroredStrategy'));
+  for (const badge of runBadges(runInfo, STANDIN_LABEL)) {
+    const span = el('span', `mh-${badge.kind}`, badge.text);
+    span.dataset.badge = badge.kind;
+    factsEl.append(span);
   }
 }
 

@@ -8,6 +8,7 @@
 
 import { maxOf, TIERS, tierPlot } from '../data.js';
 import { formatBytes } from '../format.js';
+import { deviceBudgetNote } from '../oom.js';
 import { Chart } from './chart.js';
 import { tierLabel } from './run_panel.js';
 
@@ -98,8 +99,14 @@ export class TierCharts {
       head.append(title, notes);
       const box = el('div', 'mh-plot');
       cell.append(head, box);
+      // The device chart says what its budget bounds and what the allocator peak holds.
+      const note = tier === 'device' ? el('p', 'mh-note mh-device-note') : null;
+      if (note) {
+        note.hidden = true;
+        cell.append(note);
+      }
       container.append(cell);
-      this.cells.set(tier, { title, notes, chart: new Chart(box, { height: HEIGHT, widthKey: 'tier' }) });
+      this.cells.set(tier, { title, notes, note, chart: new Chart(box, { height: HEIGHT, widthKey: 'tier' }) });
     }
   }
 
@@ -117,6 +124,11 @@ export class TierCharts {
       const plot = tierPlot(tiers, readings, tier);
       cell.title.textContent = tierLabel(tier, runInfo);
       cell.notes.textContent = tierHeaderNotes(plot).join(' · ');
+      if (cell.note) {
+        const text = deviceBudgetNote(runInfo);
+        cell.note.textContent = text ?? '';
+        cell.note.hidden = !text;
+      }
       cell.chart.update(tierSpec(plot, markers));
     }
     const n = tiers.steps.length;
