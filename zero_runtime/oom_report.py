@@ -239,7 +239,15 @@ def build_report(
             f"Best single change: {change} ({best['description']}; speed cost "
             f"{best['speed_cost']})."
         )
-    sources = sorted({r.get("checked_source") for r in tiers.values()} - {None})
+    # Explain the sources whose reading differs from the accounting somewhere.
+    sources = sorted(
+        {
+            r.get("checked_source")
+            for r in tiers.values()
+            if r.get("checked_bytes") != r.get("used_bytes")
+        }
+        - {None}
+    )
     return {
         "version": OOM_VERSION,
         "step": int(step),
@@ -307,6 +315,9 @@ def verdict_text(advice: Mapping[str, Any], capacity_bytes: int | None = None) -
     (predicted 3.2 MiB of 12.00 MiB)", "may fit (predicted 11.5 MiB: within the
     capacity, 2.1 MiB short of the margin)", "does not fit (4.0 MiB over)"."""
     verdict = advice.get("verdict") or ("fits" if advice.get("fits") else "does not fit")
+    for key, value in (advice.get("change") or {}).items():
+        if key.endswith("_budget_bytes") and isinstance(value, int):
+            capacity_bytes = value  # a budget raise: against the raised budget
     pred, missing = advice.get("predicted_bytes"), advice.get("missing_bytes")
     of = f" of {fmt_bytes(capacity_bytes)}" if capacity_bytes is not None else ""
     if verdict == "fits" and pred is not None:

@@ -96,11 +96,15 @@ export function oomFigureNotes(pm) {
 
 /**
  * One advice item's verdict in words, with the replayed bytes: "fits (predicted 9 MiB of
- * 12 MiB with the margin)", "may fit (...)", "does not fit (16 MiB over)".
+ * 12 MiB with the margin)", "may fit (...)", "does not fit (16 MiB over)". A budget raise
+ * is measured against the raised budget (its change's value).
  * @param {object} a an advice row
  * @param {number|null} capacity the failed tier's capacity, bytes
  */
 export function adviceVerdictText(a, capacity) {
+  // A budget raise is replayed against the raised budget, not the one that failed.
+  const raised = Object.entries(a?.change ?? {}).find(([k]) => k.endsWith('_budget_bytes'));
+  if (raised && typeof raised[1] === 'number') capacity = raised[1];
   const known = ['fits', 'may fit', 'does not fit'];
   const verdict = known.includes(a?.verdict) ? a.verdict : a?.fits === true ? 'fits' : 'does not fit';
   const pred = num(a?.predicted_bytes);
@@ -141,14 +145,14 @@ export function oomRecentPanels(pm) {
     let shownCapacity = null;
     if (capMax === 0) {
       notes.push('capacity unbounded');
-    } else if (peak > 0 && capMax > OOM_OFF_SCALE_RATIO * peak) {
+    } else if (capMax > OOM_OFF_SCALE_RATIO * peak) {
       notes.push(`capacity ${formatBytes(capMax)} (off scale)`);
     } else {
       shownCapacity = capacity;
       notes.push(`capacity ${formatBytes(capMax)}`);
     }
     const top = Math.max(peak, shownCapacity ? capMax : 0);
-    panels.push({ tier, used, capacity: shownCapacity, yMax: top > 0 ? top * 1.05 : 1024, notes });
+    panels.push({ tier, used, capacity: shownCapacity, yMax: top > 0 ? top * 1.3 : 1024, notes });
   }
   return { steps, panels };
 }

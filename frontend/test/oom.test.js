@@ -64,6 +64,9 @@ test('advice verdicts carry the replayed bytes; an older report\u2019s missing b
   );
   assert.equal(adviceVerdictText({ verdict: 'may fit', missing_bytes: 8 * MIB }, null), 'may fit (8 MiB short of the margin)');
   assert.equal(adviceVerdictText({ fits: true }, null), 'fits');
+  // A budget raise: against the raised budget, not the one that failed.
+  const raise = { change: { device_budget_bytes: 18 * MIB }, verdict: 'fits', predicted_bytes: 14 * MIB };
+  assert.equal(adviceVerdictText(raise, 5 * MIB), 'fits (predicted 14 MiB of 18 MiB with the margin)');
 });
 
 test('recent occupancy: one panel per tier, a capacity far above the use is left off scale', () => {
@@ -82,10 +85,14 @@ test('recent occupancy: one panel per tier, a capacity far above the use is left
   assert.deepEqual(panels.map((p) => p.tier), ['device', 'host']); // NVMe never measured
   const [device, host] = panels;
   assert.deepEqual(device.capacity, [12 * MIB, 12 * MIB]);
-  assert.ok(device.yMax >= 29 * MIB && device.yMax < 31 * MIB);
+  assert.ok(device.yMax >= 29 * MIB && device.yMax < 40 * MIB);
   assert.equal(host.capacity, null); // 24 GiB would flatten 2 MiB at zero
   assert.ok(host.yMax < 3 * MIB, host.yMax);
   assert.ok(host.notes.includes('capacity 24 GiB (off scale)'), host.notes);
+  // A tier at 0 B: its capacity is off scale too (the line stays visible at the bottom).
+  const empty = oomRecentPanels({ recent_steps: [{ step: 0, tiers: { host: { used_bytes: 0, capacity_bytes: 2 ** 30 } } }] });
+  assert.equal(empty.panels[0].capacity, null);
+  assert.equal(empty.panels[0].yMax, 1024);
 });
 
 test('badges: stage 0 is the baseline, not a fallback; the stand-in is named once', () => {

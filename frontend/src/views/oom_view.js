@@ -19,7 +19,7 @@ import {
 import { Chart } from './chart.js';
 import { el, tierLabel } from './run_panel.js';
 
-const HEIGHT = 120; // px, one panel per tier
+const HEIGHT = 150; // px, one panel per tier
 const TIER_COLORS = { device: '#1a73e8', host: '#12a05c', nvme: '#e8710a' };
 
 function facts(rows) {
