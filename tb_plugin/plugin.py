@@ -40,6 +40,7 @@ from tb_plugin.routes import (
     series,
     static,
     tune,
+    whatif,
 )
 from tb_plugin.routes.series import ANSWER_CACHE_BYTES
 from tb_plugin.routes.static import STATIC_DIR
@@ -97,6 +98,7 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
             "/tuning": functools.partial(tune.tuning_route, reader, access),
             "/tuning_states": functools.partial(tune.tuning_states_route, reader, access),
             "/tune": functools.partial(tune.tune_route, reader, access),
+            "/whatif": functools.partial(whatif.whatif_route, reader),
             "/oom": functools.partial(oom.oom_route, reader),
             "/checkpoints": functools.partial(checkpoints.checkpoints_route, reader),
             "/diff": functools.partial(diff.diff_route, reader),

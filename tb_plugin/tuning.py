@@ -95,6 +95,19 @@ def _no_duplicates(pairs: Sequence[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def parse_json_strictly(text: str) -> Any:
+    """Decode JSON refusing ``NaN``/``Infinity`` and duplicate keys.
+
+    Raises:
+        tensorboard.errors.InvalidArgumentError: not valid JSON, a non-finite constant, or
+            a duplicate key.
+    """
+    try:
+        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
+    except ValueError as exc:  # json.JSONDecodeError, or int() of too many digits
+        raise errors.InvalidArgumentError(f"the body is not valid JSON: {exc}") from exc
+
+
 def parse_tune_body(body: bytes) -> dict[str, int]:
     """Decode and check a ``POST /tune`` body: ``{"updates": {key: int, ...}}``.
 
@@ -117,16 +130,27 @@ def parse_tune_body(body: bytes) -> dict[str, int]:
     """
     try:
         text = body.decode("utf-8")
-        parsed = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
     except UnicodeDecodeError as exc:
         raise errors.InvalidArgumentError("the body is not UTF-8") from exc
-    except ValueError as exc:  # json.JSONDecodeError, or int() of too many digits
-        raise errors.InvalidArgumentError(f"the body is not valid JSON: {exc}") from exc
+    parsed = parse_json_strictly(text)
     if not isinstance(parsed, dict) or set(parsed) != {"updates"}:
         raise errors.InvalidArgumentError(
             'the body must be a JSON object {"updates": {key: value, ...}} and nothing else'
         )
-    updates = parsed["updates"]
+    return check_updates(parsed["updates"])
+
+
+def check_updates(updates: Any) -> dict[str, int]:
+    """Check a decoded ``updates`` object: non-empty, only tunable keys, ints within their
+    bounds (the checks of :func:`parse_tune_body`, also used by ``GET /whatif``).
+
+    Returns:
+        key -> int value.
+
+    Raises:
+        tensorboard.errors.InvalidArgumentError: as :func:`parse_tune_body`, naming the
+            key, the value and what is accepted.
+    """
     if not isinstance(updates, dict) or not updates:
         raise errors.InvalidArgumentError('"updates" must be a non-empty JSON object')
     tunable = ", ".join(TUNABLE_KEYS)

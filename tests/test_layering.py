@@ -23,8 +23,14 @@ ROOT = pathlib.Path(zero_runtime.__file__).parent
 PKG = "zero_runtime"
 #: What the runtime may import from the TensorBoard plugin (its data contract and writer).
 TB_PLUGIN_ALLOWED = {"tb_plugin", "tb_plugin.metadata", "tb_plugin.summary"}
-#: What the TensorBoard plugin may import from the runtime (live tuning's channel, config).
-RUNTIME_FOR_PLUGIN = {"zero_runtime", "zero_runtime.control", "zero_runtime.config"}
+#: What the TensorBoard plugin may import from the runtime (live tuning's channel, config,
+#: and the what-if simulator: pure Python over the recorded trace, no TensorFlow).
+RUNTIME_FOR_PLUGIN = {
+    "zero_runtime",
+    "zero_runtime.control",
+    "zero_runtime.config",
+    "zero_runtime.memory.simulate",
+}
 
 
 def _modules(root: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -128,9 +134,7 @@ def layer_violations(edges: dict[str, set[str]], layers) -> list[str]:
         for dst in sorted(targets):
             a, b = unit_of(src), unit_of(dst)
             if a != b and rank[b] >= rank[a]:
-                bad.append(
-                    f"{src} ({layers[rank[a]][0]}) imports {dst} ({layers[rank[b]][0]})"
-                )
+                bad.append(f"{src} ({layers[rank[a]][0]}) imports {dst} ({layers[rank[b]][0]})")
     return bad
 
 
@@ -168,7 +172,7 @@ def test_runtime_imports_only_the_plugins_contract_and_writer(graph):
     assert bad == {}
 
 
-def test_the_plugin_imports_only_the_control_channel_and_config():
+def test_the_plugin_imports_only_the_control_channel_config_and_simulator():
     plugin_root = ROOT.parent / "tb_plugin"
     bad = {}
     for path in sorted(plugin_root.rglob("*.py")):

@@ -69,6 +69,15 @@ def _start_job(tmp_path: Path, *extra: str):
     return logdir, stop, job, job_log
 
 
+def wait_for_job_step(job: subprocess.Popen, job_log: Path, step: int) -> None:
+    """Wait until the job printed ``tuning_job: step <step>`` (it trains), or fail."""
+    deadline = time.monotonic() + LOAD_TIMEOUT_MS / 1000
+    while f"tuning_job: step {step}" not in job_log.read_text(errors="replace"):
+        assert job.poll() is None, job_log.read_text()[-3000:]
+        assert time.monotonic() < deadline, job_log.read_text()[-3000:]
+        time.sleep(0.25)
+
+
 @contextlib.contextmanager
 def _stopped_at_exit(job: subprocess.Popen, stop: Path, job_log: Path):
     """Run the body; then ask the job to stop and require a clean exit (kill it on error)."""
@@ -97,11 +106,7 @@ def _drive_the_tab(browser, tensorboard_server, logdir, stop, job, job_log) -> N
     server = tensorboard_server(
         str(logdir), load_fast=True, reload_interval=1, extra_args=("--memory_hierarchy_tuning",)
     )
-    deadline = time.monotonic() + LOAD_TIMEOUT_MS / 1000
-    while "tuning_job: step 10" not in job_log.read_text(errors="replace"):  # training runs
-        assert job.poll() is None, job_log.read_text()[-3000:]
-        assert time.monotonic() < deadline, job_log.read_text()[-3000:]
-        time.sleep(0.25)
+    wait_for_job_step(job, job_log, 10)  # training runs
     page, frame, console = open_view(browser, server)
     try:
         panel = frame.locator(f'section.mh-run[data-run="{RUN}"] .mh-tuning')
@@ -205,11 +210,7 @@ def _set_budget_twice(browser, tensorboard_server, logdir, job, job_log) -> tupl
     server = tensorboard_server(
         str(logdir), load_fast=True, reload_interval=1, extra_args=("--memory_hierarchy_tuning",)
     )
-    deadline = time.monotonic() + LOAD_TIMEOUT_MS / 1000
-    while "tuning_job: step 10" not in job_log.read_text(errors="replace"):
-        assert job.poll() is None, job_log.read_text()[-3000:]
-        assert time.monotonic() < deadline, job_log.read_text()[-3000:]
-        time.sleep(0.25)
+    wait_for_job_step(job, job_log, 10)
     page, frame, _console = open_view(browser, server)
     try:
         panel = frame.locator(f'section.mh-run[data-run="{RUN}"] .mh-tuning')

@@ -3,7 +3,8 @@
 - A pool's recorded steps, replayed through the same core with the configuration
   unchanged, reproduce the measured page moves, evictions, used bytes and device peak
   exactly (device + host, and with an NVMe tier), and the prefetch hits and misses and
-  host/NVMe peaks where no I/O thread races the acquires (no NVMe), also after a round trip through the trace's JSON form.
+  host/NVMe peaks where no I/O thread races the acquires (no NVMe), also after a round
+  trip through the trace's JSON form.
 - The trace is bounded: a ring of ``TRACE_STEPS`` steps, events cut at ``max_events``.
 - Replayed with a smaller device budget, the prediction equals a real pool run at that
   budget; a budget below what one step pins at once is predicted to run out of memory.

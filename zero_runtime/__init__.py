@@ -26,8 +26,9 @@ text) and that ``zero_runtime/`` has no import circle::
 
 Only this package root may import from any layer (lazily, in ``__getattr__``). From
 ``tb_plugin`` the runtime imports only the data contract (``tb_plugin.metadata``) and its
-writer (``tb_plugin.summary``); ``tb_plugin`` may import ``zero_runtime.control`` and
-``zero_runtime.config``.
+writer (``tb_plugin.summary``); ``tb_plugin`` may import ``zero_runtime.control``,
+``zero_runtime.config`` and the what-if simulator ``zero_runtime.memory.simulate`` (no
+TensorFlow).
 """
 
 from __future__ import annotations

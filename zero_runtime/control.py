@@ -134,7 +134,7 @@ class ControlChannel:
         self._seen_stat = stat_key
         outcome = self._decide(step, st.st_size)
         self.history.append(outcome)
-        _write_json_atomic(os.path.join(self.run_dir, ACK_FILE), outcome.to_dict())
+        write_json_atomic(os.path.join(self.run_dir, ACK_FILE), outcome.to_dict())
         return outcome
 
     def adopt(self, decision: Mapping[str, Any], step: int) -> ControlOutcome:
@@ -168,7 +168,7 @@ class ControlChannel:
             self._last_decided_version = max(self._last_decided_version, version)
         outcome = self._outcome(version, status, step, decision.get("reason"), changes)
         self.history.append(outcome)
-        _write_json_atomic(os.path.join(self.run_dir, ACK_FILE), outcome.to_dict())
+        write_json_atomic(os.path.join(self.run_dir, ACK_FILE), outcome.to_dict())
         return outcome
 
     def apply_auto(self, updates: Mapping[str, Any], step: int, reason: str) -> ControlOutcome:
@@ -352,7 +352,7 @@ def write_request(run_dir: str, updates: Mapping[str, Any]) -> int:
         pass
     checked = {**pending, **checked}
     version = previous + 1
-    _write_json_atomic(path, {"version": version, "updates": checked, "requested_at": time.time()})
+    write_json_atomic(path, {"version": version, "updates": checked, "requested_at": time.time()})
     return version
 
 
@@ -365,7 +365,14 @@ def read_ack(run_dir: str) -> dict[str, Any] | None:
         return None
 
 
-def _write_json_atomic(path: str, obj: Any) -> None:
+def write_json_atomic(path: str, obj: Any) -> None:
+    """Write ``obj`` as JSON to ``path`` atomically (a temporary file in the same
+    directory, fsync, then ``os.replace``): readers see the old file or the new one. Also
+    the plugin's writes into a run directory (``tb_plugin.whatif``).
+
+    Raises:
+        OSError: the directory cannot be written. ValueError: NaN or infinity in ``obj``.
+    """
     directory = os.path.dirname(path) or "."
     fd, tmp = tempfile.mkstemp(prefix=".tmp_", suffix=".json", dir=directory)
     try:

@@ -262,13 +262,17 @@ export function configLabel(value) {
  * Every config event of a /json answer of memory_hierarchy/config_event, for the list:
  * `status` is the runtime's decision ('applied', 'rejected', 'ignored') or null for an
  * event that is not a decision (a change recorded some other way).
- * @returns {Array<{step: number, label: string, status: string|null}>}
+ * `version` and `source` ('user' or 'auto') are the decision's (null otherwise).
+ * @returns {Array<{step: number, label: string, status: string|null, version: number|null,
+ *   source: string|null}>}
  */
 export function configEvents(answer) {
   return (answer?.events ?? []).map((e) => ({
     step: e.step,
     label: configLabel(e.value),
     status: isDecision(e.value) ? e.value.status : null,
+    version: isDecision(e.value) ? e.value.version : null,
+    source: isDecision(e.value) ? (e.value.source ?? 'user') : null,
   }));
 }
 

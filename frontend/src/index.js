@@ -66,7 +66,11 @@ class RunView {
     this.run = run;
     this.parts = createRunPanel(run);
     this.oom = new OomView(this.parts.oomSection, this.parts.oomBody);
-    this.tuning = new TuningPanel(this.parts.tuningBody, (updates) => model.tune(run, updates));
+    this.tuning = new TuningPanel(
+      this.parts.tuningBody,
+      (updates) => model.tune(run, updates),
+      (updates) => model.whatif(run, updates),
+    );
     this.tierCharts = new TierCharts(this.parts.chartBox);
     this.pages = new PagesView(this.parts.pagesBody);
     this.timing = new TimingView(this.parts.timingBody);
@@ -316,7 +320,14 @@ class App {
       answers;
     if (stale()) return;
     if (tuningAnswer?.error) view.tuning.update(null, tuningAnswer.error.message);
-    else view.tuning.update(tuningAnswer);
+    else {
+      view.tuning.update(tuningAnswer);
+      // Config changes: predicted beside measured for the requests predicted at apply.
+      const predictions = tuningAnswer?.predictions ?? [];
+      if (predictions.length) {
+        renderConfigList(view.parts.configList, configEvents(view.shown.configAnswer), predictions);
+      }
+    }
     if (view.changed || view.shown.oomAnswer !== oomAnswer) {
       view.oom.update(oomAnswer, view.runInfo);
       view.shown.oomAnswer = oomAnswer;

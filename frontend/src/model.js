@@ -195,6 +195,16 @@ export class Model {
   }
 
   /**
+   * A proposed change's predicted effect (GET /whatif; not cached, nothing written):
+   * resolves to {run, updates, available, reason, recorded, predicted, oom, notes, ...}.
+   * @param {string} run
+   * @param {Object<string, number>} updates key -> proposed value
+   */
+  whatif(run, updates) {
+    return this.getJson('./whatif', { run, updates: JSON.stringify(updates) });
+  }
+
+  /**
    * Ask a running job to change tunable settings (POST /tune); resolves to the answer
    * ({run, version, updates, request}); rejects with an ApiError carrying the server's
    * message (400 invalid value, 403 tuning off, ...).

@@ -17,7 +17,7 @@ from typing import Any
 from tensorboard import errors
 from werkzeug import wrappers
 
-from tb_plugin import metadata, origin, routing, tuning
+from tb_plugin import metadata, origin, routing, tuning, whatif
 from tb_plugin.reader import Reader
 from zero_runtime import control
 
@@ -166,6 +166,8 @@ def tuning_impl(
         ``acts``: whether an applied change of the key acts on this run's job
         (``zero_runtime.config.Tunable.acts_in`` of its recorded config; null: unknown).
         ``job_ended`` is :func:`job_ended` (null while the job may still run).
+        ``predictions`` is :func:`tb_plugin.whatif.outcomes`: each request predicted at
+        ``POST /tune``, with what the job measured once it applied it.
         ``data_errors`` lists the malformed ``config_event`` records and
         acknowledgements that were skipped (:func:`tuning.record_problem`), each naming
         the record and what is wrong; empty normally.
@@ -203,11 +205,19 @@ def tuning_impl(
             data_errors += _ack_errors(chief, ack)
         except (errors.InvalidArgumentError, errors.NotFoundError):
             note += " This TensorBoard does not list that run, so it cannot tune the job."
+    predictions = []
+    if not run_dir_error:
+        try:
+            where = reader.run_dir(ctx, experiment, chief or run)
+            predictions = whatif.outcomes(where, events, ack, persist=access.enabled)
+        except (errors.InvalidArgumentError, errors.NotFoundError):
+            pass
     return {
         "run": run,
         "enabled": access.enabled,
         "flag": f"--{tuning.FLAG_NAME}",
         "keys": keys,
+        "predictions": predictions,
         "config_version": max((v["version"] for v in values.values()), default=0),
         "job_ended": job_ended(reader, ctx, experiment, run),
         "request": tuning.request_state(request, ack),
@@ -301,7 +311,7 @@ def tune_impl(
 
     Returns:
         ``{"run", "version", "updates", "request", "tuning_run", "redirected",
-        "tuning_note"}``: the version written, the updates
+        "tuning_note", "prediction"}``: the version written, the updates
         the request file now holds (a pending earlier request's are merged in) and
         its state (``"pending"`` until the job's next step boundary).
         ``tuning_run`` is the run written to: ``run``, or for a non-chief worker of a
@@ -349,6 +359,10 @@ def tune_impl(
         version = control.write_request(run_dir, updates)
         written = tuning.read_request(run_dir)
         ack = control.read_ack(run_dir)
+        merged = (written or {}).get("updates", updates)
+        prediction = whatif.record(
+            run_dir, version, merged if isinstance(merged, dict) else updates
+        )
     return {
         "run": run,
         "version": version,
@@ -357,6 +371,7 @@ def tune_impl(
         "tuning_run": chief or run,
         "redirected": chief is not None,
         "tuning_note": tuning.redirect_note(run, chief) if chief else None,
+        "prediction": prediction,
     }
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -45,7 +46,7 @@ from zero_runtime.memory.counters import DIRECTIONS, PageCounters
 from zero_runtime.memory.errors import PoolOutOfMemoryError
 from zero_runtime.memory.page_table import RESIDENT, PageRecord, TensorEntry
 from zero_runtime.memory.tiers import SlotTier
-from zero_runtime.memory.trace import LETTER_TIER, StepTrace
+from zero_runtime.memory.trace import LETTER_TIER, TRACE_DIR, StepTrace, read_steps
 
 #: Keys whose change does not alter a running job's paging (read at build time, or not
 #: about memory); their prediction is the unchanged replay.
@@ -489,8 +490,17 @@ def usable_steps(records: Sequence[Mapping[str, Any]]) -> list[StepTrace]:
     return out[::-1]
 
 
-def _summary(figures: Sequence[StepFigures | Mapping[str, Any]]) -> dict[str, Any]:
-    """Means per step of the counters, the highest peak and the last used bytes per tier."""
+def summarize(figures: Sequence[StepFigures | Mapping[str, Any]]) -> dict[str, Any]:
+    """Means per step of the counters, the highest peak and the last used bytes per tier.
+
+    Args:
+        figures: replayed :class:`StepFigures`, or recorded steps' ``measured`` dicts.
+
+    Returns:
+        ``{}`` for none, else the counters' means per step (``d2h_pages`` ...
+        ``prefetch_misses``, ``stall_seconds``), ``moves_per_step`` (pages by direction),
+        ``peak_bytes`` (highest) and ``used_bytes`` (last) per tier, and ``steps``.
+    """
     rows = []
     for f in figures:
         if isinstance(f, StepFigures):
@@ -560,12 +570,12 @@ def predict(
         notes.append("no NVMe tier: the job does not prefetch")
     baseline = replay(steps)
     proposed = replay(steps, Proposal(**proposal_args))
-    recorded_summary = _summary([s.measured for s in steps])
+    recorded_summary = summarize([s.measured for s in steps])
     misses = sum(float(s.measured.get("prefetch_misses", 0)) for s in steps)
     stall = sum(float(s.measured.get("stall_seconds", 0)) for s in steps)
     per_miss = stall / misses if misses else None
-    first = _summary(proposed.steps[:1])
-    steady = _summary(proposed.steps[1:] or proposed.steps[:1])
+    first = summarize(proposed.steps[:1])
+    steady = summarize(proposed.steps[1:] or proposed.steps[:1])
     for s in (first, steady):
         if s:
             s["stall_seconds"] = (
@@ -584,10 +594,27 @@ def predict(
         "steps": [s.step for s in steps],
         "page_size": ps,
         "recorded": recorded_summary,
-        "replayed": _summary(baseline.steps),
+        "replayed": summarize(baseline.steps),
         "replay_exact": exact and baseline.oom is None,
         "predicted": {"first": first, "steady": steady},
         "oom": proposed.oom,
         "stall_seconds_per_miss": per_miss,
         "notes": notes,
     }
+
+
+def run_records(run_dir: str) -> list[dict[str, Any]]:
+    """A run's recorded step files (``<run_dir>/memory_hierarchy_trace``), oldest first."""
+    return read_steps(os.path.join(run_dir, TRACE_DIR))
+
+
+def predict_run(run_dir: str, updates: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`predict` from a run directory's step files, with the tunable values the
+    newest step recorded as the current ones (``config``).
+
+    Raises:
+        ReplayError: nothing usable recorded, or a proposal the pool cannot take.
+    """
+    records = run_records(run_dir)
+    current = records[-1].get("config") if records else None
+    return predict(records, current if isinstance(current, Mapping) else {}, updates)

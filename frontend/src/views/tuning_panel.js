@@ -10,6 +10,10 @@
 // there; GET /tuning's `tuning_note` says so and is shown above the table).
 // The inputs are built once per key list and kept across refreshes, so polling never
 // clobbers what a user is typing.
+// What-if: **Predict effect** asks GET /whatif for the inputs' predicted effect (the job's
+// recorded access trace replayed through the pool's policy) and shows it beside the
+// recorded figures before anything is applied; once requests predicted at apply are
+// decided, each is listed with predicted beside measured (GET /tuning's `predictions`).
 
 import {
   changesText,
@@ -20,6 +24,7 @@ import {
   tuningStateText,
 } from '../data.js';
 import { formatBytes } from '../format.js';
+import { outcomeText, whatifHeadline, whatifRows } from '../whatif.js';
 import { el } from './run_panel.js';
 
 function boundText(value, unit) {
@@ -70,10 +75,12 @@ export class TuningPanel {
   /**
    * @param {HTMLElement} body the section's body
    * @param {(updates: Object<string, number>) => Promise<object>} submit posts /tune
+   * @param {(updates: Object<string, number>) => Promise<object>} [predict] gets /whatif
    */
-  constructor(body, submit) {
+  constructor(body, submit, predict = null) {
     this.body = body;
     this.submit = submit;
+    this.predict = predict;
     this.keysKey = '';
     this.rows = new Map(); // key -> {row, value, since, input, spec}
     this.note = el('p', 'mh-tuning-note');
@@ -84,14 +91,21 @@ export class TuningPanel {
     this.form = el('form', 'mh-tuning-form');
     this.button = el('button', 'mh-tuning-submit', 'Apply to the running job');
     this.button.type = 'submit';
+    this.predictButton = el('button', 'mh-tuning-predict', 'Predict effect');
+    this.predictButton.type = 'button';
+    this.predictButton.addEventListener('click', () => this.onPredict());
     this.message = el('p', 'mh-tuning-message');
     this.message.hidden = true;
-    this.form.append(this.table, this.button, this.message);
+    this.whatif = el('div', 'mh-whatif');
+    this.whatif.hidden = true;
+    this.outcomes = el('ul', 'mh-whatif-outcomes');
+    this.outcomes.hidden = true;
+    this.form.append(this.table, this.predictButton, this.button, this.message, this.whatif);
     this.form.addEventListener('submit', (event) => {
       event.preventDefault();
       this.onSubmit();
     });
-    this.body.replaceChildren(this.note, this.job, this.state, this.form);
+    this.body.replaceChildren(this.note, this.job, this.state, this.form, this.outcomes);
     this.answer = null;
     this.written = null; // the version this panel wrote and the job has not decided on
   }
@@ -222,25 +236,98 @@ export class TuningPanel {
       this.say('');
     }
     this.button.hidden = !editable;
+    this.predictButton.hidden = !editable || !this.predict;
+    this.showOutcomes(answer.predictions ?? []);
   }
 
-  /** Read the inputs, post the non-empty ones, report the answer. */
-  async onSubmit() {
+  /** List each request predicted at apply with what the job measured (GET /tuning). */
+  showOutcomes(predictions) {
+    this.outcomes.replaceChildren();
+    for (const o of predictions) {
+      const li = el('li', 'mh-whatif-outcome', outcomeText(o));
+      li.dataset.version = String(o.version);
+      li.dataset.appliedStep = o.applied_step === null ? '' : String(o.applied_step ?? '');
+      li.dataset.predictedMoves = String(o.predicted?.moves_total ?? '');
+      li.dataset.measuredMoves = o.measured ? String(o.measured.moves_total) : '';
+      this.outcomes.append(li);
+    }
+    this.outcomes.hidden = !predictions.length;
+  }
+
+  /**
+   * The inputs' values: {updates} (possibly empty), or {error} naming the bad input.
+   * @returns {{updates?: Object<string, number>, error?: string}}
+   */
+  readUpdates() {
     const updates = {};
     for (const [key, parts] of this.rows) {
       if (!parts.input) continue;
       const parsed = parseTunableInput(parts.input.value, parts.spec.unit);
       if (parsed === null) continue;
-      if (parsed.error) {
-        this.say(`${key}: ${parsed.error}`, true);
-        return;
-      }
+      if (parsed.error) return { error: `${key}: ${parsed.error}` };
       updates[key] = parsed.value;
+    }
+    return { updates };
+  }
+
+  /** The inputs' non-empty values, or null after saying what is wrong (none, or a bad one). */
+  checkedUpdates() {
+    const { updates, error } = this.readUpdates();
+    if (error) {
+      this.say(error, true);
+      return null;
     }
     if (!Object.keys(updates).length) {
       this.say('Enter a new value for at least one setting.', true);
-      return;
+      return null;
     }
+    return updates;
+  }
+
+  /** Show the predicted effect of the inputs (GET /whatif), before anything is applied. */
+  async onPredict() {
+    const updates = this.checkedUpdates();
+    if (!updates) return;
+    this.say('');
+    this.whatif.hidden = false;
+    this.whatif.dataset.state = 'loading';
+    this.whatif.replaceChildren(el('p', 'mh-whatif-headline', 'Replaying the recorded steps…'));
+    try {
+      this.showPrediction(await this.predict(updates));
+    } catch (err) {
+      this.whatif.dataset.state = 'error';
+      this.whatif.replaceChildren(el('p', 'mh-whatif-headline mh-error', `No prediction: ${err.message}`));
+    }
+  }
+
+  /** Draw a /whatif answer: the headline, the table (now vs predicted) and the notes. */
+  showPrediction(answer) {
+    this.whatif.hidden = false;
+    this.whatif.dataset.state = answer.available ? (answer.oom ? 'oom' : 'ready') : 'unavailable';
+    const parts = [el('p', 'mh-whatif-headline', whatifHeadline(answer))];
+    if (answer.available) {
+      const table = el('table', 'mh-whatif-table');
+      const head = el('tr');
+      for (const t of ['', 'now (recorded)', 'predicted']) head.append(el('th', null, t));
+      table.append(head);
+      for (const row of whatifRows(answer)) {
+        const tr = el('tr');
+        tr.dataset.key = row.key;
+        tr.dataset.now = row.nowValue === null ? '' : String(row.nowValue);
+        tr.dataset.predicted = row.predictedValue === null ? '' : String(row.predictedValue);
+        tr.append(el('th', null, row.label), el('td', null, row.now), el('td', null, row.predicted));
+        table.append(tr);
+      }
+      parts.push(table);
+      for (const note of answer.notes ?? []) parts.push(el('p', 'mh-whatif-note', note));
+    }
+    this.whatif.replaceChildren(...parts);
+  }
+
+  /** Read the inputs, post the non-empty ones, report the answer. */
+  async onSubmit() {
+    const updates = this.checkedUpdates();
+    if (!updates) return;
     this.button.disabled = true;
     try {
       const answer = await this.submit(updates);

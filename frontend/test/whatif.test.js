@@ -1,0 +1,63 @@
+// node --test: the what-if panel's rows and sentences from /whatif and /tuning answers.
+import assert from 'node:assert/strict';
+import { test } from 'node:test';
+import { markerWhatifText, outcomeText, totalMoves, whatifHeadline, whatifRows } from '../src/whatif.js';
+
+const summary = (moves, peak, extra = {}) => ({
+  moves_per_step: moves,
+  peak_bytes: { device: peak, host: 2 ** 20, nvme: 0 },
+  used_bytes: { device: peak, host: 2 ** 20, nvme: 0 },
+  prefetch_misses: 0,
+  stall_seconds: 0,
+  ...extra,
+});
+
+const answer = {
+  available: true,
+  steps: [12, 13, 14],
+  recorded: summary({ d2h: 0, h2d: 0, h2n: 0, n2h: 0 }, 4 * 2 ** 20),
+  predicted: { steady: summary({ d2h: 15.5, h2d: 15, h2n: 0, n2h: 0 }, 2 ** 20, { stall_seconds: null, prefetch_misses: 3 }) },
+  oom: null,
+};
+
+test('whatifRows gives now and predicted per figure', () => {
+  const rows = Object.fromEntries(whatifRows(answer).map((r) => [r.key, r]));
+  assert.equal(rows.moves_d2h.now, '0');
+  assert.equal(rows.moves_d2h.predicted, '15.5');
+  assert.equal(rows.moves_h2d.predictedValue, 15);
+  assert.equal(rows.device_peak.now, '4 MiB');
+  assert.equal(rows.device_peak.predicted, '1 MiB');
+  assert.equal(rows.stall.predicted, 'unknown');
+  assert.equal(rows.stall.now, '0.0 ms');
+  assert.equal(totalMoves(answer.predicted.steady), 30.5);
+});
+
+test('whatifHeadline states the replay, an OOM, or why there is none', () => {
+  assert.equal(
+    whatifHeadline(answer),
+    "Predicted from steps 12\u201314 replayed through the pool's policy: page moves 0 \u2192 30.5 per step; device peak 4 MiB \u2192 1 MiB.",
+  );
+  assert.equal(
+    whatifHeadline({ ...answer, oom: { step: 13, message: 'cannot place 4 pages\nmore' } }),
+    'Predicted from steps 12\u201314 replayed: the job would run out of memory at step 13 (cannot place 4 pages).',
+  );
+  assert.equal(whatifHeadline({ available: false, reason: 'no access trace recorded yet' }), 'No prediction: no access trace recorded yet');
+});
+
+test('outcomeText puts predicted beside measured with the error', () => {
+  const o = {
+    version: 2,
+    applied_step: 57,
+    predicted: { moves_total: 30, device_peak_bytes: 2 ** 20 },
+    measured: { moves_total: 25, device_peak_bytes: 2 ** 20 },
+  };
+  assert.equal(
+    outcomeText(o),
+    'v2 (applied at step 57): page moves per step predicted 30, measured 25 (+20%); device peak predicted 1 MiB, measured 1 MiB (+0%).',
+  );
+  assert.equal(outcomeText({ ...o, applied_step: null, measured: null }), 'v2: predicted page moves 30 per step, device peak 1 MiB; not applied yet.');
+  assert.equal(
+    markerWhatifText(o),
+    'page moves/step predicted 30, measured 25; device peak predicted 1 MiB, measured 1 MiB',
+  );
+});
