@@ -245,14 +245,15 @@ class PoolCore:
         """The step's counters, zeroed after; peaks and the access order restart; pages
         used afterwards are stamped ``step + 1``; the trace closes the step."""
         snapshot = self.counters.snapshot()
-        if self.trace is not None:
+        traced = self.trace is not None and self.trace.enabled
+        if traced:
             measured = {**dataclasses.asdict(snapshot), **self.figures()}
         self.counters.reset()
         for tier in self.tiers.values():
             tier.reset_peak()
         self.table.step = int(step) + 1
         self.policy.restart()
-        if self.trace is not None:
+        if traced:
             self.trace.close(step, measured, self.capture())
         return snapshot
 

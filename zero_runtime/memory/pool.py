@@ -649,6 +649,18 @@ class PagedBufferPool:
         with self._p.cond:
             return list(self._p.trace.closed) if self._p.trace is not None else []
 
+    def set_tracing(self, enabled: bool) -> None:
+        """Turn the access trace on or off (on by default). Turned on, the open step's
+        recording starts now (call it between steps: at a step boundary the snapshot is
+        the step's start). Off, no event is kept and no step is closed."""
+        with self._p.cond:
+            trace = self._p.trace
+            if trace is None:
+                return
+            if enabled and not trace.enabled:
+                trace.begin(self._p.capture())
+            trace.enabled = bool(enabled)
+
     def _trace(self, *event: object) -> None:
         if self._p.trace is not None:
             self._p.trace.add(*event)

@@ -45,15 +45,20 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import logging
 import os
+import queue
 import re
 import tempfile
+import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from zero_runtime.memory.page_table import PageState, PageTable
 from zero_runtime.memory.policy import EvictionPolicy
 from zero_runtime.memory.tiers import SlotTier
+
+logger = logging.getLogger(__name__)
 
 TRACE_STEPS = 8  # closed steps kept in memory and on disk
 MAX_EVENTS_PER_STEP = 200_000  # events kept per step; beyond: the step is truncated
@@ -221,6 +226,8 @@ class AccessTrace:
 
     Attributes:
         closed: the last ``steps`` closed steps, oldest first.
+        enabled: recording (default True); off, nothing is added or closed (the
+            benchmark of its cost, ``bench/bench_whatif.py``, turns it off and on).
     """
 
     def __init__(
@@ -238,6 +245,7 @@ class AccessTrace:
         self._events: list[tuple] = []
         self._truncated = False
         self._start: dict[str, Any] | None = None
+        self.enabled = True
 
     def begin(self, start: dict[str, Any]) -> None:
         """Open a step whose state at its start is ``start`` (:func:`capture`)."""
@@ -247,6 +255,8 @@ class AccessTrace:
 
     def add(self, *event: Any) -> None:
         """Append one event ``(code, args...)`` to the open step."""
+        if not self.enabled:
+            return
         if len(self._events) < self.max_events:
             self._events.append(event)
         else:
@@ -347,3 +357,54 @@ def read_steps(directory: str) -> list[dict[str, Any]]:
         if isinstance(data, dict):
             out.append(data)
     return out
+
+
+class TraceWriter:
+    """Writes closed steps into a directory on a background thread (:func:`write_steps`),
+    so a step boundary only hands them over. Steps are immutable once closed, so they are
+    serialized there. A write error is logged, never raised.
+
+    Args:
+        directory: where the step files go (created at the first write).
+        keep: step files kept (default :data:`TRACE_STEPS`).
+    """
+
+    def __init__(self, directory: str, keep: int = TRACE_STEPS) -> None:
+        self.directory = directory
+        self.keep = keep
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, steps: list[StepTrace], extra: Mapping[str, Any]) -> None:
+        """Queue ``steps`` (with ``extra`` fields) for writing; starts the thread once."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="zr-trace", daemon=True)
+                self._thread.start()
+        self._queue.put((steps, dict(extra)))
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                write_steps(self.directory, item[0], item[1], self.keep)
+            except (OSError, TypeError, ValueError) as exc:
+                logger.warning("access trace not written: %s", exc)
+            finally:
+                self._queue.task_done()
+
+    def flush(self) -> None:
+        """Wait until everything queued is written."""
+        if self._thread is not None:
+            self._queue.join()
+
+    def close(self) -> None:
+        """Write what is queued, then stop the thread. Idempotent."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join()

@@ -31,7 +31,7 @@ from zero_runtime import control, oom
 from zero_runtime.comm.watchdog import WATCHDOG
 from zero_runtime.config import TUNABLE_KEYS, ZeroConfig, validate_tunable_update
 from zero_runtime.devices import DeviceInfo
-from zero_runtime.memory.trace import TRACE_DIR, write_steps
+from zero_runtime.memory.trace import TRACE_DIR, TraceWriter
 from zero_runtime.runtime import accounting
 from zero_runtime.runtime.accounting import Accounting
 from zero_runtime.runtime.clock import StepClock, StepEnd
@@ -116,6 +116,8 @@ class ZeroRuntime:
         # Summaries are serialised off the step's critical path (telemetry/emitter.py).
         self.summaries = RunSummaries(logdir, self.placement) if logdir else None
         self.control = control.ControlChannel(logdir, config) if logdir else None
+        # The stage-3 pool's access trace, written off the step's thread (what-if).
+        self._trace_writer = TraceWriter(os.path.join(logdir, TRACE_DIR)) if logdir else None
         self._poller = control.ControlPoller(self.control) if self.control else None
         self.postmortem = PostMortem(logdir, device, num_replicas, publish=self._publish_oom)
         self.host_margin_bytes = oom.host_margin_bytes()
@@ -295,9 +297,10 @@ class ZeroRuntime:
         log directory (``<logdir>/memory_hierarchy_trace/step_<step>.json``, the last
         ``TRACE_STEPS`` kept), each with the tunable values in effect (``config``) and
         ``config_version``: the tab's what-if replays them
-        (:mod:`zero_runtime.memory.simulate`, docs/tuning.md). A write error is logged,
-        never raised."""
-        if self.logdir is None:
+        (:mod:`zero_runtime.memory.simulate`, docs/tuning.md). The steps are handed to a
+        background writer (:class:`~zero_runtime.memory.trace.TraceWriter`); a write
+        error is logged, never raised."""
+        if self._trace_writer is None:
             return
         engines = self.accounting.live_stage3_engines()
         if not engines:
@@ -309,10 +312,7 @@ class ZeroRuntime:
             "config": {k: getattr(self.config, k) for k in TUNABLE_KEYS},
             "config_version": self.config_version,
         }
-        try:
-            write_steps(os.path.join(self.logdir, TRACE_DIR), steps, extra)
-        except (OSError, TypeError, ValueError) as exc:
-            log.warning("access trace not written: %s", exc)
+        self._trace_writer.submit(steps, extra)
 
     def _poll_control(self, next_step: int) -> None:
         """Decide on a new control request before ``next_step`` runs (zero_runtime.control).
@@ -477,6 +477,8 @@ class ZeroRuntime:
         """Write queued summaries to disk (waits for the background emitter first)."""
         if self.summaries is not None:
             self.summaries.flush()
+        if self._trace_writer is not None:
+            self._trace_writer.flush()
 
     def close(self) -> None:
         """Close the optimizers' stores, then flush and close the summaries; idempotent."""
@@ -484,6 +486,9 @@ class ZeroRuntime:
             return
         self.state = RuntimeState.CLOSED
         WATCHDOG.remove_interval_listener(self.collector.record_collective)
+        if self._trace_writer is not None:
+            self._write_access_trace()  # the last steps closed
+            self._trace_writer.close()
         self.accounting.close_stores()  # e.g. the NVMe pool's files
         if self.summaries is not None:
             self.summaries.close()  # every StepStats handed over is written first
