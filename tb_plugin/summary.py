@@ -1,8 +1,9 @@
 """Write side of the Memory Hierarchy summaries (no server code here).
 
 The runtime calls these functions from Python (outside TensorFlow graphs, from any
-thread), so the writer is TensorBoard's own pure-Python ``EventFileWriter`` and protos,
-not ``tf.summary``: writing a record costs no TensorFlow op and no graph trace.
+thread), so the writer is :class:`tb_plugin.event_file.EventFileWriter` (TensorBoard's
+event file format, record checksums in C) and TensorBoard's protos, not ``tf.summary``:
+writing a record costs no TensorFlow op and no graph trace.
 Layouts and tag names are defined in :mod:`tb_plugin.metadata`.
 """
 
@@ -25,10 +26,10 @@ from tensorboard.compat.proto import (
     types_pb2,
 )
 from tensorboard.plugins.scalar import metadata as scalar_metadata
-from tensorboard.summary.writer.event_file_writer import EventFileWriter
 from tensorboard.util import tensor_util
 
 from tb_plugin import metadata
+from tb_plugin.event_file import EventFileWriter
 
 
 class SummaryWriter:
