@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 from tensorboard.plugins import base_plugin
 
@@ -75,17 +76,28 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
     ) -> None:
         flags = getattr(context, "flags", None)
         logdir = getattr(context, "logdir", None) or getattr(flags, "logdir", None) or ""
+        self.answers: CostLru[routing.Answer] = CostLru(answer_cache_bytes)
         self.reader = Reader(
             context.data_provider,
             logdir,
             series_cache_bytes=series_cache_bytes,
             records_cache_bytes=answer_cache_bytes,
+            on_indexed=self._encode_first_answers,
+            index_json_tags=first_view.JSON_TAGS,
         )
-        self.answers: CostLru[routing.Answer] = CostLru(answer_cache_bytes)
         self.access = tune.TuningAccess(
             enabled=bool(getattr(flags, tuning.FLAG_NAME, False)), flags=flags
         )
         self._static_dir = static_dir
+
+    def _encode_first_answers(self, ctx: Any, experiment: str, run: str, tag: str) -> None:
+        """After the indexer brought a series up to date: encode the /series answer the
+        view's first paint asks of it (tiers and readings at the view's point budget), so
+        even a first visit's ``/first_view`` is answered from the answer cache."""
+        if tag in first_view.SERIES_TAGS:
+            series.series_answer(
+                self.reader, self.answers, ctx, experiment, run, tag, first_view.VIEW_POINTS, None
+            )
 
     def get_plugin_apps(self) -> dict[str, Callable]:
         """Map routes (under ``/data/plugin/memory_hierarchy``) to WSGI apps."""

@@ -31,6 +31,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -62,7 +63,14 @@ LISTING_STALE_SECONDS = 60.0
 # the logdir every 5 s by default); each run re-reads only the series that grew.
 INDEX_INTERVAL_SECONDS = 5.0
 # Tags the indexer brings up to date first: what the view's first paint draws.
-INDEX_ORDER = (metadata.TAG_TIERS, metadata.TAG_READINGS, metadata.TAG_PAGES, metadata.TAG_TIMING)
+INDEX_ORDER = (
+    metadata.TAG_TIERS,
+    metadata.TAG_READINGS,
+    metadata.TAG_RUN_INFO,
+    metadata.TAG_CONFIG_EVENT,
+    metadata.TAG_PAGES,
+    metadata.TAG_TIMING,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +88,10 @@ class Reader:
         records_cache_bytes: budget of the decoded json-records cache (bytes).
         index_in_background: when True (default), each new listing wakes a background
             thread that brings every series' levels up to date (see the module docstring).
+        on_indexed: called by the background indexer as ``on_indexed(ctx, experiment,
+            run, tag)`` after it brought a matrix or vector series up to date (the plugin
+            encodes the view's first answers there); its errors are logged and ignored.
+        index_json_tags: json tags the indexer also reads into the records cache.
 
     Thread-safe: TensorBoard serves requests from a thread pool.
     """
@@ -91,6 +103,8 @@ class Reader:
         series_cache_bytes: int = SERIES_CACHE_BYTES,
         records_cache_bytes: int = RECORDS_CACHE_BYTES,
         index_in_background: bool = True,
+        on_indexed: Callable[[Any, str, str, str], None] | None = None,
+        index_json_tags: tuple[str, ...] = (),
     ) -> None:
         self._data_provider = data_provider
         self.logdir = logdir
@@ -102,6 +116,8 @@ class Reader:
         self._indexing = False  # the background indexer is running
         self._indexed_at = -math.inf  # time.monotonic() when it last finished
         self.index_in_background = index_in_background
+        self._on_indexed = on_indexed
+        self._index_json_tags = index_json_tags
 
     # -- the listing ----------------------------------------------------------------------
     def listing(self, ctx: Any, experiment: str) -> Listing:
@@ -176,8 +192,12 @@ class Reader:
                 series = listing[run][tag]
                 try:
                     if cached_layout(series.plugin_content, run, tag).kind == metadata.KIND_JSON:
+                        if tag in self._index_json_tags:
+                            self.records(ctx, experiment, run, tag)
                         continue
                     self.series_levels(ctx, experiment, run, tag)
+                    if self._on_indexed is not None:
+                        self._on_indexed(ctx, experiment, run, tag)
                 except Exception as exc:  # noqa: BLE001 - a request reports it; go on
                     logger.debug("indexing %r/%r failed: %s", run, tag, exc)
         finally:

@@ -4,12 +4,17 @@ through TensorBoard's real WSGI app over real event files (the synthetic logdir)
 from __future__ import annotations
 
 import json
+import time
 from urllib.parse import urlencode
 
 import pytest
 from helpers import synthetic
+from tensorboard import context as tb_context
+from tensorboard.backend.event_processing import data_provider as tb_data_provider
+from tensorboard.backend.event_processing import plugin_event_multiplexer
+from tensorboard.plugins import base_plugin
 
-from tb_plugin import metadata
+from tb_plugin import metadata, plugin
 from tb_plugin.routes import first_view
 
 PREFIX = "/data/plugin/memory_hierarchy"
@@ -56,7 +61,7 @@ def test_named_runs_are_used_and_unknown_names_left_out(client):
     assert body["first_runs"] == [synthetic.RUN_HTML_NAME]
     assert list(body["series"]) == [synthetic.RUN_HTML_NAME]
     assert list(body["json"]) == [synthetic.RUN_HTML_NAME]
-    assert body["points"] == 2000  # /series' default budget when ?points is absent
+    assert body["points"] == first_view.VIEW_POINTS  # the view's budget when absent
 
 
 def test_eager_bounds_the_runs_answered(client):
@@ -97,3 +102,41 @@ def test_default_runs_are_the_most_recent_then_first_by_name():
     assert first_view.default_runs(listed, limit=3, eager=4) == ["b", "c", "d"]
     assert first_view.default_runs(listed, limit=3, eager=2) == ["b", "c"]
     assert first_view.default_runs(listed, limit=10, eager=10) == ["a", "b", "c", "d", "e"]
+
+
+def test_the_indexer_encodes_the_first_answers_before_any_request(synthetic_logdir):
+    """A listing wakes the indexer; besides the levels it encodes each run's tiers and
+    readings answers at the view's point budget and reads run_info and config events, so
+    a first visit's /first_view computes nothing (the caches only hit)."""
+    multiplexer = plugin_event_multiplexer.EventMultiplexer(
+        tensor_size_guidance={metadata.PLUGIN_NAME: 0}
+    )
+    multiplexer.AddRunsFromDirectory(synthetic_logdir)
+    multiplexer.Reload()
+    provider = tb_data_provider.MultiplexerDataProvider(multiplexer, synthetic_logdir)
+    p = plugin.MemoryHierarchyPlugin(base_plugin.TBContext(data_provider=provider))
+    ctx = tb_context.RequestContext()
+    p.reader.listing(ctx, "")  # what every request does first: wakes the indexer
+    last = synthetic.NUM_STEPS - 1
+    keys = [
+        ("series", "", run, tag, last, first_view.VIEW_POINTS, None)
+        for run in synthetic.RUNS
+        for tag in first_view.SERIES_TAGS
+    ]
+    deadline = time.monotonic() + 60
+    while not all(p.answers.get(k) is not None for k in keys):
+        assert time.monotonic() < deadline, "the indexer did not encode the first answers"
+        time.sleep(0.1)
+    while p.reader._indexing:  # noqa: SLF001 - wait for its json tags too
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    answers_before = (p.answers.hits, p.answers.misses)
+    records_misses = p.reader._records_cache.misses  # noqa: SLF001
+    text = first_view.first_view_text(p.reader, p.answers, ctx, "", None)
+    body = json.loads(text)
+    assert body["first_runs"] == sorted(synthetic.RUNS)
+    assert p.answers.misses == answers_before[1]  # every series answer was there
+    assert p.answers.hits == answers_before[0] + len(keys)
+    assert p.reader._records_cache.misses == records_misses  # noqa: SLF001
+    steps = body["series"][synthetic.RUN_STANDIN][metadata.TAG_TIERS]["steps"]
+    assert steps == list(range(synthetic.NUM_STEPS))

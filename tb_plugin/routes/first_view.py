@@ -35,6 +35,7 @@ DEFAULT_LIMIT = 10  # runs selected on a first visit (selection.js DEFAULT_SELEC
 DEFAULT_EAGER = 4  # panels filled at once (index.js EAGER_RUNS)
 MAX_EAGER = 16  # largest accepted ?eager (and most ?run values used)
 MAX_LIMIT = 1000  # largest accepted ?limit
+VIEW_POINTS = 1000  # the view's point budget per chart (CHART_POINTS in frontend model.js)
 # The tags the first paint draws: series (tier charts, readings beside them) and json
 # (run facts, config-change markers).
 SERIES_TAGS = (metadata.TAG_TIERS, metadata.TAG_READINGS)
@@ -93,7 +94,7 @@ def first_view_text(
     names: list[str] | None,
     limit: int = DEFAULT_LIMIT,
     eager: int = DEFAULT_EAGER,
-    points: int = series.DEFAULT_POINTS,
+    points: int = VIEW_POINTS,
 ) -> str:
     """The ``/first_view`` answer as JSON text.
 
@@ -106,7 +107,8 @@ def first_view_text(
             :func:`default_runs`.
         limit: see :func:`default_runs`.
         eager: see :func:`default_runs`; at most this many of ``names`` are used.
-        points: the ``/series`` point budget of the embedded series.
+        points: the ``/series`` point budget of the embedded series (default the view's,
+            :data:`VIEW_POINTS`, whose answers the indexer encodes in advance).
 
     Returns:
         ``{"runs": <the /runs answer's runs>, "first_runs": [run, ...], "points": int,
@@ -168,7 +170,7 @@ def first_view_route(
             )
     limit = count_arg(request, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
     eager = count_arg(request, "eager", DEFAULT_EAGER, 1, MAX_EAGER)
-    points = series.points_arg(request)
+    points = series.points_arg(request) if "points" in request.args else VIEW_POINTS
     if points == series.FULL_POINTS:
         raise errors.InvalidArgumentError(
             "query parameter 'points' must not be 0 here (every step is an export: /series)"
