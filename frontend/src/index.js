@@ -37,6 +37,7 @@ import {
   renderStatus,
 } from './views/run_panel.js';
 import { RunSelector, runColor } from './views/run_selector.js';
+import { drawing } from './schedule.js';
 import { recencyOf } from './selection.js';
 import { TierCharts } from './views/tier_chart.js';
 import { TimingView } from './views/timing_view.js';
@@ -256,21 +257,30 @@ class App {
       const round = { tiers, readings, runInfoAnswer, configAnswer };
       view.changed = Object.entries(round).some(([k, v]) => view.shown[k] !== v);
       if (!view.changed) return;
-      Object.assign(view.shown, round);
+      // Drawing goes through the scheduler in short jobs (one per tier chart); a job of a
+      // refresh that went stale meanwhile does nothing, and what it would have shown is
+      // drawn by the newer refresh (view.shown is updated only once all is drawn).
+      const draw = (job) => drawing.run(() => (stale() ? null : job()));
       const events = runInfoAnswer?.events ?? [];
       view.runInfo = events.length ? events[events.length - 1].value : null;
       view.markers = configMarkers(configAnswer);
-      renderFacts(parts.facts, view.runInfo);
-      renderConfigList(parts.configList, configEvents(configAnswer));
+      await draw(() => {
+        renderFacts(parts.facts, view.runInfo);
+        renderConfigList(parts.configList, configEvents(configAnswer));
+        renderStatus(parts.status, tiers?.steps.length ? '' : 'No tier data recorded yet.');
+      });
       if (!tiers || !tiers.steps.length) {
-        renderStatus(parts.status, 'No tier data recorded yet.');
+        if (!stale()) Object.assign(view.shown, round);
         return;
       }
-      renderStatus(parts.status, '');
       view.tiers = tiers;
-      view.tierCharts.update(tiers, readings, view.runInfo, view.markers);
-      renderReadout(parts.readout, tiers, view.runInfo);
-      this.renderTierExports(view, entry);
+      await view.tierCharts.update(tiers, readings, view.runInfo, view.markers, draw);
+      await draw(() => {
+        renderReadout(parts.readout, tiers, view.runInfo);
+        this.renderTierExports(view, entry);
+      });
+      if (stale()) return;
+      Object.assign(view.shown, round);
       await nextFrame();
       view.drawn = true;
       parts.element.dataset.drawn = '1';
@@ -319,49 +329,57 @@ class App {
     const [pages, timing, placement, estimateAnswer, oomAnswer, tuningAnswer, checkpoints] =
       answers;
     if (stale()) return;
-    if (tuningAnswer?.error) view.tuning.update(null, tuningAnswer.error.message);
-    else {
-      view.tuning.update(tuningAnswer);
-      // Config changes: predicted beside measured for the requests predicted at apply.
-      const predictions = tuningAnswer?.predictions ?? [];
-      if (predictions.length) {
-        renderConfigList(view.parts.configList, configEvents(view.shown.configAnswer), predictions);
-      }
-    }
-    if (view.changed || view.shown.oomAnswer !== oomAnswer) {
-      view.oom.update(oomAnswer, view.runInfo);
-      view.shown.oomAnswer = oomAnswer;
-    }
     const force = view.changed; // new tiers or markers: redraw everything
-    if (force || view.shown.estimateAnswer !== estimateAnswer) {
-      const events = estimateAnswer?.events ?? [];
-      const estimate = events.length ? events[events.length - 1].value : null;
-      renderEstimate(parts.estimate, estimate, view.tiers, view.runInfo, view.shown.readings);
-    }
-    this.drawSeriesView(view, 'pages', pages, force);
-    // The step-time charts also mark the run's checkpoint saves and restores.
     const newCheckpoints = view.shown.checkpoints !== checkpoints;
-    if (force || newCheckpoints) {
-      const error = checkpoints?.error?.message ?? null;
-      renderCheckpoints(parts.checkpointsBody, error ? null : checkpoints, error);
-    }
-    const timingMarkers = [
-      ...(view.markers ?? []),
-      ...(checkpoints?.error ? [] : checkpointMarkers(checkpoints)),
+    // One scheduler job per view (schedule.js): no long task with many runs. A job of a
+    // refresh that went stale does nothing; view.shown is updated once all has drawn.
+    const jobs = [
+      () => {
+        if (tuningAnswer?.error) view.tuning.update(null, tuningAnswer.error.message);
+        else {
+          view.tuning.update(tuningAnswer);
+          // Config changes: predicted beside measured for the requests predicted at apply.
+          const predictions = tuningAnswer?.predictions ?? [];
+          if (predictions.length) {
+            renderConfigList(view.parts.configList, configEvents(view.shown.configAnswer), predictions);
+          }
+        }
+        if (force || view.shown.oomAnswer !== oomAnswer) view.oom.update(oomAnswer, view.runInfo);
+        if (force || view.shown.estimateAnswer !== estimateAnswer) {
+          const events = estimateAnswer?.events ?? [];
+          const estimate = events.length ? events[events.length - 1].value : null;
+          renderEstimate(parts.estimate, estimate, view.tiers, view.runInfo, view.shown.readings);
+        }
+      },
+      () => this.drawSeriesView(view, 'pages', pages, force),
+      () => {
+        // The step-time charts also mark the run's checkpoint saves and restores.
+        if (force || newCheckpoints) {
+          const error = checkpoints?.error?.message ?? null;
+          renderCheckpoints(parts.checkpointsBody, error ? null : checkpoints, error);
+        }
+        const timingMarkers = [
+          ...(view.markers ?? []),
+          ...(checkpoints?.error ? [] : checkpointMarkers(checkpoints)),
+        ];
+        this.drawSeriesView(view, 'timing', timing, force || newCheckpoints, timingMarkers);
+      },
+      () => {
+        if (view.shown.placement === placement) return;
+        view.placement.update(placement?.error ? null : placement);
+        const ok = placement && !placement.error;
+        const url = (format) => this.model.jsonExportUrl(entry.run, TAG_PLACEMENT, format);
+        renderExports(
+          parts.exports.placement,
+          ok
+            ? [this.link('CSV', url('csv'), 'csv', 'all'), this.link('JSON', url('json'), 'json', 'all')]
+            : [],
+        );
+      },
     ];
-    this.drawSeriesView(view, 'timing', timing, force || newCheckpoints, timingMarkers);
-    if (view.shown.placement !== placement) {
-      view.placement.update(placement?.error ? null : placement);
-      const ok = placement && !placement.error;
-      const url = (format) => this.model.jsonExportUrl(entry.run, TAG_PLACEMENT, format);
-      renderExports(
-        parts.exports.placement,
-        ok
-          ? [this.link('CSV', url('csv'), 'csv', 'all'), this.link('JSON', url('json'), 'json', 'all')]
-          : [],
-      );
-    }
-    Object.assign(view.shown, { pages, timing, placement, estimateAnswer, checkpoints });
+    for (const job of jobs) await drawing.run(() => (stale() ? null : job()));
+    if (stale()) return;
+    Object.assign(view.shown, { pages, timing, placement, estimateAnswer, oomAnswer, checkpoints });
     view.changed = false;
   }
 
@@ -434,7 +452,7 @@ class App {
       .map((run, index) => ({ run, index }))
       .filter(({ run }) => this.selected.has(run) && this.views.get(run)?.tiers)
       .map(({ run, index }) => ({ run, color: runColor(index), tiers: this.views.get(run).tiers }));
-    this.overlay.update(this.selected.size > 1 ? runs : []);
+    drawing.run(() => this.overlay.update(this.selected.size > 1 ? runs : []));
   }
 
   resize() {

@@ -117,19 +117,24 @@ export class TierCharts {
    * @param {object|null} readings a /series answer for memory_hierarchy/readings
    * @param {object|null} runInfo the latest run_info (for the stand-in label)
    * @param {Array<{step, label}>} markers config changes
+   * @param {(job: () => void) => Promise<void>|void} [run] runs each tier's drawing (a
+   *   job); the view passes its scheduler (schedule.js), so one tier is one short task
+   * @returns {Promise<void>} when every tier has drawn
    */
-  update(tiers, readings, runInfo, markers) {
+  async update(tiers, readings, runInfo, markers, run = (job) => job()) {
     for (const tier of TIERS) {
-      const cell = this.cells.get(tier);
-      const plot = tierPlot(tiers, readings, tier);
-      cell.title.textContent = tierLabel(tier, runInfo);
-      cell.notes.textContent = tierHeaderNotes(plot).join(' · ');
-      if (cell.note) {
-        const text = deviceBudgetNote(runInfo);
-        cell.note.textContent = text ?? '';
-        cell.note.hidden = !text;
-      }
-      cell.chart.update(tierSpec(plot, markers));
+      await run(() => {
+        const cell = this.cells.get(tier);
+        const plot = tierPlot(tiers, readings, tier);
+        cell.title.textContent = tierLabel(tier, runInfo);
+        cell.notes.textContent = tierHeaderNotes(plot).join(' · ');
+        if (cell.note) {
+          const text = deviceBudgetNote(runInfo);
+          cell.note.textContent = text ?? '';
+          cell.note.hidden = !text;
+        }
+        cell.chart.update(tierSpec(plot, markers));
+      });
     }
     const n = tiers.steps.length;
     this.container.dataset.points = String(n);
