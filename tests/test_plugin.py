@@ -535,6 +535,28 @@ def test_static_impl_does_not_follow_symlinks_out_of_the_static_dir(tmp_path):
     assert client.get(f"{PREFIX}/evil.js").status_code == 404
 
 
+def test_static_assets_carry_an_etag_and_answer_304_when_unchanged(tmp_path):
+    static = tmp_path / "static"
+    static.mkdir()
+    (static / "index.js").write_text("export const a = 1;")
+    client = werkzeug_test.Client(
+        plugin.MemoryHierarchyPlugin(
+            base_plugin.TBContext(), static_dir=str(static)
+        ).get_plugin_apps()["/*"]
+    )
+    first = client.get(f"{PREFIX}/index.js")
+    assert first.status_code == 200 and first.data == b"export const a = 1;"
+    tag = first.headers["ETag"]
+    assert tag == static_routes.etag(b"export const a = 1;") and len(tag) == 34
+    assert first.headers["Cache-Control"] == "no-cache, must-revalidate"
+    again = client.get(f"{PREFIX}/index.js", headers={"If-None-Match": tag})
+    assert (again.status_code, again.data, again.headers["ETag"]) == (304, b"", tag)
+    (static / "index.js").write_text("export const a = 2;")  # a new build
+    rebuilt = client.get(f"{PREFIX}/index.js", headers={"If-None-Match": tag})
+    assert rebuilt.status_code == 200 and rebuilt.data == b"export const a = 2;"
+    assert rebuilt.headers["ETag"] != tag
+
+
 # -- peak-keeping downsampling -------------------------------------------------------------
 
 SPIKE_STEPS = 3000

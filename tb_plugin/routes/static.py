@@ -6,6 +6,7 @@ the static directory (separators, ``..``, percent signs, symlinks leading out) i
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 
@@ -60,11 +61,27 @@ def static_impl(static_dir: str, name: str) -> tuple[bytes, str]:
         return f.read(), content_type
 
 
+def etag(content: bytes) -> str:
+    """The strong ETag of an asset's bytes: a quoted SHA-256 prefix (32 hex digits)."""
+    return '"' + hashlib.sha256(content).hexdigest()[:32] + '"'
+
+
 @wrappers.Request.application
 @routing.json_errors
 def static_route(static_dir: str, request: wrappers.Request) -> wrappers.Response:
-    """GET /<asset>: see :func:`static_impl`."""
+    """GET /<asset>: see :func:`static_impl`.
+
+    Every answer carries an ``ETag`` and ``Cache-Control: no-cache, must-revalidate``
+    (the asset names carry no version, so the browser asks again each visit); a request
+    whose ``If-None-Match`` names the current ETag gets ``304 Not Modified`` and no body.
+    """
     path = request.path
     name = path[len(_STATIC_PREFIX) :] if path.startswith(_STATIC_PREFIX) else path
     content, content_type = static_impl(static_dir, name)
-    return http_util.Respond(request, content, content_type)
+    tag = etag(content)
+    if request.if_none_match.contains(tag.strip('"')):
+        return wrappers.Response(
+            status=304,
+            headers=[("ETag", tag), ("Cache-Control", "no-cache, must-revalidate")],
+        )
+    return http_util.Respond(request, content, content_type, headers=[("ETag", tag)])
