@@ -7,9 +7,10 @@ end-to-end protection; x86 (SSE 4.2 ``crc32``) and ARMv8 compute it in hardware.
 
 It comes from the ``crc32c`` package on PyPI (ICRAR; LGPL-2.1-or-later, used unmodified
 as an installed dependency, never vendored). Measured on this machine
-(``bench/bench_paging.py``, ``checksum`` in ``bench/results/paging.json``): about 4-17
-GB/s per thread on 4 MiB pages with the hardware instruction, against about 1.5 GB/s for
-``zlib.crc32`` (CRC-32), which also did not scale with threads. ``google-crc32c`` was as
+(``bench/bench_paging.py``, ``checksum`` in ``bench/results/paging.json``): 2.7-17 GB/s
+per thread on 4 MiB pages with the hardware instruction, depending on the machine's
+load, against 0.6-1.5 GB/s for ``zlib.crc32`` (CRC-32), which also did not scale with
+threads. ``google-crc32c`` was as
 fast on ``bytes`` but accepts only read-only buffers, so checking a page in its host slot
 would need a copy of the page first. ``crc32c`` releases the GIL on large buffers, so the
 I/O threads checksum pages in parallel.
