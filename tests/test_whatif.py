@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from zero_runtime.memory import PagedBufferPool
-from zero_runtime.memory.simulate import Proposal, ReplayError, predict, replay
+from zero_runtime.memory.simulate import Proposal, ReplayError, _derive_request, predict, replay
 from zero_runtime.memory.trace import TRACE_DIR, TRACE_STEPS, AccessTrace, StepTrace, read_steps
 
 PAGE = 65536  # bytes per page
@@ -111,6 +111,50 @@ def test_a_smaller_budget_is_predicted_as_a_real_run_at_that_budget():
     # Two gathered buffers of 3 pages are held at once at least: 5 pages cannot serve it.
     tight = replay(trace[1:], Proposal(device_slots=2))
     assert tight.oom is not None and tight.oom["op"] == "A" and "device" in tight.oom["message"]
+
+
+def test_a_prefetch_request_is_rederived_for_a_new_size():
+    # Two replicas' shards interleave in the access order: a request of replica 0 names
+    # every other id; 1000 elements (4000 bytes of float32) each.
+    order = [f"b{b}v{v}r{r}" for b in range(4) for v in range(2) for r in range(2)]
+    sizes = dict.fromkeys(order, 4000)
+    itemsize = dict.fromkeys(order, 4)
+    request = ("b1v0r0", "b1v1r0")  # positions 4 and 6: stride 2
+    grow = _derive_request(request, order, itemsize, sizes, 4000, 1)
+    assert grow == ("b1v0r0", "b1v1r0", "b2v0r0", "b2v1r0")
+    assert _derive_request(request, order, itemsize, sizes, 1999, 1) == ("b1v0r0",)
+    assert _derive_request(request, order, itemsize, sizes, 0, 1) == ()
+    assert _derive_request(request, order, itemsize, sizes, 10**9, 1)[-1] == "b3v1r0"
+    # One id: the step's usual stride is used.
+    assert _derive_request(("b2v0r1",), order, itemsize, sizes, 2000, 2) == ("b2v0r1", "b2v1r1")
+
+
+def test_prefetch_off_is_predicted_as_a_run_without_prefetch(tmp_path):
+    """With NVMe shards, dropping the recorded prefetch requests turns the pages they
+    brought in early into misses, as a real run without prefetch has."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    _, trace = _run(10, tmp_path / "a")
+    with PagedBufferPool(
+        host_budget_bytes=8 * PAGE,
+        page_size_bytes=PAGE,
+        device_budget_bytes=10 * PAGE,
+        nvme_path=str(tmp_path / "b"),
+    ) as pool:
+        pool.prefetch = lambda *a, **k: None  # this run's job asks for no prefetch
+        real = _workload(pool, 5, True)
+    predicted = replay(trace[1:], Proposal(prefetch_elements=(PAGE // 4, 0)))
+    kept = replay(trace[1:])
+
+    def total(steps, field):
+        return sum(
+            f.counters[field] if hasattr(f, "counters") else getattr(f, field) for f in steps
+        )
+
+    assert total(predicted.steps, "prefetch_misses") > total(kept.steps, "prefetch_misses")
+    # The real runs' NVMe I/O completes on threads: counts vary a little from run to run.
+    for field, rel in (("prefetch_misses", 0.1), ("n2h_pages", 0.25)):
+        assert total(predicted.steps, field) == pytest.approx(total(real[1:], field), rel=rel)
 
 
 def test_the_trace_is_a_bounded_ring():

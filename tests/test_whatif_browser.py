@@ -9,11 +9,13 @@ show, with no request written, page moves going from 0 to a positive number per 
 a device peak within 1 MiB (the job's recorded access trace replayed through the pool's
 policy). Applied, the panel lists the request with predicted beside measured page moves,
 within 20% of each other, and the config change in *Config changes* says the same.
+The panel with the prediction is saved as ``docs/screenshot_whatif.png``.
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 from playwright.sync_api import expect
@@ -31,6 +33,8 @@ from test_tuning_e2e import (
 from zero_runtime import control
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
+
+SCREENSHOT = Path(__file__).resolve().parent.parent / "docs" / "screenshot_whatif.png"
 
 MIB = 2**20
 
@@ -68,6 +72,9 @@ def test_a_prediction_is_shown_before_apply_and_beside_measured_after(
             peak = box.locator('tr[data-key="device_peak"]')
             assert float(peak.get_attribute("data-predicted")) <= MIB
             assert float(peak.get_attribute("data-now")) > MIB
+            frame.locator(
+                f'section.mh-run[data-run="{RUN}"] .mh-section[data-view="tuning"]'
+            ).screenshot(path=str(SCREENSHOT))
             # Apply; after some steps at 1 MiB, predicted beside measured.
             panel.locator("button.mh-tuning-submit").click()
             state = panel.locator(".mh-tuning-state")

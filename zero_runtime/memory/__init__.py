@@ -18,8 +18,12 @@ state machine), :mod:`.transitions` (every page move between tiers), :mod:`.plac
 (the placement loop, victims, out-of-memory), :mod:`.io` (slab files, the I/O
 scheduler), :mod:`.prefetch` (the prefetch queue and thread), :mod:`.access` (bytes in
 and out of pages), :mod:`.tiers` (slots and storage), :mod:`.policy` (victim ranking),
-:mod:`.reports` (placement, usage, OOM snapshots), :mod:`.counters`, :mod:`.errors`;
-:mod:`.pool` is the façade over them. See ``docs/paging.md``.
+:mod:`.reports` (placement, usage, OOM snapshots), :mod:`.counters`, :mod:`.errors`,
+:mod:`.trace` (the access trace: a ring of the last steps' operations);
+:mod:`.core` wires them and holds every operation's policy path, and :mod:`.pool` is the
+façade over it. :mod:`.simulate` replays a recorded trace through the same core over the
+slot-only tiers of :mod:`.sim_tiers` (what-if, ``docs/tuning.md``). See
+``docs/paging.md``.
 """
 
 from zero_runtime.memory.counters import PageCounters, TierUsage

@@ -45,6 +45,7 @@ from zero_runtime.memory.core import PoolCore
 from zero_runtime.memory.counters import DIRECTIONS, PageCounters
 from zero_runtime.memory.errors import PoolOutOfMemoryError
 from zero_runtime.memory.page_table import RESIDENT, PageRecord, TensorEntry
+from zero_runtime.memory.sim_tiers import SimCondition, SimDevice, SimHost, SimIo, SimNvme
 from zero_runtime.memory.tiers import SlotTier
 from zero_runtime.memory.trace import LETTER_TIER, TRACE_DIR, StepTrace, read_steps
 
@@ -70,129 +71,6 @@ _COUNTS = (
 class ReplayError(ValueError):
     """The recorded steps cannot be replayed (none usable, malformed, or a proposal out of
     range); the message says which."""
-
-
-# --- slot-only tiers, I/O and lock --------------------------------------------------------
-class _SimFile:
-    path = "<simulated NVMe>"
-    io_mode = "simulated"
-
-    def pwrite(self, buf: memoryview, offset: int) -> None:
-        """Nothing is written."""
-
-    def pread_into(self, buf: memoryview, offset: int) -> None:
-        """Nothing is read."""
-
-
-class _SimDevice(SlotTier):
-    """The device tier's slots only."""
-
-    is_standin = True
-    device_name = "<simulated>"
-    description = "device (simulated)"
-
-    def put(self, slot: int, data: np.ndarray) -> None:
-        """No bytes."""
-
-    def copy_out(self, slot: int, out: np.ndarray) -> None:
-        """No bytes."""
-
-    def close(self) -> None:
-        """Nothing to free."""
-
-
-class _SimHost(SlotTier):
-    """The host tier's slots, over one scratch page (the transitions' copies land there)."""
-
-    description = "host (simulated)"
-
-    def __init__(self, page_size: int, n_slots: int | None) -> None:
-        super().__init__("host", page_size, n_slots)
-        self._scratch = bytearray(page_size)
-        self._view = np.frombuffer(self._scratch, np.uint8)
-
-    def view(self, slot: int) -> np.ndarray:
-        """The scratch page."""
-        return self._view
-
-    def buffer(self, slot: int, nbytes: int) -> memoryview:
-        """The scratch page's first ``nbytes``."""
-        return memoryview(self._scratch)[:nbytes]
-
-    def close(self) -> None:
-        """Nothing to free."""
-
-
-class _SimNvme(SlotTier):
-    """The NVMe tier's slots; its file reads and writes nothing."""
-
-    def __init__(self, page_size: int, n_slots: int | None) -> None:
-        super().__init__("nvme", page_size, n_slots)
-        self.file = _SimFile()
-        self.description = "nvme (simulated)"
-
-    def offset(self, slot: int) -> int:
-        """Byte offset of ``slot`` (nothing is there)."""
-        return slot * self.page_size
-
-    def close(self) -> None:
-        """Nothing to close."""
-
-
-class _SimIo:
-    """The I/O scheduler's interface; jobs complete when the placement would wait."""
-
-    def __init__(self) -> None:
-        self.queue: collections.deque = collections.deque()
-        self.complete = None  # TierTransitions.on_io_complete
-
-    def submit(self, job: Any) -> None:
-        """Queue a job."""
-        self.queue.append(job)
-
-    def busy(self) -> bool:
-        """True while jobs are queued."""
-        return bool(self.queue)
-
-    def job_finished(self) -> None:
-        """Nothing to count."""
-
-    def drain(self) -> None:
-        """Complete every queued job (a read's checksum is the page's: no corruption)."""
-        while self.queue:
-            job = self.queue.popleft()
-            job.crc = job.page.checksum if job.op == "read" else 0
-            self.complete(job)
-
-    def add_listener(self, listener: Any) -> None:
-        """No listeners in a simulation."""
-
-    def shutdown(self) -> None:
-        """Nothing to stop."""
-
-
-class _SimCondition:
-    """The pool's lock and condition for one thread: waiting completes the queued I/O."""
-
-    def __init__(self) -> None:
-        self.io: _SimIo | None = None
-
-    def __enter__(self) -> _SimCondition:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Complete the queued I/O instead of waiting for it."""
-        if self.io is not None:
-            self.io.drain()
-        return True
-
-    def notify_all(self) -> None:
-        """Nobody waits."""
-
-    notify = notify_all
 
 
 # --- the replay ---------------------------------------------------------------------------
@@ -236,13 +114,13 @@ class Replay:
 
 def _sim_core(page_size: int, slots: Mapping[str, int | None], has_nvme: bool) -> PoolCore:
     tiers: dict[str, SlotTier] = {
-        "device": _SimDevice("device", page_size, int(slots.get("device") or 0)),
-        "host": _SimHost(page_size, slots.get("host")),
-        "nvme": _SimNvme(page_size, slots.get("nvme"))
+        "device": SimDevice("device", page_size, int(slots.get("device") or 0)),
+        "host": SimHost(page_size, slots.get("host")),
+        "nvme": SimNvme(page_size, slots.get("nvme"))
         if has_nvme
         else SlotTier("nvme", page_size, 0),
     }
-    cond = _SimCondition()
+    cond = SimCondition()
     core = PoolCore.assemble(
         tiers,
         tiers["nvme"] if has_nvme else None,  # type: ignore[arg-type]
@@ -253,7 +131,7 @@ def _sim_core(page_size: int, slots: Mapping[str, int | None], has_nvme: bool) -
         traced=False,
     )
     if has_nvme:
-        io = _SimIo()
+        io = SimIo()
         io.complete = core.moves.on_io_complete
         core.moves.io = io  # type: ignore[assignment]
         cond.io = io
