@@ -63,6 +63,7 @@ def _run(device_pages: int, nvme_dir=None, steps: int = 5):
         device_budget_bytes=device_pages * PAGE,
         nvme_path=str(nvme_dir) if nvme_dir else None,
     ) as pool:
+        pool.set_tracing(True)
         counters = _workload(pool, steps, nvme_dir is not None)
         trace = [StepTrace.from_json(json.loads(json.dumps(s.to_json()))) for s in pool.trace_steps]
     return counters, trace
@@ -155,6 +156,19 @@ def test_prefetch_off_is_predicted_as_a_run_without_prefetch(tmp_path):
     # The real runs' NVMe I/O completes on threads: counts vary a little from run to run.
     for field, rel in (("prefetch_misses", 0.1), ("n2h_pages", 0.25)):
         assert total(predicted.steps, field) == pytest.approx(total(real[1:], field), rel=rel)
+
+
+def test_a_pool_records_only_when_asked():
+    with PagedBufferPool(host_budget_bytes=4 * PAGE, page_size_bytes=PAGE) as pool:
+        pool.allocate("t", (PAGE // 4,), np.float32)
+        pool.step_boundary(0)
+        assert pool.trace_steps == [] and pool.take_trace_steps() == []
+        pool.set_tracing(True)  # between steps: the snapshot is step 1's start
+        pool.write("t", np.ones(PAGE // 4, np.float32))
+        pool.step_boundary(1)
+        [step] = pool.take_trace_steps()
+        assert step.step == 1 and step.events == [("W", "t")]
+        assert step.start["tensors"][0][:5] == ["t", PAGE, 4, "other", "h"]
 
 
 def test_the_trace_is_a_bounded_ring():

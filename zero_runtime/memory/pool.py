@@ -291,6 +291,7 @@ class PagedBufferPool:
         self._page_size = int(page_size_bytes)
         self._state = PoolState.OPEN
         self._p = _build_core(config, self._check_open, lambda: self.closed)
+        self._p.trace.enabled = False  # off until set_tracing(True): no cost for others
         self._finalizer = weakref.finalize(
             self, self._p.nvme.close if self._p.nvme is not None else (lambda: None)
         )
@@ -650,9 +651,11 @@ class PagedBufferPool:
             return list(self._p.trace.closed) if self._p.trace is not None else []
 
     def set_tracing(self, enabled: bool) -> None:
-        """Turn the access trace on or off (on by default). Turned on, the open step's
-        recording starts now (call it between steps: at a step boundary the snapshot is
-        the step's start). Off, no event is kept and no step is closed."""
+        """Turn the access trace on or off (off when the pool is made; the runtime turns
+        it on for the first stage-3 engine's pool). Turned on, the open step's recording
+        starts now, from a snapshot of the page table (call it between steps: then that
+        is the step's start). Off, no event is kept and no step is closed (a step
+        boundary costs nothing more than without a trace)."""
         with self._p.cond:
             trace = self._p.trace
             if trace is None:

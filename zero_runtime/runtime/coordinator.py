@@ -192,10 +192,16 @@ class ZeroRuntime:
         device-budget check come from the engine's paged pool
         (:mod:`zero_runtime.stage3.telemetry`), and an applied ``device_budget_bytes``
         change resizes the pool's device tier (``engine.apply_config``). Its pool's NVMe
-        I/O is observed like an optimizer store's.
+        I/O is observed like an optimizer store's. With a log directory, the first
+        engine's pool records its access trace (``set_tracing``; written by
+        :meth:`_write_access_trace` for the tab's what-if).
         """
         self.accounting.add_stage3_engine(engine)
         self._observe_store(engine)
+        pool = getattr(engine, "pool", None)
+        if self._trace_writer is not None and pool is not None:
+            if len(self.accounting.stage3_engines) == 1:  # the first engine's pool is traced
+                pool.set_tracing(True)
 
     def estimate(self, optimizer: Any) -> dict[str, Any]:
         """The ZeRO estimator's prediction of model-state bytes for one optimizer's
