@@ -203,21 +203,23 @@ def test_budgeted_slab_is_preallocated_and_pages_sit_at_aligned_offsets(tmp_path
         assert "(preallocated)" in pool._p.nvme.description
 
 
-def test_unbounded_slab_is_preallocated_in_extents_as_slots_are_first_used(tmp_path):
-    from zero_runtime.memory.io import GROW_PAGES
-
+def test_unbounded_slab_preallocates_each_slot_before_its_first_write(tmp_path):
     with PagedBufferPool(
-        page_size_bytes=PS, host_budget_bytes=(GROW_PAGES + 2) * PS, nvme_path=str(tmp_path)
+        page_size_bytes=PS, host_budget_bytes=4 * PS, nvme_path=str(tmp_path)
     ) as pool:
         slab = Path(pool.nvme_file)
         assert slab.stat().st_size == 0
         pool.allocate("one", (F32_PER_PAGE,), np.float32)
         pool.evict("one", "nvme")
-        assert slab.stat().st_size == GROW_PAGES * PS  # one extent, not one page
-        pool.allocate("more", ((GROW_PAGES + 1) * F32_PER_PAGE,), np.float32)
+        assert slab.stat().st_size == PS
+        pool.allocate("more", (3 * F32_PER_PAGE,), np.float32)
         pool.evict("more", "nvme")
-        assert slab.stat().st_size == 2 * GROW_PAGES * PS
-        assert slab.stat().st_blocks * 512 >= 2 * GROW_PAGES * PS
+        assert pool._p.nvme.file.reserved_bytes == slab.stat().st_size == 4 * PS
+        assert slab.stat().st_blocks * 512 >= 4 * PS
+        pool.acquire("one")  # paged in: its slot is free again, and reused next
+        pool.release("one")
+        pool.evict("one", "nvme")
+        assert slab.stat().st_size == 4 * PS
 
 
 def test_slab_falls_back_to_growing_when_fallocate_is_unsupported(tmp_path, monkeypatch, caplog):

@@ -7,11 +7,11 @@ are gone (pid not alive *and* the lock free) are removed; files of live processe
 are.
 
 The slab is preallocated with ``posix_fallocate``: the whole budget at start when the
-tier has one (so a disk that fills up later cannot make a page-out fail), else in
-:data:`GROW_PAGES`-page extents as slots are first used (a failed extent retries with
-just the page, so a nearly full disk still takes what fits). Writes then land in
-allocated extents and never extend the file, which keeps ``O_DIRECT`` writes off the
-filesystem's block allocator. Where ``fallocate`` is not supported the file grows as
+tier has one (so a disk that fills up later cannot make a page-out fail), else each slot
+just before its first write (so, as before preallocation, new disk space is taken only
+by a slot used for the first time, and a full disk fails only that write). Writes then
+land in allocated blocks and never extend the file, which keeps ``O_DIRECT`` writes off
+the filesystem's block allocator. Where ``fallocate`` is not supported the file grows as
 pages are written, and that is logged once.
 
 I/O uses ``os.pwrite`` and ``os.preadv`` (``os.pread`` cannot read into a caller's
@@ -49,9 +49,6 @@ logger = logging.getLogger(__name__)
 # Alignment of O_DIRECT offsets, lengths and buffers (bytes). 4096 covers 512-byte and
 # 4 KiB logical-block devices.
 IO_ALIGN = 4096
-
-# Pages by which an unbounded slab is extended (preallocated) at a time.
-GROW_PAGES = 16
 
 # errnos of a filesystem without fallocate (the slab then grows as pages are written).
 _NO_FALLOCATE = (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
@@ -123,7 +120,7 @@ class NvmeFile:
         budget_bytes: bytes the tier may use (``None``: unbounded). Refused if larger
             than the free space of the filesystem; otherwise its whole slots are
             preallocated at once.
-        page_size: bytes per slot (the extent unit of an unbounded slab); default 4 MiB.
+        page_size: bytes per slot; default 4 MiB.
 
     Raises:
         NvmePathError: the directory is missing, not a directory, read-only or not
@@ -135,8 +132,8 @@ class NvmeFile:
         io_mode: ``"direct"`` (``O_DIRECT``) or ``"buffered"``.
         preallocated: True while ``posix_fallocate`` works on this filesystem (False:
             the file grows as pages are written).
-        reserved_bytes: bytes of the file preallocated so far (the budget, or whole
-            extents of :data:`GROW_PAGES` pages).
+        reserved_bytes: bytes of the file preallocated so far (the budget, or up to
+            the end of the highest slot written).
     """
 
     def __init__(self, directory: str, budget_bytes: int | None, page_size: int = 4 << 20) -> None:
@@ -209,25 +206,17 @@ class NvmeFile:
         self.reserved_bytes = end
 
     def ensure(self, end: int) -> None:
-        """Make sure bytes ``[0, end)`` of the slab are allocated before writing there.
-
-        A no-op inside the reservation; else extends it to the next multiple of
-        :data:`GROW_PAGES` pages, or, if that fails for lack of space, to ``end`` alone.
-        Thread-safe (called by the I/O threads before each write).
+        """Make sure bytes ``[0, end)`` of the slab are allocated before writing there: a
+        no-op inside the reservation, else it is extended to ``end``. Thread-safe (called
+        by the I/O threads before each write).
 
         Raises:
-            OSError: ``ENOSPC`` (or another error) from ``posix_fallocate`` for ``end``.
+            OSError: ``ENOSPC`` (or another error) from ``posix_fallocate``.
         """
         if end <= self.reserved_bytes or not self.preallocated:
             return
         with self._grow_lock:
-            extent = round_up(end, GROW_PAGES * self._page_size)
-            try:
-                self._fallocate(extent)
-            except OSError as exc:
-                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-                    raise
-                self._fallocate(end)  # whatever still fits
+            self._fallocate(end)
 
     def _open_io_fd(self) -> tuple[int, str]:
         """Open the descriptor used for I/O: O_DIRECT if an aligned probe write/read works

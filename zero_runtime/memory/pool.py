@@ -123,8 +123,8 @@ class PoolConfig:
         nvme_budget_bytes: NVMe tier capacity (bytes), rounded down to whole pages;
             ``None`` for unbounded. Refused if larger than the disk's free space;
             preallocated on disk at start (``posix_fallocate``), so a disk that fills up
-            later cannot fail a page-out. An unbounded tier is preallocated in extents as
-            it grows, and a full disk then raises :class:`NvmeFullError`.
+            later cannot fail a page-out. An unbounded tier preallocates each slot before
+            its first write, and a full disk then raises :class:`NvmeFullError`.
         io_threads: I/O threads for the NVMe tier (default 4).
         queue_depth: maximum NVMe page reads/writes outstanding at once (default 8).
         pin_host_memory: request page-locked host memory; recorded only (no effect

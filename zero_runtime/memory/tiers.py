@@ -11,7 +11,7 @@ tracks used and peak slots. Storage per tier:
   them directly.
 - :class:`NvmeTier`: slots at ``slot * page_size`` (page-aligned offsets) in one slab
   file (:class:`~zero_runtime.memory.io.NvmeFile`), preallocated: the whole budget at
-  start, or in extents as slots are first used when the tier is unbounded.
+  start, or each slot before its first write when the tier is unbounded.
 """
 
 from __future__ import annotations
