@@ -471,6 +471,7 @@ def test_runtime_estimate_names_what_the_psi_only_prediction_does_not_model():
     assert set(gaps) == {"device", "host", "nvme"}
     assert any("host window for NVMe pages" in g for g in gaps["host"])
     assert any("256 KiB" in g and "page rounding" in g for g in gaps["nvme"])
+    assert any("in-step spill" in g for g in gaps["nvme"])  # the 263% in-step peak
     assert any("update in backward" in g for g in gaps["device"])
     # A host budget set by the user replaces the window: not named then.
     assert "host" not in not_modelled(nvme.replace(host_budget_bytes=64 << 20))

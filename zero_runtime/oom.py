@@ -103,7 +103,8 @@ class DeviceBudgetExceededError(OutOfMemoryError):
         self.used_bytes = int(used_bytes)
         self.budget_bytes = int(budget_bytes)
         super().__init__(
-            f"step {step}: the device tier uses {used_bytes} bytes, over its budget "
+            f"step {step}: the device tier's use read at the step-boundary check is "
+            f"{used_bytes} bytes, over its budget "
             f"device_budget_bytes={budget_bytes} by {used_bytes - budget_bytes} bytes",
             "device",
         )

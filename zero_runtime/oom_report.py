@@ -159,7 +159,8 @@ def request_text(failed: Mapping[str, Any]) -> str:
 
 def _figures_text(t: Mapping[str, Any]) -> str:
     used, cap = t.get("used_bytes"), t.get("capacity_bytes")
-    text = f"{fmt_bytes(used)} by the runtime's accounting of {fmt_bytes(cap)}"
+    of = f"of {fmt_bytes(cap)}" if cap is not None else "(capacity unbounded)"
+    text = f"{fmt_bytes(used)} by the runtime's accounting {of}"
     checked, source = t.get("checked_bytes"), t.get("checked_source")
     if checked is not None and checked != used:
         who = {

@@ -191,8 +191,11 @@ export function runBadges(runInfo, standinLabel) {
  */
 export function deviceBudgetNote(runInfo) {
   if (!runInfo) return null;
-  const bounds =
-    runInfo.stage === 3
+  const config = runInfo.config && typeof runInfo.config === 'object' ? runInfo.config : null;
+  const unset = config !== null && (config.device_budget_bytes === null || config.device_budget_bytes === undefined);
+  const bounds = unset
+    ? 'none is set (device_budget_bytes), so nothing bounds the tier but the hardware'
+    : runInfo.stage === 3
       ? 'the budget bounds the paged pool’s device tier (gathered parameters), which the pool keeps within it by moving pages to host memory'
       : 'the budget is checked at each step boundary against the tier’s use (TensorFlow’s allocator reading when there is one, else the runtime’s accounting)';
   const standin =

@@ -116,6 +116,10 @@ test('the device note says what the budget bounds and what the allocator peak ho
   const stage0 = deviceBudgetNote({ stage: 0, device_is_standin: false });
   assert.ok(stage0.includes('step boundary') && !stage0.includes('stand-in'), stage0);
   assert.equal(deviceBudgetNote(null), null);
+  const unset = deviceBudgetNote({ stage: 1, config: { device_budget_bytes: null } });
+  assert.ok(unset.startsWith('Device budget: none is set'), unset);
+  const set = deviceBudgetNote({ stage: 3, config: { device_budget_bytes: 12 * MIB } });
+  assert.ok(set.includes('paged pool'), set);
 });
 
 test('predicted vs measured names what the Ψ-only prediction does not model', async () => {

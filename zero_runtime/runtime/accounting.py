@@ -396,6 +396,12 @@ def not_modelled(config: ZeroConfig) -> dict[str, list[str]]:
         out.setdefault("nvme", [])
         if rounding not in out["nvme"]:
             out["nvme"].append(rounding)
+        if config.stage == 3 and config.offload_param == "nvme":
+            out["nvme"].append(
+                "in-step spill: when the device budget and the host window are full, the "
+                "pool pages gathered buffers and cached copies down to NVMe within the "
+                "step (the in-step peak), freed again by its end"
+            )
         if config.host_budget_bytes is None:
             out.setdefault("host", []).append(
                 "the paged pool's host window for NVMe pages: copies of the pages in use "
