@@ -202,6 +202,12 @@ class ShardedVariable(_KerasTFVariable):
             if current is not None:
                 return self._maybe_autocast(current)
         if tf.inside_function():
+            # Inside a stage-3 step of a model run by units, a read outside the units'
+            # calls is a gathered use with a backward (zero_runtime/stage3/gather.py).
+            reader = self.__dict__.get("_zero_outside_read")
+            out = reader(self) if reader is not None else None
+            if out is not None:
+                return self._maybe_autocast(out)
             fn = self.gather_on_demand
             if len(self.local_replicas) < self.num_shards:
                 fn = self._remote_read_in_graph  # traced (Keras's symbolic build), never run

@@ -298,10 +298,9 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
 
         Raises:
             ValueError: no model to shard (a custom loop, or a model created outside
-                ``scope()``), a model that is not a chain (naming the layer), tied
-                weights, or a non-float32 weight; nothing is changed.
-            NotImplementedError: a layer stage 3 cannot run yet (BatchNormalization,
-                dropout), naming it; nothing is changed.
+                ``scope()``), or a non-float32 weight; nothing is changed.
+            NotImplementedError: a layer stage 3 cannot run yet (one that owns weights
+                and draws random numbers in its own call), naming it; nothing is changed.
         """
         from zero_runtime.stage3 import autoshard
 

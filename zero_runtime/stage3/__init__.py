@@ -1,9 +1,10 @@
-"""ZeRO stage 3: per-block execution over sharded parameters (see :mod:`.engine`).
+"""ZeRO stage 3: sharded parameters, run block by block (chains, :mod:`.engine`) or unit
+by unit (any other model, :mod:`.gather`).
 
 Public API::
 
     with strategy.scope():                       # ZeroInfinityStrategy(stage=3, ...)
-        model = build_model()                    # a keras.Sequential, unchanged
+        model = build_model()                    # any Keras model, unchanged
         sharded = zero_runtime.stage3.ShardedModel(model)   # or strategy.shard_model(model)
         sharded.compile(optimizer="adam", loss=...)
     sharded.fit(dataset)                         # Keras fit, the stage-3 train step

@@ -97,7 +97,7 @@ def trainer_to_shard(optimizer, variables: list) -> keras.Model:
     return model
 
 
-def bind(model: keras.Model, train_step, forward) -> None:
+def bind(model: keras.Model, train_step, forward, in_step=None) -> None:
     """Make ``model`` (the user's object) run stage 3 in place.
 
     Sets instance attributes, not class ones: ``train_step`` (the stage-3 step, with
@@ -112,14 +112,18 @@ def bind(model: keras.Model, train_step, forward) -> None:
         model: the sharded model (its trainable weights are ShardedVariables).
         train_step: ``data -> logs`` for ``model``.
         forward: ``(inputs, training: bool) -> outputs`` in replica context.
+        in_step: ``() -> bool``, True while the engine's own step traces the model
+            (its tape is the engine's, not a user's); default: never.
     """
-    own_call = type(model).call.__get__(model)
+    # The model's call as it is now: its own, or a unit's hook when the model itself owns
+    # weights (zero_runtime/stage3/gather.py).
+    own_call = model.__dict__.get("call") or type(model).call.__get__(model)
     takes_training = getattr(model, "_call_has_training_arg", True)
 
     def call(inputs, *args, training=None, **kwargs):
         ctx = tf.distribute.get_replica_context()
         if ctx is not None and ctx.num_replicas_in_sync > 1 and tf.inside_function():
-            if record.could_possibly_record():
+            if record.could_possibly_record() and not (in_step and in_step()):
                 # Refused before any collective is traced: a replica that stops half-way
                 # through a traced step would leave the others' collectives waiting.
                 raise RuntimeError(

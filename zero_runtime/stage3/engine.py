@@ -50,12 +50,14 @@ from zero_runtime.lifecycle import (
 from zero_runtime.memory import PageCounters, PagedBufferPool, PoolOutOfMemoryError, TierUsage
 from zero_runtime.sharded_variable import PARAM_TIER, ShardedVariable, ShardState
 from zero_runtime.stage3 import construction
+from zero_runtime.stage3 import units as units_mod
 from zero_runtime.stage3.embedding import (
     STATE_TIER,
     RowPagedEmbedding,
     row_paging_applies,
     row_paging_budget,
 )
+from zero_runtime.stage3.gather import Unit, UnitRunner, reduce_scatter_variables
 
 log = logging.getLogger(__name__)
 
@@ -164,16 +166,21 @@ class BlockPlan:
 class Stage3Engine:
     """Shards a model's parameters and runs it block by block (ZeRO stage 3).
 
+    A ``keras.Sequential`` or a functional chain (no BatchNormalization, dropout or shared
+    weights) runs block by block (below); any other model runs by units: the model's
+    own call with every layer that owns weights hooked (:attr:`runner`,
+    :mod:`zero_runtime.stage3.gather`).
+
     Args:
-        model: a built ``keras.Sequential`` (or functional model whose top-level layers
-            form a chain). Its trainable weights are replaced, in place, by
+        model: a built Keras model. Its trainable weights are replaced, in place, by
             :class:`ShardedVariable` objects; the original variables are dropped.
         strategy: the :class:`~zero_runtime.strategy.ZeroInfinityStrategy` (stage 3).
 
     Attributes:
         pool: the paged pool holding shards (tier from ``offload_param``) and gathered
             buffers (device tier).
-        blocks: the :class:`Block` list.
+        blocks: the :class:`Block` list (empty for a model run by units).
+        runner: the :class:`UnitRunner` of a model run by units, else None.
         plan: the :class:`BlockPlan`.
         recorded_order: the ``(phase, block)`` uses traced in the first step.
         device_peaks: the pool's device-tier peak bytes of every finished step.
@@ -186,10 +193,10 @@ class Stage3Engine:
             it, phase ``MODELS``: :mod:`zero_runtime.lifecycle`).
 
     Raises:
-        ValueError: an unbuilt model, a non-chain functional model, a weight shared by
-            two blocks, a non-float32 weight, or a block above ``max_live_parameters``.
-        NotImplementedError: a block with non-trainable state that its call updates
-            (e.g. BatchNormalization) or dropout (recomputation would redraw the masks).
+        ValueError: an unbuilt model, a non-float32 weight, or a block above
+            ``max_live_parameters``.
+        NotImplementedError: a unit that draws random numbers in its own call
+            (:func:`zero_runtime.stage3.units.plan_units`).
     """
 
     def __init__(self, model: keras.Model, strategy) -> None:
@@ -205,11 +212,13 @@ class Stage3Engine:
         self.local_replicas = tuple(
             getattr(strategy, "local_replica_ids", range(len(self.devices)))
         )
-        layers = _chain_layers(model)
-        # Every refusal before anything is replaced: a refused model is left unchanged.
-        _check_unshared(layers)
-        for layer in layers:
-            _check_supported(layer)
+        layers = _chain_or_none(model)
+        # Any other model (a DAG, nested or subclassed, tied weights, BatchNormalization):
+        # units hooked in the model's own call (zero_runtime/stage3/gather.py). Every
+        # refusal comes before anything is replaced: a refused model is left unchanged.
+        specs = units_mod.plan_units(model) if layers is None else None
+        self.model = model
+        self.runner: UnitRunner | None = None
         # Frozen (non-trainable) weights are not sharded: replicated on every replica's
         # device like MirroredStrategy's, and counted on that tier (placement_rows).
         self.frozen = tuple(v for v in model.weights if not v.trainable)
@@ -218,7 +227,9 @@ class Stage3Engine:
             self.resources.check_open(f"shard model {model.name!r}")
         self.state = LifecycleState.OPEN
         self.tier = PARAM_TIER[config.offload_param]
-        self.pool = self._make_pool(layers, config)
+        self.pool = self._make_pool(
+            layers if specs is None else [u.layer for u in specs], config, specs is None
+        )
         if self.resources is not None:
             self.resources.adopt(self, ClosePhase.MODELS, f"stage-3 engine of {model.name!r}")
         remote = len(self.local_replicas) < self.num_shards  # shards on other workers
@@ -237,7 +248,7 @@ class Stage3Engine:
         # Embedding tables of >= embedding_row_paging_threshold elements: row-paged, only
         # the batch's rows move (zero_runtime/stage3/embedding.py); block without gathers.
         self.row_paged: dict[int, RowPagedEmbedding] = {}
-        for i, layer in enumerate(layers):
+        for i, layer in enumerate(layers or ()):
             if row_paging_applies(layer, config):
                 old = layer.embeddings
                 self.row_paged[i] = RowPagedEmbedding(
@@ -289,6 +300,8 @@ class Stage3Engine:
             impl,
             timeout_seconds=config.collective_timeout_seconds,
         )
+        if specs is not None:
+            self.runner = self._shard_units(model, specs, remote)
         self.recorded_order: list[tuple[str, int]] = []
         self._order_frozen = False
         self._lock = threading.Lock()
@@ -317,7 +330,7 @@ class Stage3Engine:
             runtime.register_stage3_engine(self)  # tiers, pages, placement from this pool
 
     # -- construction helpers ------------------------------------------------------------
-    def _make_pool(self, layers: list, config: ZeroConfig) -> PagedBufferPool:
+    def _make_pool(self, layers: list, config: ZeroConfig, row_paging: bool) -> PagedBufferPool:
         page = config.page_size_bytes
         n = self.num_shards
         local = len(self.local_replicas)  # replicas whose shards and buffers this pool holds
@@ -331,7 +344,7 @@ class Stage3Engine:
         state_tier = "host" if state_tier == "nvme" and self.tier != "nvme" else state_tier
         row_states = dict.fromkeys(("device", "host", "nvme"), 0)  # row optimizer pages
         for layer in layers:
-            if row_paging_applies(layer, config):
+            if row_paging and row_paging_applies(layer, config):
                 # A row-paged table is never gathered whole: its row pages on their tier,
                 # a row cache on the device, its row states (embedding.row_paging_budget).
                 b = row_paging_budget(tuple(layer.embeddings.shape), page, n, local)
@@ -381,19 +394,61 @@ class Stage3Engine:
             nvme_budget_bytes=config.nvme_budget_bytes if self.tier == "nvme" else None,
         )
 
+    def _shard_units(self, model: keras.Model, specs, remote: bool) -> UnitRunner:
+        """Replace the units' originals by ShardedVariables (each once, also when two
+        units own it) and hook the units' calls (:class:`UnitRunner`)."""
+        sharded: dict[int, ShardedVariable] = {}
+        for spec in specs:
+            for v in spec.originals:
+                if id(v) in sharded:
+                    continue
+                sharded[id(v)] = ShardedVariable(
+                    np.asarray(construction.consume(v), np.float32),
+                    pool=self.pool,
+                    num_shards=self.num_shards,
+                    tier=self.tier,
+                    name=v.name,
+                    path=v.path,
+                    local_replicas=self.local_replicas,
+                    gather_remote=self._gather_remote if remote else None,
+                )
+                _replace_variable(model, v, sharded[id(v)])
+        units = tuple(
+            Unit(
+                s.index,
+                s.layer,
+                tuple(sharded[id(v)] for v in s.originals),
+                s.layer.__dict__.get("call") or type(s.layer).call.__get__(s.layer),
+            )
+            for s in specs
+        )
+        runner = UnitRunner(units, self.group, self.num_shards, _replica_id)
+        # The model's own call, taken after the hooks (a model owning weights is a unit).
+        self._own_call = model.__dict__.get("call") or type(model).call.__get__(model)
+        return runner
+
     def _gather_remote(self, local: dict[int, np.ndarray]) -> np.ndarray:
         """Every replica's shard of one variable, from every worker (outside a step)."""
         return comm.gather_local_shards(local, self._worker_group)
 
     @property
     def max_block_shard_elements(self) -> int:
-        """Elements of the largest block's gradient shard (one replica), float32."""
+        """Elements of the largest block's (unit's) gradient shard (one replica), float32."""
+        if self.runner is not None:
+            return max(u.shard_elements for u in self.runner.units)
         return max((sum(v.shard_elements for v in b.variables) for b in self.blocks), default=0)
 
     @property
     def variables(self) -> list[ShardedVariable]:
-        """Every sharded variable, block by block."""
+        """Every sharded variable, block by block (unit by unit, each once)."""
+        if self.runner is not None:
+            return self.runner.variables
         return [v for b in self.blocks for v in b.variables]
+
+    def in_step(self) -> bool:
+        """True while this engine's own traced forward runs on the current replica (its
+        tape is then the step's, not a user's)."""
+        return self.runner is not None and self.runner.in_step()
 
     # -- the step (replica context) --------------------------------------------------------
     def forward_backward(self, x, loss_fn, training: bool = True, update=None):
@@ -418,6 +473,8 @@ class Stage3Engine:
         Raises:
             RuntimeError: outside replica context or with a non-static replica id.
         """
+        if self.runner is not None:
+            return self._units_forward_backward(x, loss_fn, training)
         replica = _replica_id()
         self.update_in_backward = update is not None
         anchor = tf.zeros([], tf.float32)
@@ -442,8 +499,42 @@ class Stage3Engine:
                     grads[id(v)] = tf.identity(g)
         return y_pred, loss, grads
 
+    def _units_forward_backward(self, x, loss_fn, training: bool):
+        """:meth:`forward_backward` of a model run by units: the model's own call, every
+        unit use gathered and reduce-scattered by the :class:`UnitRunner`; the update
+        comes after the whole backward (a tied weight's later use may still read it)."""
+        self.update_in_backward = False
+        anchor = tf.zeros([], tf.float32)
+        replica = self.runner.begin(tf.nest.flatten(x)[0], anchor)
+        try:
+            with tf.GradientTape() as tape:
+                tape.watch(anchor)
+                y_pred = self.model(x, training=training)
+                loss = loss_fn(y_pred)
+            d_anchor = tape.gradient(loss, anchor)
+        finally:
+            grads = self.runner.end(replica)
+        if d_anchor is not None:
+            with tf.control_dependencies([d_anchor]):
+                grads = {k: tf.identity(g) for k, g in grads.items()}
+        return y_pred, loss, grads
+
+    def _model_call(self, x, training: bool):
+        """The model's own call (its units hooked), with ``training`` if it takes it."""
+        own = self._own_call
+        kwargs = {"training": training} if self.model._call_has_training_arg else {}  # noqa: SLF001
+        return own(x, **kwargs)
+
     def forward(self, x, training: bool = False):
         """Forward only, block by block on this replica (gather, run, release)."""
+        if self.runner is not None:
+            if self.runner.in_step():  # inside _units_forward_backward
+                return self._model_call(x, training)
+            replica = self.runner.begin(tf.nest.flatten(x)[0], None)
+            try:
+                return self._model_call(x, training)
+            finally:
+                self.runner.end(replica)
         replica = _replica_id()
         h = x
         for block in self.blocks:
@@ -580,32 +671,7 @@ class Stage3Engine:
     def _reduce_scatter(self, block: Block, grads: list) -> tf.Tensor:
         """Reduce-scatter the block's full gradients; return this replica's reduced shard,
         float32 ``[E]`` (its pieces of the block's variables, concatenated in order)."""
-        n = self.num_shards
-        cols = []
-        for g, v in zip(grads, block.variables):
-            g = tf.cast(g, tf.float32)
-            if v.shape:
-                g = tf.experimental.numpy.moveaxis(g, v.shard_dim, 0) if v.shard_dim else g
-                g = tf.reshape(g, [v._moved_shape[0], -1])  # (D, prod(rest))
-            else:
-                g = tf.reshape(g, [1, 1])
-            pad = v.padded_rows - v._moved_shape[0]
-            if pad:
-                g = tf.pad(g, [[0, pad], [0, 0]])
-            cols.append(tf.reshape(g, [n, v.shard_elements]))  # (N, R * prod(rest))
-        flat = tf.reshape(tf.concat(cols, axis=1), [-1])  # (N * E,)
-        shard = comm.reduce_scatter_sum_flat(flat, self.group)  # (E,)
-        if self.group.reduce_scatter_impl == "all_reduce":
-            # A copy: this path's shard is a slice of the (N * E,) sum, and on CPU a Slice
-            # of an aligned dim-0 range (and an elementwise op forwarding it) aliases its
-            # input, so every block's full summed gradient would stay allocated as long
-            # as its shard, i.e. until the optimizer runs at the end of the step
-            # (measured in docs/zero_stages.md, "Device peak of a step"). Gather always
-            # allocates its output and is stateless (DeepCopy is stateful: automatic
-            # control dependencies then order it after the other replica's collectives,
-            # a deadlock; see _host_call).
-            shard = tf.gather(tf.reshape(shard, [1, -1]), 0)  # (E,), its own buffer
-        return shard
+        return reduce_scatter_variables(block.variables, grads, self.group)
 
     # -- host callbacks --------------------------------------------------------------------
     def _oom_guard(self, fn):
@@ -905,7 +971,27 @@ class Stage3Engine:
         if self.state is LifecycleState.CLOSED:
             return
         self.state = LifecycleState.CLOSED
+        if self.runner is not None:
+            self.runner.remove()
         self.pool.close()
+
+
+def _chain_or_none(model: keras.Model) -> list | None:
+    """The model's blocks when it is a chain the per-block path runs (a Sequential or a
+    functional chain, no shared weights, BatchNormalization or dropout); None otherwise
+    (the model then runs by units)."""
+    try:
+        layers = _chain_layers(model)
+        _check_unshared(layers)
+        for layer in layers:
+            _check_supported(layer)
+    except NotImplementedError:
+        return None
+    except ValueError as exc:
+        if "float32" in str(exc):
+            raise
+        return None
+    return layers
 
 
 def _chain_layers(model: keras.Model) -> list:

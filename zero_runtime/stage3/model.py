@@ -39,8 +39,8 @@ class ShardedModel(keras.Model):
     """Trains ``model`` block by block with sharded parameters (ZeRO stage 3).
 
     Args:
-        model: a built ``keras.Sequential`` (or a functional chain), created inside the
-            strategy's scope.
+        model: a built Keras model (Sequential, functional or subclassed), created
+            inside the strategy's scope.
         strategy: the stage-3 :class:`~zero_runtime.strategy.ZeroInfinityStrategy`;
             default: the current strategy (``tf.distribute.get_strategy()``).
 
@@ -60,9 +60,11 @@ class ShardedModel(keras.Model):
     the traced step took); otherwise after the whole backward. Gradient accumulation
     (``gradient_accumulation_steps``, :mod:`zero_runtime.stage3.accumulation`) and
     clipping (``clipnorm`` / ``global_clipnorm`` / ``clipvalue`` of the reduced gradient,
-    :mod:`zero_runtime.stage3.clipping`) are done on gradient shards. Not implemented at
-    stage 3: EMA, accumulation or clipping with row-paged embedding tables, layers that
-    update state in ``call`` (BatchNormalization) and dropout.
+    :mod:`zero_runtime.stage3.clipping`) are done on gradient shards. A model that is not
+    a chain (a DAG, nested or subclassed, tied weights, BatchNormalization) runs by units
+    (:mod:`zero_runtime.stage3.gather`), updated after the whole backward. Not
+    implemented at stage 3: EMA, accumulation or clipping with row-paged embedding
+    tables, a layer that owns weights and draws random numbers in its own ``call``.
     """
 
     def __init__(self, model: keras.Model, strategy=None, **kwargs) -> None:
@@ -87,7 +89,7 @@ class ShardedModel(keras.Model):
             return self.train_step_for(model, data)
 
         # The user's own object trains at stage 3 too (model.fit, strategy.run(model.train_step)).
-        autoshard.bind(model, inner_train_step, self.engine.forward)
+        autoshard.bind(model, inner_train_step, self.engine.forward, self.engine.in_step)
         for name in ("fit", "train_on_batch", "evaluate", "predict"):  # recover on errors
             own = getattr(type(model), name).__get__(model)
             object.__setattr__(model, name, functools.partial(self._recovering, own))
@@ -137,7 +139,8 @@ class ShardedModel(keras.Model):
         )
         # With host/NVMe optimizer states (and no accumulation or clipping) each block's
         # shards are updated during backward (zero_runtime/optim/backward_update.py).
-        update = BackwardShardUpdate(opt, replica) if backward_update.supported(opt) else None
+        in_backward = backward_update.supported(opt) and self.engine.runner is None
+        update = BackwardShardUpdate(opt, replica) if in_backward else None
         y_pred, _, grads = self.engine.forward_backward(x, loss_fn, training=True, update=update)
         # Row-paged embeddings update their touched rows first (their scalars read the
         # iteration before the dense update increments it); the dense update follows.
@@ -158,7 +161,7 @@ class ShardedModel(keras.Model):
                 stateful=True,
             )
         with tf.control_dependencies([end]):
-            y_pred = tf.identity(y_pred)
+            y_pred = tf.nest.map_structure(tf.identity, y_pred)  # any output structure
         return trainer.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _apply_gradients(self, opt, grads: dict, replica: int) -> tf.Tensor:

@@ -1,0 +1,325 @@
+"""A unit's use in a stage-3 step: gather -> views -> the layer's own call -> release.
+
+Every unit (:mod:`zero_runtime.stage3.units`) runs its ``call`` through
+:meth:`UnitRunner.hooked_call`, installed as an instance attribute of the layer (no Keras
+class is patched; :meth:`UnitRunner.remove` takes it away). Per use, on each replica:
+
+- forward: the unit's shards are read (one host call: their pages, any tier), one
+  all-gather of the concatenated shards (:func:`zero_runtime.comm.all_gather_flat`),
+  and the gathered flat buffer is cut into per-original **views** (TF tensors, never
+  back through Python). The layer's own ``call`` runs under
+  ``keras.StatelessScope(state_mapping=...)`` with the views in place of its weights and
+  the current values of its non-trainable state; the state updates the call makes
+  (BatchNormalization's moving statistics) are assigned once, after the use, as Keras
+  would have. The views are dropped after the use (only the unit's inputs are kept).
+- backward (``tf.custom_gradient``): gather again, recompute the call under a tape (its
+  state updates discarded), and reduce-scatter the concatenated view gradients in one
+  collective; the replica keeps the reduced gradient of its own shard of each original.
+  A unit used several times (a layer called twice, a weight tied into two layers)
+  reduce-scatters each use's contribution; they are summed per original (ZeRO, SC20,
+  section 5.3; reduce-scatter is linear).
+
+A sharded variable read outside its units' calls (a head that reads an embedding layer's
+table) is gathered on that read as a one-variable use with the same backward
+(:meth:`UnitRunner.read_outside`).
+
+Every use of the step is tied to a float32 scalar *anchor* the step's tape watches: each
+use's gradient function returns a zero for it, so ``tape.gradient(loss, anchor)`` runs
+every use's backward (TF_NOTES section 5, the custom_gradient path).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from zero_runtime import comm
+from zero_runtime.lifecycle import host_function
+from zero_runtime.sharded_variable import ShardedVariable
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """A unit after sharding.
+
+    Attributes:
+        index: the unit's position in the plan.
+        layer: the Keras layer whose ``call`` is hooked.
+        variables: its sharded originals (one flat parameter: their shards concatenated).
+        call: the layer's own ``call`` (bound), what the hook runs.
+    """
+
+    index: int
+    layer: keras.layers.Layer
+    variables: tuple[ShardedVariable, ...]
+    call: object
+
+    @property
+    def shard_elements(self) -> int:
+        """Elements of one replica's shard of the unit's flat parameter (float32)."""
+        return sum(v.shard_elements for v in self.variables)
+
+
+@dataclasses.dataclass
+class _StepState:
+    """One replica's trace-time state during one traced forward (with or without tape).
+
+    ``anchor`` is None in a forward-only pass (evaluate, predict): no backward.
+    ``pieces[id(v)]`` collects the reduced gradient shards of every use of ``v``.
+    """
+
+    token: tf.Tensor
+    anchor: tf.Tensor | None
+    pieces: dict[int, list[tf.Tensor]] = dataclasses.field(default_factory=dict)
+
+
+class UnitRunner:
+    """The hooks of every unit of one model and their per-replica step state.
+
+    Args:
+        units: the :class:`Unit` list.
+        group: the engine's :class:`~zero_runtime.comm.CollectiveGroup`.
+        num_shards: N, the replicas.
+        replica_id: ``() -> int``, the static replica id of the current replica context.
+    """
+
+    def __init__(self, units: tuple[Unit, ...], group, num_shards: int, replica_id) -> None:
+        self.units = units
+        self.group = group
+        self.num_shards = num_shards
+        self._replica_id = replica_id
+        self._steps: dict[int, _StepState] = {}
+        self._outside: dict[int, Unit] = {}  # id(variable) -> its one-variable unit
+        for unit in units:
+            hook = functools.partial(self.hooked_call, unit)
+            object.__setattr__(unit.layer, "call", hook)  # an instance attribute
+        for v in self.variables:
+            object.__setattr__(v, "_zero_outside_read", self.read_outside)
+
+    @property
+    def variables(self) -> list[ShardedVariable]:
+        """Every sharded original once, in unit order."""
+        seen, out = set(), []
+        for unit in self.units:
+            for v in unit.variables:
+                if id(v) not in seen:
+                    seen.add(id(v))
+                    out.append(v)
+        return out
+
+    def remove(self) -> None:
+        """Take the hooks away (the layers run their own ``call`` again)."""
+        for unit in self.units:
+            unit.layer.__dict__.pop("call", None)
+        for v in self.variables:
+            v.__dict__.pop("_zero_outside_read", None)
+
+    # -- step state --------------------------------------------------------------------
+    def begin(self, token: tf.Tensor, anchor: tf.Tensor | None) -> int:
+        """Start a traced forward on this replica; ``token``: any tensor of the step's
+        input (a data dependency for the first reads), ``anchor``: the watched scalar
+        (None: forward only). Returns the replica id."""
+        replica = self._replica_id()
+        self._steps[replica] = _StepState(tf.reshape(token, [-1])[:1], anchor)
+        return replica
+
+    def end(self, replica: int) -> dict[int, tf.Tensor]:
+        """End the replica's traced forward; returns ``{id(variable): float32
+        [shard_elements]}``, the replica's reduced gradient shard of every original (the
+        sum over its uses; zeros for an original no use reached)."""
+        state = self._steps.pop(replica)
+        grads = {}
+        for v in self.variables:
+            pieces = state.pieces.get(id(v))
+            grads[id(v)] = tf.add_n(pieces) if pieces else tf.zeros([v.shard_elements])
+        return grads
+
+    def in_step(self) -> bool:
+        """True inside a traced forward of this runner on the current replica."""
+        ctx = tf.distribute.get_replica_context()
+        if ctx is None or not tf.inside_function():
+            return False
+        rid = tf.get_static_value(ctx.replica_id_in_sync_group)
+        return rid is not None and int(rid) in self._steps
+
+    # -- the hooks -----------------------------------------------------------------------
+    def hooked_call(self, unit: Unit, *args, **kwargs):
+        """The unit layer's ``call``: a gathered use inside a step, else its own call."""
+        if not self.in_step():
+            return unit.call(*args, **kwargs)
+        return self._use(unit, (args, kwargs), lambda a: unit.call(*a[0], **a[1]))
+
+    def read_outside(self, variable: ShardedVariable):
+        """The value of ``variable`` read outside its units' calls, inside a step: a
+        one-variable gathered use (with backward). None outside a step."""
+        if not self.in_step():
+            return None
+        unit = self._outside.get(id(variable))
+        if unit is None:
+            unit = Unit(-1, None, (variable,), None)
+            self._outside[id(variable)] = unit
+        return self._use(unit, ((), {}), None)
+
+    def _use(self, unit: Unit, structure, run):
+        replica = self._replica_id()
+        state = self._steps[replica]
+        flat = tf.nest.flatten(structure)
+        pos = [i for i, a in enumerate(flat) if tf.is_tensor(a)]
+        inputs = [flat[i] for i in pos]
+        layer = unit.layer
+        state_vars = [] if layer is None else list(layer.non_trainable_variables)
+        state_vals = [tf.convert_to_tensor(v.value) for v in state_vars]
+        dep = tf.reshape(inputs[0], [-1])[:1] if inputs else state.token
+
+        def call(tensors, views, state_values):
+            if run is None:  # an outside read: the value itself
+                return views[0], []
+            args = list(flat)
+            for i, t in zip(pos, tensors):
+                args[i] = t
+            mapping = list(zip(unit.variables, views)) + list(zip(state_vars, state_values))
+            with keras.StatelessScope(state_mapping=mapping) as scope:
+                out = run(tf.nest.pack_sequence_as(structure, args))
+            new_state = [scope.get_current_value(v) for v in state_vars]
+            return out, new_state
+
+        if state.anchor is None:  # forward only: gather, call, assign state, drop
+            views = self._gather(unit, replica, dep)
+            out, new_state = call(inputs, views, state_vals)
+            self._assign(state_vars, state_vals, new_state)
+            return out
+
+        n_in, n_state = len(inputs), len(state_vals)
+        box = {}  # trace-time: the output structure and which state changed
+
+        @tf.custom_gradient
+        def use(*xs):
+            tensors, anchor = list(xs[:n_in]), xs[n_in]
+            given = list(xs[n_in + 1 :])
+            views = self._gather(unit, replica, dep)
+            out, new_state = call(tensors, views, given)
+            changed = [k for k, (a, b) in enumerate(zip(given, new_state)) if a is not b]
+            box["structure"], box["changed"] = out, changed
+            outs = tf.nest.flatten(out)
+            box["n_out"] = len(outs)
+
+            def grad(*dys):
+                dys = [
+                    tf.zeros_like(o) if d is None else d for o, d in zip(outs, dys[: box["n_out"]])
+                ]
+                views2 = self._gather(unit, replica, tf.reshape(dys[0], [-1])[:1])
+                float_in = [k for k, t in enumerate(tensors) if t.dtype.is_floating]
+                with tf.GradientTape() as tape:
+                    tape.watch(views2)
+                    tape.watch([tensors[k] for k in float_in])
+                    out2, _ = call(tensors, views2, given)  # state updates discarded
+                sources = list(views2) + [tensors[k] for k in float_in]
+                gs = tape.gradient(
+                    tf.nest.flatten(out2),
+                    sources,
+                    output_gradients=dys,
+                    unconnected_gradients=tf.UnconnectedGradients.ZERO,
+                )
+                gs = [tf.convert_to_tensor(g) for g in gs]  # IndexedSlices -> dense
+                shard = reduce_scatter_variables(unit.variables, gs[: len(views2)], self.group)
+                sizes = [v.shard_elements for v in unit.variables]
+                for v, piece in zip(unit.variables, tf.split(shard, sizes)):
+                    state.pieces.setdefault(id(v), []).append(piece)
+                dxs = [None] * n_in
+                for k, g in zip(float_in, gs[len(views2) :]):
+                    dxs[k] = g
+                d_anchor = tf.zeros_like(anchor)
+                return (*dxs, d_anchor, *([None] * n_state))
+
+            extra = [new_state[k] for k in changed]
+            return [*outs, *extra], grad
+
+        result = use(*inputs, state.anchor, *state_vals)
+        n_out = box["n_out"]
+        out = tf.nest.pack_sequence_as(box["structure"], list(result[:n_out]))
+        changed = box["changed"]
+        updates = dict(zip(changed, result[n_out:]))
+        self._assign(state_vars, state_vals, [updates.get(k) for k in range(n_state)])
+        return out
+
+    @staticmethod
+    def _assign(state_vars: list, old: list, new: list) -> None:
+        """Assign the state updates the use made (once per forward use, as Keras)."""
+        for v, a, b in zip(state_vars, old, new):
+            if b is not None and b is not a:
+                v.assign(b)
+
+    # -- collectives ---------------------------------------------------------------------
+    def _gather(self, unit: Unit, replica: int, dep: tf.Tensor) -> list[tf.Tensor]:
+        """The unit's views on this replica: one host read of its shards, one all-gather.
+
+        Returns one float32 tensor per original, of its logical shape.
+        """
+        e = unit.shard_elements
+        shard = host_function(
+            functools.partial(_read_shards, unit.variables, replica),
+            [dep],
+            tf.float32,
+            stateful=False,  # ordered by ``dep`` only (see engine._host_call)
+            name="zero3_unit_shards",
+        )
+        shard.set_shape([e])
+        full = comm.all_gather_flat(shard, self.group)  # (N * E,)
+        rows = tf.reshape(full, [self.num_shards, e])  # (N, E)
+        views, off = [], 0
+        for v in unit.variables:
+            piece = rows[:, off : off + v.shard_elements]  # (N, R * prod(rest))
+            off += v.shard_elements
+            moved = tf.reshape(piece, [v.padded_rows, *v._moved_shape[1:]])  # noqa: SLF001
+            moved = moved[: v._moved_shape[0]]  # noqa: SLF001  (D, *rest)
+            if v.shard_dim:
+                moved = tf.experimental.numpy.moveaxis(moved, 0, v.shard_dim)
+            views.append(tf.reshape(moved, v.shape))
+        return views
+
+
+def _read_shards(variables: tuple, replica: int, *_) -> np.ndarray:
+    """Host side of a gather: the replica's shards of ``variables``, concatenated."""
+    parts = [v.read_shard(replica) for v in variables]
+    return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+
+def reduce_scatter_variables(variables, grads: list, group) -> tf.Tensor:
+    """Reduce-scatter the full gradients of ``variables`` in one collective.
+
+    Each gradient is laid out like its variable's shards (``shard_dim`` moved to axis 0,
+    rows padded to ``N * R``), the N row blocks of all variables are concatenated, and
+    one reduce-scatter leaves this replica the sum over replicas of its own block.
+
+    Args:
+        variables: ShardedVariables.
+        grads: their full gradients (logical shapes).
+        group: the :class:`~zero_runtime.comm.CollectiveGroup`.
+
+    Returns:
+        float32 ``[E]``, ``E = sum(v.shard_elements)``: the replica's reduced shard of
+        each variable, concatenated in order.
+    """
+    n = variables[0].num_shards
+    cols = []
+    for g, v in zip(grads, variables):
+        g = tf.cast(g, tf.float32)
+        if v.shape:
+            g = tf.experimental.numpy.moveaxis(g, v.shard_dim, 0) if v.shard_dim else g
+            g = tf.reshape(g, [v._moved_shape[0], -1])  # noqa: SLF001  (D, prod(rest))
+        else:
+            g = tf.reshape(g, [1, 1])
+        pad = v.padded_rows - v._moved_shape[0]  # noqa: SLF001
+        if pad:
+            g = tf.pad(g, [[0, pad], [0, 0]])
+        cols.append(tf.reshape(g, [n, v.shard_elements]))  # (N, R * prod(rest))
+    flat = tf.reshape(tf.concat(cols, axis=1), [-1])  # (N * E,)
+    shard = comm.reduce_scatter_sum_flat(flat, group)  # (E,)
+    if group.reduce_scatter_impl == "all_reduce":
+        # A copy (see Stage3Engine._reduce_scatter): the slice would alias the whole sum.
+        shard = tf.gather(tf.reshape(shard, [1, -1]), 0)
+    return shard
