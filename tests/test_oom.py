@@ -310,7 +310,7 @@ def test_stage0_advice_verifies_zero_infinity_and_drops_what_frees_nothing():
         device_bytes=int(4.4 * MiB), host_bytes=int(8.25 * MiB), largest_unit="block_0"
     )
     ev = Evidence(
-        allocator=True, recent_used=(28 * MiB,), recent_peaks=(28 * MiB,),
+        allocator=True, recent_used=(26 * MiB, 28 * MiB), recent_peaks=(28 * MiB,),
         num_params=1_445_824, local_replicas=2, stage3_plan=plan,
     )  # fmt: skip
     advice = _advise(
@@ -319,6 +319,9 @@ def test_stage0_advice_verifies_zero_infinity_and_drops_what_frees_nothing():
     top = advice[0]
     assert top["change"] == {"stage": 3, "offload_param": "cpu", "offload_optimizer": "cpu"}
     assert top["verdict"] == "fits" and top["predicted_bytes"] == 2 * int(4.4 * MiB)
+    # The stage-3 check reads the pool's own accounting: its 5% margin, not the
+    # allocator's 25% (or the spread of its readings) that this failure was checked with.
+    assert top["margin_bytes"] == int(0.05 * 12 * MiB)
     assert top["frees_bytes"] == 44 * MiB - 2 * int(4.4 * MiB)
     assert "block_0" in top["description"]
     rows = _by_change(advice)

@@ -179,14 +179,18 @@ class _Replay:
         moves: Mapping[str, int] | None = None,
         machine: bool = False,
         frees: int | None = None,
+        margin: int | None = None,
     ) -> None:
         """Label one candidate: ``after`` = predicted bytes on the failed tier (None:
         unknown), ``floor`` = bytes no such change removes, ``moves`` = target tier ->
         bytes it must take. "does not fit" when the floor or ``after`` is over the
         capacity (``missing_bytes`` = bytes over it); "fits" when ``after`` plus the
         margin is within it; "may fit" when only the margin is short (``missing_bytes``
-        = bytes of margin missing) or ``after`` is unknown."""
-        cap, margin = self.cap, self.margin
+        = bytes of margin missing) or ``after`` is unknown. ``margin`` overrides the
+        replay's margin when the change moves the check to another figure (e.g. stage 3:
+        the pool's own accounting instead of an allocator's reading)."""
+        cap = self.cap
+        margin = self.margin if margin is None else int(margin)
         verdict, missing = "may fit", None
         if cap is None:
             verdict = "may fit"
@@ -368,6 +372,9 @@ def _device_stages012(r: _Replay, implemented) -> None:
             f"x {local} by the estimator",
             floor=after,
             moves={"host": plan.host_bytes * local},
+            # At stage 3 the check reads the pool's own deterministic accounting, not the
+            # allocator whose step-to-step spread set this replay's margin.
+            margin=int(MARGIN_ACCOUNTED * (r.cap or 0)),
         )
 
 

@@ -128,8 +128,7 @@ export class Chart {
 
   options(spec) {
     const scaleNames = Object.keys(spec.scales);
-    // One step (a run that failed at its first): a range around it, not uPlot's 0-100.
-    const scales = { x: { time: false, range: (_u, min, max) => (min === max ? [min - 1, max + 1] : [min, max]) } };
+    const scales = { x: { time: false } };
     const axes = [{ label: 'step', incrs: STEP_INCRS, size: 36 }];
     for (const name of scaleNames) {
       const unit = UNITS[spec.scales[name].unit];
