@@ -9,8 +9,10 @@ blocks inside one run cancel drift (other processes share the 2 cores). Step tim
 median of per-step wall times from a Keras callback; overhead = on / off - 1. Because
 the machine is shared, the result also gives the measured time the on-mode spends inside
 the step (``collect_seconds_median``: readings, accounting, page counters and the
-hand-over to the background summary writer), a figure the load does not swamp.
-Goal: <= 2 %.
+hand-over to the background summary writer), a figure the load does not swamp, and
+what checksumming the run's event-file records costs with the writer's C CRC-32C
+(``tb_plugin/event_file.py``) against TensorBoard's pure-Python CRC, which the background
+writer computed (holding the GIL) before. Goal: <= 2 %.
 
 Writes ``bench/results/telemetry.json``.
 
@@ -120,6 +122,7 @@ def main() -> int:
         },
         "collect_seconds_median": statistics.median(boundary),
         "collect_fraction_of_step": statistics.median(boundary) / off,
+        "event_file_checksums": _checksum_costs(logdir),
         "overhead_median": on / off - 1,
         "overhead_mean": statistics.mean(times["on"]) / statistics.mean(times["off"]) - 1,
         "goal": "overhead_median <= 0.02",
@@ -127,6 +130,44 @@ def main() -> int:
     RESULT.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     return 0
+
+
+def _checksum_costs(logdir: str) -> dict[str, float]:
+    """The run's event-file records (count, mean bytes) and the time to checksum them all
+    (both masked CRC-32Cs of every record) with the writer's C CRC
+    (:func:`tb_plugin.event_file.masked_crc32c`) and with TensorBoard's pure-Python one,
+    which the background writer used before: seconds per record."""
+    import struct
+
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as py_crc
+
+    from tb_plugin.event_file import masked_crc32c
+
+    records = []
+    for root, _dirs, files in os.walk(logdir):
+        for name in files:
+            if "tfevents" not in name:
+                continue
+            data = Path(root, name).read_bytes()
+            at = 0
+            while at + 12 <= len(data):
+                (length,) = struct.unpack_from("<Q", data, at)
+                records.append(data[at + 12 : at + 12 + length])
+                at += 16 + length
+
+    def per_record(crc) -> float:
+        t0 = time.perf_counter()
+        for record in records:
+            crc(struct.pack("<Q", len(record)))
+            crc(record)
+        return (time.perf_counter() - t0) / max(1, len(records))
+
+    return {
+        "records": len(records),
+        "mean_record_bytes": sum(map(len, records)) / max(1, len(records)),
+        "c_crc_seconds_per_record": per_record(masked_crc32c),
+        "pure_python_crc_seconds_per_record": per_record(py_crc),
+    }
 
 
 def _cpu_model() -> str:
