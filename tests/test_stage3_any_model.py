@@ -185,6 +185,29 @@ def _image_data():
     return x, rng.randint(0, 4, (4 * BATCH,)).astype("int32")
 
 
+class Branchy(keras.Model):
+    """A subclassed model whose call picks a head with ``keras.ops.cond`` on a replicated
+    flag: the units path refuses a unit used inside a control-flow branch."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.d0 = keras.layers.Dense(16, activation="relu", name="d0")
+        self.a = keras.layers.Dense(4, name="a")
+        self.b = keras.layers.Dense(4, name="b")
+        self.use_a = keras.Variable(1.0, trainable=False, name="use_a")
+
+    def call(self, x):
+        h = self.d0(x)
+        return keras.ops.cond(self.use_a > 0.5, lambda: self.a(h), lambda: self.b(h))
+
+
+def _branchy() -> keras.Model:
+    keras.utils.set_random_seed(12)
+    model = Branchy(name="branchy")
+    model(np.zeros((1, 8), "float32"))  # creates the weights
+    return model
+
+
 MODELS = {
     # name: (build, data, optimizer, loss)
     "gpt": (_gpt, _gpt_data, "sgd", "scce"),
@@ -298,5 +321,40 @@ def test_custom_tape_over_a_units_model_names_the_supported_form(cpu_devices):
         logs = supported_step(batch)
         assert np.isfinite(float(strategy.reduce("MEAN", logs["loss"], axis=None)))
         assert int(model.optimizer.iterations.numpy()) == 2
+    finally:
+        strategy.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("name", ["dag_bn", "tied"])
+def test_any_model_trains_at_stages_1_2_bitwise(name, stage, reference):
+    """The same models at stages 1 and 2 (optimizer states on the host): bitwise."""
+    strategy = zero_runtime.ZeroInfinityStrategy(
+        {"stage": stage, "offload_optimizer": "cpu", "collective_timeout_seconds": 30}
+    )
+    try:
+        model = _fit(strategy, name)
+        assert model.optimizer.zero_state.stage == stage
+        weights = model.get_weights()
+    finally:
+        strategy.close()
+    for w, r in zip(weights, reference(name)):
+        np.testing.assert_array_equal(w, r)
+
+
+def test_a_unit_inside_tf_cond_is_refused_before_the_first_step(cpu_devices):
+    """A unit called in a ``keras.ops.cond`` branch: NotImplementedError naming it, raised
+    while the step is traced; no step runs."""
+    strategy = zero_runtime.ZeroInfinityStrategy(CONFIG)
+    x, y = _subclassed_data()
+    try:
+        with strategy.scope():
+            model = _branchy()
+            model.compile(optimizer="adam", loss="mse")
+        with pytest.raises(NotImplementedError, match=r"'a' is used inside a tf\.cond"):
+            model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+        assert int(model.optimizer.iterations.numpy()) == 0
+        assert len(strategy.runtime.recorder) == 0
     finally:
         strategy.close()

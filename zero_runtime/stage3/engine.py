@@ -504,20 +504,18 @@ class Stage3Engine:
         unit use gathered and reduce-scattered by the :class:`UnitRunner`; the update
         comes after the whole backward (a tied weight's later use may still read it)."""
         self.update_in_backward = False
-        anchor = tf.zeros([], tf.float32)
-        replica = self.runner.begin(tf.nest.flatten(x)[0], anchor)
+        replica, anchors = self.runner.begin(tf.nest.flatten(x)[0], backward=True)
         try:
             with tf.GradientTape() as tape:
-                tape.watch(anchor)
+                tape.watch(anchors)
                 y_pred = self.model(x, training=training)
                 loss = loss_fn(y_pred)
-            d_anchor = tape.gradient(loss, anchor)
+            shards = tape.gradient(
+                loss, anchors, unconnected_gradients=tf.UnconnectedGradients.ZERO
+            )
         finally:
-            grads = self.runner.end(replica)
-        if d_anchor is not None:
-            with tf.control_dependencies([d_anchor]):
-                grads = {k: tf.identity(g) for k, g in grads.items()}
-        return y_pred, loss, grads
+            self.runner.end(replica)
+        return y_pred, loss, {id(v): g for v, g in zip(self.runner.variables, shards)}
 
     def _model_call(self, x, training: bool):
         """The model's own call (its units hooked), with ``training`` if it takes it."""
@@ -530,7 +528,7 @@ class Stage3Engine:
         if self.runner is not None:
             if self.runner.in_step():  # inside _units_forward_backward
                 return self._model_call(x, training)
-            replica = self.runner.begin(tf.nest.flatten(x)[0], None)
+            replica, _ = self.runner.begin(tf.nest.flatten(x)[0], backward=False)
             try:
                 return self._model_call(x, training)
             finally:

@@ -17,15 +17,18 @@ class is patched; :meth:`UnitRunner.remove` takes it away). Per use, on each rep
   collective; the replica keeps the reduced gradient of its own shard of each original.
   A unit used several times (a layer called twice, a weight tied into two layers)
   reduce-scatters each use's contribution; they are summed per original (ZeRO, SC20,
-  section 5.3; reduce-scatter is linear).
+  section 5.3; reduce-scatter is linear) as the gradients of its anchor (below).
 
 A sharded variable read outside its units' calls (a head that reads an embedding layer's
 table) is gathered on that read as a one-variable use with the same backward
 (:meth:`UnitRunner.read_outside`).
 
-Every use of the step is tied to a float32 scalar *anchor* the step's tape watches: each
-use's gradient function returns a zero for it, so ``tape.gradient(loss, anchor)`` runs
-every use's backward (TF_NOTES section 5, the custom_gradient path).
+Every original has an *anchor* in the step: a float32 zero of its shard's shape
+``[shard_elements]`` that each use takes as an input and whose gradient the use's
+backward returns as the reduced shard of its gradient. ``tape.gradient(loss, anchors)``
+then runs every use's backward and TensorFlow's own gradient aggregation sums the uses of
+a tied weight, also through ``tf.cond`` branches (TF_NOTES section 5, the
+custom_gradient path).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import functools
 import keras
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
 
 from zero_runtime import comm
 from zero_runtime.lifecycle import host_function
@@ -68,13 +72,12 @@ class Unit:
 class _StepState:
     """One replica's trace-time state during one traced forward (with or without tape).
 
-    ``anchor`` is None in a forward-only pass (evaluate, predict): no backward.
-    ``pieces[id(v)]`` collects the reduced gradient shards of every use of ``v``.
+    ``anchors`` (``{id(v): float32 [shard_elements] zeros}``) is None in a forward-only
+    pass (evaluate, predict): no backward.
     """
 
     token: tf.Tensor
-    anchor: tf.Tensor | None
-    pieces: dict[int, list[tf.Tensor]] = dataclasses.field(default_factory=dict)
+    anchors: dict[int, tf.Tensor] | None
 
 
 class UnitRunner:
@@ -119,24 +122,28 @@ class UnitRunner:
             v.__dict__.pop("_zero_outside_read", None)
 
     # -- step state --------------------------------------------------------------------
-    def begin(self, token: tf.Tensor, anchor: tf.Tensor | None) -> int:
-        """Start a traced forward on this replica; ``token``: any tensor of the step's
-        input (a data dependency for the first reads), ``anchor``: the watched scalar
-        (None: forward only). Returns the replica id."""
-        replica = self._replica_id()
-        self._steps[replica] = _StepState(tf.reshape(token, [-1])[:1], anchor)
-        return replica
+    def begin(self, token: tf.Tensor, backward: bool) -> tuple[int, list[tf.Tensor]]:
+        """Start a traced forward on this replica.
 
-    def end(self, replica: int) -> dict[int, tf.Tensor]:
-        """End the replica's traced forward; returns ``{id(variable): float32
-        [shard_elements]}``, the replica's reduced gradient shard of every original (the
-        sum over its uses; zeros for an original no use reached)."""
-        state = self._steps.pop(replica)
-        grads = {}
-        for v in self.variables:
-            pieces = state.pieces.get(id(v))
-            grads[id(v)] = tf.add_n(pieces) if pieces else tf.zeros([v.shard_elements])
-        return grads
+        Args:
+            token: any tensor of the step's input (a data dependency for the first reads).
+            backward: True in a training step: every original gets its anchor.
+
+        Returns:
+            The replica id and the anchors, in :attr:`variables` order (empty without
+            ``backward``): the tape watches them, and their gradients are the replica's
+            reduced gradient shards (float32 ``[shard_elements]`` each).
+        """
+        replica = self._replica_id()
+        anchors = None
+        if backward:
+            anchors = {id(v): tf.zeros([v.shard_elements], tf.float32) for v in self.variables}
+        self._steps[replica] = _StepState(tf.reshape(token, [-1])[:1], anchors)
+        return replica, list((anchors or {}).values())
+
+    def end(self, replica: int) -> None:
+        """End the replica's traced forward."""
+        self._steps.pop(replica, None)
 
     def in_step(self) -> bool:
         """True inside a traced forward of this runner on the current replica."""
@@ -165,6 +172,7 @@ class UnitRunner:
         return self._use(unit, ((), {}), None)
 
     def _use(self, unit: Unit, structure, run):
+        _refuse_control_flow(unit)
         replica = self._replica_id()
         state = self._steps[replica]
         flat = tf.nest.flatten(structure)
@@ -187,19 +195,20 @@ class UnitRunner:
             new_state = [scope.get_current_value(v) for v in state_vars]
             return out, new_state
 
-        if state.anchor is None:  # forward only: gather, call, assign state, drop
+        if state.anchors is None:  # forward only: gather, call, assign state, drop
             views = self._gather(unit, replica, dep)
             out, new_state = call(inputs, views, state_vals)
             self._assign(state_vars, state_vals, new_state)
             return out
 
-        n_in, n_state = len(inputs), len(state_vals)
+        anchors = [state.anchors[id(v)] for v in unit.variables]
+        n_in, n_anchor, n_state = len(inputs), len(anchors), len(state_vals)
         box = {}  # trace-time: the output structure and which state changed
 
         @tf.custom_gradient
         def use(*xs):
-            tensors, anchor = list(xs[:n_in]), xs[n_in]
-            given = list(xs[n_in + 1 :])
+            tensors = list(xs[:n_in])
+            given = list(xs[n_in + n_anchor :])
             views = self._gather(unit, replica, dep)
             out, new_state = call(tensors, views, given)
             changed = [k for k, (a, b) in enumerate(zip(given, new_state)) if a is not b]
@@ -225,20 +234,19 @@ class UnitRunner:
                     unconnected_gradients=tf.UnconnectedGradients.ZERO,
                 )
                 gs = [tf.convert_to_tensor(g) for g in gs]  # IndexedSlices -> dense
-                shard = reduce_scatter_variables(unit.variables, gs[: len(views2)], self.group)
-                sizes = [v.shard_elements for v in unit.variables]
-                for v, piece in zip(unit.variables, tf.split(shard, sizes)):
-                    state.pieces.setdefault(id(v), []).append(piece)
+                shard = reduce_scatter_variables(
+                    unit.variables, gs[: len(views2)], self.group, raw=True
+                )
+                pieces = tf.split(shard, [v.shard_elements for v in unit.variables])
                 dxs = [None] * n_in
                 for k, g in zip(float_in, gs[len(views2) :]):
                     dxs[k] = g
-                d_anchor = tf.zeros_like(anchor)
-                return (*dxs, d_anchor, *([None] * n_state))
+                return (*dxs, *pieces, *([None] * n_state))
 
             extra = [new_state[k] for k in changed]
             return [*outs, *extra], grad
 
-        result = use(*inputs, state.anchor, *state_vals)
+        result = use(*inputs, *anchors, *state_vals)
         n_out = box["n_out"]
         out = tf.nest.pack_sequence_as(box["structure"], list(result[:n_out]))
         changed = box["changed"]
@@ -282,13 +290,33 @@ class UnitRunner:
         return views
 
 
+def _refuse_control_flow(unit: Unit) -> None:
+    """Raise when a unit is used inside a ``tf.cond``/``tf.while_loop`` branch.
+
+    Measured (TF 2.21): the gradient of a ``tf.cond`` branch cannot capture the
+    collectives' ordering tokens (eager resource handles), so the step fails to trace;
+    the use is refused while the step is traced, before it runs, naming the layer.
+    """
+    graph = tf.compat.v1.get_default_graph()
+    while graph is not None:
+        if isinstance(graph, ControlFlowFuncGraph):
+            name = unit.layer.name if unit.layer is not None else unit.variables[0].path
+            raise NotImplementedError(
+                f"stage 3: {name!r} is used inside a tf.cond or tf.while_loop branch "
+                "(keras.ops.cond, a loop): the units path gathers and reduce-scatters "
+                "outside control flow only. Compute both branches and select with "
+                "keras.ops.where, or train at stage 1 or 2"
+            )
+        graph = getattr(graph, "outer_graph", None)
+
+
 def _read_shards(variables: tuple, replica: int, *_) -> np.ndarray:
     """Host side of a gather: the replica's shards of ``variables``, concatenated."""
     parts = [v.read_shard(replica) for v in variables]
     return np.concatenate(parts) if parts else np.zeros(0, np.float32)
 
 
-def reduce_scatter_variables(variables, grads: list, group) -> tf.Tensor:
+def reduce_scatter_variables(variables, grads: list, group, raw: bool = False) -> tf.Tensor:
     """Reduce-scatter the full gradients of ``variables`` in one collective.
 
     Each gradient is laid out like its variable's shards (``shard_dim`` moved to axis 0,
@@ -299,6 +327,9 @@ def reduce_scatter_variables(variables, grads: list, group) -> tf.Tensor:
         variables: ShardedVariables.
         grads: their full gradients (logical shapes).
         group: the :class:`~zero_runtime.comm.CollectiveGroup`.
+        raw: with the group's ``'all_reduce'`` implementation, all-reduce through the
+            group's raw ``CollectiveReduceV2`` rather than the strategy's (``merge_call``
+            is not allowed inside ``tf.cond``, where a unit may be used). Default False.
 
     Returns:
         float32 ``[E]``, ``E = sum(v.shard_elements)``: the replica's reduced shard of
@@ -318,7 +349,11 @@ def reduce_scatter_variables(variables, grads: list, group) -> tf.Tensor:
             g = tf.pad(g, [[0, pad], [0, 0]])
         cols.append(tf.reshape(g, [n, v.shard_elements]))  # (N, R * prod(rest))
     flat = tf.reshape(tf.concat(cols, axis=1), [-1])  # (N * E,)
-    shard = comm.reduce_scatter_sum_flat(flat, group)  # (E,)
+    if raw and group.reduce_scatter_impl == "all_reduce":
+        total = comm.all_reduce_sum_flat(flat, group)  # (N * E,)
+        shard = comm.shard_of(total, int(flat.shape[0]) // n)  # (E,)
+    else:
+        shard = comm.reduce_scatter_sum_flat(flat, group)  # (E,)
     if group.reduce_scatter_impl == "all_reduce":
         # A copy (see Stage3Engine._reduce_scatter): the slice would alias the whole sum.
         shard = tf.gather(tf.reshape(shard, [1, -1]), 0)
