@@ -328,8 +328,9 @@ def reduce_scatter_variables(variables, grads: list, group, raw: bool = False) -
         grads: their full gradients (logical shapes).
         group: the :class:`~zero_runtime.comm.CollectiveGroup`.
         raw: with the group's ``'all_reduce'`` implementation, all-reduce through the
-            group's raw ``CollectiveReduceV2`` rather than the strategy's (``merge_call``
-            is not allowed inside ``tf.cond``, where a unit may be used). Default False.
+            group's raw ``CollectiveReduceV2`` (ordered by the replica's token like the
+            all-gathers) rather than the strategy's ``merge_call``. Default False (the
+            block path's choice).
 
     Returns:
         float32 ``[E]``, ``E = sum(v.shard_elements)``: the replica's reduced shard of
