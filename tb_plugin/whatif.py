@@ -121,9 +121,10 @@ def outcomes(
 
     Measured: the recorded steps from the version's applied step up to the next applied
     version (at most the trace's ring), their per-step means (``simulate.summarize``; the
-    apply step itself left out when later steps exist, as the prediction's ``steady``);
-    with ``persist`` (TensorBoard may write: ``--memory_hierarchy_tuning``) kept in the
-    file once seen, so a change later than the ring does not lose them.
+    apply step itself left out when later steps exist, as the prediction's ``steady``;
+    no longer re-read once ``TRACE_STEPS`` steps were measured); with ``persist``
+    (TensorBoard may write: ``--memory_hierarchy_tuning``) kept in the file once seen,
+    so a change later than the ring does not lose them.
 
     Args:
         run_dir: the run's directory.
@@ -142,32 +143,22 @@ def outcomes(
     if not stored:
         return []
     applied = _applied(events, ack)
-    records = None
     changed = False
     out = []
     for key in sorted(stored, key=lambda k: int(k) if k.isdigit() else -1):
         entry = stored[key]
         version = int(key) if key.isdigit() else -1
         step = next((s for v, s in applied if v == version), None)
-        if step is not None:
+        done = len(entry.get("measured_steps") or []) >= simulate.TRACE_STEPS
+        if step is not None and not done:
             later = [s for v, s in applied if s > step]
             end = min(later) if later else None
-            if records is None:
-                records = simulate.run_records(run_dir)
-            rows = [
-                r["measured"]
-                for r in records
-                if r.get("step", -1) >= step
-                and (end is None or r["step"] < end)
-                and isinstance(r.get("measured"), dict)
-            ]
-            steps = [
-                r["step"]
-                for r in records
-                if r.get("step", -1) >= step and (end is None or r["step"] < end)
-            ]
+            records = simulate.run_records(run_dir, since=step)
+            rows = [r for r in records if end is None or r.get("step", -1) < end]
+            steps = [r["step"] for r in rows]
+            measured = [r["measured"] for r in rows if isinstance(r.get("measured"), dict)]
             if len(steps) > len(entry.get("measured_steps") or []):
-                entry["measured"] = _figures(simulate.summarize(rows[1:] or rows))
+                entry["measured"] = _figures(simulate.summarize(measured[1:] or measured))
                 entry["measured_steps"] = steps
                 changed = True
         prediction = entry.get("prediction") or {}

@@ -47,7 +47,7 @@ from zero_runtime.memory.errors import PoolOutOfMemoryError
 from zero_runtime.memory.page_table import RESIDENT, PageRecord, TensorEntry
 from zero_runtime.memory.sim_tiers import SimCondition, SimDevice, SimHost, SimIo, SimNvme
 from zero_runtime.memory.tiers import SlotTier
-from zero_runtime.memory.trace import LETTER_TIER, TRACE_DIR, StepTrace, read_steps
+from zero_runtime.memory.trace import LETTER_TIER, TRACE_DIR, TRACE_STEPS, StepTrace, read_steps
 
 #: Keys whose change does not alter a running job's paging (read at build time, or not
 #: about memory); their prediction is the unchanged replay.
@@ -59,6 +59,21 @@ NO_PAGING_EFFECT = (
     "telemetry_every_n_steps",
 )
 SIMULATED = ("device_budget_bytes", "prefetch_bucket_size")
+__all__ = [
+    "NO_PAGING_EFFECT",
+    "SIMULATED",
+    "TRACE_STEPS",
+    "Proposal",
+    "Replay",
+    "ReplayError",
+    "StepFigures",
+    "predict",
+    "predict_run",
+    "replay",
+    "run_records",
+    "summarize",
+    "usable_steps",
+]
 #: Per-step figures summarised (PageCounters fields).
 _COUNTS = (
     *(f"{d}_{u}" for d in DIRECTIONS for u in ("pages", "bytes")),
@@ -481,9 +496,10 @@ def predict(
     }
 
 
-def run_records(run_dir: str) -> list[dict[str, Any]]:
-    """A run's recorded step files (``<run_dir>/memory_hierarchy_trace``), oldest first."""
-    return read_steps(os.path.join(run_dir, TRACE_DIR))
+def run_records(run_dir: str, since: int = 0) -> list[dict[str, Any]]:
+    """A run's recorded step files (``<run_dir>/memory_hierarchy_trace``), oldest first;
+    ``since``: only steps >= it."""
+    return read_steps(os.path.join(run_dir, TRACE_DIR), since)
 
 
 def predict_run(run_dir: str, updates: Mapping[str, Any]) -> dict[str, Any]:

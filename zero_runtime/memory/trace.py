@@ -336,16 +336,19 @@ def write_steps(
     return written
 
 
-def read_steps(directory: str) -> list[dict[str, Any]]:
+def read_steps(directory: str, since: int = 0) -> list[dict[str, Any]]:
     """The step files of ``directory`` as decoded JSON, oldest step first; files that
     cannot be read or decoded (e.g. being replaced) are skipped. ``[]`` when the
-    directory does not exist."""
+    directory does not exist. ``since``: only steps >= it (by file name, unread
+    otherwise)."""
     try:
         names = os.listdir(directory)
     except OSError:
         return []
     files = sorted(
-        (int(m.group(1)), name) for name in names if (m := _STEP_FILE.match(name)) is not None
+        (int(m.group(1)), name)
+        for name in names
+        if (m := _STEP_FILE.match(name)) is not None and int(m.group(1)) >= since
     )
     out = []
     for _, name in files:
