@@ -8,12 +8,14 @@ Chromium. In the live-tuning panel, ``device_budget_bytes`` = 1 MiB and *Predict
 show, with no request written, page moves going from 0 to a positive number per step and
 a device peak within 1 MiB (the job's recorded access trace replayed through the pool's
 policy). Applied, the panel lists the request with predicted beside measured page moves,
-within 20% of each other, and the config change in *Config changes* says the same.
+within 20% of each other, and the config change in *Config changes* and its marker on
+the device chart say the same.
 The panel with the prediction is saved as ``docs/screenshot_whatif.png``.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -99,6 +101,13 @@ def test_a_prediction_is_shown_before_apply_and_beside_measured_after(
             marker = run_panel.locator(f'.mh-config-event[data-step="{step}"] .mh-config-whatif')
             expect(marker).to_contain_text("predicted", timeout=LIVE_TIMEOUT_MS)
             expect(marker).to_contain_text("measured")
+            # The charts' marker of the change carries it in its tooltip.
+            chart_marker = run_panel.locator(
+                f'.mh-tier-cell[data-tier="device"] .mh-marker[data-step="{step}"]'
+            )
+            expect(chart_marker).to_have_attribute(
+                "title", re.compile("predicted .* measured"), timeout=LIVE_TIMEOUT_MS
+            )
             assert [c for c in console if c.startswith(("error", "pageerror"))] == []
         finally:
             page.context.close()

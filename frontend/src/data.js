@@ -279,14 +279,19 @@ export function configEvents(answer) {
 /**
  * Markers for the charts: the config events that changed something (a rejected or
  * ignored request, or an applied one without changes, changes nothing, so it is listed
- * but not drawn). The label names each key and its old → new value.
- * @returns {Array<{step: number, label: string}>}
+ * but not drawn). The label names each key and its old → new value; `version` is a user
+ * request's (null otherwise), to attach its what-if prediction.
+ * @returns {Array<{step: number, label: string, version: number|null}>}
  */
 export function configMarkers(answer) {
   const changed = (v) => v.status === 'applied' && Object.keys(v.changes ?? {}).length > 0;
   return (answer?.events ?? [])
     .filter((e) => !isDecision(e.value) || changed(e.value))
-    .map((e) => ({ step: e.step, label: configLabel(e.value) }));
+    .map((e) => ({
+      step: e.step,
+      label: configLabel(e.value),
+      version: isDecision(e.value) && (e.value.source ?? 'user') === 'user' ? e.value.version : null,
+    }));
 }
 
 // -- checkpoints ------------------------------------------------------------------------

@@ -42,6 +42,7 @@ import { recencyOf } from './selection.js';
 import { TierCharts } from './views/tier_chart.js';
 import { TimingView } from './views/timing_view.js';
 import { TuningPanel } from './views/tuning_panel.js';
+import { markerWhatifText } from './whatif.js';
 
 const POLL_MS = 5000; // how often a live run is checked for new steps (milliseconds)
 // Performance mark set once the tier charts of every selected run in view have drawn.

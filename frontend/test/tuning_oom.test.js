@@ -62,8 +62,8 @@ test('runtime decisions label and mark only what changed something', () => {
   };
   assert.deepEqual(configEvents(answer).map((e) => [e.step, e.status]), [[10, 'applied'], [20, 'rejected'], [30, null]]);
   assert.deepEqual(configMarkers(answer), [
-    { step: 10, label: 'v1 applied: telemetry_every_n_steps 1 → 3' },
-    { step: 30, label: 'prefetch_depth: 1 → 2' },
+    { step: 10, label: 'v1 applied: telemetry_every_n_steps 1 → 3', version: 1 },
+    { step: 30, label: 'prefetch_depth: 1 → 2', version: null },
   ]);
   assert.equal(configLabel(answer.events[1].value), 'v2 rejected: budget under one page');
   assert.equal(changesText({ host_budget_bytes: { old: 512 * MIB, new: 256 * MIB } }), 'host_budget_bytes 512 MiB → 256 MiB');

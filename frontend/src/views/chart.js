@@ -49,7 +49,8 @@ function fewerThanTwo(values) {
 
 /**
  * uPlot plugin: vertical markers at steps (config changes, checkpoints), as DOM elements
- * over the plot (`.mh-marker[data-step]`, title = the change; a marker with a `kind` also
+ * over the plot (`.mh-marker[data-step]`, title = the change, and a live change's
+ * predicted beside measured effect when it has one (`whatif`); a marker with a `kind` also
  * gets `data-kind` and the class `mh-marker-<kind>`), redrawn with the chart.
  * @param {() => Array<{step: number, label: string, kind?: string}>} getMarkers
  */
@@ -75,7 +76,8 @@ function markersPlugin(getMarkers) {
             line.dataset.kind = marker.kind;
             line.classList.add(`mh-marker-${marker.kind}`);
           }
-          line.title = `step ${marker.step}: ${marker.label}`;
+          line.title = `step ${marker.step}: ${marker.label}${marker.whatif ? ` — ${marker.whatif}` : ''}`;
+          if (marker.whatif) line.dataset.whatif = marker.whatif;
           line.style.left = `${left}px`;
           const tag = document.createElement('span');
           tag.className = 'mh-marker-label';
