@@ -62,6 +62,21 @@ function injectStyles(doc) {
 
 const nextFrame = () => new Promise((resolve) => requestAnimationFrame(() => resolve()));
 
+/**
+ * Give each config marker of a user request predicted at apply its predicted-beside-
+ * measured text (`whatif`, the marker's tooltip); returns `markers`.
+ * @param {Array<{version?: number|null}>} markers
+ * @param {object[]} [predictions] GET /tuning's `predictions`
+ */
+function withWhatif(markers, predictions = []) {
+  const byVersion = new Map(predictions.map((p) => [p.version, p]));
+  for (const marker of markers) {
+    const p = marker.version === null || marker.version === undefined ? null : byVersion.get(marker.version);
+    if (p) marker.whatif = markerWhatifText(p);
+  }
+  return markers;
+}
+
 /** One run's views and the data they last drew. */
 class RunView {
   constructor(run, model) {
@@ -264,10 +279,10 @@ class App {
       const draw = (job) => drawing.run(() => (stale() ? null : job()));
       const events = runInfoAnswer?.events ?? [];
       view.runInfo = events.length ? events[events.length - 1].value : null;
-      view.markers = configMarkers(configAnswer);
+      view.markers = withWhatif(configMarkers(configAnswer), view.predictions);
       await draw(() => {
         renderFacts(parts.facts, view.runInfo);
-        renderConfigList(parts.configList, configEvents(configAnswer));
+        renderConfigList(parts.configList, configEvents(configAnswer), view.predictions);
         renderStatus(parts.status, tiers?.steps.length ? '' : 'No tier data recorded yet.');
       });
       if (!tiers || !tiers.steps.length) {
@@ -342,7 +357,10 @@ class App {
           // Config changes: predicted beside measured for the requests predicted at apply.
           const predictions = tuningAnswer?.predictions ?? [];
           if (predictions.length) {
+            view.predictions = predictions;
             renderConfigList(view.parts.configList, configEvents(view.shown.configAnswer), predictions);
+            // The charts' markers of those changes carry it too (from their next draw).
+            withWhatif(view.markers ?? [], predictions);
           }
         }
         if (force || view.shown.oomAnswer !== oomAnswer) view.oom.update(oomAnswer, view.runInfo);
