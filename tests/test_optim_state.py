@@ -5,13 +5,19 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import psutil
 import pytest
 
 from zero_runtime.memory import PageState
 from zero_runtime.optim import kernels
 from zero_runtime.optim.host_state import HostOptimizerState
 from zero_runtime.optim.layout import FlatLayout
-from zero_runtime.optim.nvme_state import NvmeOptimizerState
+from zero_runtime.optim.nvme_state import (
+    WINDOW_SHARE,
+    NvmeOptimizerState,
+    bounded_subgroup,
+    window_bytes,
+)
 
 B1, B2, EPS, ALPHA = np.float32(0.1), np.float32(0.001), np.float32(1e-7), np.float32(0.01)
 
@@ -106,3 +112,71 @@ def test_host_state_lazy_and_validated():
         store.shard(2)
     store.shard(1)
     assert store.usage() == {"host": (4 * 1500, 2 * 4 * store.tile)}
+
+
+def test_nvme_window_is_bounded_by_the_host_budget_at_any_sub_group_size(tmp_path, caplog):
+    """DeepSpeed's default sub_group_size (1e9) over a shard of ~6 pages: the store
+    streams whole-page sub-groups whose 3-sub-group window fits the host budget, says so
+    once, and updates exactly as whole-array Adam."""
+    page = 65536
+    layout = _layout(n=3 * 65_000, shards=2)  # shard: 97,500 elements, ~6 pages per slot
+    n = layout.shard_size
+    budget = window_bytes(2 * page // 4, 2, 2, page)  # room for 2-page sub-groups
+    with caplog.at_level("WARNING", logger="zero_runtime.optim.nvme_state"):
+        store = NvmeOptimizerState(
+            layout,
+            ("m", "v"),
+            str(tmp_path),
+            sub_group_size=1_000_000_000,
+            page_size_bytes=page,
+            host_budget_bytes=budget,
+        )
+    assert store.sub_group_size == 2 * page // 4 and store.num_subgroups == 3
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "sub_group_size=1000000000" in said[0]
+    assert f"more than the {budget} allowed (host_budget_bytes)" in said[0]
+    assert f"sub-groups of {2 * page // 4} elements instead" in said[0]
+    rng = np.random.default_rng(3)
+    param = rng.standard_normal(n, dtype=np.float32)
+    ref = (param.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32))
+    peak = 0
+    for step in range(2):
+        grad = rng.standard_normal(n, dtype=np.float32)
+        store.update(0, ((0, n),), param, grad, _adam_step)
+        _whole_adam(ref[0], grad, ref[1], ref[2])
+        peak = max(peak, store.pool.usage()["host"].peak_bytes)
+        store.step_boundary(step)
+    np.testing.assert_array_equal(param, ref[0])
+    np.testing.assert_array_equal(store.read_shard(0, "v"), ref[2])
+    assert 0 < peak <= budget  # the host held at most the window
+    assert store.usage()["nvme"][0] == 2 * 3 * 2 * page  # all states on NVMe
+    store.close()
+
+
+def test_bounded_subgroup_keeps_a_fitting_request_and_rounds_down_to_pages():
+    page = 65536
+    assert bounded_subgroup(300, 2, 2, page, window_bytes(300, 2, 2, page)) == 300
+    assert bounded_subgroup(10**9, 2, 2, page, 5 * window_bytes(1, 2, 2, page)) == 5 * page // 4
+    assert bounded_subgroup(10**9, 2, 2, page, 1) == page // 4  # never below one page
+    assert window_bytes(1, 0, 1, page) == 3 * page  # stateless optimizers: one buffer
+
+
+def test_a_billion_element_layout_streams_a_window_of_a_quarter_of_free_memory(tmp_path):
+    """The production default (no host budget): a 1B-parameter layout, 2 replicas, Adam,
+    DeepSpeed's sub_group_size 1e9. Unbounded, the window would be 3 x 2 slots x 2
+    replicas x 2 GB = 24 GB; the store takes whole-page sub-groups whose window fits
+    WINDOW_SHARE of the available memory instead (its pool reserves that, uncommitted)."""
+    layout = _layout(n=999_999_999, shards=2)  # 3 variables of 333,333,333 elements
+    page = 4 << 20
+    store = NvmeOptimizerState(
+        layout, ("m", "v"), str(tmp_path), sub_group_size=1_000_000_000, page_size_bytes=page
+    )
+    try:
+        available = psutil.virtual_memory().available
+        window = window_bytes(store.sub_group_size, 2, 2, page)
+        assert store.sub_group_size % (page // 4) == 0 and store.sub_group_size < layout.shard_size
+        assert window <= WINDOW_SHARE * available * 1.05  # memory moves a little meanwhile
+        assert store.pool.usage()["host"].capacity_bytes == window
+        assert store.num_subgroups >= 2
+    finally:
+        store.close()

@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import psutil
 
 from zero_runtime.memory import PagedBufferPool
 from zero_runtime.optim import kernels
@@ -36,9 +38,51 @@ from zero_runtime.optim.host_state import StepFn, run_tiles
 from zero_runtime.optim.layout import FlatLayout
 from zero_runtime.optim.state_journal import StateTransactions, StepTransaction
 
+logger = logging.getLogger(__name__)
+
 #: Sub-groups whose pages the host tier holds at once per replica: the one being
 #: updated, the one read ahead and the one being written behind.
 _LIVE_SUBGROUPS = 3
+
+#: Without a host budget, the share of the host's available memory
+#: (``psutil.virtual_memory().available``) the streamed window may take.
+WINDOW_SHARE = 0.25
+
+
+def window_bytes(sub_group: int, n_slots: int, n_shards: int, page_size: int) -> int:
+    """Host bytes of the streamed window: 3 sub-groups (the one being updated, the one
+    read ahead, the one written behind) of every slot (at least 1) of every replica, each
+    ``sub_group`` float32 elements in whole pages of ``page_size`` bytes."""
+    pages = -(-sub_group * 4 // page_size)
+    return _LIVE_SUBGROUPS * max(1, n_slots) * n_shards * pages * page_size
+
+
+def bounded_subgroup(
+    requested: int, n_slots: int, n_shards: int, page_size: int, allowed_bytes: int
+) -> int:
+    """The sub-group size the NVMe store uses: ``requested`` elements, or fewer if the
+    window (:func:`window_bytes`) of ``requested``-element sub-groups would not fit in
+    ``allowed_bytes``.
+
+    A reduced sub-group is a whole number of pages (``page_size / 4`` elements), at least
+    one page, so the window exceeds ``allowed_bytes`` only when even one page per
+    sub-group does not fit.
+
+    Args:
+        requested: ``sub_group_size`` (elements, >= 1), already capped at the shard size.
+        n_slots: state buffers per element (e.g. 2 for Adam's m and v).
+        n_shards: replicas whose shards this store streams.
+        page_size: the pool's page size (bytes).
+        allowed_bytes: host bytes the window may take.
+
+    Returns:
+        Elements per sub-group (``<= requested``).
+    """
+    if window_bytes(requested, n_slots, n_shards, page_size) <= allowed_bytes:
+        return requested
+    page_elements = page_size // 4
+    pages = allowed_bytes // window_bytes(page_elements, n_slots, n_shards, page_size)
+    return min(requested, max(1, pages) * page_elements)
 
 
 @dataclasses.dataclass
@@ -61,7 +105,13 @@ class NvmeOptimizerState(StateTransactions):
         sub_group_size: elements per sub-group (int >= 1; DeepSpeed's ``sub_group_size``).
         page_size_bytes: pool page size, bytes (power of two >= 64 KiB).
         host_budget_bytes: the pool's host tier, bytes, or None (default) for room for
-            ``3`` sub-groups of every slot for every local replica.
+            ``3`` sub-groups of every slot for every local replica. The sub-group is
+            reduced (:func:`bounded_subgroup`) when those 3 sub-groups would not fit
+            this budget, or, without one, :data:`WINDOW_SHARE` of the available host
+            memory: so the host holds a bounded window of the states at any
+            ``sub_group_size`` (DeepSpeed's default 1e9 would otherwise put a whole
+            billion-element shard's states in host memory). A reduction is logged once
+            (warning); results are the same (the update is elementwise).
         nvme_budget_bytes: bytes the pool may write under ``nvme_path``, or None.
         prefix: tensor-id prefix in the pool (unique per optimizer).
         tile: elements per update tile (default ``kernels.TILE_ELEMENTS``).
@@ -89,17 +139,35 @@ class NvmeOptimizerState(StateTransactions):
             raise ValueError(f"sub_group_size must be >= 1, got {sub_group_size}")
         self.layout = layout
         self.slot_names = tuple(slot_names)
-        self.sub_group_size = min(sub_group_size, layout.shard_size)
+        requested = min(sub_group_size, layout.shard_size)
+        allowed = (
+            host_budget_bytes
+            if host_budget_bytes is not None
+            else int(psutil.virtual_memory().available * WINDOW_SHARE)
+        )
+        self.sub_group_size = bounded_subgroup(
+            requested, len(slot_names), layout.num_shards, page_size_bytes, allowed
+        )
+        if self.sub_group_size < requested:
+            logger.warning(
+                "sub_group_size=%d: 3 sub-groups of %d state buffer(s) for %d replica(s) "
+                "would take %d host bytes, more than the %d allowed (%s); the NVMe "
+                "optimizer streams sub-groups of %d elements instead",
+                sub_group_size,
+                max(1, len(slot_names)),
+                layout.num_shards,
+                window_bytes(requested, len(slot_names), layout.num_shards, page_size_bytes),
+                allowed,
+                "host_budget_bytes"
+                if host_budget_bytes is not None
+                else f"{WINDOW_SHARE:.0%} of the available host memory",
+                self.sub_group_size,
+            )
         self.prefix = prefix
         self.tile = max(1, min(tile, self.sub_group_size))
-        pages_per_group = -(-self.sub_group_size * 4 // page_size_bytes)
         if host_budget_bytes is None:
-            host_budget_bytes = (
-                _LIVE_SUBGROUPS
-                * max(1, len(self.slot_names))
-                * layout.num_shards
-                * pages_per_group
-                * page_size_bytes
+            host_budget_bytes = window_bytes(
+                self.sub_group_size, len(self.slot_names), layout.num_shards, page_size_bytes
             )
         self.pool = PagedBufferPool(
             host_budget_bytes=host_budget_bytes,
