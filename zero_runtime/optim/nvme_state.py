@@ -12,13 +12,14 @@ Tensor ids in the pool: ``"{prefix}/r{replica}/g{subgroup}/{slot}"``, kind
 ``'optimizer'``, float32 ``[subgroup elements]``.
 
 Steps are transactions (:class:`StepTransaction`): before a sub-group's states change for
-the first time in a step, its old values are kept in an undo journal on the host (a
-sub-group allocated by the step is noted as new), so a step that fails part-way (an NVMe
-write that hits ``ENOSPC``, a read error) is rolled back exactly: every state as before the
-step. The optimizer decides (:meth:`NvmeOptimizerState.resolve`) from its step counter:
-a step whose counter advanced commits (the journal is dropped), any other rolls back. The
-journal holds at most one slot set of the sub-groups the step updated (float32, on the
-host) until the step commits, right after the optimizer's ``iterations`` increments.
+the first time in a step, its old values are kept in an undo journal (a sub-group
+allocated by the step is noted as new), so a step that fails part-way (an NVMe write that
+hits ``ENOSPC``, a read error) is rolled back exactly: every state as before the step.
+The optimizer decides (:meth:`NvmeOptimizerState.resolve`) from its step counter: a step
+whose counter advanced commits (the journal is dropped), any other rolls back. The journal
+holds at most one slot set of the sub-groups the step updated (float32) until the step
+commits, right after the optimizer's ``iterations`` increments: on the host while it fits
+beside the window, the rest through the pool on NVMe (:mod:`.state_journal`).
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ from zero_runtime.optim.state_journal import StateTransactions, StepTransaction
 logger = logging.getLogger(__name__)
 
 #: Sub-groups whose pages the host tier holds at once per replica: the one being
-#: updated, the one read ahead and the one being written behind.
-_LIVE_SUBGROUPS = 3
+#: updated, its journal copy (when the journal is in the pool), the one read ahead and the
+#: one being written behind.
+_LIVE_SUBGROUPS = 4
 
 #: Without a host budget, the share of the host's available memory
 #: (``psutil.virtual_memory().available``) the streamed window may take.
@@ -50,8 +52,9 @@ WINDOW_SHARE = 0.25
 
 
 def window_bytes(sub_group: int, n_slots: int, n_shards: int, page_size: int) -> int:
-    """Host bytes of the streamed window: 3 sub-groups (the one being updated, the one
-    read ahead, the one written behind) of every slot (at least 1) of every replica, each
+    """Host bytes of the streamed window: 4 sub-groups (the one being updated, its journal
+    copy, the one read ahead, the one written behind) of every slot (at least 1) of every
+    replica, each
     ``sub_group`` float32 elements in whole pages of ``page_size`` bytes."""
     pages = -(-sub_group * 4 // page_size)
     return _LIVE_SUBGROUPS * max(1, n_slots) * n_shards * pages * page_size
@@ -105,8 +108,8 @@ class NvmeOptimizerState(StateTransactions):
         sub_group_size: elements per sub-group (int >= 1; DeepSpeed's ``sub_group_size``).
         page_size_bytes: pool page size, bytes (power of two >= 64 KiB).
         host_budget_bytes: the pool's host tier, bytes, or None (default) for room for
-            ``3`` sub-groups of every slot for every local replica. The sub-group is
-            reduced (:func:`bounded_subgroup`) when those 3 sub-groups would not fit
+            ``4`` sub-groups of every slot for every local replica (:func:`window_bytes`).
+            The sub-group is reduced (:func:`bounded_subgroup`) when those would not fit
             this budget, or, without one, :data:`WINDOW_SHARE` of the available host
             memory: so the host holds a bounded window of the states at any
             ``sub_group_size`` (DeepSpeed's default 1e9 would otherwise put a whole
@@ -150,7 +153,7 @@ class NvmeOptimizerState(StateTransactions):
         )
         if self.sub_group_size < requested:
             logger.warning(
-                "sub_group_size=%d: 3 sub-groups of %d state buffer(s) for %d replica(s) "
+                "sub_group_size=%d: 4 sub-groups of %d state buffer(s) for %d replica(s) "
                 "would take %d host bytes, more than the %d allowed (%s); the NVMe "
                 "optimizer streams sub-groups of %d elements instead",
                 sub_group_size,
@@ -163,6 +166,18 @@ class NvmeOptimizerState(StateTransactions):
                 else f"{WINDOW_SHARE:.0%} of the available host memory",
                 self.sub_group_size,
             )
+        # The step journal's host copies may take what the window leaves of the allowance;
+        # further sub-groups are journalled through the pool, on NVMe (state_journal.py).
+        self.journal_host_limit = (
+            max(
+                0,
+                allowed
+                - window_bytes(
+                    self.sub_group_size, len(slot_names), layout.num_shards, page_size_bytes
+                ),
+            )
+            // layout.num_shards
+        )
         self.prefix = prefix
         self.tile = max(1, min(tile, self.sub_group_size))
         if host_budget_bytes is None:
@@ -305,7 +320,7 @@ class NvmeOptimizerState(StateTransactions):
                 arrays = [self.pool.acquire(tid, writable=True) for tid in ids]
                 try:
                     if j not in txn.undo:  # first change in this step: journal the old values
-                        txn.undo[j] = [np.array(a, np.float32, copy=True) for a in arrays]
+                        self._journal(txn, replica, j, arrays, pending)
                     lo, _ = self.subgroup_range(j)
                     for s, e in parts:
                         slots = {

@@ -2,13 +2,21 @@
 
 A mixin of :class:`~zero_runtime.optim.nvme_state.NvmeOptimizerState`: before a state
 sub-group changes for the first time in a step its old values are copied into the step's
-undo journal (host memory); a sub-group the step allocates is noted as new. The optimizer
+undo journal; a sub-group the step allocates is noted as new. The optimizer
 (:mod:`zero_runtime.optim.transaction`) commits the step once its counter moved, or rolls
 it back: every journalled sub-group is written back, every new one freed.
+
+Where the journal lives: numpy copies in host memory while a step's copies fit in
+``journal_host_limit`` bytes (per replica); past that, each further sub-group's copy is
+a tensor of the store's pool (``"{prefix}/journal/r{replica}/g{j}/{slot}"``, kind
+``'optimizer'``), written behind to NVMe like the states, so a step over a billion-element
+shard keeps only the streamed window in host memory (at the cost of one more page write
+per journalled sub-group). Committing frees the journal; rolling back reads it back.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -30,22 +38,33 @@ class StepTransaction:
             committed when it returns).
         done: every update of the step finished.
         counted: the step was counted in ``updates`` (undone by a rollback).
-        undo: sub-group -> its slots' values before the step (float32 copies, slot
-            order), or None for a sub-group the step allocated (a rollback frees it).
+        undo: sub-group -> its slots' values before the step, slot order: float32 copies
+            in host memory, or the ids of the pool tensors holding them (past
+            ``journal_host_limit``), or None for a sub-group the step allocated (a
+            rollback frees it).
+        host_bytes: bytes of the host copies in ``undo``.
     """
 
     step: int | None
     done: bool = False
     counted: bool = False
-    undo: dict[int, list[np.ndarray] | None] = dataclasses.field(default_factory=dict)
+    undo: dict[int, list[np.ndarray] | list[str] | None] = dataclasses.field(default_factory=dict)
+    host_bytes: int = 0
 
 
 class StateTransactions:
     """Commit/rollback of a store's steps, per replica (the store provides ``pool``,
+    ``prefix``, ``slot_names``, ``_writer`` (the write-behind executor),
     ``_record(replica)`` with a ``txn`` attribute, ``_ids(replica, j)``, ``_lock``,
     ``_replicas``)."""
 
     pool: Any
+    prefix: str
+    slot_names: tuple[str, ...]
+    _writer: concurrent.futures.ThreadPoolExecutor
+    #: Bytes of host copies one replica's step journal may hold; further sub-groups are
+    #: journalled in the pool, on NVMe.
+    journal_host_limit: int = 0
     #: Called before the shard is read or overwritten from outside a step
     #: (``read_shard``, ``write_shard``, ``slot_values``): the optimizer resolves
     #: uncommitted steps there (its parameters too). None: a finished step is committed,
@@ -64,12 +83,49 @@ class StateTransactions:
         rec.txn = StepTransaction(step)
         return rec.txn
 
+    def _journal(
+        self,
+        txn: StepTransaction,
+        replica: int,
+        j: int,
+        arrays: list[np.ndarray],
+        pending: list[concurrent.futures.Future],
+    ) -> None:
+        """Journal sub-group ``j``'s old values (``arrays``, one per slot): host copies
+        while they fit ``journal_host_limit``, else pool tensors whose write-behind to
+        NVMe is appended to ``pending``."""
+        nbytes = sum(a.nbytes for a in arrays)
+        if txn.host_bytes + nbytes <= self.journal_host_limit:
+            txn.undo[j] = [np.array(a, np.float32, copy=True) for a in arrays]
+            txn.host_bytes += nbytes
+            return
+        ids = [f"{self.prefix}/journal/r{replica}/g{j}/{slot}" for slot in self.slot_names]
+        journal: list[str] = []
+        txn.undo[j] = journal  # a slot is listed once its copy is complete
+        for tid, values in zip(ids, arrays):
+            self.pool.allocate(tid, values.shape, np.float32, kind="optimizer", tier="host")
+            try:
+                self.pool.write(tid, values)
+            except BaseException:
+                self.pool.free(tid)
+                raise
+            journal.append(tid)
+        pending.append(self._writer.submit(self.pool.evict, ids, "nvme"))
+
+    def _drop_journal(self, txn: StepTransaction) -> None:
+        """Free the journal tensors ``txn`` holds in the pool."""
+        for old in txn.undo.values():
+            for tid in old or ():
+                if isinstance(tid, str):
+                    self.pool.free(tid)
+
     def _settle(self, rec: Any, replica: int, step: int | None) -> str | None:
         txn = rec.txn
         if txn is None:
             return None
         if txn.done and (step is None or txn.step is None or step > txn.step):
             rec.txn = None  # commit: the journal is dropped
+            self._drop_journal(txn)
             return "commit"
         self._rollback(rec, replica)
         return "rollback"
@@ -90,7 +146,10 @@ class StateTransactions:
                 rec.allocated.discard(j)
             else:
                 for tid, values in zip(ids, old):
+                    if isinstance(values, str):  # journalled in the pool
+                        values = self.pool.read(values)
                     self.pool.write(tid, values)
+        self._drop_journal(txn)
         if txn.counted:
             rec.updates -= 1
 
