@@ -1,0 +1,136 @@
+"""Stage-3 step time: the block path (a chain) and the units path (the same layers with a
+residual connection), each against MirroredStrategy, measured side by side (issue #15;
+the baseline for issue #16).
+
+One process, 2 replicas (logical CPU devices). Two models of about 2.1M float32
+parameters, the model of ``bench_step_time.py`` (embedding 2000 x 64, three Dense 768, a
+LayerNormalization, a Dense 10 head):
+
+- ``chain``: that Sequential; stage 3 runs it block by block (zero_runtime/stage3/engine.py);
+- ``residual``: the same layers, functional, with ``h + Dense(h)`` around the third Dense
+  768; not a chain, so stage 3 runs it by units (zero_runtime/stage3/gather.py).
+
+Each model is trained under MirroredStrategy (Keras Adam on dense gradients, as the
+parity references) and ZeRO stage 3 with parameters and optimizer states on the device
+(``none``) and on the host (``cpu``). Every configuration is built and warmed up first
+(tracing); then they are measured interleaved, ``--rounds`` rounds of ``--steps`` steps in
+alternating order, so load from other processes falls on all alike. A configuration's
+figure is its median step (the first step of each fit dropped); ratios are over the same
+model's Mirrored median. Writes ``bench/results/stage3_units.json`` with the load average
+before and after.
+
+Usage: ``.venv/bin/python bench/bench_stage3_units.py [--rounds R] [--steps N] [--batch B]``
+"""
+
+from __future__ import annotations
+
+# isort: skip_file  (bench_step_time sets the environment before TensorFlow is imported)
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_step_time as bst  # noqa: E402  (devices, data, timer, the model's layers)
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from helpers.reference_optimizers import DenseGradAdam  # noqa: E402  (bst put tests/ on the path)
+
+import zero_runtime  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results" / "stage3_units.json"
+STAGE3 = {
+    "stage3_none": {"stage": 3, "offload_param": "none", "offload_optimizer": "none"},
+    "stage3_cpu": {"stage": 3, "offload_param": "cpu", "offload_optimizer": "cpu"},
+}
+
+
+def build_residual() -> keras.Model:
+    """``bst.build_model``'s layers with a residual around the third Dense 768 (a DAG)."""
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((bst.SEQ,), dtype="int32")
+    h = keras.layers.Embedding(bst.VOCAB, 64)(tokens)  # (B, 16, 64)
+    h = keras.layers.Flatten()(h)  # (B, 1024)
+    h = keras.layers.Dense(768, activation="relu")(h)
+    h = keras.layers.Dense(768, activation="relu")(h)
+    h = keras.layers.LayerNormalization()(h)
+    h = keras.layers.Add()([h, keras.layers.Dense(768, activation="relu")(h)])
+    return keras.Model(tokens, keras.layers.Dense(10)(h))
+
+
+MODELS = {"chain": bst.build_model, "residual": build_residual}
+
+
+def _trained(strategy, build, make_optimizer, ds: tf.data.Dataset) -> keras.Model:
+    with strategy.scope():
+        model = build()
+        model.compile(
+            optimizer=make_optimizer(),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    model.fit(ds.take(3), verbose=0)  # trace + warm up
+    return model
+
+
+def main() -> None:
+    """Build every (model, configuration), measure them interleaved, write the results."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=5, help="steps per configuration per round")
+    ap.add_argument("--batch", type=int, default=32)
+    args = ap.parse_args()
+    load_before = os.getloadavg()
+    ds = bst._data(args.steps, args.batch)  # noqa: SLF001
+    models, strategies = {}, []
+    paths: dict[str, dict[str, str]] = {m: {} for m in MODELS}  # which stage-3 path ran
+    for mname, build in MODELS.items():
+        mirrored = tf.distribute.MirroredStrategy(list(bst.DEVICES.devices))
+        models[(mname, "mirrored")] = _trained(mirrored, build, lambda: DenseGradAdam(1e-3), ds)
+        for cname, cfg in STAGE3.items():
+            strategy = zero_runtime.ZeroInfinityStrategy(cfg)
+            strategies.append(strategy)
+            model = _trained(strategy, build, lambda: keras.optimizers.get("adam"), ds)
+            engine = strategy.runtime.accounting.stage3_engines[-1]
+            paths[mname][cname] = "units" if engine.runner is not None else "blocks"
+            models[(mname, cname)] = model
+    keys = list(models)
+    times: dict[tuple[str, str], list[float]] = {k: [] for k in keys}
+    for r in range(args.rounds):
+        for key in keys if r % 2 == 0 else reversed(keys):
+            times[key] += bst.time_steps(models[key], ds)
+    for strategy in strategies:
+        strategy.close()
+    medians = {f"{m}/{c}": statistics.median(t) for (m, c), t in times.items()}
+    ratios = {
+        f"{m}/{c}": statistics.median(t) / medians[f"{m}/mirrored"]
+        for (m, c), t in times.items()
+        if c != "mirrored"
+    }
+    result = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "nproc": os.cpu_count(),
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "note": (
+            "configurations measured interleaved in one process; a load average above "
+            "~1 means other processes shared the 2 cores during the run"
+        ),
+        "replicas": len(bst.DEVICES.devices),
+        "model_params": {m: b().count_params() for m, b in MODELS.items()},
+        "stage3_path": paths,
+        "global_batch": args.batch,
+        "rounds": args.rounds,
+        "steps_per_round": args.steps,
+        "median_step_seconds": medians,
+        "ratios_vs_mirrored_same_model": ratios,
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
