@@ -152,11 +152,13 @@ def test_running_job_applies_a_request_at_a_step_boundary(tmp_path, cpu_devices)
     class RequestAtBatch(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             if batch == 2:  # after step 2 ended: the next boundary (end of step 3) polls
+                assert control.read_closed(str(run)) is None  # the job reads requests
                 control.write_request(str(run), {"telemetry_every_n_steps": 2})
                 control.write_request(str(run), {"device_budget_bytes": 300 * MIB})
 
     model.fit(ds, epochs=1, verbose=0, shuffle=False, callbacks=[RequestAtBatch()])
     strategy.close()
+    assert control.read_closed(str(run))["step"] == 8  # closed after steps 0-7
     assert strategy.config.telemetry_every_n_steps == 2
     assert strategy.config.device_budget_bytes == 300 * MIB
     assert strategy.runtime.config_version == 2

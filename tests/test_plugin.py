@@ -1099,6 +1099,30 @@ def test_a_job_that_ran_out_of_memory_is_not_offered_tuning(plugin_client, tmp_p
     assert not os.path.exists(os.path.join(run_dir, control.REQUEST_FILE))
 
 
+def test_a_job_that_closed_is_not_offered_tuning_until_a_job_starts_again(
+    plugin_client, tmp_path
+):
+    """A run whose job closed normally (the runtime's close marker) is ended too: GET
+    /tuning says so, POST /tune answers 409 naming the last step and writes nothing; a
+    job starting again in the run directory (a new ControlChannel) takes the marker away."""
+    logdir = tmp_path / "logs"
+    run_dir = write_tuned_run(logdir)
+    control.ControlChannel(run_dir, STARTED).mark_closed(12)
+    client = plugin_client(str(logdir), tuning=True)
+    status, body = get_json(client, "/tuning", run=TUNED_RUN)
+    assert status == 200
+    assert body["job_ended"] == {"reason": "closed", "step": 12, "summary": None}
+    status, body = post_tune(client, {"updates": {"telemetry_every_n_steps": 3}})
+    assert status == 409, body
+    assert "closed after step 11" in body["error"]["message"]
+    assert not os.path.exists(os.path.join(run_dir, control.REQUEST_FILE))
+    control.ControlChannel(run_dir, STARTED)  # a job starts again here
+    status, body = get_json(client, "/tuning", run=TUNED_RUN)
+    assert status == 200 and body["job_ended"] is None
+    status, body = post_tune(client, {"updates": {"telemetry_every_n_steps": 3}})
+    assert status == 200, body
+
+
 # -- DNS rebinding: POST /tune checks Host and Origin (issue #22 item 7) --------------------
 
 FQDN = socket.getfqdn()

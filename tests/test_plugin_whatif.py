@@ -85,6 +85,11 @@ def test_whatif_refuses_bad_proposals_and_says_why_it_cannot_predict(plugin_clie
 def test_tune_keeps_its_prediction_and_tuning_shows_it_beside_measured(plugin_client, logdir):
     run_dir = logdir / "high"
     client = plugin_client(str(logdir), tuning=True)
+    # The fixture's job closed (POST /tune would answer 409): a job running in the run
+    # directory again, whose control channel reads the request below.
+    channel = control.ControlChannel(
+        str(run_dir), zconfig.ZeroConfig(stage=3, page_size_bytes=PAGE)
+    )
     posted = client.post(
         f"{URL}/tune",
         query_string={"run": "high"},
@@ -103,9 +108,6 @@ def test_tune_keeps_its_prediction_and_tuning_shows_it_beside_measured(plugin_cl
     )
     # The job applies it at step 8 and runs at the low budget: its trace steps 8.. are
     # the second real job's (recorded at 16 pages), renumbered.
-    channel = control.ControlChannel(
-        str(run_dir), zconfig.ZeroConfig(stage=3, page_size_bytes=PAGE)
-    )
     assert channel.poll(8).status is control.Status.APPLIED
     low_steps = sorted((logdir / "low" / TRACE_DIR).iterdir())
     for i, path in enumerate(low_steps[-4:]):

@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 
 REQUEST_FILE = "memory_hierarchy_control.json"
 ACK_FILE = "memory_hierarchy_control_ack.json"
+#: Written by the job when it closes (``{"step": next step, "closed_at": unix s}``) and
+#: removed when a job starts in the run directory: no job reads requests after it.
+CLOSED_FILE = "memory_hierarchy_job_closed.json"
 #: Largest control file read, bytes; a larger one is rejected unread.
 MAX_REQUEST_BYTES = 64 * 1024
 
@@ -106,6 +109,23 @@ class ControlChannel:
         self.history: list[ControlOutcome] = []
         self._last_decided_version = 0
         self._seen_stat: tuple[int, int, int] | None = None
+        try:  # a job starting in this run directory: it reads requests again
+            os.remove(os.path.join(self.run_dir, CLOSED_FILE))
+        except FileNotFoundError:
+            pass
+
+    def mark_closed(self, next_step: int) -> None:
+        """Record in the run directory that this job reads no more requests (it closed
+        before ``next_step``, a 0-based step): the plugin then refuses live tuning of the
+        run (``tb_plugin.routes.tune.job_ended``). An unwritable directory is logged,
+        not raised (closing must not fail on it)."""
+        try:
+            write_json_atomic(
+                os.path.join(self.run_dir, CLOSED_FILE),
+                {"step": int(next_step), "closed_at": time.time()},
+            )
+        except OSError as exc:
+            log.warning("could not record the job's close in %s: %s", self.run_dir, exc)
 
     @property
     def request_path(self) -> str:
@@ -354,6 +374,17 @@ def write_request(run_dir: str, updates: Mapping[str, Any]) -> int:
     version = previous + 1
     write_json_atomic(path, {"version": version, "updates": checked, "requested_at": time.time()})
     return version
+
+
+def read_closed(run_dir: str) -> dict[str, Any] | None:
+    """The job's close record of a run (:meth:`ControlChannel.mark_closed`), or None while
+    no job has closed there (or a new one started)."""
+    try:
+        with open(os.path.join(run_dir, CLOSED_FILE), encoding="utf-8") as fh:
+            record = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
 
 
 def read_ack(run_dir: str) -> dict[str, Any] | None:

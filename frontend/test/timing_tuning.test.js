@@ -2,7 +2,12 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
 import { tracedSteps, TIMING_PARTS } from '../src/views/timing_parts.js';
-import { actsAtRebuild, changesNothingNow, requestText } from '../src/views/tuning_panel.js';
+import {
+  actsAtRebuild,
+  changesNothingNow,
+  endedText,
+  requestText,
+} from '../src/views/tuning_panel.js';
 
 test('traced steps are kept out of the y-range; without a traced step the chart scales to all', () => {
   const series = {
@@ -55,4 +60,13 @@ test('the request line says which keys changed nothing in the running job', () =
     'Request v3: changed nothing at step 12 (its values were already in effect).',
   );
   assert.equal(requestText(null, keys, 0), 'No live-tuning request yet.');
+});
+
+test('endedText names how the job ended: an OOM at its step, a close after its last step', () => {
+  const oom = endedText({ reason: 'oom', step: 5 });
+  assert.ok(oom.includes('out-of-memory failure at step 5'), oom);
+  assert.ok(oom.includes('apply the advice'), oom);
+  const closed = endedText({ reason: 'closed', step: 100 });
+  assert.ok(closed.includes('closed after step 99'), closed);
+  assert.ok(!closed.includes('out-of-memory'), closed);
 });

@@ -54,28 +54,39 @@ class ControlFileError(errors.PublicError):
 
 
 class JobEndedError(errors.PublicError):
-    """POST /tune over a run whose job has ended with an out-of-memory failure (its
-    ``memory_hierarchy/oom`` post-mortem exists; HTTP 409): no job reads the request, so
-    nothing is written."""
+    """POST /tune over a run whose job has ended: an out-of-memory failure (its
+    ``memory_hierarchy/oom`` post-mortem exists) or a normal close (its close marker);
+    HTTP 409: no job reads the request, so nothing is written."""
 
     http_code = 409
 
 
 def job_ended(reader: Reader, ctx: Any, experiment: str, run: str) -> dict[str, Any] | None:
-    """``{"reason": "oom", "step": int, "summary": str | None}`` when the run's last
-    record is an out-of-memory post-mortem (the job is dead: a post-mortem is written as
-    it fails), else None. A run with step records after its post-mortem (a job started
-    again in the same run directory) is not ended."""
+    """How the run's job ended, or None while it may still run (and read requests).
+
+    ``{"reason": "oom", "step": int, "summary": str | None}`` when the run's last record is
+    an out-of-memory post-mortem (the job is dead: a post-mortem is written as it fails);
+    ``{"reason": "closed", "step": int, "summary": None}`` when the job closed normally
+    (its ``zero_runtime.control.CLOSED_FILE`` marker, removed when a job starts again in
+    the run directory; ``step`` is the step after its last). A run with step records
+    after its post-mortem (a job started again in the same run directory) is not ended.
+    """
     records = reader.records_if_any(ctx, experiment, run, metadata.TAG_OOM)
-    if not records:
+    if records:
+        last = records[-1]
+        steps = reader.listing(ctx, experiment).get(run, {}).get(metadata.TAG_TIERS)
+        if steps is None or int(getattr(steps, "max_step", -1)) <= int(last["step"]):
+            value = last["value"] if isinstance(last.get("value"), dict) else {}
+            summary = value.get("summary") if isinstance(value.get("summary"), str) else None
+            return {"reason": "oom", "step": int(last["step"]), "summary": summary}
+    try:
+        run_dir = reader.run_dir(ctx, experiment, run)
+    except (errors.InvalidArgumentError, errors.NotFoundError):
         return None
-    last = records[-1]
-    steps = reader.listing(ctx, experiment).get(run, {}).get(metadata.TAG_TIERS)
-    if steps is not None and int(getattr(steps, "max_step", -1)) > int(last["step"]):
+    closed = control.read_closed(run_dir)
+    if closed is None:
         return None
-    value = last["value"] if isinstance(last.get("value"), dict) else {}
-    summary = value.get("summary") if isinstance(value.get("summary"), str) else None
-    return {"reason": "oom", "step": int(last["step"]), "summary": summary}
+    return {"reason": "closed", "step": closed["step"], "summary": None}
 
 
 class PayloadTooLargeError(errors.PublicError):
@@ -327,17 +338,21 @@ def tune_impl(
             TensorBoard does not list (409; nothing written).
         ControlFileError: the run's acknowledgement file is malformed (409; nothing
             written).
-        JobEndedError: the run's job ended with an out-of-memory failure (409; nothing
-            written).
+        JobEndedError: the run's job ended, by an out-of-memory failure or a normal
+            close (409; nothing written).
     """
     access.require_enabled()
     run_dir = reader.run_dir(ctx, experiment, run)
     ended = job_ended(reader, ctx, experiment, run)
     if ended is not None:
+        how = (
+            f"ended with an out-of-memory failure at step {ended['step']}"
+            if ended["reason"] == "oom"
+            else f"closed after step {ended['step'] - 1}"
+        )
         raise JobEndedError(
-            f"{run[:80]!r} ended with an out-of-memory failure at step {ended['step']}: no "
-            "job reads live-tuning requests any more; nothing was written (apply the "
-            "advice to the next run's config)"
+            f"{run[:80]!r} {how}: no job reads live-tuning requests any more; nothing was "
+            "written (apply the change to the next run's config)"
         )
     chief = tuning.job_chief_run(reader.logdir, run)
     if chief is not None:

@@ -105,6 +105,7 @@ class ZeroRuntime:
         self.state = RuntimeState.OPEN
         self.config_version = 0
         self.steps_recorded = 0
+        self._last_step = -1  # the last step whose boundary passed (recorded or not)
         self.telemetry_enabled = True
         self.recorder = FlightRecorder()
         self.accounting = Accounting(device)
@@ -259,6 +260,7 @@ class ZeroRuntime:
         if self.state is not RuntimeState.OPEN:
             return
         step = end.step
+        self._last_step = step
         self._write_run_info(only_if_changed=True)  # e.g. a reduce-scatter fell back
         trace = self.collector.profiler.stop()  # the sampled window ends with this step
         # Traced: the process's first step, or a step that built guarded collectives.
@@ -496,5 +498,7 @@ class ZeroRuntime:
             self._write_access_trace()  # the last steps closed
             self._trace_writer.close()
         self.accounting.close_stores()  # e.g. the NVMe pool's files
+        if self.control is not None:
+            self.control.mark_closed(self._last_step + 1)
         if self.summaries is not None:
             self.summaries.close()  # every StepStats handed over is written first

@@ -189,10 +189,7 @@ export class TuningPanel {
     this.note.className = 'mh-tuning-note';
     this.body.dataset.jobEnded = String(Boolean(ended));
     if (ended) {
-      this.note.textContent =
-        `This job ended with an out-of-memory failure at step ${ended.step}: no job reads ` +
-        'tuning requests any more. The settings are shown read-only; apply the advice to ' +
-        'the next run\u2019s config.';
+      this.note.textContent = endedText(ended);
     } else {
       this.note.textContent = enabled
         ? 'Changes are written to the run directory; the job reads them at its next step ' +
@@ -342,4 +339,18 @@ export class TuningPanel {
       this.button.disabled = false;
     }
   }
+}
+
+/**
+ * The tuning panel's note for a job that ended (GET /tuning's `job_ended`).
+ * @param {{reason: string, step: number}} ended
+ * @returns {string}
+ */
+export function endedText(ended) {
+  const how = ended.reason === 'oom'
+    ? `ended with an out-of-memory failure at step ${ended.step}`
+    : `closed after step ${ended.step - 1}`;
+  const advice = ended.reason === 'oom' ? 'apply the advice' : 'apply a change';
+  return `This job ${how}: no job reads tuning requests any more. The settings are ` +
+    `shown read-only; ${advice} to the next run\u2019s config.`;
 }
