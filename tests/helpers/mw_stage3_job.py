@@ -42,6 +42,8 @@ CONFIGS: dict[str, dict] = {
     "s3_param_nvme": {"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme"},
     "s3_opt_none": {"stage": 3, "offload_param": "cpu", "offload_optimizer": "none"},
     "s3_all_device": {"stage": 3, "offload_param": "none", "offload_optimizer": "none"},
+    # the GPT nested in a functional DAG (a residual logit branch): run by units
+    "s3_units": {"stage": 3, "offload_param": "cpu", "offload_optimizer": "cpu"},
     # accumulation on gradient shards (zero_runtime/stage3/accumulation.py), host states
     "s3_accum": {
         "stage": 3,
@@ -104,8 +106,12 @@ def _step_losses(running: list[float]) -> list[float]:
     ]
 
 
-def stage3_record(strategy, steps: int = STEPS) -> dict:
+def stage3_record(strategy, steps: int = STEPS, dag: bool = False) -> dict:
     """Fit the small GPT under a stage-3 ``strategy`` for ``steps`` global batches of 8.
+
+    With ``dag`` the GPT is nested in a functional model that adds a residual logit
+    branch (``Embedding -> Dense`` on the same tokens): not a chain, so stage 3 runs it by
+    units (zero_runtime/stage3/gather.py).
 
     Returns ``{"losses": [...], "weights": [...], "num_replicas_in_sync", "local_replicas",
     "strategy"}``; the weights are ``model.get_weights()`` (gathered across workers).
@@ -126,6 +132,12 @@ def stage3_record(strategy, steps: int = STEPS) -> dict:
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
     with strategy.scope():
         model = build_gpt(cfg, seed=3)
+        if dag:
+            keras.utils.set_random_seed(4)  # the side branch's weights: the same per process
+            tokens_in = keras.Input((cfg.seq_len,), dtype="int32")
+            side = keras.layers.Embedding(cfg.vocab_size, 8, name="side_emb")(tokens_in)
+            side = keras.layers.Dense(cfg.vocab_size, name="side_head")(side)
+            model = keras.Model(tokens_in, keras.layers.Add()([model(tokens_in), side]))
         sharded = strategy.shard_model(model)
         sharded.compile(
             optimizer="adam",
@@ -143,6 +155,7 @@ def stage3_record(strategy, steps: int = STEPS) -> dict:
         "optimizer_tier": sharded.optimizer.zero_state.store.tier,
         "local_replica_ids": list(sharded.engine.local_replicas),
         "variables": len(sharded.engine.variables),
+        "path": "units" if sharded.engine.runner is not None else "blocks",
         # pool tensors of parameter shards ("p/<var>/r<replica>"): this process's only
         "shard_tensors": sorted(
             int(t.rsplit("/r", 1)[1])
@@ -270,7 +283,7 @@ def run(name: str, out: str, replicas: int, timeout: float) -> dict:
     if name == "s3_embedding":
         record = embedding_record(strategy)
     elif config["stage"] == 3:
-        record = stage3_record(strategy)
+        record = stage3_record(strategy, dag=name == "s3_units")
     elif logdir is not None:
         record = tuning_record(strategy, logdir)
     else:

@@ -39,6 +39,7 @@ import psutil
 import tensorflow as tf
 
 from zero_runtime import comm
+from zero_runtime.comm.buckets import replica_barrier
 from zero_runtime.config import ZeroConfig
 from zero_runtime.lifecycle import (
     ClosePhase,
@@ -513,6 +514,12 @@ class Stage3Engine:
             shards = tape.gradient(
                 loss, anchors, unconnected_gradients=tf.UnconnectedGradients.ZERO
             )
+            # Every replica's forward and backward traced before any replica's update:
+            # the units' collectives are raw (no merge_call), and without this barrier
+            # replica 0's update host calls were traced before replica 1's loss, whose
+            # Assert (an unknown batch dimension) automatic control dependencies then
+            # chained after them: a deadlock (docs/zero_stages.md, "Dimensions unknown").
+            replica_barrier()
         finally:
             self.runner.end(replica)
         return y_pred, loss, {id(v): g for v, g in zip(self.runner.variables, shards)}
