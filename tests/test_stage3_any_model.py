@@ -358,3 +358,23 @@ def test_a_unit_inside_tf_cond_is_refused_before_the_first_step(cpu_devices):
         assert len(strategy.runtime.recorder) == 0
     finally:
         strategy.close()
+
+
+@pytest.mark.slow
+def test_a_dag_built_inside_zero_init_trains_like_mirrored(reference):
+    """The DAG with BatchNormalization built inside ``strategy.zero_init()`` (variables
+    created deferred, straight into their shards) and compiled after it trains by units
+    like MirroredStrategy."""
+    strategy = zero_runtime.ZeroInfinityStrategy(CONFIG)
+    try:
+        with strategy.zero_init():
+            model = _dag_bn()
+        with strategy.scope():
+            model.compile(optimizer=keras.optimizers.get("adam"), loss="mse")
+        x, y = _dag_bn_data()
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+        assert strategy.runtime.accounting.stage3_engines[0].runner is not None  # units
+        weights = model.get_weights()
+    finally:
+        strategy.close()
+    assert max(_rel(w, r) for w, r in zip(weights, reference("dag_bn"))) <= BOUND
