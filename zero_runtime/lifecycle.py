@@ -43,6 +43,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import enum
+import functools
 import itertools
 import logging
 import threading
@@ -269,6 +270,11 @@ def host_function(
     the traced graph does not keep ``fn`` (and what it references) alive after the
     owner's ``close()``. Without an owner, plain ``tf.numpy_function``.
 
+    A stateful call traced in a ``tf.function`` also takes the current replica's
+    ordering resource (:func:`_order_handle`) as a last input, which ``fn`` does not see:
+    it is ordered with its own replica's stateful host calls only, never with other
+    replicas' ops (issue #15).
+
     Returns:
         What ``tf.numpy_function`` returns (a tensor or a list of tensors).
 
@@ -277,9 +283,57 @@ def host_function(
             call raises it (surfacing as a TensorFlow error) once the owner is closed.
     """
     owner = owner if owner is not None else resources_of()
+    inputs = list(inputs)
+    if stateful and tf.inside_function():
+        inputs.append(_order_handle())
+        fn = functools.partial(_without_order_handle, fn)
     if owner is not None:
         fn = owner.host_call(fn, name or "host_call")
-    return tf.numpy_function(fn, list(inputs), tout, stateful=stateful, name=name)
+    return tf.numpy_function(fn, inputs, tout, stateful=stateful, name=name)
+
+
+#: Per replica (static id in sync, None outside a replica context): the resource variable
+#: whose handle every traced stateful host call of that replica takes as an input.
+_ORDER: dict[int | None, Any] = {}
+_ORDER_LOCK = threading.Lock()
+
+
+def _order_handle():
+    """The current replica's host-call ordering resource (a resource tensor).
+
+    ``tf.function``'s automatic control dependencies chain *every* stateful op without a
+    resource input in creation order, over the whole traced function
+    (``tensorflow/python/framework/auto_control_deps.py``, ``last_write_to_resource[None]``).
+    MirroredStrategy traces its replicas one after another in one graph, so a replica's
+    host update at the end of its step (created late) came before the next replica's
+    first such op: Keras's shape ``Assert`` in its loss when the batch dimension is
+    unknown (a partial last batch). That replica's backward then waited for the first
+    replica's whole step, whose backward collectives waited for it: a deadlock until the
+    collective timeout (issue #15). With a resource input a host call is ordered only with
+    the ops on that resource: its own replica's other stateful host calls, in creation
+    order, as before.
+    """
+    from tensorflow.python.ops import resource_variable_ops
+
+    ctx = tf.distribute.get_replica_context()
+    rid = None
+    if ctx is not None and ctx.num_replicas_in_sync > 1:
+        static = tf.get_static_value(ctx.replica_id_in_sync_group)
+        rid = None if static is None else int(static)
+    with _ORDER_LOCK:
+        var = _ORDER.get(rid)
+        if var is None:
+            with tf.init_scope():  # created eagerly, outside any strategy's creator
+                var = resource_variable_ops.ResourceVariable(
+                    0.0, trainable=False, name=f"zero_host_order_{rid}"
+                )
+            _ORDER[rid] = var
+    return var.handle
+
+
+def _without_order_handle(fn: Callable[..., Any], *args):
+    """``fn`` on the host call's inputs without the trailing ordering handle."""
+    return fn(*args[:-1])
 
 
 _OPEN: weakref.WeakSet[Resources] = weakref.WeakSet()
