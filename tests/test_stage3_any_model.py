@@ -21,8 +21,9 @@ with plain ``MirroredStrategy`` (same model, data and seed) per variable, as
   ``Add``, fed 20 samples in batches of 8 (a partial last batch: unknown batch dimension,
   so the loss traces Keras's shape ``Assert``); SGD with host optimizer states. It hung
   in its first step until the collective timeout (issue #15): the ``Assert`` of the
-  second replica was chained after the first replica's host update (see
-  ``zero_runtime.lifecycle.host_function``). Also run fast, on its own, comparing the
+  second replica was chained after the first replica's host update (fixed twice: the units
+  path's trace-time replica barrier, and ``zero_runtime.lifecycle.host_function``'s
+  per-replica ordering resource; either alone suffices). Also run fast, on its own, comparing the
   loss, with Adam (:func:`test_partial_batch_embedding_residual_trains_like_mirrored`).
 - ``mobilenet``: ``keras.applications.MobileNetV3Small`` (``weights=None``, 32x32 input,
   4 classes, no dropout): convolutions, depthwise convolutions, squeeze-and-excitation
