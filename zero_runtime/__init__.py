@@ -22,7 +22,7 @@ text) and that ``zero_runtime/`` has no import circle::
     optimizers     optim
     shards         sharded_variable
     services       memory, comm, telemetry, control, oom, estimator, capabilities, cluster_guard
-    foundations    config, devices, strategy_variants, lifecycle, oom_report
+    foundations    config, devices, strategy_variants, lifecycle, oom_report, atomic_file
 
 Only this package root may import from any layer (lazily, in ``__getattr__``). From
 ``tb_plugin`` the runtime imports only the data contract (``tb_plugin.metadata``) and its
@@ -48,7 +48,10 @@ __version__ = "0.1.0"
 #: The layers of ``zero_runtime``, lowest first: ``(name, top-level modules and packages)``.
 #: A unit may import units of lower layers only (tests/test_layering.py).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("foundations", ("config", "devices", "strategy_variants", "lifecycle", "oom_report")),
+    (
+        "foundations",
+        ("config", "devices", "strategy_variants", "lifecycle", "oom_report", "atomic_file"),
+    ),
     (
         "services",
         (

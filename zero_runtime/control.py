@@ -31,11 +31,11 @@ import enum
 import json
 import logging
 import os
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from zero_runtime.atomic_file import write_json_atomic  # also the plugin's (tb_plugin.whatif)
 from zero_runtime.config import TUNABLE_KEYS, ZeroConfig, ZeroConfigError, validate_tunable_update
 
 log = logging.getLogger(__name__)
@@ -394,27 +394,3 @@ def read_ack(run_dir: str) -> dict[str, Any] | None:
             return json.load(fh)
     except (OSError, ValueError):
         return None
-
-
-def write_json_atomic(path: str, obj: Any) -> None:
-    """Write ``obj`` as JSON to ``path`` atomically (a temporary file in the same
-    directory, fsync, then ``os.replace``): readers see the old file or the new one. Also
-    the plugin's writes into a run directory (``tb_plugin.whatif``).
-
-    Raises:
-        OSError: the directory cannot be written. ValueError: NaN or infinity in ``obj``.
-    """
-    directory = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(prefix=".tmp_", suffix=".json", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(obj, fh, allow_nan=False)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise

@@ -49,11 +49,11 @@ import logging
 import os
 import queue
 import re
-import tempfile
 import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from zero_runtime.atomic_file import write_json_atomic
 from zero_runtime.memory.page_table import PageState, PageTable
 from zero_runtime.memory.policy import EvictionPolicy
 from zero_runtime.memory.tiers import SlotTier
@@ -311,17 +311,9 @@ def write_steps(
     written = []
     for record in steps:
         path = os.path.join(directory, f"step_{record.step:09d}.json")
-        fd, tmp = tempfile.mkstemp(prefix=".tmp_", suffix=".json", dir=directory)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                json.dump(record.to_json(extra), fh, separators=(",", ":"), allow_nan=False)
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        write_json_atomic(  # no fsync: a lost step file costs one prediction
+            path, record.to_json(extra), fsync=False, separators=(",", ":")
+        )
         written.append(path)
     files = sorted(
         (int(m.group(1)), name)
