@@ -699,8 +699,15 @@ def test_oom_returns_the_latest_postmortem_as_written(client):
     assert pm["failed_request"]["bytes"] == 96 * 2**20
     assert [a["rank"] for a in pm["advice"]] == [2, 1, 3]  # as written; the view sorts
     assert len(pm["recent_steps"]) == synthetic.OOM_RECENT_STEPS
+    # A run that did not run out of memory: 404 naming the runs that did (issue #19).
     status, body = get_json(client, "/oom", run=synthetic.RUN_HTML_NAME)
-    assert status == 404 and "no memory_hierarchy data" in body["error"]["message"]
+    assert status == 404, body
+    assert body["error"]["message"] == (
+        f"Not found: run {synthetic.RUN_HTML_NAME!r} has no OOM record (it did not run out "
+        f"of memory); runs with one: [{synthetic.OOM_RUN!r}]"
+    )
+    status, body = get_json(client, "/oom", run="no_such_run")
+    assert status == 404 and "no memory_hierarchy run 'no_such_run'" in body["error"]["message"]
     status, body = get_json(client, "/oom")
     assert status == 400 and "'run' is required" in body["error"]["message"]
 

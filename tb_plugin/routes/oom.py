@@ -27,12 +27,21 @@ def oom_impl(reader: Reader, ctx: Any, experiment: str, run: str) -> dict[str, A
         ``wall_time`` in seconds since the epoch.
 
     Raises:
-        NotFoundError: no such run, or the run recorded no post-mortem.
+        NotFoundError: no such run ("no memory_hierarchy run ..."), or a run that did not
+            run out of memory: "run 'R' has no OOM record (it did not run out of memory);
+            runs with one: [...]" (the runs of the logdir that have, sorted; ``[]`` when
+            none has).
         DataContractError: a record that is not UTF-8 JSON.
     """
-    events = reader.records(ctx, experiment, run, metadata.TAG_OOM)
+    reader.require_run(ctx, experiment, run)
+    events = reader.records_if_any(ctx, experiment, run, metadata.TAG_OOM)
     if not events:
-        raise errors.NotFoundError(f"run {run[:80]!r} recorded no out-of-memory post-mortem")
+        listing = reader.listing(ctx, experiment)
+        with_oom = sorted(r for r, t in listing.items() if metadata.TAG_OOM in t)
+        raise errors.NotFoundError(
+            f"run {run[:80]!r} has no OOM record (it did not run out of memory); "
+            f"runs with one: {with_oom}"
+        )
     last = events[-1]
     return {
         "run": run,
