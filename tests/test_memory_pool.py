@@ -158,6 +158,29 @@ def test_free_releases_every_tier_and_refuses_pinned(tmp_path):
             pool.read("a")
 
 
+def test_reservation_is_counted_and_pinned_on_the_device_but_holds_no_bytes(tmp_path):
+    """A stage-3 device shard is a TensorFlow variable; the pool reserves its pages: they
+    count on the device tier and in describe, are never moved (a budget below them is
+    refused, another tensor goes down instead), and reads/writes are refused."""
+    with make_pool(tmp_path, device=3, host=2) as pool:
+        pool.reserve("shard", (F32_PER_PAGE + 1,), np.float32, "param")  # 2 pages
+        assert tiers_of(pool, "shard") == ["device", "device"]
+        assert pool.usage()["device"].used_bytes == 2 * PS
+        assert pool.describe("shard").kind == "param"
+        for call in (pool.read, pool.acquire, lambda t: pool.write(t, np.zeros(1))):
+            with pytest.raises(ValueError, match="'shard': it is a reservation"):
+                call("shard")
+        pool.allocate("a", (F32_PER_PAGE,), np.float32, tier="device")
+        pool.allocate("b", (F32_PER_PAGE,), np.float32, tier="device")  # a moves down
+        assert tiers_of(pool, "a") == ["host"] and tiers_of(pool, "shard")[0] == "device"
+        with pytest.raises(PoolOutOfMemoryError):
+            pool.set_device_budget(PS)  # only b could move: the reservation stays
+        pool.free("shard")  # its pin is the reservation's own
+        assert pool.usage()["device"].used_bytes == PS
+    with make_pool(tmp_path, device=0) as pool, pytest.raises(ValueError, match="device tier"):
+        pool.reserve("x", (1,), np.float32, "param")
+
+
 # --- eviction -------------------------------------------------------------------------
 def test_full_tier_evicts_least_recently_used_first(tmp_path):
     with make_pool(tmp_path, host=3) as pool:

@@ -53,6 +53,9 @@ CONFIG = {
     "page_size_bytes": 65536,
     "collective_timeout_seconds": 30,
 }
+# Parameters and optimizer states on the device: shards are per-replica variables, the
+# step has no host call (zero_runtime/stage3/step_clock.py).
+DEVICE_CONFIG = {**CONFIG, "offload_param": "none", "offload_optimizer": "none"}
 BOUND = 1e-4  # docs/parity.md, stage 3
 FLOOR = 1e-3  # smallest denominator of the relative difference (see _rel)
 
@@ -296,9 +299,15 @@ def _rel(w: np.ndarray, r: np.ndarray) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(MODELS))
-def test_any_model_trains_at_stage3_like_mirrored(name, reference):
-    strategy = zero_runtime.ZeroInfinityStrategy(CONFIG)
+@pytest.mark.parametrize(
+    ("name", "tier"),
+    [(name, "cpu") for name in MODELS]
+    + [(name, "none") for name in ("gpt", "dag_bn", "tied", "embed_add")],
+)
+def test_any_model_trains_at_stage3_like_mirrored(name, tier, reference):
+    """``tier``: 'cpu' (parameters and states in the host pool) or 'none' (both on the
+    device: shard variables, no host call in the step)."""
+    strategy = zero_runtime.ZeroInfinityStrategy(DEVICE_CONFIG if tier == "none" else CONFIG)
     try:
         model = _fit(strategy, name)
         assert model.trainable_variables
@@ -311,6 +320,10 @@ def test_any_model_trains_at_stage3_like_mirrored(name, reference):
         assert frozen == {v.path for v in model.weights if not v.trainable}
         last = strategy.runtime.recorder.last(1)[0]
         assert last.stage == 3 and not last.fallback_mirrored
+        assert last.step == int(model.optimizer.iterations.numpy()) - 1  # every step recorded
+        if tier == "none":  # the pool accounts the shard variables on the device tier
+            tiers = {r["param_tier"] for r in rows if "(ZeRO-3)" in r["partitioning"]}
+            assert tiers == {"device"}
         weights = model.get_weights()
         names = [v.path for v in model.weights]
     finally:

@@ -7,8 +7,11 @@ Vocabulary (used by :mod:`zero_runtime.stage3` and the stage-3 optimizer path):
 - *shard*: replica ``r``'s rows ``[r * R, (r + 1) * R)`` of the moved value, zero-padded
   to ``R = ceil(D / N)`` rows, flattened: float32 ``[R * prod(rest)]`` (ZeRO-3, parameter
   partitioning, Rajbhandari et al., SC20, section 5.3). It lives as pages of the paged
-  pool on the tier ``offload_param`` selects ('none' -> device, 'cpu' -> host,
-  'nvme' -> NVMe), one pool tensor per replica.
+  pool on the tier ``offload_param`` selects ('cpu' -> host, 'nvme' -> NVMe), one pool
+  tensor per replica; on the device tier ('none', with ``devices`` given) it is a
+  TensorFlow variable on the replica's device (:meth:`ShardedVariable.device_shard`,
+  read and assigned inside a step with no host call) and the pool holds a reservation
+  of its pages (``PagedBufferPool.reserve``: counted, pinned, no bytes).
 - *gathered buffer*: the all-gathered, padded moved value ``(N * R, *rest)``, a pool
   tensor of kind 'param' on the device tier while the variable is GATHERED.
 - *deferred variable*: a Keras variable created inside ``strategy.zero_init()`` with no
@@ -53,6 +56,7 @@ import numpy as np
 import tensorflow as tf
 from keras.src.backend.common.stateless_scope import get_stateless_scope, in_stateless_scope
 from keras.src.backend.tensorflow.core import Variable as _KerasTFVariable
+from tensorflow.python.ops import resource_variable_ops
 
 from zero_runtime.lifecycle import host_function
 from zero_runtime.memory import PagedBufferPool
@@ -90,6 +94,7 @@ class _ReplicaShard:
     shard_id: str
     gathered_id: str
     state: ShardState = ShardState.SHARDED
+    variable: tf.Variable | None = None  # the device-tier shard, float32 [shard_elements]
 
 
 class ShardedVariable(_KerasTFVariable):
@@ -115,6 +120,11 @@ class ShardedVariable(_KerasTFVariable):
             every replica's shard outside a step: ``{replica: float32 [shard_elements]}``
             of the local replicas -> float32 ``[num_shards, shard_elements]`` (every
             worker calls it; :func:`zero_runtime.comm.gather_local_shards`).
+        devices: with ``tier='device'``, the local replicas' devices (replica ``r``'s is
+            ``devices[r % len(devices)]``): each local shard is then a float32
+            ``[shard_elements]`` resource variable on its replica's device and the pool
+            holds a reservation of its pages. Default None: the shards are pool pages on
+            ``tier`` (also 'device': pages as TensorFlow tensors, read by host calls).
 
     Raises:
         ValueError: a non-float32 value, ``num_shards`` < 1, a bad ``shard_dim``, or
@@ -135,6 +145,7 @@ class ShardedVariable(_KerasTFVariable):
         trainable: bool = True,
         local_replicas: Sequence[int] | None = None,
         gather_remote: Callable[[dict[int, np.ndarray]], np.ndarray] | None = None,
+        devices: Sequence[str] | None = None,
     ) -> None:
         value = np.asarray(value)
         if value.dtype != np.float32:
@@ -172,7 +183,13 @@ class ShardedVariable(_KerasTFVariable):
         ]
         for r in self.local_replicas:  # a worker allocates only its own replicas' shards
             rec = self._replicas[r]
-            pool.allocate(rec.shard_id, (self.shard_elements,), np.float32, "param", tier)
+            if tier == "device" and devices:
+                pool.reserve(rec.shard_id, (self.shard_elements,), np.float32, "param")
+                rec.variable = _device_variable(
+                    self.shard_elements, devices[r % len(devices)], f"{name}_shard_r{r}"
+                )
+            else:
+                pool.allocate(rec.shard_id, (self.shard_elements,), np.float32, "param", tier)
         super().__init__(
             initializer=lambda shape, dtype=None: value,
             shape=shape,
@@ -282,9 +299,18 @@ class ShardedVariable(_KerasTFVariable):
         return np.ascontiguousarray(np.moveaxis(moved, 0, self.shard_dim))
 
     # -- shards --------------------------------------------------------------------------
+    def device_shard(self, replica: int) -> tf.Variable | None:
+        """``replica``'s shard as a resource variable on its device, float32
+        ``[shard_elements]`` (tier 'device' with ``devices`` given), else None. A step
+        reads it for the all-gather and the optimizer assigns it, inside the graph."""
+        return self._replicas[replica].variable
+
     def read_shard(self, replica: int) -> np.ndarray:
         """A copy of ``replica``'s shard, float32 ``[shard_elements]`` (pages it in)."""
-        sid = self._replicas[replica].shard_id
+        rec = self._replicas[replica]
+        if rec.variable is not None:
+            return np.array(rec.variable.numpy(), np.float32, copy=True)
+        sid = rec.shard_id
         if self.tier == "device":
             out = self.pool.acquire(sid, "device")
             try:
@@ -307,7 +333,7 @@ class ShardedVariable(_KerasTFVariable):
         rec = self._replicas[replica]
         with self._lock:
             self._expect(rec, (ShardState.SHARDED, ShardState.RELEASED), "write_shard")
-            self.pool.write(rec.shard_id, np.asarray(shard, np.float32).reshape(-1))
+            self._store(rec, shard)
             rec.state = ShardState.SHARDED
 
     # -- transitions ---------------------------------------------------------------------
@@ -395,6 +421,7 @@ class ShardedVariable(_KerasTFVariable):
                 self.pool.free(rec.gathered_id)
             if rec.shard_id in self.pool.tensor_ids():
                 self.pool.free(rec.shard_id)
+            rec.variable = None
 
     # -- helpers -------------------------------------------------------------------------
     def _write_logical(self, value: np.ndarray) -> None:
@@ -403,7 +430,20 @@ class ShardedVariable(_KerasTFVariable):
             rec = self._replicas[r]
             with self._lock:
                 self._expect(rec, (ShardState.SHARDED, ShardState.RELEASED), "assign")
-                self.pool.write(rec.shard_id, shards[r])
+                self._store(rec, shards[r])
+
+    def _store(self, rec: _ReplicaShard, shard: np.ndarray) -> None:
+        """Write one replica's shard where it lives (its device variable or its pages)."""
+        flat = np.asarray(shard, np.float32).reshape(-1)
+        if rec.variable is not None:
+            if flat.shape != (self.shard_elements,):
+                raise ValueError(
+                    f"shard of {getattr(self, '_path', '?')!r} has {flat.size} elements, "
+                    f"expected {self.shard_elements}"
+                )
+            rec.variable.assign(flat)
+        else:
+            self.pool.write(rec.shard_id, flat)
 
     def _expect(self, rec: _ReplicaShard, allowed: tuple[ShardState, ...], what: str) -> None:
         if rec.state not in allowed:
@@ -417,6 +457,16 @@ class ShardedVariable(_KerasTFVariable):
             f"<ShardedVariable path={getattr(self, '_path', '?')} shape={self._logical_shape} "
             f"shards={self.num_shards}x{self.shard_elements} tier={self.tier}"
             f"{' persistent' if self.persistent else ''}>"
+        )
+
+
+def _device_variable(elements: int, device: str, name: str) -> tf.Variable:
+    """A zero float32 ``[elements]`` resource variable on ``device``, made outside any
+    trace and outside the strategy's variable creator (a plain per-replica variable, as
+    ``zero_runtime.optim.device_state``'s)."""
+    with tf.init_scope(), tf.device(device):
+        return resource_variable_ops.ResourceVariable(
+            tf.zeros([elements], tf.float32), trainable=False, name=name.replace(":", "_")
         )
 
 

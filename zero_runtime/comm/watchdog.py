@@ -72,6 +72,7 @@ class _Deadline:
     traced: bool  # armed from a traced step (its disarm never runs if the step fails)
     start: float = 0.0  # time.time() seconds when armed (the collective could start)
     lane: object = None  # the replica's device (interval listeners' lane), or None
+    postpone: bool = False  # a step's deadline: restarted while no tf.function executes
 
 
 class CollectiveWatchdog:
@@ -115,6 +116,7 @@ class CollectiveWatchdog:
         self.deadlines_started = 0
         self.stale_dropped = 0
         self.traced_builds = 0
+        self._outside_steps = 0  # step_deadline blocks open (guard builds unguarded then)
         self._listeners: list[Callable[[], Callable[[object, float, float], None] | None]] = []
 
     def add_interval_listener(self, listener: Callable[[object, float, float], None]) -> None:
@@ -141,6 +143,7 @@ class CollectiveWatchdog:
         scope: object = None,
         traced: bool = False,
         lane: object = None,
+        postpone: bool = False,
     ) -> None:
         """Start (or restart) the deadline of collective ``key``.
 
@@ -152,6 +155,9 @@ class CollectiveWatchdog:
                 other deadline of the same scope (see the class docstring).
             traced: True when armed from a traced step (a host callback).
             lane: the replica's device, handed to interval listeners (None: ``scope``).
+            postpone: restart the deadline, instead of enforcing it, when it falls due
+                while no ``tf.function`` executes (the step is still being traced);
+                :meth:`step_deadline` sets it.
 
         Raises:
             ValueError: ``seconds`` is not > 0.
@@ -170,6 +176,7 @@ class CollectiveWatchdog:
                 traced,
                 time.time(),
                 scope if lane is None else lane,
+                postpone,
             )
             self.deadlines_started += 1
             if self._thread is None:
@@ -218,6 +225,43 @@ class CollectiveWatchdog:
         finally:
             self.disarm(key)
 
+    @contextlib.contextmanager
+    def step_deadline(self, seconds: float, what: str) -> Iterator[None]:
+        """One deadline over a whole step run from Python (a stage-3 device-tier step,
+        :mod:`zero_runtime.stage3.step_clock`), instead of two host callbacks per
+        collective inside its graph.
+
+        While the block runs, :func:`guard` builds the collectives traced in it without
+        their host callbacks (:attr:`covers_traces`). The deadline is restarted while no
+        ``tf.function`` executes (the call is tracing, which may take longer than a
+        collective may) and enforced while one does: a step that does not finish within
+        ``seconds`` of execution aborts the process's collectives like a collective's
+        deadline. No interval is reported to the interval listeners (the collectives of
+        such a step are not timed one by one).
+
+        Args:
+            seconds: the time the step may execute, seconds; 0 or less: no deadline
+                (the collectives are still built unguarded).
+            what: the step, for the message.
+        """
+        key = ("step", next(_KEYS))
+        with self._cond:
+            self._outside_steps += 1
+        try:
+            if seconds > 0:
+                self.arm(key, seconds, what, postpone=True)
+            yield
+        finally:
+            self.disarm(key)
+            with self._cond:
+                self._outside_steps -= 1
+
+    @property
+    def covers_traces(self) -> bool:
+        """True while a :meth:`step_deadline` block is open: collectives traced now are
+        built without their deadline callbacks (the step's deadline covers them)."""
+        return self._outside_steps > 0
+
     def _run(self) -> None:
         with self._cond:
             while True:
@@ -228,6 +272,12 @@ class CollectiveWatchdog:
                 wait = first.due - time.monotonic()
                 if wait > 0:
                     self._cond.wait(wait)
+                    continue
+                if first.postpone and not self._executing():
+                    # The step is tracing (or between its functions): not a stall.
+                    self._deadlines[key] = dataclasses.replace(
+                        first, due=time.monotonic() + first.seconds
+                    )
                     continue
                 if first.traced and not self._executing():
                     del self._deadlines[key]  # its step failed before the disarm
@@ -295,7 +345,7 @@ def guard(
         ``collective(flat)``'s result.
     """
     WATCHDOG.traced_builds += 1
-    if not seconds > 0:
+    if not seconds > 0 or WATCHDOG.covers_traces:  # no deadline, or the step's own
         return collective(flat)
     span = _open_spans().get(id(token))
     if span is not None:

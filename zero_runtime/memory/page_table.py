@@ -130,6 +130,7 @@ class PageRecord:
     checksum: int | None = None
     last_use_step: int = 0
     last_use_tick: int = 0
+    external: bool = False  # a reservation's page: accounted, its bytes held elsewhere
 
     @property
     def tier(self) -> str | None:
@@ -159,6 +160,8 @@ class TensorEntry:
         acquired_tier: the tier it is acquired on while ``acquire_count > 0``.
         acquired: the array handed out by ``acquire(tier='host')`` while acquired.
         writable: whether that array may be written (and is written back on release).
+        external: a reservation (:meth:`PagedBufferPool.reserve`): its pages are counted
+            on their tier and pinned there, but its bytes are held outside the pool.
     """
 
     tensor_id: str
@@ -172,6 +175,7 @@ class TensorEntry:
     acquired_tier: str | None = None
     acquired: np.ndarray | None = None
     writable: bool = False
+    external: bool = False
 
     @property
     def pinned(self) -> bool:

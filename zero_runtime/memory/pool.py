@@ -391,15 +391,54 @@ class PagedBufferPool:
             self._p.allocate(entry, tier)
             self._trace("A", tensor_id, entry.nbytes, entry.dtype.itemsize, kind, tier)
 
+    def reserve(
+        self, tensor_id: str, shape: Sequence[int], dtype: np.dtype | type | str, kind: str
+    ) -> None:
+        """Account a device tensor whose bytes live outside the pool.
+
+        A stage-3 shard on the device tier is a TensorFlow variable on its replica's
+        device (read and assigned inside the step, no host call); the pool still counts
+        it: the reservation takes whole pages on the device tier (``usage``, ``describe``,
+        placement and OOM reports, the budget), pinned there (never evicted, so a device
+        budget below the reservations cannot be applied), and stores no bytes: ``read``,
+        ``write`` and ``acquire`` refuse it. :meth:`free` ends it.
+
+        Args:
+            tensor_id: a new identifier.
+            shape: the logical shape (non-negative ints).
+            dtype: any numpy dtype without Python objects.
+            kind: accounting label, one of 'param', 'grad', 'optimizer', 'activation',
+                'other'.
+
+        Raises:
+            ValueError: duplicate id, bad shape/dtype/kind, or no device tier.
+            PoolOutOfMemoryError: the pages do not fit the device tier (nothing is
+                reserved).
+        """
+        entry = _new_entry(tensor_id, shape, dtype, kind, self._page_size)
+        entry.external = True
+        for page in entry.pages:
+            page.external = True
+        with self._p.cond:
+            self._check_open()
+            self._check_tier("device", ("device",))
+            self._p.allocate(entry, "device")
+            self._p.pin(entry)
+            self._trace("A", tensor_id, entry.nbytes, entry.dtype.itemsize, kind, "device")
+
     def free(self, tensor_id: str) -> None:
-        """Free a tensor's pages on every tier (waiting for its I/O in flight).
+        """Free a tensor's pages on every tier (waiting for its I/O in flight); a
+        reservation's pin is dropped first.
 
         Raises:
             KeyError: unknown tensor.
             ValueError: the tensor is pinned or acquired.
         """
         with self._p.cond:
-            self._p.free(self._entry(tensor_id))
+            entry = self._entry(tensor_id)
+            if entry.external and entry.pin_count == 1 and entry.acquire_count == 0:
+                self._p.unpin(entry)
+            self._p.free(entry)
             self._trace("F", tensor_id)
 
     def write(self, tensor_id: str, array: np.ndarray) -> None:
@@ -419,7 +458,7 @@ class PagedBufferPool:
             PagingError: an I/O error writing an NVMe page.
         """
         with self._p.cond:
-            entry = self._entry(tensor_id)
+            entry = self._bytes_entry(tensor_id, "write")
             data = _payload(entry, array)
             self._p.use(entry, lambda: self._p.access.write(entry, data))
             self._trace("W", tensor_id)
@@ -436,7 +475,7 @@ class PagedBufferPool:
             PagingError: an I/O error reading an NVMe page.
         """
         with self._p.cond:
-            entry = self._entry(tensor_id)
+            entry = self._bytes_entry(tensor_id, "read")
             out = self._p.use(entry, lambda: self._p.access.read(entry))
             self._trace("D", tensor_id)
             return out
@@ -472,7 +511,7 @@ class PagedBufferPool:
             PageChecksumError: a page read from NVMe is corrupt (it stays on NVMe).
         """
         with self._p.cond:
-            entry = self._entry(tensor_id)
+            entry = self._bytes_entry(tensor_id, "acquire")
             self._check_tier(tier, ("host", "device"))
             result = self._p.acquire(entry, tier, writable)
             self._trace("Q", tensor_id, tier)
@@ -675,6 +714,15 @@ class PagedBufferPool:
     def _entry(self, tensor_id: str) -> TensorEntry:
         self._check_open()
         return self._p.table.get(tensor_id)
+
+    def _bytes_entry(self, tensor_id: str, what: str) -> TensorEntry:
+        entry = self._entry(tensor_id)
+        if entry.external:
+            raise ValueError(
+                f"cannot {what} {tensor_id!r}: it is a reservation (reserve()), its bytes "
+                "are held outside the pool"
+            )
+        return entry
 
     def _check_tier(self, tier: str, allowed: Sequence[str]) -> None:
         _check_tier(tier, allowed, self._p.device.n_slots, self._p.nvme is not None)

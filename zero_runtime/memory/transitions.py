@@ -156,6 +156,8 @@ class TierTransitions:
         """UNPLACED -> ON_<dst>: the page's first slot, zero-filled."""
         self._expect(page, S.UNPLACED, "place")
         self._table.transition(page, RESIDENT[dst], slot)
+        if page.external:  # a reservation: the slot is counted, no bytes are stored
+            return
         if page.state is S.ON_DEVICE:
             self._device.put(page.slots["device"], self._zeros[: page.payload])
         elif page.state is S.ON_HOST:

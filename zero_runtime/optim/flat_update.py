@@ -311,13 +311,7 @@ class FlatShardUpdate:
                 zs.store.slots(replica), param_shard, grad_shard, scalars, mask
             )
             with tf.control_dependencies([new_shard]):
-                host_function(
-                    functools.partial(self._zero_tick, replica=replica),
-                    [step],
-                    tf.int64,
-                    stateful=True,
-                    name="zero_step_clock",
-                )
+                self._zero_tick_op(replica, step)
         elif isinstance(zs.store, SplitOptimizerState):
             new_shard = self._zero_split_step(
                 zs.store, replica, param_shard, grad_shard, active, lr, scalars, step
@@ -430,6 +424,17 @@ class FlatShardUpdate:
         self._zero_gate_tokens().append(host_part)
         parts.append(host_part)
         return tf.concat(parts, axis=0) if len(parts) > 1 else parts[0]
+
+    def _zero_tick_op(self, replica: int, step: tf.Tensor) -> tf.Tensor:
+        """Graph: the step clock, a host call telling the runtime that ``replica``
+        finished optimizer step ``step`` (int64 scalar, returned once it ran)."""
+        return host_function(
+            functools.partial(self._zero_tick, replica=replica),
+            [step],
+            tf.int64,
+            stateful=True,
+            name="zero_step_clock",
+        )
 
     def _zero_tick(self, step: np.ndarray, replica: int) -> np.int64:
         if self._zero.runtime is not None:

@@ -36,7 +36,9 @@ class ShardedUpdate:
         zero_runtime/stage3/embedding.py)."""
         return [v for v in self._trainable_variables if not getattr(v, "row_paged", False)]
 
-    def apply_shard_gradients(self, grads: dict[int, tf.Tensor], count: bool = True) -> tf.Tensor:
+    def apply_shard_gradients(
+        self, grads: dict[int, tf.Tensor], count: bool = True, clock: bool = True
+    ) -> tf.Tensor:
         """Stage 3: update this replica's parameter shards with its reduced gradient shards.
 
         Runs in replica context (inside the stage-3 train step). The parameters stay
@@ -55,6 +57,10 @@ class ShardedUpdate:
             count: increment ``iterations`` here (default True). False inside
                 ``tf.cond`` (gradient accumulation), where the caller increments it after
                 the cond (a mirrored variable's update is a ``merge_call``).
+            clock: with parameter shards and states on the device, trace the runtime's
+                step clock (a host call, ``on_shard_updated``) after the update (default
+                True). False when the caller reports the step from Python after the call
+                (:mod:`zero_runtime.stage3.step_clock`): the update then has no host call.
 
         Returns:
             An int64 scalar, the optimizer step, that exists once the shards are written.
@@ -68,7 +74,15 @@ class ShardedUpdate:
         step = self._zero_step()
         wd = tf.cast(self.weight_decay if self.weight_decay else 0.0, tf.float32)
         lr32 = tf.cast(lr, tf.float32)
-        if isinstance(zs.store, DeviceOptimizerState):
+        shards = [v.device_shard(replica) for v in order]
+        on_device = bool(shards) and all(s is not None for s in shards)
+        if isinstance(zs.store, DeviceOptimizerState) and on_device:
+            done = self._zero3_device_update(
+                order, shards, replica, grad_shard, scalars, step, wd, lr32
+            )
+            if clock:  # the runtime's on_shard_updated (FlatShardUpdate)
+                done = self._zero_tick_op(replica, done)
+        elif isinstance(zs.store, DeviceOptimizerState):
             param = host_function(
                 functools.partial(self._zero3_read, replica=replica, decay=True),
                 [wd, lr32],
@@ -98,6 +112,53 @@ class ShardedUpdate:
         with tf.control_dependencies([done]):
             self._iterations.assign_add(1)
         return self._zero_commit_op(replica, done)
+
+    def _zero3_device_update(
+        self,
+        variables: list,
+        shards: list,
+        replica: int,
+        grad: tf.Tensor,
+        scalars: list,
+        step: tf.Tensor,
+        wd: tf.Tensor,
+        lr: tf.Tensor,
+    ) -> tf.Tensor:
+        """The update with parameter shards and optimizer states both on the device: TF
+        ops only, no host call.
+
+        Reads every variable's shard variable (float32 ``[shard_elements]``), applies
+        Keras's decoupled weight decay ``v - v * wd * lr`` to those it applies to
+        (``_use_weight_decay``), runs ``_zero_device_step`` on the concatenation
+        (float32 ``[shard_size]``, ``grad`` the same shape) and assigns the pieces back.
+        The step clock (the runtime's ``on_shard_updated``) is left to the caller.
+
+        Args:
+            variables: the ShardedVariables, in the optimizer's order.
+            shards: their ``device_shard(replica)`` variables, same order.
+            replica: the replica id.
+            grad: float32 ``[shard_size]``, the reduced gradient shards concatenated.
+            scalars: the subclass's ``_zero_scalars`` (e.g. Adam's alpha).
+            step: int64 scalar, the optimizer step (read before the increment).
+            wd: float32 scalar, the weight decay (0 without).
+            lr: float32 scalar, the learning rate of the step.
+
+        Returns:
+            The optimizer step (int64 scalar) once every shard variable is assigned.
+        """
+        zs = self._zero
+        params = [s.read_value() for s in shards]
+        if self.weight_decay:
+            params = [
+                p - p * wd * lr if self._use_weight_decay(v) else p
+                for p, v in zip(params, variables)
+            ]
+        param = params[0] if len(params) == 1 else tf.concat(params, axis=0)
+        new = self._zero_device_step(zs.store.slots(replica), param, grad, scalars, None)
+        pieces = tf.split(new, [v.shard_elements for v in variables]) if len(shards) > 1 else [new]
+        assigns = [s.assign(p, read_value=False) for s, p in zip(shards, pieces)]
+        with tf.control_dependencies(assigns):
+            return tf.identity(tf.cast(step, tf.int64))
 
     def _zero3_read_shards(self, variables, replica: int, wd=None, lr=None) -> np.ndarray:
         """``replica``'s shards of ``variables`` (ShardedVariables), concatenated: float32

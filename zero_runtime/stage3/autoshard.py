@@ -97,7 +97,7 @@ def trainer_to_shard(optimizer, variables: list) -> keras.Model:
     return model
 
 
-def bind(model: keras.Model, train_step, forward, in_step=None) -> None:
+def bind(model: keras.Model, train_step, forward, in_step=None, wrap_train_function=None) -> None:
     """Make ``model`` (the user's object) run stage 3 in place.
 
     Sets instance attributes, not class ones: ``train_step`` (the stage-3 step, with
@@ -114,6 +114,9 @@ def bind(model: keras.Model, train_step, forward, in_step=None) -> None:
         forward: ``(inputs, training: bool) -> outputs`` in replica context.
         in_step: ``() -> bool``, True while the engine's own step traces the model
             (its tape is the engine's, not a user's); default: never.
+        wrap_train_function: ``(train_function, model) -> train_function``, applied to
+            the ``train_function`` Keras makes for ``model`` (``make_train_function``
+            becomes an instance attribute); default None: Keras's as is.
     """
     # The model's call as it is now: its own, or a unit's hook when the model itself owns
     # weights (zero_runtime/stage3/gather.py).
@@ -140,6 +143,15 @@ def bind(model: keras.Model, train_step, forward, in_step=None) -> None:
     # object.__setattr__: plain attributes, not tracked by Keras (nothing to save).
     object.__setattr__(model, "train_step", train_step)
     object.__setattr__(model, "call", call)
+    if wrap_train_function is not None:
+        own_make = type(model).make_train_function.__get__(model)
+
+        def make_train_function(force: bool = False):
+            own_make(force)
+            model.train_function = wrap_train_function(model.train_function, model)
+            return model.train_function
+
+        object.__setattr__(model, "make_train_function", make_train_function)
     for name in ("train_function", "test_function", "predict_function"):
         if getattr(model, name, None) is not None:  # traced before: re-trace with these
             setattr(model, name, None)

@@ -59,6 +59,7 @@ from zero_runtime.stage3.embedding import (
     row_paging_budget,
 )
 from zero_runtime.stage3.gather import Unit, UnitRunner, reduce_scatter_variables
+from zero_runtime.stage3.step_clock import OutsideStepClock
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +191,8 @@ class Stage3Engine:
             with ``offload_param='none'``); a row-paged table counts its row cache, not
             the table (``embedding.row_paging_budget``, docs/zero_stages.md).
         last_step: the :class:`PoolStep` of the last closed step (None before).
+        clock: the :class:`~zero_runtime.stage3.step_clock.OutsideStepClock` (the step
+            boundary of device-tier units steps under ``fit``, reported from Python).
         state: OPEN, then CLOSED after :meth:`close` (the strategy's ``close()`` closes
             it, phase ``MODELS``: :mod:`zero_runtime.lifecycle`).
 
@@ -326,6 +329,7 @@ class Stage3Engine:
             ]
         )
         self.last_step: PoolStep | None = None
+        self.clock = OutsideStepClock(self)  # device-tier steps' boundary, from Python
         runtime = getattr(strategy, "runtime", None)
         if runtime is not None and hasattr(runtime, "register_stage3_engine"):
             runtime.register_stage3_engine(self)  # tiers, pages, placement from this pool
@@ -412,6 +416,9 @@ class Stage3Engine:
                     path=v.path,
                     local_replicas=self.local_replicas,
                     gather_remote=self._gather_remote if remote else None,
+                    # Device tier: each shard a variable on its replica's device, read
+                    # and updated in the step's graph (no host call; the pool reserves).
+                    devices=self.devices,
                 )
                 _replace_variable(model, v, sharded[id(v)])
         units = tuple(

@@ -268,13 +268,15 @@ class UnitRunner:
         Returns one float32 tensor per original, of its logical shape.
         """
         e = unit.shard_elements
-        shard = host_function(
-            functools.partial(_read_shards, unit.variables, replica),
-            [dep],
-            tf.float32,
-            stateful=False,  # ordered by ``dep`` only (see engine._host_call)
-            name="zero3_unit_shards",
-        )
+        shard = _device_shards(unit.variables, replica)
+        if shard is None:  # pool pages (host, NVMe): one host read
+            shard = host_function(
+                functools.partial(_read_shards, unit.variables, replica),
+                [dep],
+                tf.float32,
+                stateful=False,  # ordered by ``dep`` only (see engine._host_call)
+                name="zero3_unit_shards",
+            )
         shard.set_shape([e])
         full = comm.all_gather_flat(shard, self.group)  # (N * E,)
         rows = tf.reshape(full, [self.num_shards, e])  # (N, E)
@@ -308,6 +310,18 @@ def _refuse_control_flow(unit: Unit) -> None:
                 "keras.ops.where, or train at stage 1 or 2"
             )
         graph = getattr(graph, "outer_graph", None)
+
+
+def _device_shards(variables: tuple, replica: int) -> tf.Tensor | None:
+    """The replica's shards of ``variables`` read from their device variables and
+    concatenated, float32 ``[sum(shard_elements)]`` (no host call; automatic control
+    dependencies order each read after the previous step's assign of that variable), or
+    None when a shard lives in pool pages (``ShardedVariable.device_shard``)."""
+    shards = [v.device_shard(replica) for v in variables]
+    if not shards or any(s is None for s in shards):
+        return None
+    reads = [s.read_value() for s in shards]
+    return reads[0] if len(reads) == 1 else tf.concat(reads, axis=0)
 
 
 def _read_shards(variables: tuple, replica: int, *_) -> np.ndarray:

@@ -89,7 +89,13 @@ class ShardedModel(keras.Model):
             return self.train_step_for(model, data)
 
         # The user's own object trains at stage 3 too (model.fit, strategy.run(model.train_step)).
-        autoshard.bind(model, inner_train_step, self.engine.forward, self.engine.in_step)
+        autoshard.bind(
+            model,
+            inner_train_step,
+            self.engine.forward,
+            self.engine.in_step,
+            wrap_train_function=self.engine.clock.wrap,
+        )
         for name in ("fit", "train_on_batch", "evaluate", "predict"):  # recover on errors
             own = getattr(type(model), name).__get__(model)
             object.__setattr__(model, name, functools.partial(self._recovering, own))
@@ -100,6 +106,13 @@ class ShardedModel(keras.Model):
         (zero_runtime/optim/backward_update.py), False when at the step's end, None
         before the first step is traced."""
         return self.engine.update_in_backward
+
+    def make_train_function(self, force: bool = False):
+        """Keras's, its ``train_function`` run under the engine's step clock
+        (:meth:`~zero_runtime.stage3.step_clock.OutsideStepClock.wrap`)."""
+        super().make_train_function(force)
+        self.train_function = self.engine.clock.wrap(self.train_function, self)
+        return self.train_function
 
     def call(self, inputs, training: bool | None = None):
         """Forward pass. In replica context with several replicas, block by block with
@@ -141,6 +154,9 @@ class ShardedModel(keras.Model):
         # shards are updated during backward (zero_runtime/optim/backward_update.py).
         in_backward = backward_update.supported(opt) and self.engine.runner is None
         update = BackwardShardUpdate(opt, replica) if in_backward else None
+        # Device tier under fit: no host call in the step; its boundary is reported from
+        # Python after the call (zero_runtime/stage3/step_clock.py).
+        outside = self.engine.clock.applies(opt)
         y_pred, _, grads = self.engine.forward_backward(x, loss_fn, training=True, update=update)
         # Row-paged embeddings update their touched rows first (their scalars read the
         # iteration before the dense update increments it); the dense update follows.
@@ -152,20 +168,23 @@ class ShardedModel(keras.Model):
             if sparse:
                 with tf.control_dependencies(sparse):
                     grads = {k: tf.identity(g) for k, g in grads.items()}
-            done = self._apply_gradients(opt, grads, replica)
-        with tf.control_dependencies([done]):
-            end = host_function(
-                functools.partial(_end_step, self.engine, replica),
-                [done],
-                tf.int64,
-                stateful=True,
-            )
+            done = self._apply_gradients(opt, grads, replica, clock=not outside)
+        end = done
+        if not outside:
+            with tf.control_dependencies([done]):
+                end = host_function(
+                    functools.partial(_end_step, self.engine, replica),
+                    [done],
+                    tf.int64,
+                    stateful=True,
+                )
         with tf.control_dependencies([end]):
             y_pred = tf.nest.map_structure(tf.identity, y_pred)  # any output structure
         return trainer.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
-    def _apply_gradients(self, opt, grads: dict, replica: int) -> tf.Tensor:
-        """Accumulate (N > 1), clip and apply the replica's reduced gradient shards.
+    def _apply_gradients(self, opt, grads: dict, replica: int, clock: bool = True) -> tf.Tensor:
+        """Accumulate (N > 1), clip and apply the replica's reduced gradient shards
+        (``clock``: see ``apply_shard_gradients``; without accumulation only).
 
         Returns the int64 optimizer step once the shards are written, or -1 on a
         micro-step that only accumulated (``iterations`` counts micro-steps, the optimizer
@@ -179,7 +198,7 @@ class ShardedModel(keras.Model):
         n = engine.config.gradient_accumulation_steps
         clip = clipping_active(opt)
         if n == 1 and not clip:
-            return opt.apply_shard_gradients(grads)
+            return opt.apply_shard_gradients(grads, clock=clock)
         if engine.row_paged:
             raise NotImplementedError(
                 "stage 3: gradient accumulation and clipping are not implemented with "
@@ -198,7 +217,7 @@ class ShardedModel(keras.Model):
         pieces = clip_shards(tf.split(flat, sizes) if sizes else [], opt, engine.group)
         shards = {id(v): p for v, p in zip(variables, pieces)}
         if n == 1:
-            return opt.apply_shard_gradients(shards)
+            return opt.apply_shard_gradients(shards, clock=clock)
 
         def accumulate_only():
             # After the micro-step's gradients exist (a data input): release the
