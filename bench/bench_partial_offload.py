@@ -3,9 +3,9 @@ step time between no offload and full offload, measured side by side in one run.
 
 The model, data, replicas and interleaved measurement are those of
 ``bench/bench_step_time.py`` (its functions are reused): for stages 1 and 2, the
-configurations ``offload_optimizer='none'``, ``'cpu'`` with ratio 0.5 and ``'cpu'``
-(ratio 1.0), plus MirroredStrategy as the common baseline. Goal (issue #21 item 4): the
-partial run's median step lies between the no-offload and the full-offload runs'.
+configurations ``offload_optimizer='none'``, ``'cpu'`` with ratios 0.25, 0.5 and 0.75, and
+``'cpu'`` (ratio 1.0), plus MirroredStrategy as the common baseline. Goal (issue #21 item
+4): each partial run's median step lies between the no-offload and the full-offload runs'.
 
 On a CPU-only host the "device" part of the update also runs on the CPU, so the gain of
 updating both parts at once comes only from TensorFlow's inter-op parallelism (2 cores
@@ -37,13 +37,16 @@ from helpers.reference_optimizers import DenseGradAdam  # noqa: E402
 import zero_runtime  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "partial_offload.json"
-RATIO = 0.5
+RATIOS = (0.25, 0.5, 0.75)
 CONFIGS = {
     f"stage{s}_{name}": {"stage": s, **cfg}
     for s in (1, 2)
     for name, cfg in (
         ("none", {"offload_optimizer": "none"}),
-        ("partial", {"offload_optimizer": "cpu", "offload_optimizer_ratio": RATIO}),
+        *(
+            (f"ratio{r}", {"offload_optimizer": "cpu", "offload_optimizer_ratio": r})
+            for r in RATIOS
+        ),
         ("cpu", {"offload_optimizer": "cpu"}),
     )
 }
@@ -55,6 +58,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--steps", type=int, default=9, help="steps per configuration per round")
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--out", type=Path, default=RESULTS, help="the results file")
     args = ap.parse_args()
     load_before = os.getloadavg()
     ds = base._data(args.steps, args.batch)
@@ -74,10 +78,11 @@ def main() -> None:
         strategy.close()
     medians = {name: statistics.median(t) for name, t in times.items()}
     between = {
-        f"stage{s}": medians[f"stage{s}_none"]
-        <= medians[f"stage{s}_partial"]
+        f"stage{s}_ratio{r}": medians[f"stage{s}_none"]
+        <= medians[f"stage{s}_ratio{r}"]
         <= medians[f"stage{s}_cpu"]
         for s in (1, 2)
+        for r in RATIOS
     }
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -90,14 +95,14 @@ def main() -> None:
         ),
         "model_params": base.build_model().count_params(),
         "global_batch": args.batch,
-        "ratio": RATIO,
+        "ratios": list(RATIOS),
         "timed_steps_per_config": len(times["mirrored"]),
         "median_step_seconds": medians,
         "ratios_vs_mirrored": {k: v / medians["mirrored"] for k, v in medians.items()},
         "partial_between_none_and_cpu": between,
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
 

@@ -116,7 +116,7 @@ def test_states_are_split_between_device_and_host(runs):
     assert isinstance(store, SplitOptimizerState)
     n = opt.flat_layout.shard_size
     k = store.device_size
-    assert k == device_elements(n, 0.5) == round(0.5 * n) and 0 < k < n
+    assert k == device_elements(n, 0.5) and abs(k - 0.5 * n) <= 8.5 and 0 < k < n
     usage = store.usage()
     # two slots (momentum, velocity), float32, two local replicas
     assert usage["device"] == (2 * 4 * k * 2, 0)
@@ -153,6 +153,72 @@ def test_split_store_write_then_read_is_exact(cpu_devices):
         store.write_shard(0, "momentum", values[:-1])
     with pytest.raises(ValueError, match=r"ratio=1.0: expected a float in \(0, 1\)"):
         SplitOptimizerState(layout, ("momentum",), cpu_devices, ratio=1.0)
+
+
+def test_host_part_runs_on_a_worker_while_the_caller_goes_on(cpu_devices):
+    """start_update returns before the host part ends (the device part can run); finish
+    waits for it and returns its value; its error surfaces at finish; closed: refused."""
+    import threading
+
+    from zero_runtime.optim.layout import FlatLayout
+
+    layout = FlatLayout.from_variables([tf.zeros([64])], 2, bucket_size=100)
+    store = SplitOptimizerState(layout, ("momentum",), cpu_devices, ratio=0.5)
+    assert store.device_size == 16  # 32 elements per shard, the cut aligned to 16
+    release, ran_on = threading.Event(), []
+
+    def host_part(x):
+        ran_on.append(threading.current_thread().name)
+        assert release.wait(30)
+        return x * 2
+
+    store.start_update(1, host_part, np.float32(3))
+    assert not release.is_set()  # start returned while the host part is still waiting
+    release.set()
+    assert store.finish_update(1) == 6.0
+    assert ran_on[0].startswith("zero-twin") and ran_on[0] != threading.current_thread().name
+    with pytest.raises(RuntimeError, match="no host update of replica 1 in flight"):
+        store.finish_update(1)
+
+    def failing():
+        raise ValueError("host kernel failed")
+
+    store.start_update(0, failing)
+    with pytest.raises(ValueError, match="host kernel failed"):
+        store.finish_update(0)
+    store.close()
+    with pytest.raises(RuntimeError, match="store is closed"):
+        store.start_update(0, failing)
+
+
+def test_device_cut_is_aligned_unless_a_part_would_be_empty():
+    assert device_elements(1_052_805, 0.5) == 526_400  # exact cut 526_402.5 -> 526_402
+    assert device_elements(1_052_805, 0.25) % 16 == 0
+    assert device_elements(13, 0.25) == 10  # aligned (16) would empty the host part
+    assert device_elements(13, 0.9) == 1  # aligned (0) would empty the device part
+    assert device_elements(100, 0.999) == 0  # the exact cut is empty: stays so
+
+
+def test_partial_offload_with_accumulation_matches_full_offload(cpu_devices):
+    """Stage 2, two micro-steps per update: the split update runs inside tf.cond."""
+    runs = []
+    for ratio in (0.5, 1.0):
+        config = ZeroConfig(
+            stage=2,
+            offload_optimizer="cpu",
+            offload_optimizer_ratio=ratio,
+            gradient_accumulation_steps=2,
+        )
+        strategy = zero_runtime.ZeroInfinityStrategy(config)
+        try:
+            losses, model = _fit(strategy, _adamw)
+            runs.append((losses, model.get_weights()))
+        finally:
+            strategy.close()
+    (half_losses, half_weights), (full_losses, full_weights) = runs
+    np.testing.assert_array_equal(half_losses, full_losses)
+    for h, f in zip(half_weights, full_weights):
+        np.testing.assert_array_equal(h, f)
 
 
 @pytest.mark.parametrize(

@@ -377,8 +377,10 @@ class FlatShardUpdate:
     ) -> tf.Tensor:
         """Partial offload (Twin-Flow, :mod:`.split_state`): the new parameter shard,
         float32 ``[shard_size]``, from the device update of elements ``[0, device_size)``
-        and the host update of the rest, which TensorFlow runs concurrently (no data
-        dependency between them). AdamW's decay is applied to the whole shard first, in
+        and the host update of the rest, which run at the same time (the host part on the
+        store's worker thread, between a start and a finish host call; the finish waits
+        for the device part, so neither holds a TensorFlow thread while the other runs).
+        AdamW's decay is applied to the whole shard first, in
         TensorFlow (Keras's ``v - v * wd * lr``), so a failed step leaves the weights as
         they were and neither part decays twice."""
         layout = self._zero.layout
@@ -396,6 +398,23 @@ class FlatShardUpdate:
             param_shard = tf.where(
                 tf.constant(m), param_shard - param_shard * wd * lr32, param_shard
             )
+        host_fn = functools.partial(
+            self._zero_host_compute,
+            replica=replica,
+            active=active,
+            decayed=(False,) * len(active),
+        )
+        # The host part runs on the store's worker thread (start returns at once), so no
+        # inter-op thread waits on it while the device part is ready to run; the finish
+        # call depends on the device part and collects the host part (split_state.py).
+        started = host_function(
+            functools.partial(self._zero_split_start, store=store, replica=replica, fn=host_fn),
+            [step, grad_shard[k:], param_shard[k:], tf.constant(0.0), tf.cast(lr, tf.float32)]
+            + list(scalars),
+            tf.int64,
+            stateful=True,
+            name="zero_host_update_start",
+        )
         parts = []
         if k:
             mask = None
@@ -404,22 +423,20 @@ class FlatShardUpdate:
                 for s, e in layout.active_ranges(replica, active):
                     m[min(s, k) : min(e, k)] = True
                 mask = tf.constant(m)
-            parts.append(
-                self._zero_device_step(
-                    store.device.slots(replica), param_shard[:k], grad_shard[:k], scalars, mask
+            with tf.control_dependencies([started]):  # the host part first: it is longer
+                parts.append(
+                    self._zero_device_step(
+                        store.device.slots(replica), param_shard[:k], grad_shard[:k], scalars, mask
+                    )
                 )
+        with tf.control_dependencies(parts):
+            host_part = host_function(
+                functools.partial(self._zero_split_finish, store=store, replica=replica),
+                [started],
+                tf.float32,
+                stateful=True,
+                name="zero_host_update",
             )
-        host_fn = functools.partial(
-            self._zero_host_update, replica=replica, active=active, decayed=(False,) * len(active)
-        )
-        host_part = host_function(
-            host_fn,
-            [step, grad_shard[k:], param_shard[k:], tf.constant(0.0), tf.cast(lr, tf.float32)]
-            + list(scalars),
-            tf.float32,
-            stateful=True,
-            name="zero_host_update",
-        )
         host_part.set_shape([layout.shard_size - k])
         self._zero_gate_tokens().append(host_part)
         parts.append(host_part)
@@ -436,12 +453,36 @@ class FlatShardUpdate:
             name="zero_step_clock",
         )
 
+    def _zero_split_start(
+        self, step: np.ndarray, *args: np.ndarray, store: SplitOptimizerState, replica: int, fn
+    ) -> np.int64:
+        """The start of a split update: hand the host part to the store's worker thread."""
+        store.start_update(replica, fn, step, *args)
+        return np.int64(step)
+
+    def _zero_split_finish(
+        self, step: np.ndarray, store: SplitOptimizerState, replica: int
+    ) -> np.ndarray:
+        """The finish of a split update: wait for the host part, report the step."""
+        param, seconds = store.finish_update(replica)
+        if self._zero.runtime is not None:
+            self._zero.runtime.on_shard_updated(self, replica, int(step), seconds)
+        return param
+
     def _zero_tick(self, step: np.ndarray, replica: int) -> np.int64:
         if self._zero.runtime is not None:
             self._zero.runtime.on_shard_updated(self, replica, int(step), 0.0)
         return np.int64(step)
 
-    def _zero_host_update(
+    def _zero_host_update(self, step: np.ndarray, *args: np.ndarray, **kw) -> np.ndarray:
+        """The whole-shard host update as one host call: :meth:`_zero_host_compute` (same
+        arguments), then the step reported to the runtime."""
+        param, seconds = self._zero_host_compute(step, *args, **kw)
+        if self._zero.runtime is not None:
+            self._zero.runtime.on_shard_updated(self, kw["replica"], int(step), seconds)
+        return param
+
+    def _zero_host_compute(
         self,
         step: np.ndarray,
         grad: np.ndarray,
@@ -452,7 +493,10 @@ class FlatShardUpdate:
         replica: int,
         active: tuple[bool, ...],
         decayed: tuple[bool, ...],
-    ) -> np.ndarray:
+    ) -> tuple[np.ndarray, float]:
+        """The host update of ``replica``'s shard on the store's tier: the new parameter
+        elements (float32, ``param``'s shape; a copy, ``param`` is not written) and the
+        seconds it took."""
         start = time.perf_counter()
         zs = self._zero
         param = np.array(param, dtype=np.float32, copy=True)
@@ -464,6 +508,4 @@ class FlatShardUpdate:
         step_fn = functools.partial(self._zero_host_step, scalars=scalars)
         self._zero_begin(replica, int(step))
         zs.store.update(replica, ranges, param, grad, step_fn, step=int(step))
-        if zs.runtime is not None:
-            zs.runtime.on_shard_updated(self, replica, int(step), time.perf_counter() - start)
-        return param
+        return param, time.perf_counter() - start

@@ -273,9 +273,13 @@ class _PartitionedUpdate(FlatShardUpdate, ShardedUpdate, TransactionalUpdate):
                 owner.adopt(store, ClosePhase.OPTIMIZER_STATES, f"{self.name} NVMe states")
             return store
         if config.offload_optimizer_ratio < 1.0:  # partial offload (stages 1-2, config)
-            return SplitOptimizerState(
+            split = SplitOptimizerState(
                 layout, self._zero_slots, devices, config.offload_optimizer_ratio
             )
+            owner = resources_of(self._distribution_strategy)  # stops its worker threads
+            if owner is not None:
+                owner.adopt(split, ClosePhase.OPTIMIZER_STATES, f"{self.name} split states")
+            return split
         return HostOptimizerState(layout, self._zero_slots)
 
     @property

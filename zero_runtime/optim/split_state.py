@@ -12,16 +12,31 @@ Each replica's flat shard of ``shard_size`` elements (:class:`~.layout.FlatLayou
 at ``device_size = round((1 - ratio) * shard_size)``: elements ``[0, device_size)`` are
 updated by the optimizer's TensorFlow ops on the replica's device
 (:class:`~.device_state.DeviceOptimizerState`), elements ``[device_size, shard_size)`` by
-the host kernels (:class:`~.host_state.HostOptimizerState`). The two updates have no data
-dependency, so TensorFlow's executor runs them in parallel (the host one in a
-``tf.numpy_function`` call); the stage 1-2 update (:mod:`.flat_update`) concatenates
-their outputs before the all-gather. Both follow Keras's operation order, so the result
-is the same as with either tier alone (``tests/test_partial_offload.py``).
+the host kernels (:class:`~.host_state.HostOptimizerState`). The cut is rounded to a
+multiple of :data:`ALIGN_ELEMENTS`, so that TensorFlow's slice of the device part is a view
+of the shard, not a copy, and the host part's slice copies only the host fraction.
+
+The two updates run at the same time. A host call that did the host update itself would
+hold one of TensorFlow's inter-op threads for its whole duration (a ``tf.numpy_function``
+runs synchronously on the executor thread); with one such call per replica and as many
+inter-op threads as cores, the device part waited until the host part was done (measured
+on the 2-core development machine, bench/bench_partial_offload.py). The update is
+therefore two host calls: :meth:`SplitOptimizerState.start_update` hands the host part to
+the replica's worker thread and returns at once, the device part runs, and
+:meth:`SplitOptimizerState.finish_update`, which depends on the device part, waits for
+the worker and returns the host part's new parameters. The stage 1-2 update
+(:mod:`.flat_update`) concatenates the two parts before the all-gather. Both follow
+Keras's operation order, so the result is the same as with either tier alone
+(``tests/test_partial_offload.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -39,10 +54,21 @@ class ShardSlice:
     num_shards: int
 
 
+#: The device part's length is a multiple of this many float32 elements (64 bytes, the
+#: alignment of TensorFlow's CPU allocations, ``EIGEN_MAX_ALIGN_BYTES``): TensorFlow's
+#: ``StridedSlice`` of an aligned prefix of a 1-D tensor shares its buffer
+#: (``IsDim0SliceAligned`` in ``tensorflow/core/kernels/ops_util.h``); any other cut copies.
+ALIGN_ELEMENTS = 16
+
+
 def device_elements(shard_size: int, ratio: float) -> int:
     """Elements of a ``shard_size`` shard kept on the device when ``ratio`` of them is
-    offloaded: ``round((1 - ratio) * shard_size)``, clamped to ``[0, shard_size]``."""
-    return min(shard_size, max(0, round((1.0 - ratio) * shard_size)))
+    offloaded: ``round((1 - ratio) * shard_size)`` rounded to the nearest multiple of
+    :data:`ALIGN_ELEMENTS` (so at most 8 elements from the exact cut), unless that would
+    empty a part the exact cut keeps (small shards); clamped to ``[0, shard_size]``."""
+    exact = min(shard_size, max(0, round((1.0 - ratio) * shard_size)))
+    aligned = ALIGN_ELEMENTS * round(exact / ALIGN_ELEMENTS)
+    return aligned if 0 < aligned < shard_size or aligned == exact else exact
 
 
 class SplitOptimizerState:
@@ -89,6 +115,49 @@ class SplitOptimizerState:
             ShardSlice(layout.shard_size - self.device_size, n),  # type: ignore[arg-type]
             self.slot_names,
         )
+        self._workers = max(1, len(devices))
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: dict[int, Future] = {}
+        self._pending_lock = threading.Lock()
+
+    def start_update(self, replica: int, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` (the host part's update, :meth:`update` inside) on a worker
+        thread and return at once; :meth:`finish_update` collects the result.
+
+        A replica has at most one update in flight: a step whose finish never ran (its
+        device part failed) is waited for here first, its outcome dropped, so two updates
+        of one shard never overlap. The arrays in ``args`` may be views of TensorFlow
+        buffers (``tf.numpy_function`` inputs); a view keeps its buffer alive.
+
+        Raises:
+            RuntimeError: the store is closed.
+        """
+        with self._pending_lock:
+            if self._workers == 0:
+                raise RuntimeError("the split optimizer-state store is closed")
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="zero-twin")
+            stale = self._pending.pop(replica, None)
+            pool = self._pool
+        if stale is not None:
+            stale.exception()  # wait; a failed step's error was (or will never be) raised
+        future = pool.submit(fn, *args)
+        with self._pending_lock:
+            self._pending[replica] = future
+
+    def finish_update(self, replica: int) -> Any:
+        """Wait for ``replica``'s update started by :meth:`start_update` and return what
+        ``fn`` returned.
+
+        Raises:
+            RuntimeError: no update of ``replica`` in flight.
+            Exception: whatever ``fn`` raised.
+        """
+        with self._pending_lock:
+            future = self._pending.pop(replica, None)
+        if future is None:
+            raise RuntimeError(f"no host update of replica {replica} in flight")
+        return future.result()
 
     def host_ranges(self, ranges: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
         """Shard-local ``[start, end)`` ranges clipped to the host part and shifted to its
@@ -164,6 +233,12 @@ class SplitOptimizerState:
         )
 
     def close(self) -> None:
-        """Release both parts."""
+        """Wait for the updates in flight, stop the worker threads, release both parts.
+        Idempotent."""
+        with self._pending_lock:
+            pool, self._pool, self._workers = self._pool, None, 0
+            self._pending.clear()
+        if pool is not None:
+            pool.shutdown(wait=True)
         self.device.close()
         self.host.close()
