@@ -50,7 +50,7 @@ from zero_runtime.lifecycle import (
 )
 from zero_runtime.memory import PageCounters, PagedBufferPool, PoolOutOfMemoryError, TierUsage
 from zero_runtime.sharded_variable import PARAM_TIER, ShardedVariable, ShardState
-from zero_runtime.stage3 import construction
+from zero_runtime.stage3 import construction, tiling
 from zero_runtime.stage3 import units as units_mod
 from zero_runtime.stage3.embedding import (
     STATE_TIER,
@@ -223,6 +223,7 @@ class Stage3Engine:
         specs = units_mod.plan_units(model) if layers is None else None
         self.model = model
         self.runner: UnitRunner | None = None
+        self.tile_plans: dict[int, tiling.TilePlan] = {}  # id(kernel) -> its tiles
         # Frozen (non-trainable) weights are not sharded: replicated on every replica's
         # device like MirroredStrategy's, and counted on that tier (placement_rows).
         self.frozen = tuple(v for v in model.weights if not v.trainable)
@@ -421,15 +422,18 @@ class Stage3Engine:
                     devices=self.devices,
                 )
                 _replace_variable(model, v, sharded[id(v)])
-        units = tuple(
-            Unit(
-                s.index,
-                s.layer,
-                tuple(sharded[id(v)] for v in s.originals),
-                s.layer.__dict__.get("call") or type(s.layer).call.__get__(s.layer),
-            )
-            for s in specs
-        )
+        # Memory-centric tiling (zero_runtime/stage3/tiling.py): a Dense/EinsumDense whose
+        # kernel exceeds the tile budget runs as column tiles.
+        tile_size = tiling.resolve_tile_size(self.config.tile_size, self.config.device_budget_bytes)
+        units = []
+        for s in specs:
+            variables = tuple(sharded[id(v)] for v in s.originals)
+            plan = tiling.plan_tiles(s.layer, variables, tile_size)
+            call = s.layer.__dict__.get("call") or type(s.layer).call.__get__(s.layer)
+            tiles = None if plan is None else tiling.TiledCall(plan)
+            units.append(Unit(s.index, s.layer, variables, call, tiles))
+        self.tile_plans = {id(u.tiles.plan.kernel): u.tiles.plan for u in units if u.tiles}
+        units = tuple(units)
         runner = UnitRunner(units, self.group, self.num_shards, _replica_id)
         # The model's own call, taken after the hooks (a model owning weights is a unit).
         self._own_call = model.__dict__.get("call") or type(model).call.__get__(model)
@@ -905,6 +909,8 @@ class Stage3Engine:
             text = f"sharded 1/{self.num_shards} along dim {v.shard_dim} (ZeRO-3)"
             if v.persistent:
                 text += "; persistent: gathered once per step"
+            if id(v) in self.tile_plans:
+                text += "; " + self.tile_plans[id(v)].describe()
             rows.append(
                 {
                     "name": v.path,

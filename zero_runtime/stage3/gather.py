@@ -55,12 +55,15 @@ class Unit:
         layer: the Keras layer whose ``call`` is hooked.
         variables: its sharded originals (one flat parameter: their shards concatenated).
         call: the layer's own ``call`` (bound), what the hook runs.
+        tiles: a :class:`~zero_runtime.stage3.tiling.TiledCall` when the unit runs as
+            column tiles (memory-centric tiling, issue #17), else None (default).
     """
 
     index: int
     layer: keras.layers.Layer
     variables: tuple[ShardedVariable, ...]
     call: object
+    tiles: object = None
 
     @property
     def shard_elements(self) -> int:
@@ -158,7 +161,21 @@ class UnitRunner:
         """The unit layer's ``call``: a gathered use inside a step, else its own call."""
         if not self.in_step():
             return unit.call(*args, **kwargs)
+        if unit.tiles is not None and unit.tiles.applies(args, kwargs):
+            _refuse_control_flow(unit)
+            return unit.tiles(self, unit, args[0], kwargs)  # zero_runtime/stage3/tiling.py
         return self._use(unit, (args, kwargs), lambda a: unit.call(*a[0], **a[1]))
+
+    def step_anchors(self) -> tuple[int, dict[int, tf.Tensor] | None]:
+        """The current replica and its step's anchors (``{id(variable): float32
+        [shard_elements]}``, None in a forward-only pass); inside a step only."""
+        replica = self._replica_id()
+        return replica, self._steps[replica].anchors
+
+    def gather_variables(self, variables: tuple, replica: int, dep: tf.Tensor) -> list:
+        """The views of ``variables`` on ``replica`` (one read, one all-gather), read
+        after ``dep``; no backward (the caller reduce-scatters their gradients)."""
+        return self._gather(Unit(-1, None, tuple(variables), None), replica, dep)
 
     def read_outside(self, variable: ShardedVariable):
         """The value of ``variable`` read outside its units' calls, inside a step: a
