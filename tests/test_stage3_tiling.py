@@ -145,14 +145,19 @@ def _fit(strategy, build, optimizer, steps: int):
     return model, model.predict(x, batch_size=BATCH, verbose=0)
 
 
-def test_tiled_layers_equal_the_untiled_bitwise(cpu_devices):
+@pytest.mark.parametrize("offload_param", ["cpu", "none"])
+def test_tiled_layers_equal_the_untiled_bitwise(offload_param, cpu_devices):
     """Predictions and the weights after two SGD steps (so the gradients) are bitwise
-    the untiled model's; the placement table names the tiles."""
+    the untiled model's, shards on the host or the device; the placement table names
+    the tiles."""
     out = {}
     for tile_size in (0, 100):
-        strategy = zero_runtime.ZeroInfinityStrategy({**CONFIG, "tile_size": tile_size})
+        config = {**CONFIG, "offload_param": offload_param, "tile_size": tile_size}
+        strategy = zero_runtime.ZeroInfinityStrategy(config)
         try:
             model, pred = _fit(strategy, _fed_by_input, "sgd", steps=2)
+            on_device = model.trainable_variables[0].device_shard(0) is not None
+            assert on_device == (offload_param == "none")
             rows = {r["name"]: r["partitioning"] for r in strategy.runtime.placement()["variables"]}
             out[tile_size] = (pred, model.get_weights(), rows)
         finally:

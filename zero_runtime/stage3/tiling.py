@@ -12,7 +12,8 @@ output columns are computed exactly as the untiled layer computes them). With th
 flat shard laid out as its kernel's rows (``shard_dim`` 0, the units path's layout:
 replica ``r`` holds kernel rows ``[r R, (r + 1) R)``), tile ``j`` of the kernel is the
 column slice ``[:, c_j : c_j + n_j]`` of *every* replica's shard, so each replica reads
-only that slice of its own shard (host side: no more than a tile crosses to the device)
+only that slice of its own shard (host or NVMe tier: the host cuts it, no more than a
+tile crosses to the device; device tier: sliced from the shard's variable in the graph)
 and one all-gather of ``R n_j`` elements per replica yields the tile ``W_j`` (shapes for a
 ``Dense`` of ``D_in -> D_out``; an ``EinsumDense`` kernel tiles along its widest output
 axis after the first)::
@@ -338,13 +339,19 @@ class _Tile:
         start, size = plan.bounds[j]
         rest = list(kernel.shape[1:])
         rest[plan.kernel_axis - 1] = size
-        piece = host_function(
-            functools.partial(_read_tile, kernel, self.replica, plan.kernel_axis, start, size),
-            [dep],
-            tf.float32,
-            stateful=False,  # ordered by ``dep`` only (see engine._host_call)
-            name="zero3_tile_shard",
-        )
+        device = kernel.device_shard(self.replica)
+        if device is not None:  # a device-tier shard: sliced in the graph, after ``dep``
+            with tf.control_dependencies([dep]):
+                rows = tf.reshape(device.read_value(), [kernel.rows, *kernel.shape[1:]])
+            piece = tf.reshape(_slice(rows, plan.kernel_axis, start, size), [-1])
+        else:  # pool pages (host, NVMe): the host cuts the slice
+            piece = host_function(
+                functools.partial(_read_tile, kernel, self.replica, plan.kernel_axis, start, size),
+                [dep],
+                tf.float32,
+                stateful=False,  # ordered by ``dep`` only (see engine._host_call)
+                name="zero3_tile_shard",
+            )
         piece.set_shape([kernel.rows * math.prod(rest)])  # (R * n_j * ...,)
         full = comm.all_gather_flat(piece, self.runner.group)  # (N * R * n_j * ...,)
         w = tf.reshape(full, [kernel.padded_rows, *rest])[: kernel.shape[0]]  # (D_0, *rest)
