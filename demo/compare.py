@@ -1,19 +1,28 @@
-"""The main job's two runs: plain data parallelism runs out of a device budget, and
-ZeRO-Infinity trains the same model under the same budget.
+"""The main job's two runs: plain data parallelism runs out of device memory, and
+ZeRO-Infinity trains the same model on the same device.
 
 ``scripts/run_demo.sh`` calls this, then serves TensorBoard on the log directory::
 
     python -m demo.compare --logdir logs/demo --steps 100
 
+The device: on the CPU stand-in, TensorFlow's CPU allocator capped at ``--device-mib``
+MiB (``TF_CPU_BFC_MEM_LIMIT_IN_MB``, set for both runs): past it TensorFlow refuses the
+allocation, as a GPU's allocator does. Both runs are judged by one measure, TensorFlow's
+allocator in-step peak (``tf.config.experimental.get_memory_info(...)['peak']``, reset at
+every step boundary): every tensor TensorFlow holds for either replica (parameters,
+gradients, optimizer states, activations, the paged pool's device pages), nothing the
+runtime keeps in host memory or on NVMe. Each run prints it (``demo.train``).
+
 Runs (subdirectories of ``--logdir``, emptied first):
 
 - ``mirrored_oom``: ZeRO stage 0 (every replica holds all parameters, gradients and
-  Adam states, as ``tf.distribute.MirroredStrategy`` does) under ``--device-budget``
-  bytes. Expected to stop at its first step with exit status 1 and an OOM post-mortem
-  (``memory_hierarchy_oom.json``), which the tab shows first for that run.
+  Adam states, as ``tf.distribute.MirroredStrategy`` does), ``device_budget_bytes`` = the
+  device. Expected to run out of memory in its first steps with exit status 1 and an OOM
+  post-mortem (``memory_hierarchy_oom.json``), which the tab shows first for that run.
 - ``zero_infinity``: ZeRO stage 3, parameters and optimizer states offloaded to NVMe
-  (real files under ``--nvme-dir``) through the host's paged pool, same budget, trained
-  for ``--steps`` steps.
+  (real files under ``--nvme-dir``) through the host's paged pool, on the same device;
+  ``device_budget_bytes`` = ``--pool-budget``, the part of the device the pool's pages may
+  take (the rest holds activations and TensorFlow's buffers); trained for ``--steps``.
 
 Each run is ``python -m demo.train`` in its own process (a run that fails leaves the
 other untouched). TensorFlow's start-up lines that ignore ``TF_CPP_MIN_LOG_LEVEL`` are
@@ -21,7 +30,7 @@ dropped from their stderr; everything else is passed through.
 
 Exit status: 0 when the mirrored run ran out of memory (status 1) and the ZeRO-Infinity
 run finished (status 0); 1 otherwise (the message says which run did what); 2 on bad
-arguments.
+arguments (a pool budget not below the device).
 """
 
 from __future__ import annotations
@@ -55,6 +64,8 @@ REPO = Path(__file__).resolve().parent.parent
 #: still gives every variable's shard at least one page (issue #16, flat chunks), which at
 #: the default 4 MiB would hold ~20x the demo's parameter bytes on the host and NVMe.
 DEFAULT_SETS = ("page_size_bytes=262144",)
+#: TensorFlow's CPU allocator cap, MiB: the CPU stand-in device's memory.
+CAP_ENV = "TF_CPU_BFC_MEM_LIMIT_IN_MB"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,11 +78,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--logdir", default=str(REPO / "logs" / "demo"), help="TensorBoard logdir")
     p.add_argument("--steps", type=positive_int, default=100, help="ZeRO-Infinity run's steps")
     p.add_argument(
-        "--device-budget",
+        "--device-mib",
+        type=positive_int,
+        default=36,
+        help="the device's memory in MiB for both runs: TensorFlow's CPU allocator cap "
+        "(TF_CPU_BFC_MEM_LIMIT_IN_MB) and the mirrored run's device_budget_bytes (default 36)",
+    )
+    p.add_argument(
+        "--pool-budget",
         type=positive_int,
         default=12 << 20,
-        help="device tier budget in bytes for both runs (default 12 MiB)",
+        help="ZeRO-Infinity's device_budget_bytes: bytes of the device its paged pool may "
+        "hold (default 12 MiB)",
     )
+    p.add_argument("--batch-size", type=positive_int, default=8, help="global batch size")
+    p.add_argument("--seq-len", type=positive_int, default=32, help="tokens per sequence")
     p.add_argument("--d-model", type=positive_int, default=192, help="model width")
     p.add_argument("--layers", type=positive_int, default=3, help="transformer blocks")
     p.add_argument(
@@ -97,12 +118,14 @@ def _pipe_filtered(src, dst) -> None:
     src.close()
 
 
-def run_train(args: Sequence[str]) -> int:
-    """Run ``python -m demo.train ARGS`` with the allocator reading on; stdout passes
-    through, stderr without TensorFlow's start-up noise. Returns the exit status."""
+def run_train(args: Sequence[str], device_mib: int) -> int:
+    """Run ``python -m demo.train ARGS`` with the allocator reading on and capped at
+    ``device_mib`` MiB; stdout passes through, stderr without TensorFlow's start-up
+    noise. Returns the exit status."""
     env = dict(os.environ)
     env.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env[CAP_ENV] = str(device_mib)
     proc = subprocess.Popen(
         [sys.executable, "-m", "demo.train", *args],
         cwd=REPO,
@@ -119,41 +142,63 @@ def run_train(args: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run both; returns the exit status (see the module docstring)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    device = args.device_mib << 20
+    if args.pool_budget >= device:
+        parser.error(
+            f"--pool-budget {args.pool_budget} must be below the device "
+            f"(--device-mib {args.device_mib} = {device} bytes): activations and "
+            "TensorFlow's buffers need the rest"
+        )
     logdir = Path(args.logdir)
     logdir.mkdir(parents=True, exist_ok=True)
     Path(args.nvme_dir).mkdir(parents=True, exist_ok=True)
     for run in (MIRRORED_RUN, ZERO_RUN):  # an earlier demo's events would mix in
         shutil.rmtree(logdir / run, ignore_errors=True)
     model = ["--d-model", str(args.d_model), "--layers", str(args.layers)]
-    budget = f"device_budget_bytes={args.device_budget}"
+    model += ["--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]
     extra = [a for item in (*DEFAULT_SETS, *args.set) for a in ("--set", item)]
-    mib = args.device_budget / (1 << 20)
-    print(f"== 1/2  plain data parallelism (stage 0), device budget {mib:g} MiB ==", flush=True)
+    pool_mib = args.pool_budget / (1 << 20)
+    print(
+        f"The device: {args.device_mib} MiB for both runs (TensorFlow's CPU allocator "
+        f"capped, {CAP_ENV}={args.device_mib}). Both are judged by TensorFlow's allocator "
+        "in-step peak: every tensor either replica holds, activations included.",
+        flush=True,
+    )
+    print(f"== 1/2  plain data parallelism (stage 0), device {args.device_mib} MiB ==", flush=True)
     mirrored = run_train(
         ["--logdir", str(logdir), "--run", MIRRORED_RUN, "--steps", "5", *model]
-        + ["--set", "stage=0", "--set", budget, *extra]
+        + ["--set", "stage=0", "--set", f"device_budget_bytes={device}", *extra],
+        args.device_mib,
     )
     print(flush=True)
     print(
-        f"== 2/2  ZeRO-Infinity (stage 3; parameters and optimizer states on NVMe), "
-        f"device budget {mib:g} MiB ==",
+        f"== 2/2  ZeRO-Infinity (stage 3; parameters and optimizer states on NVMe), device "
+        f"{args.device_mib} MiB, of which the paged pool's pages may take {pool_mib:g} MiB "
+        "(device_budget_bytes) ==",
         flush=True,
     )
     zero = run_train(
         ["--logdir", str(logdir), "--run", ZERO_RUN, "--steps", str(args.steps), *model]
         + ["--set", "stage=3", "--set", "offload_param=nvme", "--set", "offload_optimizer=nvme"]
-        + ["--set", f"nvme_path={args.nvme_dir}", "--set", budget, *extra]
+        + ["--set", f"nvme_path={args.nvme_dir}"]
+        + ["--set", f"device_budget_bytes={args.pool_budget}", *extra],
+        args.device_mib,
     )
     ok = mirrored == 1 and zero == 0
     if mirrored != 1:
         print(
             f"demo.compare: the mirrored run was expected to run out of memory (exit 1), "
-            f"it exited {mirrored}: raise --d-model or lower --device-budget",
+            f"it exited {mirrored}: raise --d-model or --layers, or lower --device-mib",
             file=sys.stderr,
         )
     if zero != 0:
-        print(f"demo.compare: the ZeRO-Infinity run exited {zero}", file=sys.stderr)
+        print(
+            f"demo.compare: the ZeRO-Infinity run exited {zero}: if it ran out of memory, "
+            "lower --pool-budget or raise --device-mib",
+            file=sys.stderr,
+        )
     return 0 if ok else 1
 
 

@@ -191,6 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _checkpoint_callback(manager, args.checkpoint_every, done, args.steps, samples, args)
         )
     callbacks.append(_loss_scalars(run_dir, done))
+    peaks = DevicePeaks(strategy)
+    callbacks.append(peaks.callback())
     remaining = args.steps - done
     if remaining <= 0:
         strategy.close()
@@ -207,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             callbacks=callbacks,
         )
     except (MemoryError, tf.errors.ResourceExhaustedError) as exc:  # out of memory: exit 1
-        return _out_of_memory(strategy, exc)
+        return _out_of_memory(strategy, exc, peaks)
     except CheckpointError as exc:  # a save failed (disk full...): named, exit 2
         strategy.close()
         print(f"demo.train: error: {exc}", file=sys.stderr)
@@ -219,7 +221,67 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"final loss {losses[-1]:.3f}, {strategy.runtime.steps_recorded} steps recorded",
         flush=True,
     )
+    print(f"demo.train: {peaks.line()}", flush=True)
     return 0
+
+
+class DevicePeaks:
+    """The device's one measure, step by step: TensorFlow's allocator in-step peak
+    (``Readings.framework_device_peak_bytes``: ``get_memory_info(...)['peak']``, reset at
+    every step boundary by the runtime's collector; bytes, NaN unread), read from the
+    runtime's flight recorder after each batch, compared with the allocator's cap
+    (``TF_CPU_BFC_MEM_LIMIT_IN_MB``, MiB) when one is set.
+
+    Attributes:
+        by_step: step -> peak bytes (float) of every recorded step seen.
+    """
+
+    def __init__(self, strategy) -> None:
+        self._runtime = strategy.runtime
+        self.by_step: dict[int, float] = {}
+        raw = os.environ.get("TF_CPU_BFC_MEM_LIMIT_IN_MB", "").strip()
+        self.cap_bytes = int(raw) << 20 if raw.isdigit() and int(raw) > 0 else None
+
+    def collect(self, peak_at_failure: float | None = None, step: int | None = None) -> None:
+        """Fold in the records the flight recorder holds (and, at an OOM, the failed
+        step's reading, which has no record)."""
+        for stats in self._runtime.recorder.last():
+            peak = stats.readings.framework_device_peak_bytes
+            if peak == peak:  # not NaN
+                self.by_step[stats.step] = float(peak)
+        if peak_at_failure is not None and step is not None and peak_at_failure == peak_at_failure:
+            self.by_step[step] = max(self.by_step.get(step, 0.0), float(peak_at_failure))
+
+    def callback(self):
+        """A Keras callback collecting after every batch."""
+        import keras
+
+        return keras.callbacks.LambdaCallback(
+            on_train_batch_end=lambda batch, logs=None: self.collect()
+        )
+
+    def line(self, failed: bool = False) -> str:
+        """One log line: the highest in-step peak, its step, the cap, and whether any
+        step went over it."""
+        self.collect()
+        if not self.by_step:
+            return "device: TensorFlow's allocator in-step peak not read (no allocator statistics)"
+        step = max(self.by_step, key=self.by_step.get)
+        peak = self.by_step[step]
+        text = (
+            f"device, by TensorFlow's allocator in-step peak: highest {peak / MIB:.1f} MiB "
+            f"at step {step} over {len(self.by_step)} steps"
+        )
+        if self.cap_bytes is None:
+            return text + " (no cap: TF_CPU_BFC_MEM_LIMIT_IN_MB unset)"
+        if failed:
+            return text + f", cap {self.cap_bytes / MIB:g} MiB: an allocation past it failed"
+        over = sum(p > self.cap_bytes for p in self.by_step.values())
+        verdict = "within it on every step" if not over else f"over it on {over} steps"
+        return text + f", cap {self.cap_bytes / MIB:g} MiB: {verdict}"
+
+
+MIB = 1 << 20
 
 
 def _restore(args, gpt, strategy):
@@ -362,10 +424,10 @@ def _loss_scalars(run_dir: str, first_step: int):
     )
 
 
-def _out_of_memory(strategy, exc: BaseException) -> int:
-    """Report an out-of-memory failure in two lines: the step, the tier, the cause and the
-    best verified change (from the post-mortem), then the post-mortem's path, once.
-    Returns exit status 1."""
+def _out_of_memory(strategy, exc: BaseException, peaks: DevicePeaks | None = None) -> int:
+    """Report an out-of-memory failure in three lines: the step, the tier, the cause and
+    the best verified change (from the post-mortem), the device's allocator in-step peak
+    (:class:`DevicePeaks`), then the post-mortem's path, once. Returns exit status 1."""
     path = strategy.write_postmortem(exc)
     strategy.close()
     report = None
@@ -375,6 +437,10 @@ def _out_of_memory(strategy, exc: BaseException) -> int:
     except (OSError, ValueError, TypeError):
         pass
     print(f"demo.train: error: out of memory: {_oom_line(report, exc)}", file=sys.stderr)
+    if peaks is not None:
+        readings = (report or {}).get("readings") or {}
+        peaks.collect(readings.get("framework_device_peak_bytes"), (report or {}).get("step"))
+        print(f"demo.train: {peaks.line(failed=True)}", file=sys.stderr)
     where = path or "(not written: no run directory)"
     print(
         f"demo.train: OOM post-mortem: {where} (read it with: zero-runtime oom-report "
@@ -386,15 +452,22 @@ def _out_of_memory(strategy, exc: BaseException) -> int:
 
 def _oom_line(report: dict | None, exc: BaseException) -> str:
     """One line for the log: "Step S ran out of memory on the T tier: CAUSE; best change:
-    K=V (fits)"; without a report, the error's first line (the path left out: the next
+    K=V (fits)"; when TensorFlow's allocator refused a request (its own
+    ``ResourceExhaustedError``), that comes first and the cause is named as the runtime's
+    accounting. Without a report, the error's first line (the path left out: the next
     line names it)."""
     if not isinstance(report, dict) or "failed_request" not in report:
         text = str(exc).split("\npost-mortem:")[0].strip()
         return text.splitlines()[0] if text else type(exc).__name__
-    tier = report["failed_request"].get("tier")
+    request = report["failed_request"]
+    tier = request.get("tier")
     line = f"Step {report.get('step')} ran out of memory on the {tier} tier"
+    allocator = request.get("error_type") == "ResourceExhaustedError"
+    if allocator:
+        line += f": TensorFlow's allocator refused a request ({report.get('request_text')})"
     if report.get("cause"):
-        line += f": {report['cause']}"
+        line += f"{'; by the runtime accounting of model states, ' if allocator else ': '}"
+        line += report["cause"]
     best = (report.get("advice") or [None])[0]
     if best and best.get("verdict") in ("fits", "may fit"):
         change = ", ".join(f"{k}={json.dumps(v)}" for k, v in best["change"].items())

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The main job: set up, then train the same demo GPT twice under the same device budget
-# (demo/compare.py) and serve TensorBoard with the Memory Hierarchy tab on 127.0.0.1:
-#   1. mirrored_oom   plain data parallelism (ZeRO stage 0): runs out of the budget at its
-#                     first step and leaves an OOM post-mortem (the tab shows it first);
+# The main job: set up, then train the same demo GPT twice on the same device (demo/compare.py:
+# TensorFlow's CPU allocator capped at 36 MiB; both runs judged by its in-step peak) and
+# serve TensorBoard with the Memory Hierarchy tab on 127.0.0.1:
+#   1. mirrored_oom   plain data parallelism (ZeRO stage 0): runs out of the device in its
+#                     first steps and leaves an OOM post-mortem (the tab shows it first);
 #   2. zero_infinity  ZeRO stage 3, parameters and optimizer states offloaded to NVMe
 #                     (real files) through the host's paged pool: trains, loss falling.
 # Environment: PORT (default 6006), STEPS (default 100: the ZeRO-Infinity run's steps),

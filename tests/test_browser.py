@@ -158,7 +158,10 @@ def test_tier_occupancy_chart_shows_every_run(
             {
                 "tier": "device",
                 "title": "device (CPU stand-in)",
-                "notes": "peak 113 MiB · in-step peak 114 MiB · capacity 256 MiB",
+                # Each device peak and limit named by what it measures (issue #19).
+                "notes": "peak 113 MiB · pool pages + gradient shards (in step) 114 MiB · "
+                "TensorFlow allocator peak (in step) 114 MiB · pool budget (device_budget_bytes) "
+                "256 MiB",
                 "canvases": 1,
             },
             {
@@ -175,8 +178,9 @@ def test_tier_occupancy_chart_shows_every_run(
             },
         ]
         device_legend = alpha.locator('.mh-tier-cell[data-tier="device"] .u-legend')
-        device_labels = ("param", "grad", "other", "used", "capacity", "framework allocator")
-        for label in (*device_labels, "pool peak (in step)", "allocator peak (in step)"):
+        device_labels = ("param", "grad", "other", "used", "pool budget", "framework allocator")
+        peaks = ("pool pages + gradient shards (in step)", "TensorFlow allocator peak (in step)")
+        for label in (*device_labels, *peaks):
             expect(device_legend).to_contain_text(label)
         expect(alpha.locator('.mh-tier-cell[data-tier="host"] .u-legend')).to_contain_text(
             "process RSS"

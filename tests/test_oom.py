@@ -353,6 +353,30 @@ def test_stage0_advice_verifies_zero_infinity_and_drops_what_frees_nothing():
     assert row["verdict"] == "does not fit" and row["missing_bytes"] == 2 * MiB
 
 
+def test_report_message_keeps_the_oom_line_of_a_graph_execution_error():
+    """TensorFlow's graph execution error repeats the Keras call stack per node; the
+    report's message drops those stack lines, so the "OOM when allocating" line (which a
+    4000-character cut of the raw text lost in the demo) is kept."""
+    stack = '  File "/x/keras/src/layers/layer.py", line 1002, in __call__\n\n' * 200
+    raw = (
+        "Graph execution error:\n\nDetected at node replica_1/gpt/mlp/Gelu defined at (most "
+        f"recent call last):\n{stack}"
+        "OOM when allocating tensor with shape[8,32,768] and type float on "
+        "/job:localhost/replica:0/task:0/device:CPU:0 by allocator mklcpu\n"
+        "\t [[{{node replica_1/gpt/mlp/Gelu}}]]\n\npost-mortem: /tmp/x.json"
+    )
+    short = oom.short_message(raw)
+    assert short.splitlines() == [
+        "Graph execution error:",
+        "Detected at node replica_1/gpt/mlp/Gelu defined at (most recent call last):",
+        "OOM when allocating tensor with shape[8,32,768] and type float on "
+        "/job:localhost/replica:0/task:0/device:CPU:0 by allocator mklcpu",
+        "\t [[{{node replica_1/gpt/mlp/Gelu}}]]",
+    ]
+    assert oom.request_from_message(short) == 8 * 32 * 768 * 4
+    assert len(oom.short_message("x" * 10_000)) == oom.MESSAGE_CHARS
+
+
 def test_holder_names_carry_no_object_ids():
     assert oom.display_name("g/gpt.block_0.mlp_norm.gamma#7f3254ce0f10/r0") == (
         "g/gpt.block_0.mlp_norm.gamma/r0"

@@ -45,6 +45,7 @@ import tensorflow as tf
 from zero_runtime.oom_report import (  # noqa: F401
     CHECKED_SOURCES,
     HOLDER_KINDS,
+    MESSAGE_CHARS,
     OOM_FILENAME,
     OOM_VERSION,
     SPEED_COSTS,
@@ -58,6 +59,7 @@ from zero_runtime.oom_report import (  # noqa: F401
     holder,
     request_from_message,
     request_text,
+    short_message,
     tier_row,
     verdict_text,
     write_json_atomic,

@@ -53,6 +53,22 @@ _DTYPE_BYTES = {
 }
 
 
+#: Characters of an error message a report keeps (``failed_request.message``).
+MESSAGE_CHARS = 4000
+_STACK_LINE = re.compile(r"^\s+File \"[^\"]*\", line \d+, in ")
+
+
+def short_message(message: str) -> str:
+    """An error message as a report keeps it: without TensorFlow's Python stack lines
+    (``  File "...", line N, in f``: a graph execution error repeats the whole Keras call
+    stack once per node, which pushed the ``OOM when allocating ...`` line past the kept
+    length), blank lines and the runtime's own ``post-mortem: PATH`` tail, then cut to
+    :data:`MESSAGE_CHARS` characters."""
+    text = (message or "").split("\n\npost-mortem")[0]
+    lines = [line for line in text.splitlines() if line.strip() and not _STACK_LINE.match(line)]
+    return "\n".join(lines)[:MESSAGE_CHARS]
+
+
 def request_from_message(message: str) -> int | None:
     """Bytes of the tensor a TensorFlow OOM message names, or None.
 

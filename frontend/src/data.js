@@ -29,10 +29,78 @@ export const TIER_READINGS = {
 // (readings' framework_device_peak_bytes, reset after each record) on the device. They are
 // never left off scale: the peak is what a budget must hold.
 export const TIER_PEAKS = {
-  device: [{ column: 'framework_device_peak_bytes', label: 'allocator peak (in step)', source: 'readings' }],
+  device: [{ column: 'framework_device_peak_bytes', label: 'TensorFlow allocator peak (in step)', source: 'readings' }],
   host: [],
   nvme: [],
 };
+
+/**
+ * What the tiers record's in-step peak (peak_bytes) of a tier measures, as a legend label.
+ * Device at stage 3: the runtime's accounting of the device tier, the paged pool's pages
+ * plus the reduced gradient shards TensorFlow holds beside them (stage3/telemetry.py);
+ * device below stage 3: TensorFlow's allocator peak itself (the same figure as the
+ * readings' line, so it is not drawn twice when readings exist).
+ * @param {string} tier one of TIERS
+ * @param {object|null} runInfo the latest run_info
+ */
+export function tierPeakLabel(tier, runInfo) {
+  if (tier !== 'device') return 'in-step peak (runtime accounting)';
+  return runInfo?.stage === 3 ? 'pool pages + gradient shards (in step)' : 'in-step peak';
+}
+
+/**
+ * The device tier's figures, each named by what it measures (issue #19): TensorFlow's
+ * allocator in-step peak (the one measure the budget story compares with the device's
+ * memory), the runtime's accounting peak (stage 3: pool pages + gradient shards), the
+ * budget, the device's memory (run_info.device_capacity_bytes, the allocator's cap) and
+ * whether the pool's own pages went over its budget (an overrun: accounting peak minus
+ * the gradient shards and frozen weights outside the pool, above the budget).
+ * @param {object} tiers a /series answer for memory_hierarchy/tiers
+ * @param {object|null} readings a /series answer for memory_hierarchy/readings
+ * @param {object|null} runInfo the latest run_info
+ * @returns {{allocator: {value, step}|null, accounting: {value, step, grad}|null,
+ *   budget: number|null, cap: number|null, stage3: boolean,
+ *   overrun: {bytes, step}|null, outsidePool: number}} bytes
+ */
+export function deviceFigures(tiers, readings, runInfo) {
+  const best = (steps, values) => {
+    let out = null;
+    (values ?? []).forEach((v, i) => {
+      if (v !== null && !Number.isNaN(v) && (out === null || v > out.value)) out = { value: v, step: steps[i], index: i };
+    });
+    return out;
+  };
+  const cells = tiers?.values?.device ?? {};
+  const steps = tiers?.steps ?? [];
+  const allocator = readings ? best(readings.steps, readings.values.framework_device_peak_bytes) : null;
+  const accounting = best(steps, cells.peak_bytes);
+  const budget = maxOf(cells.capacity_bytes ?? []);
+  const cap = typeof runInfo?.device_capacity_bytes === 'number' ? runInfo.device_capacity_bytes : null;
+  const stage3 = runInfo?.stage === 3;
+  let overrun = null;
+  let outsidePool = 0;
+  if (stage3 && budget !== null) {
+    (cells.peak_bytes ?? []).forEach((peak, i) => {
+      const capacity = cells.capacity_bytes?.[i];
+      if (peak === null || capacity === null || capacity === undefined) return;
+      const grad = cells.grad_bytes?.[i] ?? 0;
+      outsidePool = Math.max(outsidePool, peak > capacity ? Math.min(grad, peak - capacity) : 0);
+      const pool = peak - grad; // frozen weights (not in the pool) are counted as pool here
+      if (pool > capacity && (overrun === null || pool - capacity > overrun.bytes)) {
+        overrun = { bytes: pool - capacity, step: steps[i] };
+      }
+    });
+  }
+  return {
+    allocator: allocator && { value: allocator.value, step: allocator.step },
+    accounting: accounting && { value: accounting.value, step: accounting.step, grad: cells.grad_bytes?.[accounting.index] ?? null },
+    budget,
+    cap,
+    stage3,
+    overrun,
+    outsidePool,
+  };
+}
 
 // A reference line (capacity, reading) whose largest value exceeds this multiple of the
 // tier's peak use is left out of the y-range and named "(off scale)" in the chart header.
@@ -131,7 +199,7 @@ export function offScale(lineMax, peakUse) {
  *   lines: [{kind: 'capacity'|'reading', label, values}] on scale;
  *   offScale: [{label, value}] left out of the range (value: the line's largest value).
  */
-export function tierPlot(tiers, readings, tier) {
+export function tierPlot(tiers, readings, tier, runInfo = null) {
   const steps = readings ? unionSteps(tiers.steps, readings.steps) : tiers.steps;
   const cells = tiers.values[tier] ?? {};
   const col = (name) => alignTo(steps, tiers.steps, cells[name] ?? tiers.steps.map(() => null));
@@ -146,13 +214,26 @@ export function tierPlot(tiers, readings, tier) {
     layers.push({ key: holder.key, label: holder.label, raw, top });
     below = top;
   }
-  const candidates = [{ kind: 'capacity', label: 'capacity', values: col('capacity_bytes') }];
+  const capacityLabel =
+    tier !== 'device' ? 'capacity' : runInfo?.stage === 3 ? 'pool budget (device_budget_bytes)' : 'device budget (device_budget_bytes)';
+  const candidates = [{ kind: 'capacity', label: capacityLabel, values: col('capacity_bytes') }];
+  if (tier === 'device' && typeof runInfo?.device_capacity_bytes === 'number') {
+    // The device's memory: the limit TensorFlow's allocator enforces (the allocator cap
+    // on the CPU stand-in), which the allocator peak is measured against.
+    candidates.push({ kind: 'capacity', label: 'device memory (allocator limit)', values: steps.map(() => runInfo.device_capacity_bytes) });
+  }
   for (const reading of readings ? TIER_READINGS[tier] : []) {
     const values = alignTo(steps, readings.steps, readings.values[reading.column] ?? []);
     candidates.push({ kind: 'reading', label: reading.label, values });
   }
-  const peaks = [{ label: 'pool peak (in step)', values: col('peak_bytes') }];
-  for (const peak of readings ? TIER_PEAKS[tier] : []) {
+  const peaks = [];
+  const allocatorPeaks = readings ? TIER_PEAKS[tier] : [];
+  const hasAllocator = allocatorPeaks.some((p) => isMeasured(readings.values[p.column]));
+  // Below stage 3 the device's recorded peak is the allocator's own: drawn once.
+  if (!(tier === 'device' && runInfo && runInfo.stage !== 3 && hasAllocator)) {
+    peaks.push({ label: tierPeakLabel(tier, runInfo), values: col('peak_bytes') });
+  }
+  for (const peak of allocatorPeaks) {
     peaks.push({ label: peak.label, values: alignTo(steps, readings.steps, readings.values[peak.column] ?? []) });
   }
   const lines = [];
@@ -162,7 +243,7 @@ export function tierPlot(tiers, readings, tier) {
   for (const peak of peaks) {
     const peakMax = maxOf(peak.values);
     if (peakMax === null) continue; // not measured: not drawn
-    lines.push({ kind: 'peak', label: peak.label, values: peak.values });
+    lines.push({ kind: 'peak', label: peak.label, values: peak.values, max: peakMax });
     yMax = Math.max(yMax, peakMax);
     stepPeak = Math.max(stepPeak ?? 0, peakMax);
   }
@@ -502,14 +583,18 @@ export function predictedVsMeasured(estimate, tiers, readings = null) {
     } else if (last >= 0) {
       measured = values.used_bytes?.[last] ?? null;
     }
-    const candidates = [num(values.peak_bytes?.[last])];
+    const candidates = [{ value: num(values.peak_bytes?.[last]), source: tierPeakLabel(tier, null) }];
     for (const peak of TIER_PEAKS[tier]) {
-      if (lastReading >= 0) candidates.push(num(readings.values[peak.column]?.[lastReading]));
+      if (lastReading >= 0) candidates.push({ value: num(readings.values[peak.column]?.[lastReading]), source: peak.label });
     }
-    const measuredPeak = candidates.some((v) => v !== null) ? Math.max(...candidates.filter((v) => v !== null)) : null;
+    const known = candidates.filter((c) => c.value !== null);
+    const top = known.length ? known.reduce((a, b) => (b.value > a.value ? b : a)) : null;
+    const measuredPeak = top ? top.value : null;
+    // Which figure it is: the device's allocator peak or the runtime's accounting peak.
+    const measuredPeakSource = top ? top.source : null;
     const ratio = predicted && measured !== null ? measured / predicted : null;
     const peakRatio = predictedPeak && measuredPeak !== null ? measuredPeak / predictedPeak : null;
-    return { tier, predicted, measured, ratio, predictedPeak, measuredPeak, peakRatio };
+    return { tier, predicted, measured, ratio, predictedPeak, measuredPeak, measuredPeakSource, peakRatio };
   });
 }
 

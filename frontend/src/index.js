@@ -97,6 +97,7 @@ class RunView {
     this.shown = {}; // name -> the answer last drawn
     this.changed = false; // round 1 drew something new: round 2 redraws too
     this.tiers = null;
+    this.readings = null;
     this.runInfo = null;
     this.markers = [];
   }
@@ -290,6 +291,7 @@ class App {
         return;
       }
       view.tiers = tiers;
+      view.readings = readings;
       await view.tierCharts.update(tiers, readings, view.runInfo, view.markers, draw);
       await draw(() => {
         renderReadout(parts.readout, tiers, view.runInfo);
@@ -470,7 +472,12 @@ class App {
     const runs = this.runNames
       .map((run, index) => ({ run, index }))
       .filter(({ run }) => this.selected.has(run) && this.views.get(run)?.tiers)
-      .map(({ run, index }) => ({ run, color: runColor(index), tiers: this.views.get(run).tiers }));
+      .map(({ run, index }) => ({
+        run,
+        color: runColor(index),
+        tiers: this.views.get(run).tiers,
+        readings: this.views.get(run).readings ?? null,
+      }));
     drawing.run(() => this.overlay.update(this.selected.size > 1 ? runs : []));
   }
 

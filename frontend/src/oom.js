@@ -185,11 +185,16 @@ export function runBadges(runInfo, standinLabel) {
 
 /**
  * What the device budget bounds and what the allocator peak includes, for the device
- * tier's chart (issue #19: a 40 MiB allocator peak beside a 12 MiB budget).
+ * tier's chart (issue #19: a 40 MiB allocator peak beside a 12 MiB budget), and, with the
+ * run's figures (data.js deviceFigures), each in-step peak by what it measures: the
+ * allocator peak (the one measure compared with the device's memory), the runtime's
+ * accounting at stage 3 (pool pages + gradient shards, above the pool budget only by
+ * the shards outside the pool, else flagged as an overrun).
  * @param {object|null} runInfo the latest run_info
+ * @param {object|null} [figures] deviceFigures(tiers, readings, runInfo)
  * @returns {string|null} null without a run_info
  */
-export function deviceBudgetNote(runInfo) {
+export function deviceBudgetNote(runInfo, figures = null) {
   if (!runInfo) return null;
   const config = runInfo.config && typeof runInfo.config === 'object' ? runInfo.config : null;
   const unset = config !== null && (config.device_budget_bytes === null || config.device_budget_bytes === undefined);
@@ -203,9 +208,38 @@ export function deviceBudgetNote(runInfo) {
       ? ' On this machine the device is a budgeted stand-in: a region of host memory, no GPU.'
       : '';
   const pipeline = runInfo.device_is_standin === true ? ' and the input pipeline’s buffers (same host memory)' : '';
-  return (
-    `Device budget: ${bounds}.${standin} The allocator peak is TensorFlow’s high-water ` +
-    `mark inside a step: activations, gradients in flight, TensorFlow’s workspace${pipeline}; ` +
-    'the budget does not bound it.'
+  const parts = [`Device budget: ${bounds}.${standin}`];
+  const f = figures ?? {};
+  if (f.allocator) {
+    const limit =
+      f.cap !== null && f.cap !== undefined
+        ? `, against the device’s memory of ${formatBytes(f.cap)} (the allocator’s limit${runInfo.device_is_standin === true ? ', TF_CPU_BFC_MEM_LIMIT_IN_MB' : ''}): ` +
+          (f.allocator.value > f.cap ? 'over it' : 'within it')
+        : '';
+    parts.push(
+      `TensorFlow allocator peak (in step), the measure of the device’s memory: highest ` +
+        `${formatBytes(f.allocator.value)} at step ${f.allocator.step}${limit}.`,
+    );
+  }
+  parts.push(
+    'The allocator peak is TensorFlow’s high-water mark inside a step, every tensor of every local replica: ' +
+      `activations, gradients in flight, TensorFlow’s workspace${runInfo.stage === 3 ? ', the pool’s device pages' : ''}${pipeline}; ` +
+      'the budget does not bound it.',
   );
+  if (f.stage3 && f.accounting) {
+    let text =
+      `Pool pages + gradient shards (in step) is the runtime’s accounting of the device tier: the pool’s pages plus the ` +
+      `reduced gradient shards TensorFlow holds beside them; highest ${formatBytes(f.accounting.value)} at step ${f.accounting.step}`;
+    if (f.overrun) {
+      text += `. OVERRUN: the pool’s own pages went over its budget by ${formatBytes(f.overrun.bytes)} at step ${f.overrun.step}.`;
+    } else if (f.outsidePool > 0) {
+      text +=
+        `, above the pool budget by up to ${formatBytes(f.outsidePool)}: the gradient shards outside the pool, ` +
+        'which the budget does not bound; the pool’s own pages stayed within it.';
+    } else {
+      text += ', within the pool budget.';
+    }
+    parts.push(text);
+  }
+  return parts.join(' ');
 }

@@ -2,6 +2,7 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
 import {
+  deviceFigures,
   alignTo,
   configLabel,
   filterPlacement,
@@ -74,9 +75,9 @@ test('predictedVsMeasured compares model states (param + grad + optimizer) at th
   });
   const rows = predictedVsMeasured({ per_process: { device_bytes: 100, host_bytes: 100, nvme_bytes: 0 } }, tiers);
   assert.deepEqual(rows, [
-    { tier: 'device', predicted: 100, measured: 120, ratio: 1.2, predictedPeak: null, measuredPeak: null, peakRatio: null },
-    { tier: 'host', predicted: 100, measured: 200, ratio: 2, predictedPeak: null, measuredPeak: null, peakRatio: null },
-    { tier: 'nvme', predicted: 0, measured: 0, ratio: null, predictedPeak: null, measuredPeak: null, peakRatio: null },
+    { tier: 'device', predicted: 100, measured: 120, ratio: 1.2, predictedPeak: null, measuredPeak: null, measuredPeakSource: null, peakRatio: null },
+    { tier: 'host', predicted: 100, measured: 200, ratio: 2, predictedPeak: null, measuredPeak: null, measuredPeakSource: null, peakRatio: null },
+    { tier: 'nvme', predicted: 0, measured: 0, ratio: null, predictedPeak: null, measuredPeak: null, measuredPeakSource: null, peakRatio: null },
   ]);
 });
 
@@ -88,13 +89,13 @@ test('predictedVsMeasured falls back to used bytes without a holder split', () =
   });
   const rows = predictedVsMeasured({ per_process: { device_bytes: 100, host_bytes: 100, nvme_bytes: 0 } }, tiers);
   assert.deepEqual(rows, [
-    { tier: 'device', predicted: 100, measured: 150, ratio: 1.5, predictedPeak: null, measuredPeak: null, peakRatio: null },
-    { tier: 'host', predicted: 100, measured: 50, ratio: 0.5, predictedPeak: null, measuredPeak: null, peakRatio: null },
-    { tier: 'nvme', predicted: 0, measured: null, ratio: null, predictedPeak: null, measuredPeak: null, peakRatio: null },
+    { tier: 'device', predicted: 100, measured: 150, ratio: 1.5, predictedPeak: null, measuredPeak: null, measuredPeakSource: null, peakRatio: null },
+    { tier: 'host', predicted: 100, measured: 50, ratio: 0.5, predictedPeak: null, measuredPeak: null, measuredPeakSource: null, peakRatio: null },
+    { tier: 'nvme', predicted: 0, measured: null, ratio: null, predictedPeak: null, measuredPeak: null, measuredPeakSource: null, peakRatio: null },
   ]);
 });
 
-test('tierPlot draws the in-step peaks (pool and allocator) beside boundary use, never off scale', () => {
+test('tierPlot draws the in-step peaks (accounting and allocator) beside boundary use, never off scale', () => {
   const tiers = tiersAnswer([0, 1], {
     device: { used_bytes: [4 * MIB, 4 * MIB], peak_bytes: [5 * MIB, 6 * MIB], capacity_bytes: [null, null] },
   });
@@ -102,7 +103,20 @@ test('tierPlot draws the in-step peaks (pool and allocator) beside boundary use,
   const readings = { steps: [0, 1], values: { framework_device_peak_bytes: [26 * MIB, 28 * MIB] } };
   const plot = tierPlot(tiers, readings, 'device');
   const peaks = plot.lines.filter((l) => l.kind === 'peak');
-  assert.deepEqual(peaks.map((l) => l.label), ['pool peak (in step)', 'allocator peak (in step)']);
+  assert.deepEqual(peaks.map((l) => l.label), ['in-step peak', 'TensorFlow allocator peak (in step)']);
+  // Each named by what it measures: at stage 3 the pool's pages + gradient shards; below
+  // stage 3 the recorded peak is the allocator's own and is drawn once.
+  const s3 = tierPlot(tiers, readings, 'device', { stage: 3, device_capacity_bytes: 32 * MIB });
+  assert.deepEqual(
+    s3.lines.map((l) => [l.kind, l.label]),
+    [
+      ['peak', 'pool pages + gradient shards (in step)'],
+      ['peak', 'TensorFlow allocator peak (in step)'],
+      ['capacity', 'device memory (allocator limit)'],
+    ],
+  );
+  const s0 = tierPlot(tiers, readings, 'device', { stage: 0 });
+  assert.deepEqual(s0.lines.filter((l) => l.kind === 'peak').map((l) => l.label), ['TensorFlow allocator peak (in step)']);
   assert.deepEqual(peaks[1].values, [26 * MIB, 28 * MIB]);
   assert.equal(plot.stepPeak, 28 * MIB);
   assert.equal(plot.yMax, 28 * MIB);
@@ -158,4 +172,48 @@ test('seconds and percentages format with units', () => {
   assert.equal(formatSeconds(1.5), '1.5 s');
   assert.equal(formatSeconds(null), '—');
   assert.equal(formatPercent(0.75), '75%');
+});
+
+test('deviceFigures names each device peak and flags only a pool overrun', () => {
+  const tiers = tiersAnswer([0, 1, 2], {
+    device: {
+      used_bytes: [2 * MIB, 2 * MIB, 2 * MIB],
+      // pool pages 12 MiB (= its budget) + 1.7 MiB of gradient shards outside the pool
+      peak_bytes: [13.7 * MIB, 13 * MIB, 12 * MIB],
+      grad_bytes: [1.7 * MIB, 1.7 * MIB, 1.7 * MIB],
+      capacity_bytes: [12 * MIB, 12 * MIB, 12 * MIB],
+    },
+  });
+  const readings = { steps: [0, 1, 2], values: { framework_device_peak_bytes: [20 * MIB, 22 * MIB, 21 * MIB] } };
+  const info = { stage: 3, device_capacity_bytes: 32 * MIB };
+  const f = deviceFigures(tiers, readings, info);
+  assert.deepEqual(f.allocator, { value: 22 * MIB, step: 1 });
+  assert.equal(f.accounting.value, 13.7 * MIB);
+  assert.equal(f.accounting.step, 0);
+  assert.equal(f.cap, 32 * MIB);
+  assert.equal(f.budget, 12 * MIB);
+  assert.equal(f.overrun, null);
+  assert.ok(Math.abs(f.outsidePool - 1.7 * MIB) < 1, f.outsidePool);
+  // The pool's own pages over its budget: flagged.
+  const over = tiersAnswer([0], {
+    device: { used_bytes: [2 * MIB], peak_bytes: [15 * MIB], grad_bytes: [1 * MIB], capacity_bytes: [12 * MIB] },
+  });
+  assert.deepEqual(deviceFigures(over, null, info).overrun, { bytes: 2 * MIB, step: 0 });
+  assert.equal(deviceFigures(over, null, { stage: 0 }).overrun, null);
+});
+
+test('the overlay compares the device by one measure: the allocator peak when every run read it', async () => {
+  const { overlayData, overlayTitle } = await import('../src/views/overlay_view.js');
+  const tiers = (used) => tiersAnswer([0, 1], { device: { used_bytes: used } });
+  const runs = [
+    { run: 'mirrored', color: 'red', tiers: tiers([20 * MIB, null]), readings: { steps: [0, 1], values: { framework_device_peak_bytes: [25 * MIB, 36 * MIB] } } },
+    { run: 'zero', color: 'blue', tiers: tiers([2 * MIB, 2 * MIB]), readings: { steps: [0, 1], values: { framework_device_peak_bytes: [24 * MIB, 26 * MIB] } } },
+  ];
+  assert.match(overlayTitle(runs, 'device'), /TensorFlow allocator peak \(in step\), the same measure for every run/);
+  assert.deepEqual(overlayData(runs, 'device').series.map((s) => s.values), [[25 * MIB, 36 * MIB], [24 * MIB, 26 * MIB]]);
+  // A run without the reading: used bytes, and the title says they are not one measure.
+  const mixed = [runs[0], { ...runs[1], readings: null }];
+  assert.match(overlayTitle(mixed, 'device'), /not one measure/);
+  assert.deepEqual(overlayData(mixed, 'device').series.map((s) => s.values), [[20 * MIB, null], [2 * MIB, 2 * MIB]]);
+  assert.equal(overlayTitle(runs, 'host'), 'host: used bytes');
 });

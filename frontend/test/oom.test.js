@@ -120,6 +120,26 @@ test('the device note says what the budget bounds and what the allocator peak ho
   assert.ok(unset.startsWith('Device budget: none is set'), unset);
   const set = deviceBudgetNote({ stage: 3, config: { device_budget_bytes: 12 * MIB } });
   assert.ok(set.includes('paged pool'), set);
+  // With the run's figures: the allocator peak against the device's memory, and the
+  // accounting line above the pool budget explained (shards outside the pool) or flagged.
+  const info = { stage: 3, device_is_standin: true, config: { device_budget_bytes: 12 * MIB } };
+  const figures = {
+    allocator: { value: 22 * MIB, step: 4 },
+    accounting: { value: 13.7 * MIB, step: 0, grad: 1.7 * MIB },
+    budget: 12 * MIB,
+    cap: 32 * MIB,
+    stage3: true,
+    overrun: null,
+    outsidePool: 1.7 * MIB,
+  };
+  const note = deviceBudgetNote(info, figures);
+  assert.ok(note.includes('highest 22 MiB at step 4, against the device’s memory of 32 MiB'), note);
+  assert.ok(note.includes('TF_CPU_BFC_MEM_LIMIT_IN_MB'), note);
+  assert.ok(note.includes('within it'), note);
+  assert.ok(note.includes('above the pool budget by up to 1.7 MiB: the gradient shards outside the pool'), note);
+  assert.ok(!note.includes('OVERRUN'), note);
+  const flagged = deviceBudgetNote(info, { ...figures, overrun: { bytes: 2 * MIB, step: 3 } });
+  assert.ok(flagged.includes('OVERRUN: the pool’s own pages went over its budget by 2 MiB at step 3'), flagged);
 });
 
 test('predicted vs measured names what the Ψ-only prediction does not model', async () => {

@@ -35,7 +35,7 @@ from zero_runtime.memory.trace import TRACE_DIR, TraceWriter
 from zero_runtime.runtime import accounting
 from zero_runtime.runtime.accounting import Accounting
 from zero_runtime.runtime.clock import StepClock, StepEnd
-from zero_runtime.runtime.headroom import HeadroomController
+from zero_runtime.runtime.headroom import HeadroomController, device_capacity_bytes
 from zero_runtime.runtime.postmortem import (
     FailureContext,
     PostMortem,
@@ -124,6 +124,7 @@ class ZeroRuntime:
         self.host_margin_bytes = oom.host_margin_bytes()
         oom.install_excepthook(self)
         self._run_info_impl: str | None = None  # the reduce-scatter run_info last named
+        self._device_capacity = device_capacity_bytes(device)  # bytes, None: unknown
         self._write_run_info()
 
     # -- the parts' public faces (kept for callers of the one-object runtime) -------------
@@ -479,6 +480,7 @@ class ZeroRuntime:
             self.fallback_mirrored,
             impl,
             None if self.headroom is None else self.headroom.describe(),
+            self._device_capacity,
         )
 
     def flush(self) -> None:

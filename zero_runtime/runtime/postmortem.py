@@ -250,7 +250,7 @@ def build_report(
         "tensor": tensor,
         "op": getattr(cause, "op", None) and getattr(cause.op, "name", None),
         "error_type": type(cause).__name__,
-        "message": str(cause).split("\n\npost-mortem")[0][:4000],
+        "message": oom.short_message(str(cause)),
     }
     t = tiers[tier]
     used = int(t["used_bytes"] or 0) + int(request_bytes or 0)

@@ -44,6 +44,7 @@ class RunSummaries:
         fallback_mirrored: bool,
         reduce_scatter_impl: str | None = None,
         device_budget: Mapping[str, Any] | None = None,
+        device_capacity_bytes: int | None = None,
     ) -> None:
         """``memory_hierarchy/run_info`` at step 0 (at start and whenever it changes): the
         stage, replicas, devices and the nature of the device tier, the config, whether
@@ -52,7 +53,11 @@ class RunSummaries:
         reduce-scatter runs ('nccl', 'all_to_all' or 'all_reduce', also after a fallback;
         zero_runtime.comm.reduce_scatter_sum_flat) and, with ``device_budget_bytes='auto'``,
         ``device_budget``: the headroom controller's settings as started
-        (``HeadroomController.describe``: mode, capacity, headroom fraction, target peak)."""
+        (``HeadroomController.describe``: mode, capacity, headroom fraction, target peak)
+        and, when known, ``device_capacity_bytes``: the device's memory, bytes, the limit
+        TensorFlow's allocator enforces (a GPU's total memory by NVML; on the CPU stand-in
+        the allocator's cap ``TF_CPU_BFC_MEM_LIMIT_IN_MB``; absent when unknown or
+        unset)."""
         info = {
             "stage": config.stage,
             "num_replicas": num_replicas,
@@ -68,6 +73,8 @@ class RunSummaries:
             info["reduce_scatter_impl"] = reduce_scatter_impl
         if device_budget is not None:
             info["device_budget"] = dict(device_budget)
+        if device_capacity_bytes is not None:
+            info["device_capacity_bytes"] = int(device_capacity_bytes)
         self._writer.json(metadata.TAG_RUN_INFO, 0, info)
 
     def estimate(self, estimate: Mapping[str, Any]) -> None:

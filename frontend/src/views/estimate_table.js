@@ -82,6 +82,7 @@ export function renderEstimate(table, estimate, tiers, runInfo, readings = null)
     if (r.measured !== null) tr.dataset.measuredBytes = String(r.measured);
     if (r.predictedPeak !== null) tr.dataset.predictedPeakBytes = String(r.predictedPeak);
     if (r.measuredPeak !== null) tr.dataset.measuredPeakBytes = String(r.measuredPeak);
+    if (r.measuredPeakSource) tr.dataset.measuredPeakSource = r.measuredPeakSource;
     const predicted = el('td', 'mh-predicted');
     predicted.append(el('span', 'mh-figure', formatBytes(r.predicted)), bar(r.predicted, max, 'mh-bar-predicted'));
     const measured = el('td', 'mh-measured');
@@ -92,7 +93,7 @@ export function renderEstimate(table, estimate, tiers, runInfo, readings = null)
       measured,
       el('td', 'mh-ratio', r.ratio === null ? '—' : formatPercent(r.ratio)),
       el('td', 'mh-predicted-peak', formatBytes(r.predictedPeak)),
-      el('td', 'mh-measured-peak', formatBytes(r.measuredPeak)),
+      measuredPeakCell(r),
       el('td', 'mh-peak-ratio', r.peakRatio === null ? '—' : formatPercent(r.peakRatio)),
     );
     table.append(tr);
@@ -109,4 +110,11 @@ export function renderEstimate(table, estimate, tiers, runInfo, readings = null)
     tr.append(td);
     table.append(tr);
   }
+}
+
+/** The measured peak's cell, its figure named in its tooltip (allocator or accounting). */
+function measuredPeakCell(r) {
+  const td = el('td', 'mh-measured-peak', formatBytes(r.measuredPeak));
+  if (r.measuredPeakSource) td.title = `the higher of the last step's in-step peaks: ${r.measuredPeakSource}`;
+  return td;
 }

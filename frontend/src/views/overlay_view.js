@@ -1,19 +1,40 @@
-// View: the selected runs compared: one chart per tier overlaying every selected run's
-// used bytes (each run in its selector color). Shown when more than one run is selected.
+// View: the selected runs compared: one chart per tier overlaying every selected run (each
+// run in its selector color). Host and NVMe: used bytes. Device: one measure for every run
+// (issue #19): TensorFlow's allocator in-step peak when every run read it (the tiers
+// record's device figures differ by stage: the allocator below stage 3, the pool's
+// accounting at stage 3), else used bytes, and the chart's title says which.
+// Shown when more than one run is selected.
 
-import { alignTo, TIERS, unionSteps } from '../data.js';
+import { alignTo, isMeasured, TIERS, unionSteps } from '../data.js';
 import { Chart } from './chart.js';
 import { el } from './run_panel.js';
 
 const HEIGHT = 200; // px
+const ALLOCATOR_PEAK = 'framework_device_peak_bytes';
 
-/** x = the union of the runs' steps; one used-bytes series per run, per tier. */
+/** True when every run read TensorFlow's allocator peak (the device's common measure). */
+export function allocatorForAll(runs) {
+  return runs.length > 0 && runs.every((r) => r.readings && isMeasured(r.readings.values?.[ALLOCATOR_PEAK]));
+}
+
+/** The title of one tier's overlay chart: what its lines measure. */
+export function overlayTitle(runs, tier) {
+  if (tier !== 'device') return `${tier}: used bytes`;
+  return allocatorForAll(runs)
+    ? 'device: TensorFlow allocator peak (in step), the same measure for every run'
+    : 'device: used bytes (each run’s own reading: not one measure across stages)';
+}
+
+/** x = the union of the runs' steps; one series per run, per tier (see overlayTitle). */
 export function overlayData(runs, tier) {
+  const allocator = tier === 'device' && allocatorForAll(runs);
   let x = [];
-  for (const r of runs) x = unionSteps(x, r.tiers.steps);
+  for (const r of runs) x = unionSteps(x, allocator ? r.readings.steps : r.tiers.steps);
   const series = runs.map((r) => ({
     label: r.run,
-    values: alignTo(x, r.tiers.steps, r.tiers.values[tier]?.used_bytes ?? []),
+    values: allocator
+      ? alignTo(x, r.readings.steps, r.readings.values[ALLOCATOR_PEAK] ?? [])
+      : alignTo(x, r.tiers.steps, r.tiers.values[tier]?.used_bytes ?? []),
     stroke: r.color,
     width: 1.5,
   }));
@@ -24,26 +45,30 @@ export class OverlayView {
   constructor() {
     this.element = el('section', 'mh-overlay');
     this.element.hidden = true;
-    this.element.append(el('h2', 'mh-run-name', 'Selected runs: used bytes per tier'));
+    this.element.append(el('h2', 'mh-run-name', 'Selected runs compared, per tier'));
     const grid = el('div', 'mh-grid3');
     this.charts = new Map();
+    this.titles = new Map();
     for (const tier of TIERS) {
       const cell = el('div', 'mh-cell');
       cell.dataset.tier = tier;
       const box = el('div', 'mh-plot');
-      cell.append(el('div', 'mh-cell-title', tier), box);
+      const title = el('div', 'mh-cell-title', tier);
+      cell.append(title, box);
       grid.append(cell);
+      this.titles.set(tier, title);
       this.charts.set(tier, new Chart(box, { height: HEIGHT, widthKey: 'overlay' }));
     }
     this.element.append(grid);
   }
 
-  /** @param {Array<{run, color, tiers}>} runs (empty: hide the overlay) */
+  /** @param {Array<{run, color, tiers, readings}>} runs (empty: hide the overlay) */
   update(runs) {
     this.element.hidden = runs.length < 2;
     this.element.dataset.runs = String(runs.length);
     if (runs.length < 2) return;
     for (const [tier, chart] of this.charts) {
+      this.titles.get(tier).textContent = overlayTitle(runs, tier);
       const { x, series } = overlayData(runs, tier);
       chart.update({ x, series, scales: { y: { unit: 'bytes' } }, markers: [] });
     }

@@ -6,7 +6,7 @@
 // chart's header as "capacity X (off scale)".
 // Data contract: /series answers for memory_hierarchy/tiers and memory_hierarchy/readings.
 
-import { maxOf, TIERS, tierPlot } from '../data.js';
+import { deviceFigures, maxOf, TIERS, tierPlot } from '../data.js';
 import { formatBytes } from '../format.js';
 import { deviceBudgetNote } from '../oom.js';
 import { Chart } from './chart.js';
@@ -21,7 +21,7 @@ export const HOLDER_COLORS = {
 };
 const USED_COLOR = '#202124';
 const CAPACITY_COLOR = '#c5221f';
-const PEAK_COLORS = ['#b80672', '#f29900']; // in-step peaks (pool, allocator)
+const PEAK_COLORS = ['#b80672', '#f29900']; // in-step peaks (runtime accounting, allocator)
 const READING_COLORS = ['#9334e6', '#e37400'];
 
 function el(tag, className, text) {
@@ -32,11 +32,21 @@ function el(tag, className, text) {
 }
 
 /** The header text of one tier's chart, e.g. "capacity 23.5 GiB (off scale)". */
-export function tierHeaderNotes(plot) {
+export function tierHeaderNotes(plot, tier = null) {
   const notes = [`peak ${formatBytes(plot.peakUse)}`];
-  if (plot.stepPeak !== null && plot.stepPeak !== undefined) notes.push(`in-step peak ${formatBytes(plot.stepPeak)}`);
-  const capacity = plot.lines.find((l) => l.kind === 'capacity');
-  if (capacity) notes.push(`capacity ${formatBytes(maxOf(capacity.values))}`);
+  if (tier === 'device') {
+    // Each in-step peak named by what it measures (issue #19: one figure, one name).
+    for (const line of plot.lines.filter((l) => l.kind === 'peak')) notes.push(`${line.label} ${formatBytes(line.max)}`);
+  } else if (plot.stepPeak !== null && plot.stepPeak !== undefined) {
+    notes.push(`in-step peak ${formatBytes(plot.stepPeak)}`);
+  }
+  const capacities = plot.lines.filter((l) => l.kind === 'capacity');
+  const capacity = capacities[0];
+  if (tier === 'device') {
+    for (const line of capacities) notes.push(`${line.label} ${formatBytes(maxOf(line.values))}`);
+  } else if (capacity) {
+    notes.push(`capacity ${formatBytes(maxOf(capacity.values))}`);
+  }
   for (const line of plot.offScale) {
     notes.push(`${line.label} ${formatBytes(line.value)} (off scale)`);
   }
@@ -68,11 +78,12 @@ export function tierSpec(plot, markers) {
       continue;
     }
     const isCapacity = line.kind === 'capacity';
+    const isLimit = isCapacity && line.label.startsWith('device memory');
     series.push({
       label: line.label,
       values: line.values,
       stroke: isCapacity ? CAPACITY_COLOR : READING_COLORS[r++ % READING_COLORS.length],
-      dash: isCapacity ? [8, 4] : [4, 4],
+      dash: isLimit ? [] : isCapacity ? [8, 4] : [4, 4],
       width: isCapacity ? 1.5 : 2,
     });
   }
@@ -125,13 +136,16 @@ export class TierCharts {
     for (const tier of TIERS) {
       await run(() => {
         const cell = this.cells.get(tier);
-        const plot = tierPlot(tiers, readings, tier);
+        const plot = tierPlot(tiers, readings, tier, runInfo);
         cell.title.textContent = tierLabel(tier, runInfo);
-        cell.notes.textContent = tierHeaderNotes(plot).join(' · ');
+        cell.notes.textContent = tierHeaderNotes(plot, tier).join(' · ');
         if (cell.note) {
-          const text = deviceBudgetNote(runInfo);
+          const figures = deviceFigures(tiers, readings, runInfo);
+          const text = deviceBudgetNote(runInfo, figures);
           cell.note.textContent = text ?? '';
           cell.note.hidden = !text;
+          cell.note.dataset.overrun = figures.overrun ? 'true' : 'false';
+          cell.note.classList.toggle('mh-overrun', Boolean(figures.overrun));
         }
         cell.chart.update(tierSpec(plot, markers));
       });
