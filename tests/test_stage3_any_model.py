@@ -8,15 +8,14 @@ with plain ``MirroredStrategy`` (same model, data and seed) per variable, as
 
 - ``gpt``: a GPT-style functional transformer (embedding, causal self-attention, MLP,
   residual ``Add``s, LayerNormalization) whose output head reads the embedding table
-  (tied weights: gathered once per use, both uses' gradients summed); SGD.
+  (tied weights: gathered once per use, both uses' gradients summed); SGD (Adam: the
+  matrix, where its attention key bias needs its own bound).
 - ``dag_bn``: a functional DAG with two inputs, two outputs, residual connections, a
   BatchNormalization (moving statistics replicated and updated in the forward) and a
   frozen ``Dense`` (replicated, in the placement table as frozen); Adam.
 - ``tied``: one ``Dense`` called twice, and a layer reading another layer's kernel (the
   kernel is sharded once, gathered per use, the uses' gradients summed); Adam.
 - ``subclassed``: a subclassed ``keras.Model`` whose ``call`` adds a branch; Adam.
-- ``dense3d``: ``Dense`` on 3-D input, fed 20 samples in batches of 8 (the last one
-  smaller: the batch dimension is unknown when the step is traced); Adam.
 - ``embed_add``: an ``Embedding`` whose output feeds both a ``Dense`` and a residual
   ``Add``, fed 20 samples in batches of 8 (a partial last batch: unknown batch dimension,
   so the loss traces Keras's shape ``Assert``); SGD with host optimizer states. It hung
@@ -25,9 +24,10 @@ with plain ``MirroredStrategy`` (same model, data and seed) per variable, as
   path's trace-time replica barrier, and ``zero_runtime.lifecycle.host_function``'s
   per-replica ordering resource; either alone suffices). Also run fast, on its own, comparing the
   loss, with Adam (:func:`test_partial_batch_embedding_residual_trains_like_mirrored`).
-- ``mobilenet``: ``keras.applications.MobileNetV3Small`` (``weights=None``, 32x32 input,
-  4 classes, no dropout): convolutions, depthwise convolutions, squeeze-and-excitation
-  ``Multiply`` branches, BatchNormalization everywhere; SGD.
+
+``keras.applications.MobileNetV3Small``, the same GPT with Adam and a 3-D ``Dense`` model
+with a smaller last batch are trained at every stage and tier in
+``tests/test_parity_matrix.py``.
 """
 
 from __future__ import annotations
@@ -38,14 +38,14 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import any_models as am
 from helpers.mirrored import Mirrored
 from helpers.reference_optimizers import DenseGradAdam
 
 import zero_runtime
 from zero_runtime.sharded_variable import ShardedVariable
 
-VOCAB, WIDTH = 13, 16
-BATCH = 8
+BATCH = am.BATCH
 CONFIG = {
     "stage": 3,
     "offload_param": "cpu",
@@ -57,39 +57,7 @@ CONFIG = {
 # step has no host call (zero_runtime/stage3/step_clock.py).
 DEVICE_CONFIG = {**CONFIG, "offload_param": "none", "offload_optimizer": "none"}
 BOUND = 1e-4  # docs/parity.md, stage 3
-FLOOR = 1e-3  # smallest denominator of the relative difference (see _rel)
-
-
-class TiedHead(keras.layers.Layer):
-    """Logits from the embedding table: ``x @ E^T`` (the GPT-2 tied output head)."""
-
-    def __init__(self, embedding: keras.layers.Embedding, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.embedding = embedding
-
-    def call(self, x):
-        return keras.ops.matmul(x, keras.ops.transpose(self.embedding.embeddings))  # (B, T, V)
-
-
-def _gpt() -> keras.Model:
-    keras.utils.set_random_seed(0)
-    tokens = keras.Input((None,), dtype="int32")  # (B, T), T unknown
-    emb = keras.layers.Embedding(VOCAB, WIDTH, name="tok")
-    x = emb(tokens)  # (B, T, WIDTH)
-    h = keras.layers.LayerNormalization(name="ln_a")(x)
-    h = keras.layers.MultiHeadAttention(2, 8, name="attn")(h, h, use_causal_mask=True)
-    x = keras.layers.Add()([x, h])
-    h = keras.layers.LayerNormalization(name="ln_b")(x)
-    h = keras.layers.Dense(2 * WIDTH, activation="gelu", name="mlp_a")(h)
-    x = keras.layers.Add()([x, keras.layers.Dense(WIDTH, name="mlp_b")(h)])
-    x = keras.layers.LayerNormalization(name="ln_f")(x)
-    return keras.Model(tokens, TiedHead(emb, name="head")(x))
-
-
-def _gpt_data():
-    rng = np.random.RandomState(2)
-    x = rng.randint(0, VOCAB, (4 * BATCH, 7)).astype("int32")
-    return x[:, :-1], x[:, 1:]
+_rel = am.rel
 
 
 def _dag_bn() -> keras.Model:
@@ -171,87 +139,61 @@ def _subclassed_data():
     return x, (x[:, :4] * 2.0 - x[:, 4:]).astype("float32")
 
 
-def _dense3d() -> keras.Model:
-    keras.utils.set_random_seed(8)
-    inp = keras.Input((None, 8))
-    h = keras.layers.Dense(16, activation="relu", name="hidden")(inp)
-    return keras.Model(inp, keras.layers.Dense(4, name="head")(h))
-
-
-def _dense3d_data():
-    rng = np.random.RandomState(9)
-    x = rng.standard_normal((20, 5, 8)).astype("float32")  # batches of 8, 8, 4
-    return x, rng.randint(0, 4, (20, 5)).astype("int32")
-
-
-def _embed_add() -> keras.Model:
-    keras.utils.set_random_seed(13)
-    tokens = keras.Input((8,), dtype="int32")  # (B, 8), B unknown
-    x = keras.layers.Embedding(50, WIDTH, name="emb")(tokens)  # used twice below
-    h = keras.layers.Dense(WIDTH, activation="relu", name="hidden")(x)
-    x = keras.layers.Add()([x, h])
-    return keras.Model(tokens, keras.layers.Dense(50, name="head")(x))
-
-
-def _embed_add_data():
-    rng = np.random.RandomState(14)
-    x = rng.randint(0, 50, (20, 8)).astype("int32")  # batches of 8, 8, 4
-    return x, rng.randint(0, 50, (20, 8)).astype("int32")
-
-
-def _mobilenet() -> keras.Model:
-    keras.utils.set_random_seed(10)
-    return keras.applications.MobileNetV3Small(
-        input_shape=(32, 32, 3), weights=None, classes=4, dropout_rate=0.0
-    )
-
-
-def _image_data():
-    rng = np.random.RandomState(11)
-    x = rng.uniform(0.0, 255.0, (4 * BATCH, 32, 32, 3)).astype("float32")
-    return x, rng.randint(0, 4, (4 * BATCH,)).astype("int32")
-
-
 class Branchy(keras.Model):
-    """A subclassed model whose call picks a head with ``keras.ops.cond`` on a replicated
-    flag: the units path refuses a unit used inside a control-flow branch."""
+    """A subclassed model with control flow around its units: a ``keras.ops.fori_loop``
+    applying ``c`` twice (a ``tf.while_loop``), then ``keras.ops.cond`` on the batch's
+    mean, which differs between replicas within one step: one branch uses ``a``, the
+    other ``b`` and ``a`` again."""
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.d0 = keras.layers.Dense(16, activation="relu", name="d0")
+        self.c = keras.layers.Dense(16, activation="tanh", name="c")
         self.a = keras.layers.Dense(4, name="a")
         self.b = keras.layers.Dense(4, name="b")
-        self.use_a = keras.Variable(1.0, trainable=False, name="use_a")
+
+    def build(self, shape) -> None:
+        self.d0.build(shape)
+        for layer in (self.c, self.a, self.b):
+            layer.build((*shape[:-1], 16))
 
     def call(self, x):
-        h = self.d0(x)
-        return keras.ops.cond(self.use_a > 0.5, lambda: self.a(h), lambda: self.b(h))
+        h = keras.ops.fori_loop(0, 2, lambda i, t: self.c(t), self.d0(x))
+        return keras.ops.cond(
+            keras.ops.mean(x) > 0.0, lambda: self.a(h), lambda: self.b(h) + 0.5 * self.a(h)
+        )
 
 
 def _branchy() -> keras.Model:
     keras.utils.set_random_seed(12)
     model = Branchy(name="branchy")
-    model(np.zeros((1, 8), "float32"))  # creates the weights
+    model.build((None, 8))
     return model
+
+
+def _branchy_data():
+    """Rows shifted by +-0.3 so that the replicas' batch means (4 rows each) differ in
+    sign within a step: 1, 0 | 1, 1 | 0, 1 | 0, 0 (mean > 0) over the 4 steps."""
+    rng = np.random.RandomState(7)
+    x = rng.standard_normal((4 * BATCH, 8)).astype("float32")
+    x += 0.3 * rng.choice([-1.0, 1.0], (4 * BATCH, 1)).astype("float32")
+    return x, (x[:, :4] * 2.0 - x[:, 4:]).astype("float32")
 
 
 MODELS = {
     # name: (build, data, optimizer, loss)
-    "gpt": (_gpt, _gpt_data, "sgd", "scce"),
+    "gpt": (am.gpt, am.gpt_data, "sgd", "scce"),
     "dag_bn": (_dag_bn, _dag_bn_data, "adam", "mse"),
     "tied": (_tied, _tied_data, "adam", "mse"),
     "subclassed": (_subclassed, _subclassed_data, "adam", "mse"),
-    "dense3d": (_dense3d, _dense3d_data, "adam", "scce"),
-    "embed_add": (_embed_add, _embed_add_data, "sgd", "scce"),
-    "mobilenet": (_mobilenet, _image_data, "sgd", "scce_probs"),
+    "embed_add": (am.embed_add, am.embed_add_data, "sgd", "scce"),
+    "branchy": (_branchy, _branchy_data, "adam", "mse"),
 }
 
 
 def _loss(kind: str):
     if kind == "scce":
         return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    if kind == "scce_probs":  # keras.applications' heads end in a softmax
-        return keras.losses.SparseCategoricalCrossentropy()
     return "mse"
 
 
@@ -291,17 +233,10 @@ def reference(cpu_devices):
     return get
 
 
-def _rel(w: np.ndarray, r: np.ndarray) -> float:
-    """``max |w - r| / max |r|``; the denominator at least ``FLOOR`` (an attention key
-    bias has no gradient, softmax being shift-invariant: it stays at rounding noise,
-    |r| ~ 1e-9, where a ratio says nothing)."""
-    return float(np.max(np.abs(w - r)) / max(float(np.max(np.abs(r))), FLOOR))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "tier"),
-    [(name, "cpu") for name in MODELS]
+    [(name, "cpu") for name in MODELS if name != "branchy"]  # branchy: its own test
     + [(name, "none") for name in ("gpt", "dag_bn", "tied", "embed_add")],
 )
 def test_any_model_trains_at_stage3_like_mirrored(name, tier, reference):
@@ -409,21 +344,30 @@ def test_any_model_trains_at_stages_1_2_bitwise(name, stage, reference):
         np.testing.assert_array_equal(w, r)
 
 
-def test_a_unit_inside_tf_cond_is_refused_before_the_first_step(cpu_devices):
-    """A unit called in a ``keras.ops.cond`` branch: NotImplementedError naming it, raised
-    while the step is traced; no step runs."""
+def test_units_inside_tf_cond_and_a_loop_train_like_mirrored(reference):
+    """Units used inside ``keras.ops.cond`` branches whose predicate differs between the
+    replicas of a step, and inside a ``keras.ops.fori_loop``: gathered before the control
+    flow, reduce-scattered after it; bitwise equal to MirroredStrategy (docs/parity.md),
+    every unit trained; evaluate and predict run the same forward."""
+    x, y = _branchy_data()
+    means = x.reshape(4, 2, BATCH // 2, 8).mean(axis=(2, 3))  # (step, replica)
+    assert np.any((means[:, 0] > 0) != (means[:, 1] > 0))  # the replicas disagree
     strategy = zero_runtime.ZeroInfinityStrategy(CONFIG)
-    x, y = _subclassed_data()
     try:
-        with strategy.scope():
-            model = _branchy()
-            model.compile(optimizer="adam", loss="mse")
-        with pytest.raises(NotImplementedError, match=r"'a' is used inside a tf\.cond"):
-            model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
-        assert int(model.optimizer.iterations.numpy()) == 0
-        assert len(strategy.runtime.recorder) == 0
+        model = _fit(strategy, "branchy")
+        assert all(isinstance(v, ShardedVariable) for v in model.trainable_variables)
+        assert strategy.runtime.recorder.last(1)[0].stage == 3
+        loss = model.evaluate(x, y, batch_size=BATCH, verbose=0)
+        assert np.isfinite(loss)
+        assert model.predict(x[:BATCH], batch_size=BATCH, verbose=0).shape == (BATCH, 4)
+        weights = model.get_weights()
+        paths = [v.path for v in model.weights]
     finally:
         strategy.close()
+    initial = _branchy().get_weights()
+    for path, w, r, i in zip(paths, weights, reference("branchy"), initial):
+        np.testing.assert_array_equal(w, r, err_msg=path)
+        assert np.max(np.abs(w - i)) > 1e-4, path  # every unit trained, b and c included
 
 
 @pytest.mark.slow

@@ -19,6 +19,11 @@ class is patched; :meth:`UnitRunner.remove` takes it away). Per use, on each rep
   reduce-scatters each use's contribution; they are summed per original (ZeRO, SC20,
   section 5.3; reduce-scatter is linear) as the gradients of its anchor (below).
 
+A use inside a ``tf.cond`` / ``tf.while_loop`` branch or loop body gathers in the step's
+own graph instead, before the control flow, once per step (:meth:`UnitRunner._use_in_branch`),
+and reduce-scatters the views' gradient there after it: no collective runs inside control
+flow, so replicas whose predicates differ still run the same collectives.
+
 A sharded variable read outside its units' calls (a head that reads an embedding layer's
 table) is gathered on that read as a one-variable use with the same backward
 (:meth:`UnitRunner.read_outside`).
@@ -27,8 +32,7 @@ Every original has an *anchor* in the step: a float32 zero of its shard's shape
 ``[shard_elements]`` that each use takes as an input and whose gradient the use's
 backward returns as the reduced shard of its gradient. ``tape.gradient(loss, anchors)``
 then runs every use's backward and TensorFlow's own gradient aggregation sums the uses of
-a tied weight, also through ``tf.cond`` branches (TF_NOTES section 5, the
-custom_gradient path).
+a tied weight (TF_NOTES section 5, the custom_gradient path).
 """
 
 from __future__ import annotations
@@ -81,6 +85,8 @@ class _StepState:
 
     token: tf.Tensor
     anchors: dict[int, tf.Tensor] | None
+    graph: object = None  # the graph the step's forward is traced in
+    branch_views: dict = dataclasses.field(default_factory=dict)  # id(unit) -> views
 
 
 class UnitRunner:
@@ -141,7 +147,9 @@ class UnitRunner:
         anchors = None
         if backward:
             anchors = {id(v): tf.zeros([v.shard_elements], tf.float32) for v in self.variables}
-        self._steps[replica] = _StepState(tf.reshape(token, [-1])[:1], anchors)
+        self._steps[replica] = _StepState(
+            tf.reshape(token, [-1])[:1], anchors, tf.compat.v1.get_default_graph()
+        )
         return replica, list((anchors or {}).values())
 
     def end(self, replica: int) -> None:
@@ -189,9 +197,10 @@ class UnitRunner:
         return self._use(unit, ((), {}), None)
 
     def _use(self, unit: Unit, structure, run):
-        _refuse_control_flow(unit)
         replica = self._replica_id()
         state = self._steps[replica]
+        if _inside_control_flow(state.graph):
+            return self._use_in_branch(unit, structure, run, replica, state)
         flat = tf.nest.flatten(structure)
         pos = [i for i, a in enumerate(flat) if tf.is_tensor(a)]
         inputs = [flat[i] for i in pos]
@@ -271,6 +280,55 @@ class UnitRunner:
         self._assign(state_vars, state_vals, [updates.get(k) for k in range(n_state)])
         return out
 
+    def _use_in_branch(self, unit: Unit, structure, run, replica: int, state: _StepState):
+        """A use inside a ``tf.cond`` / ``tf.while_loop`` branch.
+
+        The unit is gathered in the step's own graph, outside the branch (once per step,
+        whichever branches use it), so every replica runs the same collectives whatever
+        its predicate; the branch captures the views and differentiates through them
+        (no recompute: the views live until the backward), and the views' gradient, summed
+        over the branches by TensorFlow, is reduce-scattered in the step's graph too.
+        """
+        views = state.branch_views.get(id(unit))
+        if views is None:
+            with state.graph.as_default():
+                views = self._gathered_views(unit, replica, state)
+            state.branch_views[id(unit)] = views
+        if run is None:  # an outside read: the value itself
+            return views[0]
+        flat = tf.nest.flatten(structure)
+        layer = unit.layer
+        state_vars = list(layer.non_trainable_variables)
+        state_vals = [tf.convert_to_tensor(v.value) for v in state_vars]
+        mapping = list(zip(unit.variables, views)) + list(zip(state_vars, state_vals))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            out = run(tf.nest.pack_sequence_as(structure, flat))
+        self._assign(state_vars, state_vals, [scope.get_current_value(v) for v in state_vars])
+        return out
+
+    def _gathered_views(self, unit: Unit, replica: int, state: _StepState) -> list[tf.Tensor]:
+        """The unit's views, gathered in the current graph; with a backward, their
+        gradients are reduce-scattered into the gradients of the unit's anchors."""
+        if state.anchors is None:
+            return self._gather(unit, replica, state.token)
+        anchors = [state.anchors[id(v)] for v in unit.variables]
+
+        @tf.custom_gradient
+        def gathered(*_anchors):
+            views = self._gather(unit, replica, state.token)
+
+            def grad(*dviews):
+                dviews = [
+                    tf.zeros_like(v) if d is None else tf.convert_to_tensor(d)
+                    for v, d in zip(views, dviews)
+                ]
+                shard = reduce_scatter_variables(unit.variables, dviews, self.group, raw=True)
+                return tf.split(shard, [v.shard_elements for v in unit.variables])
+
+            return views, grad
+
+        return list(gathered(*anchors))
+
     @staticmethod
     def _assign(state_vars: list, old: list, new: list) -> None:
         """Assign the state updates the use made (once per forward use, as Keras)."""
@@ -309,24 +367,15 @@ class UnitRunner:
         return views
 
 
-def _refuse_control_flow(unit: Unit) -> None:
-    """Raise when a unit is used inside a ``tf.cond``/``tf.while_loop`` branch.
-
-    Measured (TF 2.21): the gradient of a ``tf.cond`` branch cannot capture the
-    collectives' ordering tokens (eager resource handles), so the step fails to trace;
-    the use is refused while the step is traced, before it runs, naming the layer.
-    """
+def _inside_control_flow(step_graph) -> bool:
+    """True when the current graph is a ``tf.cond`` / ``tf.while_loop`` branch traced
+    inside ``step_graph`` (the graph the step's forward began in)."""
     graph = tf.compat.v1.get_default_graph()
-    while graph is not None:
+    while graph is not None and graph is not step_graph:
         if isinstance(graph, ControlFlowFuncGraph):
-            name = unit.layer.name if unit.layer is not None else unit.variables[0].path
-            raise NotImplementedError(
-                f"stage 3: {name!r} is used inside a tf.cond or tf.while_loop branch "
-                "(keras.ops.cond, a loop): the units path gathers and reduce-scatters "
-                "outside control flow only. Compute both branches and select with "
-                "keras.ops.where, or train at stage 1 or 2"
-            )
+            return True
         graph = getattr(graph, "outer_graph", None)
+    return False
 
 
 def _device_shards(variables: tuple, replica: int) -> tf.Tensor | None:
