@@ -236,9 +236,16 @@ def test_keras_sparse_adam_is_not_dense_adam():
         keras.Variable(np.ones((3, 2), "float32")),
     )
     sparse_opt, dense_opt = keras.optimizers.Adam(0.1), DenseGradAdam(0.1)
-    for _ in range(3):
+    for step in range(3):
         sparse_opt.apply([grad], [sparse_var])
         dense_opt.apply([grad], [dense_var])
+        if step == 0:  # v = (1 - beta_2) g^2 after one step; g = the row's slices summed
+            m_sparse, m_dense = (o._momentums[0].numpy()[0] for o in (sparse_opt, dense_opt))
+            v_sparse, v_dense = (o._velocities[0].numpy()[0] for o in (sparse_opt, dense_opt))
+            np.testing.assert_allclose(m_sparse, m_dense)  # first moment: the sum, both
+            np.testing.assert_allclose(v_dense, 1e-3 * np.array([16.0, 36.0]), rtol=1e-6)
+            # Keras squares each slice, then sums: 1^2 + 3^2, 2^2 + 4^2 (docs/parity.md)
+            np.testing.assert_allclose(v_sparse, 1e-3 * np.array([10.0, 20.0]), rtol=1e-6)
     # Dense Adam moves row 0 by ~lr per step (3 steps: 1 - 0.3); Keras's sparse path overshoots.
     np.testing.assert_allclose(dense_var.numpy()[0], [0.7, 0.7], atol=1e-5)
     assert np.all(sparse_var.numpy()[0] < 0.69)
