@@ -170,8 +170,10 @@ class UnitRunner:
         if not self.in_step():
             return unit.call(*args, **kwargs)
         if unit.tiles is not None and unit.tiles.applies(args, kwargs):
-            _refuse_control_flow(unit)
-            return unit.tiles(self, unit, args[0], kwargs)  # zero_runtime/stage3/tiling.py
+            # Inside tf.cond / tf.while_loop the unit is gathered whole before the control
+            # flow (_use_in_branch): tiles run outside control flow only.
+            if not _inside_control_flow(self._steps[self._replica_id()].graph):
+                return unit.tiles(self, unit, args[0], kwargs)  # zero_runtime/stage3/tiling.py
         return self._use(unit, (args, kwargs), lambda a: unit.call(*a[0], **a[1]))
 
     def step_anchors(self) -> tuple[int, dict[int, tf.Tensor] | None]:
