@@ -1,18 +1,19 @@
 """Stage 3, memory-centric tiling (zero_runtime/stage3/tiling.py; issue #17, item 1).
 
-A ``Dense``/``EinsumDense`` unit whose kernel exceeds ``tile_size`` elements runs as
-column tiles, each gathered, used and released in turn, forward and backward
-(ZeRO-Infinity, SC21, section 5.1.3). Shown here:
+A ``Dense``/``EinsumDense``/``Embedding`` unit whose kernel (table) exceeds
+``tile_size`` elements runs as column tiles, each gathered, used and released in turn,
+forward and backward (ZeRO-Infinity, SC21, section 5.1.3). Shown here:
 
 - the plan: which layers tile, along which axis, in how many tiles; what stays untiled;
   ``tile_size`` None derives the budget from ``device_budget_bytes``, 0 never tiles;
-- exactness: tiled layers fed by the model's input give bitwise the untiled model's
-  predictions and, after two SGD steps through compile/fit, bitwise its weights (so the
-  gradients are equal; with these small widths the bias gradient's batch sum is bitwise
-  too, wider ones round differently: the peak test); a tiled ``Dense`` and
-  ``EinsumDense`` inside a model (their input gradient ``sum_j dy_j W_j^T`` is a sum in
-  tiles, float32 rounding) train with Adam like ``MirroredStrategy`` (measured 1.2e-7
-  relative; asserted 1e-5, docs/parity.md's stage-3 bound is 1e-4);
+- exactness: tiled layers fed by the model's inputs (an ``Embedding`` among them) give
+  bitwise the untiled model's predictions and, after two SGD steps through compile/fit,
+  bitwise its weights (so the gradients are equal; with these small widths the bias
+  gradient's batch sum is bitwise too, wider ones round differently: the peak test); a
+  tiled ``Dense`` and ``EinsumDense`` inside a model (their input gradient
+  ``sum_j dy_j W_j^T`` is a sum in tiles, float32 rounding) train with Adam like
+  ``MirroredStrategy`` (measured 1.2e-7 relative; asserted 1e-5, docs/parity.md's
+  stage-3 bound is 1e-4);
 - memory: in a fresh process (BFC allocator), a wide ``Dense``'s predict peak is bounded
   by its tiles, not its kernel, and a training step's peak by the gradient shards the
   units path holds to the step's end plus the tiles.
@@ -34,6 +35,7 @@ import zero_runtime
 from zero_runtime.stage3 import tiling
 
 BATCH = 8
+VOCAB = 50
 CONFIG = {
     "stage": 3,
     "offload_param": "cpu",
@@ -86,6 +88,12 @@ def test_which_layers_tile_and_how():
         keras.layers.EinsumDense("abc,cde->abde", (None, 16, 2), bias_axes="e"), (None, 3, 8)
     )
     assert _plan(per_head, 100).others == ((per_head.bias, None),)  # (2,): whole per tile
+    # An Embedding tiles its table's columns (every replica's row shard holds a slice).
+    emb = _layer(keras.layers.Embedding(VOCAB, 40, name="t"), (None, 3))
+    plan = _plan(emb, 100)
+    assert (plan.kernel_axis, plan.output_axis, plan.others) == (1, -1, ())
+    assert plan.bounds[:2] == ((0, 2), (2, 2)) and len(plan.bounds) == 20
+    assert plan.tile_path(19) == "t/embeddings[:, 38:40]"
     # Not tiled: a softmax over the tiled axis, a subclass (its call may do more).
     soft = _layer(keras.layers.Dense(40, activation="softmax"), (None, 12))
     assert _plan(soft, 100) is None
@@ -108,14 +116,16 @@ def test_tile_size_from_the_device_budget():
 
 
 def _fed_by_input() -> keras.Model:
-    """Two tiled layers that read the model's input, so no input gradient is summed over
-    tiles: every result is bitwise the untiled model's."""
+    """Three tiled layers that read the model's inputs, so no input gradient is summed
+    over tiles: every result is bitwise the untiled model's."""
     keras.utils.set_random_seed(3)
     i = keras.Input((3, 12))
+    tokens = keras.Input((3,), dtype="int32")
     a = keras.layers.Dense(40, activation="relu", name="wide")(i)  # (B, 3, 40)
     b = keras.layers.EinsumDense("abc,cd->abd", (None, 40), bias_axes="d", name="ein")(i)
-    h = keras.layers.Add()([a, b])
-    return keras.Model(i, keras.layers.Dense(2, name="head")(h))  # 80 elements: untiled
+    e = keras.layers.Embedding(VOCAB, 40, name="emb")(tokens)  # (B, 3, 40)
+    h = keras.layers.Add()([a, b, e])
+    return keras.Model([i, tokens], keras.layers.Dense(2, name="head")(h))  # 80: untiled
 
 
 def _inner() -> keras.Model:
@@ -130,18 +140,24 @@ def _inner() -> keras.Model:
     return keras.Model(i, keras.layers.Dense(5, name="head")(h))
 
 
-def _data(outputs: int):
+def _data(build):
+    """``(x, y)`` for ``build``'s model: 4 batches."""
     rng = np.random.RandomState(0)
     x = rng.standard_normal((4 * BATCH, 3, 12)).astype("float32")
-    return x, rng.standard_normal((4 * BATCH, 3, outputs)).astype("float32")
+    if build is _fed_by_input:
+        tokens = rng.randint(0, VOCAB, (4 * BATCH, 3)).astype("int32")  # repeats: summed
+        return [x, tokens], rng.standard_normal((4 * BATCH, 3, 2)).astype("float32")
+    return x, rng.standard_normal((4 * BATCH, 3, 5)).astype("float32")
 
 
 def _fit(strategy, build, optimizer, steps: int):
-    x, y = _data(2 if build is _fed_by_input else 5)
+    x, y = _data(build)
     with strategy.scope():
         model = build()
         model.compile(optimizer=optimizer, loss="mse")
-    model.fit(x[: steps * BATCH], y[: steps * BATCH], batch_size=BATCH, verbose=0, shuffle=False)
+    n = steps * BATCH
+    first = [a[:n] for a in x] if isinstance(x, list) else x[:n]
+    model.fit(first, y[:n], batch_size=BATCH, verbose=0, shuffle=False)
     return model, model.predict(x, batch_size=BATCH, verbose=0)
 
 
@@ -167,6 +183,7 @@ def test_tiled_layers_equal_the_untiled_bitwise(offload_param, cpu_devices):
     assert "tiled: 5 tiles along axis 1" in rows1["wide/kernel"]
     assert "(wide/kernel[:, 0:8] .. wide/kernel[:, 32:40])" in rows1["wide/kernel"]
     assert "tiled: 5 tiles" in rows1["ein/kernel"] and "tiled" not in rows1["head/kernel"]
+    assert "tiled: 20 tiles along axis 1" in rows1["emb/embeddings"]  # 5 x 2 columns
     np.testing.assert_array_equal(pred1, pred0)
     for a, b in zip(w1, w0):
         np.testing.assert_array_equal(a, b)

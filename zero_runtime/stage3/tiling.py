@@ -1,4 +1,5 @@
-"""Memory-centric tiling of wide ``Dense``/``EinsumDense`` units (issue #17, item 1).
+"""Memory-centric tiling of wide ``Dense``/``EinsumDense``/``Embedding`` units (issue
+#17, item 1).
 
 ZeRO-Infinity (Rajbhandari et al., SC21, section 5.1.3) bounds the working memory of a
 layer independently of its width: a layer whose gathered parameters exceed a budget runs
@@ -27,6 +28,12 @@ axis after the first)::
                                 reduce-scatter [dW_j | db_j] -> this replica's rows,
                                 dx += dx_j (the next tile's gather waits for this one)
 
+An ``Embedding``'s table ``(V, C)`` tiles the same way, by columns: tile ``j`` is
+``table[:, c_j : c_j + n_j]`` for every id, ``y_j = take(W_j, ids)``. (ZeRO-Infinity
+tiles a table by rows; here a row range would lie in one or two replicas' row shards, an
+uneven all-gather, where a column tile is a slice of every replica's shard, as for a
+``Dense``.) The ids have no gradient; the tiles are ordered by a float ``carry``.
+
 Results: the outputs and the kernel gradient equal the untiled unit's bitwise (a column
 of ``x @ W`` and of ``x^T dy`` does not depend on the other columns; measured on this
 machine's TF 2.21 CPU kernels, matmul and einsum alike). Two sums round differently: the
@@ -42,10 +49,13 @@ kernel; the reduced gradient shards accumulate to the unit's shard (``1/N`` of t
 kernel), which the units path holds to the step's end anyway. The bias (``D_out``
 elements, not a width-squared term) is gathered whole per tile and sliced.
 
-What tiles: an exact ``keras.layers.Dense`` or ``keras.layers.EinsumDense`` (not a
-subclass: its ``call`` may do more), not quantized, without LoRA, without non-trainable
-state, whose activation is elementwise (a ``softmax`` over the tiled axis would mix
-tiles), called with one floating input tensor; anything else runs untiled.
+What tiles: an exact ``keras.layers.Dense``, ``keras.layers.EinsumDense`` or
+``keras.layers.Embedding`` (not a subclass: its ``call`` may do more), not quantized,
+without LoRA, without non-trainable state, whose activation is elementwise (a
+``softmax`` over the tiled axis would mix tiles), called with one tensor input (floating;
+integer ids for an ``Embedding``); anything else runs untiled. The lookup and the
+table's gradient (a sum per row over the ids, in id order) are bitwise the untiled
+table's.
 """
 
 from __future__ import annotations
@@ -71,6 +81,9 @@ ELEMENTWISE_ACTIVATIONS = frozenset(
         "squareplus", "tanh_shrink", "hard_tanh", "soft_shrink", "hard_shrink",
     }
 )  # fmt: skip
+
+#: The layer types that tile (exactly these: a subclass's call may do more).
+_TILED = (keras.layers.Dense, keras.layers.EinsumDense, keras.layers.Embedding)
 
 #: ``tile_size`` derived from ``device_budget_bytes`` when it is None: a tile's working
 #: set is about 8 float32 copies of the tile (backward: the gathered slice, the
@@ -155,13 +168,14 @@ def plan_tiles(layer, variables: tuple, tile_size: int | None) -> TilePlan | Non
         tile (see the module docstring), or a single output column already over the
         budget (tiling along the contracted axis would change the sums' order).
     """
-    if tile_size is None or type(layer) not in (keras.layers.Dense, keras.layers.EinsumDense):
+    if tile_size is None or type(layer) not in _TILED:
         return None
     if getattr(layer, "quantization_mode", None) or getattr(layer, "lora_enabled", False):
         return None
     if layer.non_trainable_variables or _activation_name(layer) not in ELEMENTWISE_ACTIVATIONS:
         return None
-    kernel = next((v for v in variables if v is layer.__dict__.get("_kernel")), None)
+    name = "_embeddings" if type(layer) is keras.layers.Embedding else "_kernel"
+    kernel = next((v for v in variables if v is layer.__dict__.get(name)), None)
     if (
         kernel is None
         or getattr(kernel, "shard_dim", 0) != 0
@@ -198,8 +212,8 @@ def _activation_name(layer) -> str:
 
 def _output_axes(layer) -> list[tuple[int, int]]:
     """``(kernel_axis >= 1, output_axis < 0)`` pairs a column tile may cut along."""
-    if isinstance(layer, keras.layers.Dense) and not isinstance(layer, keras.layers.EinsumDense):
-        return [(1, -1)]
+    if type(layer) in (keras.layers.Dense, keras.layers.Embedding):
+        return [(1, -1)]  # Dense (D_in, D_out) -> (..., D_out); Embedding (V, C) -> (..., C)
     inputs, rest = layer.equation.split(",")
     weights, output = rest.split("->")
     post = output.split("...")[-1]  # letters aligned with the output's end
@@ -223,13 +237,14 @@ class TiledCall:
 
     @staticmethod
     def applies(args: tuple, kwargs: dict) -> bool:
-        """True for a call with one floating tensor input (``layer(x, training=...)``)."""
+        """True for a call with one tensor input, floating or integer (an
+        ``Embedding``'s ids): ``layer(x, training=...)``."""
         tensors = [a for a in tf.nest.flatten((args, kwargs)) if tf.is_tensor(a)]
         return (
             len(args) == 1
             and len(tensors) == 1
             and tensors[0] is args[0]
-            and tensors[0].dtype.is_floating
+            and (tensors[0].dtype.is_floating or tensors[0].dtype.is_integer)
         )
 
     def __call__(self, runner, unit, x: tf.Tensor, kwargs: dict) -> tf.Tensor:
@@ -250,9 +265,9 @@ class TiledCall:
             pieces = self._anchor_pieces(anchors[id(plan.kernel)])
             others = [anchors[id(v)] for v, _ in plan.others]
         tile = _Tile(self.plan, runner, unit, replica, kwargs)
-        outs, h = [], x
+        outs, h, carry = [], x, tf.zeros([1], tf.float32)
         for j in range(len(plan.bounds)):
-            y, h = tile.run(j, h, pieces[j], others)
+            y, h, carry = tile.run(j, h, carry, pieces[j], others)
             outs.append(y)
         return tf.concat(outs, axis=plan.output_axis)
 
@@ -275,48 +290,61 @@ class _Tile:
     replica: int
     kwargs: dict
 
-    def run(self, j: int, x: tf.Tensor, piece, others: list):
-        """Tile ``j``: returns ``(y_j, x_next)``; ``x_next`` is ``x`` passed on once
-        ``y_j`` exists (it orders the next tile's gather after this tile's use, and in
-        backward carries the running ``dx`` sum back, ordering the gathers again)."""
+    def run(self, j: int, x: tf.Tensor, carry: tf.Tensor, piece, others: list):
+        """Tile ``j``: returns ``(y_j, x_next, carry_next)``.
+
+        ``carry`` (float32 ``[1]``) orders the tiles: tile ``j``'s read waits for the
+        previous tile's output, and in backward the gradient of ``carry_next`` (sent by
+        tile ``j + 1``'s backward once its reduce-scatter is done) orders tile ``j``'s
+        gather after it. A floating ``x`` is passed on as ``x_next`` once ``y_j`` exists,
+        so the backward carries one running ``dx`` sum instead of ``k`` terms; an integer
+        ``x`` (an ``Embedding``'s ids) has no gradient and is passed on as is.
+        """
+        is_float = x.dtype.is_floating
         if piece is None:  # forward only
-            y = self._call(x, self._views(j, _dep(x)))
+            y = self._call(x, self._views(j, [_dep(x), carry]))
             with tf.control_dependencies([y]):
-                return y, tf.identity(x)
+                return y, tf.identity(x) if is_float else x, _token(y)
 
         @tf.custom_gradient
-        def use(inp, kernel_piece, *_other_anchors):
-            y = self._call(inp, self._views(j, _dep(inp)))
-            with tf.control_dependencies([y]):
-                passed = tf.identity(inp)
+        def use(inp, c, kernel_piece, *_other_anchors):
+            y = self._call(inp, self._views(j, [_dep(inp), c]))
+            outs = [y, _token(y)]
+            if is_float:
+                with tf.control_dependencies([y]):
+                    outs.append(tf.identity(inp))
 
-            def grad(dy, d_passed):
+            def grad(dy, d_carry, d_passed=None):
                 dy = tf.zeros_like(y) if dy is None else dy
-                dep = _dep(dy) if d_passed is None else tf.concat([_dep(dy), _dep(d_passed)], 0)
-                views = self._views(j, dep)
+                deps = [_dep(t) for t in (dy, d_carry, d_passed) if t is not None]
+                views = self._views(j, deps)
+                sources = [*views, inp] if is_float else list(views)
                 with tf.GradientTape() as tape:
-                    tape.watch([*views, inp])
+                    tape.watch(sources)
                     y2 = self._call(inp, views)
                 gs = tape.gradient(
                     y2,
-                    [*views, inp],
+                    sources,
                     output_gradients=dy,
                     unconnected_gradients=tf.UnconnectedGradients.ZERO,
                 )
-                gs = [tf.convert_to_tensor(g) for g in gs]  # [dW_j, *d_others, dx_j]
-                shard = self._reduce_scatter(j, gs[:-1])
+                gs = [tf.convert_to_tensor(g) for g in gs]  # [dW_j, *d_others, (dx_j)]
+                shard = self._reduce_scatter(j, gs[: len(views)])
                 sizes = [int(kernel_piece.shape[0])] + [
                     v.shard_elements for v, _ in self.plan.others
                 ]
                 reduced = tf.split(shard, sizes)
-                dx = gs[-1] if d_passed is None else gs[-1] + d_passed
-                with tf.control_dependencies([shard]):  # the next gather after this one
-                    dx = tf.identity(dx)
-                return (dx, *reduced)
+                dx = None
+                with tf.control_dependencies([shard]):  # the previous tile's gather after
+                    if is_float:
+                        dx = tf.identity(gs[-1] if d_passed is None else gs[-1] + d_passed)
+                    d_c = _token(shard)
+                return (dx, d_c, *reduced)
 
-            return (y, passed), grad
+            return outs, grad
 
-        return use(x, piece, *others)
+        outs = use(x, carry, piece, *others)
+        return outs[0], outs[2] if is_float else x, outs[1]
 
     def _call(self, x: tf.Tensor, views: list) -> tf.Tensor:
         """The layer's own call with the tile's views in place of its weights.
@@ -331,9 +359,9 @@ class _Tile:
                 scope.add_update((v, w))
             return self.unit.call(x, **self.kwargs)
 
-    def _views(self, j: int, dep: tf.Tensor) -> list[tf.Tensor]:
+    def _views(self, j: int, deps: list) -> list[tf.Tensor]:
         """Tile ``j``'s kernel ``W_j`` (its logical shape with ``n_j`` columns) and the
-        other variables' tile slices, on this replica."""
+        other variables' tile slices, on this replica, read after ``deps``."""
         plan = self.plan
         kernel = plan.kernel
         start, size = plan.bounds[j]
@@ -341,13 +369,13 @@ class _Tile:
         rest[plan.kernel_axis - 1] = size
         device = kernel.device_shard(self.replica)
         if device is not None:  # a device-tier shard: sliced in the graph, after ``dep``
-            with tf.control_dependencies([dep]):
+            with tf.control_dependencies(deps):
                 rows = tf.reshape(device.read_value(), [kernel.rows, *kernel.shape[1:]])
             piece = tf.reshape(_slice(rows, plan.kernel_axis, start, size), [-1])
         else:  # pool pages (host, NVMe): the host cuts the slice
             piece = host_function(
                 functools.partial(_read_tile, kernel, self.replica, plan.kernel_axis, start, size),
-                [dep],
+                deps,
                 tf.float32,
                 stateful=False,  # ordered by ``dep`` only (see engine._host_call)
                 name="zero3_tile_shard",
@@ -435,3 +463,8 @@ def _pad(g: tf.Tensor, axis: int, start: int, full: int) -> tf.Tensor:
 def _dep(t: tf.Tensor) -> tf.Tensor:
     """One element of ``t`` (a data dependency for a host read)."""
     return tf.reshape(t, [-1])[:1]
+
+
+def _token(t: tf.Tensor) -> tf.Tensor:
+    """One element of ``t`` as float32 ``[1]`` (a tile's ordering carry)."""
+    return tf.cast(_dep(t), tf.float32)
