@@ -28,6 +28,9 @@ bash scripts/setup.sh
 echo
 echo "Memory Hierarchy View: http://127.0.0.1:${PORT}/#memory_hierarchy   (Ctrl-C stops TensorBoard)"
 echo
+# No --memory_hierarchy_tuning: both jobs have ended when TensorBoard starts, so nothing
+# could apply a change; the zero_infinity run's Predict effect replays its recorded access
+# trace without the flag (docs/tuning.md).
 # TensorBoard loads TensorFlow too: the same start-up lines are dropped (demo/compare.py).
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
 exec .venv/bin/tensorboard --logdir "$LOGDIR" --host 127.0.0.1 --port "$PORT" \

@@ -40,6 +40,14 @@ def predict(run_dir: str, updates: Mapping[str, int]) -> dict[str, Any]:
     return simulate.predict_run(run_dir, updates)
 
 
+def trace_steps(run_dir: str) -> list[int]:
+    """The steps of the run's recorded access trace (``memory_hierarchy_trace/``), by file
+    name, ascending; ``[]`` when the run recorded none (below stage 3, or no log
+    directory). A run with steps can be asked ``GET /whatif`` whether or not its job still
+    runs: the replay needs nothing from the job."""
+    return simulate.run_trace_steps(run_dir)
+
+
 def read_predictions(run_dir: str) -> dict[str, dict[str, Any]]:
     """The stored predictions, version (a string) -> record; ``{}`` when none or unreadable."""
     try:

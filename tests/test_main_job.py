@@ -216,6 +216,23 @@ def test_both_runs_side_by_side_in_the_tab(main_job, tensorboard_server, browser
         assert plugin_frame(page).evaluate("window.__cspViolations") == []
         assert [c for c in console if c.startswith(("error", "pageerror"))] == []
         page.screenshot(path=str(SCREENSHOT), full_page=True)
+        # The what-if is reachable in the demo's TensorBoard (no --memory_hierarchy_tuning,
+        # both jobs finished): Predict effect replays the ZeRO run's recorded trace; Apply
+        # is not offered. The mirrored run recorded no trace: read-only.
+        tuning = zero.locator(".mh-tuning")
+        expect(tuning).to_have_attribute("data-mode", "predict", timeout=60_000)
+        expect(tuning.locator(".mh-tuning-note")).to_contain_text("can still be replayed")
+        expect(tuning.locator("button.mh-tuning-submit")).to_be_hidden()
+        budget = tuning.locator('tr[data-key="device_budget_bytes"]')
+        expect(budget.locator(".mh-tuning-bounds")).to_contain_text("whole pages of 256 KiB")
+        budget.locator("input").fill("6 MiB")
+        tuning.locator("button.mh-tuning-predict").click()
+        box = tuning.locator(".mh-whatif")
+        expect(box).to_have_attribute("data-state", "ready", timeout=120_000)
+        peak = box.locator('tr[data-key="device_peak"]')
+        assert 0 < float(peak.get_attribute("data-predicted")) <= 6 << 20
+        assert float(peak.get_attribute("data-now")) > 6 << 20
+        expect(mirrored.locator(".mh-tuning")).to_have_attribute("data-mode", "read-only")
     finally:
         page.context.close()
 

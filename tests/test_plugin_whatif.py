@@ -124,3 +124,20 @@ def test_tune_keeps_its_prediction_and_tuning_shows_it_beside_measured(plugin_cl
     # Kept in the plugin's file, so the ring's rotation does not lose them.
     stored = json.loads((run_dir / "memory_hierarchy_whatif.json").read_text())
     assert stored["predictions"]["1"]["measured_steps"] == [8, 9, 10, 11]
+
+
+def test_tuning_lists_the_trace_steps_and_the_page_size_that_make_predict_reachable(
+    plugin_client, logdir
+):
+    """GET /tuning says what the panel needs to offer Predict effect without Apply (a
+    TensorBoard without --memory_hierarchy_tuning, a job that ended: issue #19): the
+    recorded trace's steps, and the pool's page size for the device budget's bounds."""
+    client = plugin_client(str(logdir))
+    body = client.get(f"{URL}/tuning", query_string={"run": "high"}).get_json()
+    assert body["enabled"] is False
+    steps = body["trace_steps"]
+    assert steps and steps == sorted(steps) and all(isinstance(s, int) for s in steps)
+    assert set(steps) == {int(n[5:-5]) for n in os.listdir(logdir / "high" / TRACE_DIR)}
+    assert body["page_size_bytes"] == PAGE
+    none = client.get(f"{URL}/tuning", query_string={"run": "notrace"}).get_json()
+    assert none["trace_steps"] == [] and none["page_size_bytes"] == PAGE

@@ -199,6 +199,26 @@ def test_replay_refuses_what_it_cannot_replay():
         predict([], {}, {"device_budget_bytes": 4 * PAGE})
 
 
+def test_replayed_stall_uses_the_recorded_stall_per_miss_and_notes_explain(tmp_path):
+    """Issue #19: the unchanged replay's stall is its misses x the recorded stall per miss
+    (as every prediction's), not the simulator's own waits, so it is comparable with the
+    recorded stall; prefetch off and a budget below a gather's need are explained."""
+    _, trace = _run(10, tmp_path)
+    records = [s.to_json({"config": {"prefetch_bucket_size": 10**6}}) for s in trace]
+    answer = predict(records, {"prefetch_bucket_size": 10**6}, {"prefetch_bucket_size": 0})
+    per_miss = answer["stall_seconds_per_miss"]
+    assert per_miss is not None and per_miss > 0
+    replayed = answer["replayed"]
+    assert replayed["stall_seconds"] == pytest.approx(replayed["prefetch_misses"] * per_miss)
+    assert answer["recorded"]["stall_seconds"] == pytest.approx(
+        answer["recorded"]["prefetch_misses"] * per_miss
+    )
+    assert any(n.startswith("prefetch off still leaves prefetch hits") for n in answer["notes"])
+    odd = predict(records, {}, {"device_budget_bytes": 4 * PAGE + 7})
+    assert f"is used as {4 * PAGE} bytes" in " ".join(odd["notes"])
+    assert any("the smallest budget this run can take" in n for n in odd["notes"])
+
+
 # --- a real stage-3 job -------------------------------------------------------------------
 STEPS = 8
 HIGH, LOW = 64 * PAGE, 16 * PAGE  # all gathered buffers of a step need 28 pages

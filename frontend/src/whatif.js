@@ -39,7 +39,7 @@ export function whatifRows(answer) {
     predictedValue: pred.moves_per_step?.[d] ?? null,
   }));
   for (const [key, label, tier, field] of [
-    ['device_peak', 'device peak (pool pages)', 'device', 'peak_bytes'],
+    ['device_peak', 'pool device peak (the pool\u2019s pages only)', 'device', 'peak_bytes'],
     ['host_peak', 'host peak (pool pages)', 'host', 'peak_bytes'],
     ['nvme_used', 'NVMe in use', 'nvme', 'used_bytes'],
   ]) {
@@ -59,7 +59,7 @@ export function whatifRows(answer) {
   });
   rows.push({
     key: 'stall',
-    label: 'stall per step',
+    label: 'stall per step (predicted: misses \u00d7 the recorded stall per miss)',
     nowValue: now.stall_seconds ?? null,
     predictedValue: pred.stall_seconds ?? null,
     seconds: true,
@@ -100,7 +100,7 @@ export function whatifHeadline(answer) {
   const peakPred = answer.predicted?.steady?.peak_bytes?.device;
   return (
     `Predicted from ${span} replayed through the pool's policy: page moves ${num(now)} \u2192 ` +
-    `${num(pred)} per step; device peak ${formatBytes(peakNow)} \u2192 ${formatBytes(peakPred)}.`
+    `${num(pred)} per step; pool device peak ${formatBytes(peakNow)} \u2192 ${formatBytes(peakPred)}.`
   );
 }
 
@@ -121,7 +121,7 @@ export function outcomeText(o) {
   const pred = o.predicted ?? {};
   const head = `v${o.version}`;
   if (o.oom) return `${head}: predicted to run out of memory at step ${o.oom.step}.`;
-  const predicted = `page moves ${num(pred.moves_total)} per step, device peak ${formatBytes(pred.device_peak_bytes)}`;
+  const predicted = `page moves ${num(pred.moves_total)} per step, pool device peak ${formatBytes(pred.device_peak_bytes)}`;
   if (o.applied_step === null || o.applied_step === undefined) {
     return `${head}: predicted ${predicted}; not applied yet.`;
   }
@@ -130,7 +130,7 @@ export function outcomeText(o) {
   return (
     `${head} (applied at step ${o.applied_step}): page moves per step predicted ` +
     `${num(pred.moves_total)}, measured ${num(m.moves_total)}${errorText(pred.moves_total, m.moves_total)}; ` +
-    `device peak predicted ${formatBytes(pred.device_peak_bytes)}, measured ` +
+    `pool device peak predicted ${formatBytes(pred.device_peak_bytes)}, measured ` +
     `${formatBytes(m.device_peak_bytes)}${errorText(pred.device_peak_bytes, m.device_peak_bytes)}.`
   );
 }
@@ -140,6 +140,6 @@ export function markerWhatifText(o) {
   if (!o?.measured) return o ? `predicted ${num(o.predicted?.moves_total)} page moves/step` : '';
   return (
     `page moves/step predicted ${num(o.predicted?.moves_total)}, measured ${num(o.measured.moves_total)}; ` +
-    `device peak predicted ${formatBytes(o.predicted?.device_peak_bytes)}, measured ${formatBytes(o.measured.device_peak_bytes)}`
+    `pool device peak predicted ${formatBytes(o.predicted?.device_peak_bytes)}, measured ${formatBytes(o.measured.device_peak_bytes)}`
   );
 }

@@ -35,7 +35,7 @@ test('whatifRows gives now and predicted per figure', () => {
 test('whatifHeadline states the replay, an OOM, or why there is none', () => {
   assert.equal(
     whatifHeadline(answer),
-    "Predicted from steps 12\u201314 replayed through the pool's policy: page moves 0 \u2192 30.5 per step; device peak 4 MiB \u2192 1 MiB.",
+    "Predicted from steps 12\u201314 replayed through the pool's policy: page moves 0 \u2192 30.5 per step; pool device peak 4 MiB \u2192 1 MiB.",
   );
   assert.equal(
     whatifHeadline({ ...answer, oom: { step: 13, message: 'cannot place 4 pages\nmore' } }),
@@ -53,11 +53,28 @@ test('outcomeText puts predicted beside measured with the error', () => {
   };
   assert.equal(
     outcomeText(o),
-    'v2 (applied at step 57): page moves per step predicted 30, measured 25 (+20%); device peak predicted 1 MiB, measured 1 MiB (+0%).',
+    'v2 (applied at step 57): page moves per step predicted 30, measured 25 (+20%); pool device peak predicted 1 MiB, measured 1 MiB (+0%).',
   );
-  assert.equal(outcomeText({ ...o, applied_step: null, measured: null }), 'v2: predicted page moves 30 per step, device peak 1 MiB; not applied yet.');
+  assert.equal(outcomeText({ ...o, applied_step: null, measured: null }), 'v2: predicted page moves 30 per step, pool device peak 1 MiB; not applied yet.');
   assert.equal(
     markerWhatifText(o),
-    'page moves/step predicted 30, measured 25; device peak predicted 1 MiB, measured 1 MiB',
+    'page moves/step predicted 30, measured 25; pool device peak predicted 1 MiB, measured 1 MiB',
   );
+});
+
+test('a panel that cannot apply but can predict says so, and the budget bounds name the run', async () => {
+  const { boundsText, predictOnlyText } = await import('../src/views/tuning_panel.js');
+  assert.equal(
+    predictOnlyText([92, 93, 99]),
+    'Its recorded access trace (steps 92\u201399) can still be replayed: enter new values and ' +
+      '\u201cPredict effect\u201d shows what the change would have done to those steps; nothing is written.',
+  );
+  const spec = { key: 'device_budget_bytes', min: 65536, max: 2 ** 50, unit: 'bytes' };
+  assert.equal(boundsText(spec), '64 KiB \u2026 1 PiB (bytes)');
+  assert.equal(
+    boundsText(spec, 262144),
+    '64 KiB \u2026 1 PiB (bytes); this run\u2019s pool: whole pages of 256 KiB, and at least what its ' +
+      'gathers pin at once (below it Predict effect shows the out-of-memory failure)',
+  );
+  assert.equal(boundsText({ key: 'telemetry_every_n_steps', min: 1, max: 10 ** 6, unit: 'steps' }, 262144), '1 \u2026 1,000,000 (steps)');
 });

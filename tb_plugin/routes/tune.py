@@ -163,7 +163,7 @@ def tuning_impl(
         ``{"run", "enabled", "flag", "keys": [{"key", "unit", "min", "max",
         "description", "takes_effect", "acts", "value", "recorded", "since_step",
         "version"}],
-        "config_version", "job_ended",
+        "config_version", "job_ended", "predictions", "trace_steps",
         "request": tuning.request_state(...), "run_dir_error", "tuning_run",
         "tuning_note", "data_errors"}``: ``enabled`` is whether
         this TensorBoard may write requests; ``value`` the value in effect (null when
@@ -178,7 +178,12 @@ def tuning_impl(
         (``zero_runtime.config.Tunable.acts_in`` of its recorded config; null: unknown).
         ``job_ended`` is :func:`job_ended` (null while the job may still run).
         ``predictions`` is :func:`tb_plugin.whatif.outcomes`: each request predicted at
-        ``POST /tune``, with what the job measured once it applied it.
+        ``POST /tune``, with what the job measured once it applied it. ``trace_steps``
+        the steps of the run's recorded access trace (:func:`tb_plugin.whatif.trace_steps`;
+        ``[]``: nothing to replay): with any, ``GET /whatif`` can predict a change even
+        when this TensorBoard may not tune or the job has ended. ``page_size_bytes``: the
+        page size of a stage-3 run's paged pool (its device budget counts whole pages),
+        null for other stages.
         ``data_errors`` lists the malformed ``config_event`` records and
         acknowledgements that were skipped (:func:`tuning.record_problem`), each naming
         the record and what is wrong; empty normally.
@@ -217,10 +222,12 @@ def tuning_impl(
         except (errors.InvalidArgumentError, errors.NotFoundError):
             note += " This TensorBoard does not list that run, so it cannot tune the job."
     predictions = []
+    trace_steps: list[int] = []
     if not run_dir_error:
         try:
             where = reader.run_dir(ctx, experiment, chief or run)
             predictions = whatif.outcomes(where, events, ack, persist=access.enabled)
+            trace_steps = whatif.trace_steps(reader.run_dir(ctx, experiment, run))
         except (errors.InvalidArgumentError, errors.NotFoundError):
             pass
     return {
@@ -229,6 +236,8 @@ def tuning_impl(
         "flag": f"--{tuning.FLAG_NAME}",
         "keys": keys,
         "predictions": predictions,
+        "trace_steps": trace_steps,
+        "page_size_bytes": _stage3_page_size(started),
         "config_version": max((v["version"] for v in values.values()), default=0),
         "job_ended": job_ended(reader, ctx, experiment, run),
         "request": tuning.request_state(request, ack),
@@ -431,3 +440,11 @@ def tune_route(
     ctx, experiment = routing.scope(request)
     answer = tune_impl(reader, access, ctx, experiment, run, updates)
     return routing.respond_json(request, answer)
+
+
+def _stage3_page_size(config: dict | None) -> int | None:
+    """The paged pool's page size of a stage-3 run's started config (bytes), else None."""
+    if not isinstance(config, dict) or config.get("stage") != 3:
+        return None
+    size = config.get("page_size_bytes")
+    return size if isinstance(size, int) and not isinstance(size, bool) else None

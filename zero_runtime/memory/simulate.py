@@ -47,7 +47,14 @@ from zero_runtime.memory.errors import PoolOutOfMemoryError
 from zero_runtime.memory.page_table import RESIDENT, PageRecord, TensorEntry
 from zero_runtime.memory.sim_tiers import SimCondition, SimDevice, SimHost, SimIo, SimNvme
 from zero_runtime.memory.tiers import SlotTier
-from zero_runtime.memory.trace import LETTER_TIER, TRACE_DIR, TRACE_STEPS, StepTrace, read_steps
+from zero_runtime.memory.trace import (
+    LETTER_TIER,
+    TRACE_DIR,
+    TRACE_STEPS,
+    StepTrace,
+    read_steps,
+    step_numbers,
+)
 
 #: Keys whose change does not alter a running job's paging (read at build time, or not
 #: about memory); their prediction is the unchanged replay.
@@ -433,8 +440,11 @@ def predict(
         "stall_seconds_per_miss": float | None, "notes": [str]}``. A summary holds, per
         step, the mean of each page counter (``d2h_pages`` ... ``prefetch_misses``,
         ``stall_seconds``), ``moves_per_step`` by direction (pages), ``peak_bytes`` (the
-        highest) and ``used_bytes`` (at the end) per tier, in bytes. ``predicted``'s
-        ``stall_seconds`` is misses x ``stall_seconds_per_miss`` (None when unknown).
+        highest) and ``used_bytes`` (at the end) per tier, in bytes. ``replayed``'s and
+        ``predicted``'s ``stall_seconds`` are misses x ``stall_seconds_per_miss`` (None
+        when unknown; 0 without a miss), ``recorded``'s the job's measured stall.
+        ``prefetch_hits`` counts pages an acquire found already in the tier it asked for
+        (prefetched or still there from an earlier use), so prefetch off leaves hits.
 
     Raises:
         ReplayError: nothing usable recorded, or a proposal the pool cannot take.
@@ -448,13 +458,33 @@ def predict(
             if value is None:
                 raise ReplayError("device_budget_bytes=None (the default) cannot be simulated")
             if int(value) < ps:
-                raise ReplayError(f"device_budget_bytes={value} is below one page ({ps} bytes)")
+                raise ReplayError(
+                    f"device_budget_bytes={value} is below one page of this run's pool "
+                    f"({ps} bytes, page_size_bytes): the pool cannot take it (the key's own "
+                    "lower bound is for any run)"
+                )
             proposal_args["device_slots"] = int(value) // ps
+            if int(value) % ps:
+                notes.append(
+                    f"device_budget_bytes={value} is used as {int(value) // ps * ps} bytes: "
+                    f"the pool counts whole pages of {ps} bytes"
+                )
+            notes.append(
+                "the smallest budget this run can take is what its gathers pin on the device "
+                "at once, not the key's lower bound or one page: below it the replay "
+                "predicts an out-of-memory failure at that gather"
+            )
         elif key == "prefetch_bucket_size":
             recorded = int(current.get("prefetch_bucket_size") or 0)
             proposal_args["prefetch_elements"] = (recorded, int(value))
             if recorded == 0 and int(value) > 0:
                 notes.append("prefetch was off in the recorded steps: no request to re-derive")
+            if int(value) == 0:
+                notes.append(
+                    "prefetch off still leaves prefetch hits: a hit is any page an acquire "
+                    "found already in the tier it asked for (prefetched, or kept there from "
+                    "an earlier use), so the hits left are pages still in host memory"
+                )
         elif key in NO_PAGING_EFFECT:
             notes.append(f"{key} does not change the running job's paging (read at build time)")
         else:
@@ -469,7 +499,11 @@ def predict(
     per_miss = stall / misses if misses else None
     first = summarize(proposed.steps[:1])
     steady = summarize(proposed.steps[1:] or proposed.steps[:1])
-    for s in (first, steady):
+    replayed = summarize(baseline.steps)
+    # One stall model for every summary of the replay: misses x the recorded stall per
+    # miss. The simulator's own waits are not the job's (its I/O is not timed), so the
+    # unchanged replay's stall is comparable with the recorded one (issue #19).
+    for s in (first, steady, replayed):
         if s:
             s["stall_seconds"] = (
                 s["prefetch_misses"] * per_miss
@@ -487,7 +521,7 @@ def predict(
         "steps": [s.step for s in steps],
         "page_size": ps,
         "recorded": recorded_summary,
-        "replayed": summarize(baseline.steps),
+        "replayed": replayed,
         "replay_exact": exact and baseline.oom is None,
         "predicted": {"first": first, "steady": steady},
         "oom": proposed.oom,
@@ -500,6 +534,12 @@ def run_records(run_dir: str, since: int = 0) -> list[dict[str, Any]]:
     """A run's recorded step files (``<run_dir>/memory_hierarchy_trace``), oldest first;
     ``since``: only steps >= it."""
     return read_steps(os.path.join(run_dir, TRACE_DIR), since)
+
+
+def run_trace_steps(run_dir: str) -> list[int]:
+    """The steps of a run's recorded step files (``<run_dir>/memory_hierarchy_trace``),
+    ascending, by file name (nothing read); ``[]`` when none."""
+    return step_numbers(os.path.join(run_dir, TRACE_DIR))
 
 
 def predict_run(run_dir: str, updates: Mapping[str, Any]) -> dict[str, Any]:

@@ -328,6 +328,16 @@ def write_steps(
     return written
 
 
+def step_numbers(directory: str) -> list[int]:
+    """The steps whose files ``directory`` holds, ascending, by file name only (nothing is
+    read); ``[]`` when the directory does not exist."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return sorted(int(m.group(1)) for name in names if (m := _STEP_FILE.match(name)) is not None)
+
+
 def read_steps(directory: str, since: int = 0) -> list[dict[str, Any]]:
     """The step files of ``directory`` as decoded JSON, oldest step first; files that
     cannot be read or decoded (e.g. being replaced) are skipped. ``[]`` when the

@@ -27,6 +27,22 @@ import { formatBytes } from '../format.js';
 import { outcomeText, whatifHeadline, whatifRows } from '../whatif.js';
 import { el } from './run_panel.js';
 
+/**
+ * A key's bounds cell: the key's own range, and for device_budget_bytes in a run whose
+ * paged pool's page size is known, what this run can take (whole pages; at least what its
+ * gathers pin at once, which Predict effect finds: issue #19, one minimum explained).
+ * @param {{key, min, max, unit}} spec
+ * @param {number|null} pageSize GET /tuning's `page_size_bytes`
+ */
+export function boundsText(spec, pageSize = null) {
+  const range = `${boundText(spec.min, spec.unit)} \u2026 ${boundText(spec.max, spec.unit)} (${spec.unit})`;
+  if (spec.key !== 'device_budget_bytes' || !pageSize) return range;
+  return (
+    `${range}; this run\u2019s pool: whole pages of ${formatBytes(pageSize)}, and at least what its ` +
+    'gathers pin at once (below it Predict effect shows the out-of-memory failure)'
+  );
+}
+
 function boundText(value, unit) {
   return unit === 'bytes' ? formatBytes(value) : groupDigits(value);
 }
@@ -103,7 +119,9 @@ export class TuningPanel {
     this.form.append(this.table, this.predictButton, this.button, this.message, this.whatif);
     this.form.addEventListener('submit', (event) => {
       event.preventDefault();
-      this.onSubmit();
+      // Enter in an input: apply where the job can take it, else only predict.
+      if (this.body.dataset.mode === 'apply') this.onSubmit();
+      else if (this.body.dataset.mode === 'predict') this.onPredict();
     });
     this.body.replaceChildren(this.note, this.job, this.state, this.form, this.outcomes);
     this.answer = null;
@@ -131,11 +149,7 @@ export class TuningPanel {
       row.dataset.key = spec.key;
       const value = el('td', 'mh-tuning-value');
       const since = el('span', 'mh-tuning-since');
-      const bounds = el(
-        'td',
-        'mh-tuning-bounds',
-        `${boundText(spec.min, spec.unit)} … ${boundText(spec.max, spec.unit)} (${spec.unit})`,
-      );
+      const bounds = el('td', 'mh-tuning-bounds', boundsText(spec, this.pageSize));
       const idle = spec.acts === false && !actsAtRebuild(spec) ? ' \u2014 not in this run' : '';
       const effect = el('td', 'mh-tuning-effect', `${spec.takes_effect ?? 'not stated'}${idle}`);
       effect.dataset.rebuild = String(actsAtRebuild(spec));
@@ -176,14 +190,21 @@ export class TuningPanel {
       return;
     }
     this.answer = answer;
+    this.pageSize = answer.page_size_bytes ?? null;
     const enabled = answer.enabled === true;
     this.body.dataset.enabled = String(enabled);
     const ended = answer.job_ended ?? null;
-    // Read-only (flag off, or the job is dead): the table stays, without inputs or button.
+    // Apply needs a TensorBoard that may tune and a job that still reads requests; Predict
+    // effect only the run's recorded access trace (GET /whatif asks nothing of the job),
+    // so a finished run or a read-only TensorBoard can still replay a change (issue #19).
     const editable = enabled && !ended;
-    const keysKey = JSON.stringify([editable, answer.keys.map((k) => [k.key, k.unit, k.min, k.max])]);
+    const traceSteps = answer.trace_steps ?? [];
+    const predictable = Boolean(this.predict) && traceSteps.length > 0;
+    const inputs = editable || predictable;
+    this.body.dataset.mode = editable ? 'apply' : predictable ? 'predict' : 'read-only';
+    const keysKey = JSON.stringify([inputs, this.pageSize, answer.keys.map((k) => [k.key, k.unit, k.min, k.max])]);
     if (keysKey !== this.keysKey) {
-      this.buildRows(answer.keys, editable);
+      this.buildRows(answer.keys, inputs);
       this.keysKey = keysKey;
     }
     this.note.className = 'mh-tuning-note';
@@ -197,6 +218,7 @@ export class TuningPanel {
         : `Live tuning is off in this TensorBoard: restart it with ${answer.flag} to change ` +
           'these settings from here. They are shown read-only.';
     }
+    if (!editable && predictable) this.note.textContent += ` ${predictOnlyText(traceSteps)}`;
     this.note.classList.toggle('mh-tuning-off', !enabled);
     if (answer.run_dir_error) {
       this.note.textContent += ` The run directory cannot be read: ${answer.run_dir_error}`;
@@ -233,7 +255,7 @@ export class TuningPanel {
       this.say('');
     }
     this.button.hidden = !editable;
-    this.predictButton.hidden = !editable || !this.predict;
+    this.predictButton.hidden = !inputs || !this.predict;
     this.showOutcomes(answer.predictions ?? []);
   }
 
@@ -339,6 +361,19 @@ export class TuningPanel {
       this.button.disabled = false;
     }
   }
+}
+
+/**
+ * What a panel that cannot apply but can predict says (the run's recorded trace steps).
+ * @param {number[]} steps GET /tuning's `trace_steps`
+ * @returns {string}
+ */
+export function predictOnlyText(steps) {
+  const span = steps.length > 1 ? `steps ${steps[0]}\u2013${steps[steps.length - 1]}` : `step ${steps[0]}`;
+  return (
+    `Its recorded access trace (${span}) can still be replayed: enter new values and ` +
+    '\u201cPredict effect\u201d shows what the change would have done to those steps; nothing is written.'
+  );
 }
 
 /**
