@@ -344,19 +344,30 @@ def test_any_model_trains_at_stages_1_2_bitwise(name, stage, reference):
         np.testing.assert_array_equal(w, r)
 
 
-def test_units_inside_tf_cond_and_a_loop_train_like_mirrored(reference):
+@pytest.mark.parametrize(
+    "config",
+    [CONFIG, DEVICE_CONFIG, {**CONFIG, "tile_size": 64}],
+    ids=["host", "device", "tiled"],
+)
+def test_units_inside_tf_cond_and_a_loop_train_like_mirrored(config, reference):
     """Units used inside ``keras.ops.cond`` branches whose predicate differs between the
     replicas of a step, and inside a ``keras.ops.fori_loop``: gathered before the control
     flow, reduce-scattered after it; bitwise equal to MirroredStrategy (docs/parity.md),
-    every unit trained; evaluate and predict run the same forward."""
+    every unit trained; evaluate and predict run the same forward. Shards in host pages,
+    in device variables, and with ``tile_size`` 64 (``d0``'s 8x16 kernel runs as tiles
+    outside the control flow; the 16x16 ``c`` inside the loop runs untiled)."""
     x, y = _branchy_data()
     means = x.reshape(4, 2, BATCH // 2, 8).mean(axis=(2, 3))  # (step, replica)
     assert np.any((means[:, 0] > 0) != (means[:, 1] > 0))  # the replicas disagree
-    strategy = zero_runtime.ZeroInfinityStrategy(CONFIG)
+    strategy = zero_runtime.ZeroInfinityStrategy(config)
     try:
         model = _fit(strategy, "branchy")
         assert all(isinstance(v, ShardedVariable) for v in model.trainable_variables)
         assert strategy.runtime.recorder.last(1)[0].stage == 3
+        if "tile_size" in config:
+            (engine,) = strategy.runtime.accounting.stage3_engines
+            tiled = {p.kernel.path for p in engine.tile_plans.values()}
+            assert {"branchy/d0/kernel", "branchy/c/kernel"} <= tiled, tiled
         loss = model.evaluate(x, y, batch_size=BATCH, verbose=0)
         assert np.isfinite(loss)
         assert model.predict(x[:BATCH], batch_size=BATCH, verbose=0).shape == (BATCH, 4)
