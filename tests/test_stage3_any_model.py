@@ -272,7 +272,7 @@ def test_partial_batch_embedding_residual_trains_like_mirrored(cpu_devices):
     """Issue #15: an Embedding used twice (Dense and residual Add), a partial last batch,
     host Adam states: the first step hung until the collective timeout. It trains, and
     its loss and weights match MirroredStrategy's (whose Adam is given the densified
-    embedding gradient: docs/parity.md, a Keras defect the reference works around)."""
+    embedding gradient: docs/parity.md, "Keras's Adam on a sparse gradient")."""
     ref_losses: list[float] = []
     mirrored = _fit(Mirrored(cpu_devices), "embed_add", losses=ref_losses, optimizer=DenseGradAdam)
     ref = mirrored.get_weights()
