@@ -1,10 +1,12 @@
 """Reference optimizers for parity tests: Keras's own, given dense gradients.
 
-Keras 3.15's Adam applies a ``tf.IndexedSlices`` gradient with duplicate row indices
-(a token that occurs twice in a batch) as separate scatter updates of m and v, which is
-not Adam on the summed gradient (shown in ``test_keras_sparse_adam_is_not_dense_adam``;
-docs/parity.md). The partitioned optimizers implement the update of the summed dense
-gradient, so the references densify first; everything else is Keras's code.
+Keras 3.15's Adam, given a ``tf.IndexedSlices`` gradient with repeated row indices (a
+token that occurs twice in a batch: an untied ``Embedding``), squares each slice before
+summing the repeats, so its second moment gets ``sum(g_i^2)`` instead of
+``(sum g_i)^2``: not Adam on the summed gradient (``test_keras_sparse_adam_is_not_dense_adam``;
+docs/parity.md, "Keras's Adam on a sparse gradient"). The partitioned optimizers (stages
+1-3) implement the update of the summed dense gradient, so the references densify
+first; everything else is Keras's code.
 """
 
 from __future__ import annotations
