@@ -134,16 +134,7 @@ def _check_stage3(strategy, model: keras.Model, config: dict) -> None:
     assert all(isinstance(v, ShardedVariable) for v in model.trainable_variables)
     (engine,) = strategy.runtime.accounting.stage3_engines
     assert {v.tier for v in engine.variables} == {TIER[config["offload_param"]]}
-    rows = strategy.runtime.placement()["variables"]
-    sharded = {r["name"] for r in rows if "(ZeRO-3)" in r["partitioning"]}
-    assert sharded == {v.path for v in model.trainable_variables}
-    frozen = {r["name"] for r in rows if r["partitioning"].startswith("frozen")}
-    assert frozen == {v.path for v in model.weights if not v.trainable}
-    frozen_bytes = sum(4 * int(np.prod(v.shape)) for v in model.weights if not v.trainable)
-    assert engine.frozen_bytes == frozen_bytes
-    device = strategy.runtime.recorder.last(1)[0].tiers["device"]
-    pool_param = engine.last_step.usage["device"].bytes_by_kind.get("param", 0)
-    assert device.param_bytes == pool_param + frozen_bytes * strategy.num_replicas_in_sync
+    am.check_stage3_placement(strategy, model)
 
 
 def _cases():

@@ -248,11 +248,8 @@ def test_any_model_trains_at_stage3_like_mirrored(name, tier, reference):
         assert model.trainable_variables
         assert all(isinstance(v, ShardedVariable) for v in model.trainable_variables)
         assert model.optimizer.zero_state.stage == 3
+        am.check_stage3_placement(strategy, model)  # ZeRO-3, frozen rows and bytes
         rows = strategy.runtime.placement()["variables"]
-        sharded = {r["name"] for r in rows if "(ZeRO-3)" in r["partitioning"]}
-        assert sharded == {v.path for v in model.trainable_variables}
-        frozen = {r["name"] for r in rows if r["partitioning"].startswith("frozen")}
-        assert frozen == {v.path for v in model.weights if not v.trainable}
         last = strategy.runtime.recorder.last(1)[0]
         assert last.stage == 3 and not last.fallback_mirrored
         assert last.step == int(model.optimizer.iterations.numpy()) - 1  # every step recorded

@@ -13,7 +13,8 @@ Shared by ``tests/test_stage3_any_model.py`` and ``tests/test_parity_matrix.py``
 - :func:`mobilenet`: ``keras.applications.MobileNetV3Small`` (``weights=None``, 32x32x3
   input, 4 classes, no dropout), images ``float32 (n, 32, 32, 3)`` in [0, 255).
 
-:func:`rel` is the parity measure of docs/parity.md: ``max |w - r| / max |r|`` per variable.
+:func:`rel` is the parity measure of docs/parity.md: ``max |w - r| / max |r|`` per variable;
+:func:`check_stage3_placement` what a stage-3 run must report about where weights are.
 """
 
 from __future__ import annotations
@@ -113,3 +114,27 @@ def rel(w: np.ndarray, r: np.ndarray) -> float:
     bias has no gradient, softmax being shift-invariant: it stays at rounding noise,
     |r| ~ 1e-9, where a ratio says nothing)."""
     return float(np.max(np.abs(w - r)) / max(float(np.max(np.abs(r))), FLOOR))
+
+
+def check_stage3_placement(strategy, model: keras.Model) -> None:
+    """Assert what a stage-3 run of ``model`` reports (issue #15, "Done when"): every
+    trainable variable "(ZeRO-3)" in the placement table, every non-trainable one
+    "frozen", and the device tier record's parameter bytes = the pool's parameter pages
+    + the frozen weights' bytes on each local replica (they are replicated there).
+
+    Raises:
+        AssertionError: naming the first mismatch.
+    """
+    rows = strategy.runtime.placement()["variables"]
+    sharded = {r["name"] for r in rows if "(ZeRO-3)" in r["partitioning"]}
+    assert sharded == {v.path for v in model.trainable_variables}, sharded
+    frozen = {r["name"] for r in rows if r["partitioning"].startswith("frozen")}
+    assert frozen == {v.path for v in model.weights if not v.trainable}, frozen
+    frozen_bytes = sum(
+        np.dtype(v.dtype).itemsize * int(np.prod(v.shape)) for v in model.weights if not v.trainable
+    )
+    (engine,) = strategy.runtime.accounting.stage3_engines
+    assert engine.frozen_bytes == frozen_bytes
+    device = strategy.runtime.recorder.last(1)[0].tiers["device"]
+    pool_param = engine.last_step.usage["device"].bytes_by_kind.get("param", 0)
+    assert device.param_bytes == pool_param + frozen_bytes * strategy.num_replicas_in_sync
