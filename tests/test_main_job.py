@@ -92,7 +92,14 @@ def test_mirrored_run_runs_out_and_advises_zero(main_job):
     # budget check read is kept beside them, named.
     device = report["tiers"]["device"]
     assert device["used_bytes"] == sum(h["bytes"] for h in device["holders"])
-    assert device["checked_source"] == "allocator" and device["used_bytes"] > DEVICE
+    assert device["used_bytes"] > DEVICE
+    # The allocator refused a request: the figure it failed at is its in-step peak.
+    assert (device["checked_source"], device["checked_bytes"]) == ("allocator_peak", int(peak))
+    assert "TensorFlow's allocator peaked at" in report["summary"]
+    # The device's memory is the allocator's cap: a budget raised past it does not fit.
+    raise_ = next(a for a in report["advice"] if "device_budget_bytes" in a["change"])
+    assert raise_["verdict"] == "does not fit", raise_
+    assert "this machine has 36.00 MiB for the tier" in raise_["description"]
     step = report["step"]
     assert (
         f"out of memory: Step {step} ran out of memory on the device tier: TensorFlow's "

@@ -98,6 +98,9 @@ CHECKED_SOURCES = {
     "allocator": "TensorFlow's allocator: bytes in use at the moment of the check (on the "
     "CPU stand-in, the BFC allocator the logical devices share); it counts activations and "
     "framework buffers alive at that moment and nothing freed before it",
+    "allocator_peak": "TensorFlow's allocator: its in-step peak (high-water mark) when it "
+    "refused the failed request (on the CPU stand-in, the BFC allocator the logical devices "
+    "share); the request came on top of it",
     "pool": "the paged pool's pages on the tier (what the budget bounds at stage 3)",
     "accounting": "the runtime's accounting of its holders",
 }
@@ -179,6 +182,9 @@ def _figures_text(t: Mapping[str, Any]) -> str:
     text = f"{fmt_bytes(used)} by the runtime's accounting {of}"
     checked, source = t.get("checked_bytes"), t.get("checked_source")
     if checked is not None and checked != used:
+        if source == "allocator_peak":
+            text += f"; TensorFlow's allocator peaked at {fmt_bytes(checked)} in the step"
+            return text
         who = {
             "allocator": "TensorFlow's allocator",
             "pool": "the paged pool",

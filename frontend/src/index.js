@@ -365,7 +365,17 @@ class App {
             withWhatif(view.markers ?? [], predictions);
           }
         }
-        if (force || view.shown.oomAnswer !== oomAnswer) view.oom.update(oomAnswer, view.runInfo);
+        if (force || view.shown.oomAnswer !== oomAnswer) {
+          view.oom.update(oomAnswer, view.runInfo);
+          // The overlay shows the failed step's allocator peak beside the recorded ones.
+          const pm = oomAnswer?.postmortem;
+          const peak = pm?.readings?.framework_device_peak_bytes;
+          const oomPeak = typeof peak === 'number' && typeof pm?.step === 'number' ? { step: pm.step, value: peak } : null;
+          if (JSON.stringify(oomPeak) !== JSON.stringify(view.oomPeak ?? null)) {
+            view.oomPeak = oomPeak;
+            this.updateOverlay();
+          }
+        }
         if (force || view.shown.estimateAnswer !== estimateAnswer) {
           const events = estimateAnswer?.events ?? [];
           const estimate = events.length ? events[events.length - 1].value : null;
@@ -477,6 +487,7 @@ class App {
         color: runColor(index),
         tiers: this.views.get(run).tiers,
         readings: this.views.get(run).readings ?? null,
+        oomPeak: this.views.get(run).oomPeak ?? null,
       }));
     drawing.run(() => this.overlay.update(this.selected.size > 1 ? runs : []));
   }

@@ -70,7 +70,10 @@ export function oomTierFigures(row) {
       : `${formatBytes(used)} of ${formatBytes(capacity)}${pct}`;
   let checkedText = null;
   if (checked !== null && checked !== used) {
-    checkedText = `${CHECKED_WHO[source] ?? 'the check'} read ${formatBytes(checked)} at the check`;
+    checkedText =
+      source === 'allocator_peak'
+        ? `TensorFlow’s allocator peaked at ${formatBytes(checked)} in the step, then refused the request`
+        : `${CHECKED_WHO[source] ?? 'the check'} read ${formatBytes(checked)} at the check`;
   }
   return { used, capacity, checked, source, share, text, checkedText };
 }
@@ -89,7 +92,7 @@ export function oomFigureNotes(pm) {
   const notes = [];
   if (typeof figures.used_bytes === 'string') notes.push(`Used: ${figures.used_bytes}.`);
   for (const [source, meaning] of Object.entries(figures.checked_bytes ?? {})) {
-    notes.push(`Read at the check (${source}): ${meaning}.`);
+    notes.push(source === 'allocator_peak' ? `Allocator peak: ${meaning}.` : `Read at the check (${source}): ${meaning}.`);
   }
   return notes;
 }

@@ -216,4 +216,10 @@ test('the overlay compares the device by one measure: the allocator peak when ev
   assert.match(overlayTitle(mixed, 'device'), /not one measure/);
   assert.deepEqual(overlayData(mixed, 'device').series.map((s) => s.values), [[20 * MIB, null], [2 * MIB, 2 * MIB]]);
   assert.equal(overlayTitle(runs, 'host'), 'host: used bytes');
+  // A run that ran out of memory: its failed step's peak (from the post-mortem) is drawn.
+  const failed = [{ ...runs[0], readings: { steps: [0], values: { framework_device_peak_bytes: [25 * MIB] } }, oomPeak: { step: 1, value: 36 * MIB } }, runs[1]];
+  const data = overlayData(failed, 'device');
+  assert.deepEqual(data.x, [0, 1]);
+  assert.deepEqual(data.series[0].values, [25 * MIB, 36 * MIB]);
+  assert.equal(data.series[0].label, 'mirrored (out of memory at step 1)');
 });

@@ -26,6 +26,7 @@ from zero_runtime.capabilities import IMPLEMENTED
 from zero_runtime.config import ZeroConfig
 from zero_runtime.devices import DeviceInfo
 from zero_runtime.runtime import advice as advice_mod
+from zero_runtime.runtime import headroom
 from zero_runtime.runtime.advice import fmt_bytes as oom_fmt
 from zero_runtime.telemetry import StepStats
 
@@ -243,6 +244,13 @@ def build_report(
         tiers["device"] = oom.tier_row(row["capacity_bytes"], base, err.used_bytes, device_source)
     else:
         request_bytes = oom.request_from_message(str(cause))
+        peak = snap.readings.framework_device_peak_bytes
+        if err.tier == "device" and device_source == "allocator" and math.isfinite(peak):
+            # TensorFlow's allocator refused a request: the figure it failed at is its
+            # in-step high-water mark, not the bytes left in use once the step unwound.
+            row = tiers["device"]
+            base = [h for h in row["holders"] if h["name"] != oom.UNATTRIBUTED]
+            tiers["device"] = oom.tier_row(row["capacity_bytes"], base, int(peak), "allocator_peak")
     tier = err.tier
     failed = {
         "bytes": request_bytes,
@@ -355,6 +363,9 @@ def advice_for(
         nvme_free = shutil.disk_usage(config.nvme_path).free
     nvml_total = snap.readings.nvml_total_bytes
     device_physical = int(vm.total) if device.is_standin else or_none(nvml_total)
+    # The allocator's own limit when one is known (the CPU stand-in's cap,
+    # TF_CPU_BFC_MEM_LIMIT_IN_MB): a budget raised past it cannot fit.
+    device_physical = headroom.device_capacity_bytes(device) or device_physical
     host_used = snap.tiers["host"].used_bytes
     host_cap = config.host_budget_bytes
     # Host room: within the host budget (if any) and what the machine has available.

@@ -25,15 +25,33 @@ export function overlayTitle(runs, tier) {
     : 'device: used bytes (each run’s own reading: not one measure across stages)';
 }
 
-/** x = the union of the runs' steps; one series per run, per tier (see overlayTitle). */
+/**
+ * x = the union of the runs' steps; one series per run, per tier (see overlayTitle). On
+ * the device by the allocator peak, a run that ran out of memory also gets its failed
+ * step's peak (the post-mortem's reading, `oomPeak`), which no record holds, and says so.
+ */
 export function overlayData(runs, tier) {
   const allocator = tier === 'device' && allocatorForAll(runs);
+  const withOom = (r) => {
+    const steps = [...r.readings.steps];
+    const values = [...(r.readings.values[ALLOCATOR_PEAK] ?? [])];
+    if (r.oomPeak && !steps.includes(r.oomPeak.step)) {
+      const i = steps.findIndex((s) => s > r.oomPeak.step);
+      const at = i < 0 ? steps.length : i;
+      steps.splice(at, 0, r.oomPeak.step);
+      values.splice(at, 0, r.oomPeak.value);
+    }
+    return { steps, values };
+  };
+  const device = allocator ? runs.map(withOom) : null;
   let x = [];
-  for (const r of runs) x = unionSteps(x, allocator ? r.readings.steps : r.tiers.steps);
-  const series = runs.map((r) => ({
-    label: r.run,
+  runs.forEach((r, k) => {
+    x = unionSteps(x, allocator ? device[k].steps : r.tiers.steps);
+  });
+  const series = runs.map((r, k) => ({
+    label: allocator && r.oomPeak ? `${r.run} (out of memory at step ${r.oomPeak.step})` : r.run,
     values: allocator
-      ? alignTo(x, r.readings.steps, r.readings.values[ALLOCATOR_PEAK] ?? [])
+      ? alignTo(x, device[k].steps, device[k].values)
       : alignTo(x, r.tiers.steps, r.tiers.values[tier]?.used_bytes ?? []),
     stroke: r.color,
     width: 1.5,
