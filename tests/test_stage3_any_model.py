@@ -16,6 +16,8 @@ with plain ``MirroredStrategy`` (same model, data and seed) per variable, as
 - ``tied``: one ``Dense`` called twice, and a layer reading another layer's kernel (the
   kernel is sharded once, gathered per use, the uses' gradients summed); Adam.
 - ``subclassed``: a subclassed ``keras.Model`` whose ``call`` adds a branch; Adam.
+- ``rnn``: a ``GRU`` (its cell, the unit, runs inside Keras's ``tf.while_loop`` over the
+  time steps: gathered before the loop) beside a residual ``Dense``; Adam.
 - ``embed_add``: an ``Embedding`` whose output feeds both a ``Dense`` and a residual
   ``Add``, fed 20 samples in batches of 8 (a partial last batch: unknown batch dimension,
   so the loss traces Keras's shape ``Assert``); SGD with host optimizer states. It hung
@@ -139,6 +141,23 @@ def _subclassed_data():
     return x, (x[:, :4] * 2.0 - x[:, 4:]).astype("float32")
 
 
+def _rnn() -> keras.Model:
+    """A GRU (its cell runs inside Keras's ``tf.while_loop`` over time steps; the cell
+    owns a seed generator but no dropout) beside a residual ``Dense``, then pooling."""
+    keras.utils.set_random_seed(15)
+    i = keras.Input((None, 4))  # (B, T, 4), T unknown
+    h = keras.layers.GRU(8, return_sequences=True, name="gru")(i)
+    h = keras.layers.Add()([h, keras.layers.Dense(8, name="skip")(i)])
+    pooled = keras.layers.GlobalAveragePooling1D()(h)  # (B, 8)
+    return keras.Model(i, keras.layers.Dense(3, name="out")(pooled))
+
+
+def _rnn_data():
+    rng = np.random.RandomState(16)
+    x = rng.standard_normal((4 * BATCH, 6, 4)).astype("float32")
+    return x, np.tanh(x.sum(axis=1)[:, :3]).astype("float32")
+
+
 class Branchy(keras.Model):
     """A subclassed model with control flow around its units: a ``keras.ops.fori_loop``
     applying ``c`` twice (a ``tf.while_loop``), then ``keras.ops.cond`` on the batch's
@@ -188,6 +207,7 @@ MODELS = {
     "subclassed": (_subclassed, _subclassed_data, "adam", "mse"),
     "embed_add": (am.embed_add, am.embed_add_data, "sgd", "scce"),
     "branchy": (_branchy, _branchy_data, "adam", "mse"),
+    "rnn": (_rnn, _rnn_data, "adam", "mse"),
 }
 
 
@@ -237,7 +257,7 @@ def reference(cpu_devices):
 @pytest.mark.parametrize(
     ("name", "tier"),
     [(name, "cpu") for name in MODELS if name != "branchy"]  # branchy: its own test
-    + [(name, "none") for name in ("gpt", "dag_bn", "tied", "embed_add")],
+    + [(name, "none") for name in ("gpt", "dag_bn", "tied", "embed_add", "rnn")],
 )
 def test_any_model_trains_at_stage3_like_mirrored(name, tier, reference):
     """``tier``: 'cpu' (parameters and states in the host pool) or 'none' (both on the

@@ -161,6 +161,13 @@ def _noisy() -> keras.Model:
     return keras.Model(i, NoisyDense(name="noisy")(h))
 
 
+def _gru_dropout() -> keras.Model:
+    """A GRU with recurrent dropout in a DAG: its cell (the unit) draws masks in its call."""
+    i = keras.Input((8,))
+    h = keras.layers.GRU(4, recurrent_dropout=0.2, name="gru")(keras.layers.Reshape((2, 4))(i))
+    return keras.Model(i, keras.layers.Add(name="residual_add")([h, keras.layers.Dense(4)(i)]))
+
+
 def _float64() -> keras.Model:
     return keras.Sequential(
         [
@@ -175,9 +182,10 @@ def _float64() -> keras.Model:
     ("make_model", "error", "match"),
     [
         (_noisy, NotImplementedError, "layer 'noisy' owns weights and draws random numbers"),
+        (_gru_dropout, NotImplementedError, "layer 'gru_cell' owns weights and draws random"),
         (_float64, ValueError, r"float32 weights; '[\w/]*d0/kernel' is float64"),
     ],
-    ids=["dropout_in_unit", "float64"],
+    ids=["dropout_in_unit", "rnn_dropout", "float64"],
 )
 def test_unsupported_model_is_refused_before_the_first_step(make_model, error, match):
     strategy = zero_runtime.ZeroInfinityStrategy(CONFIG)

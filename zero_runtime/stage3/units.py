@@ -74,12 +74,27 @@ def _check_unit(layer: keras.layers.Layer, own: list) -> None:
                 f"{v.dtype} (train it at stage 1 or 2, or build the layer in float32)"
             )
     for sub in layer._flatten_layers(include_self=True):  # noqa: SLF001
-        random = isinstance(sub, keras.layers.Dropout) and sub.rate > 0
-        random = random or bool(getattr(sub, "_seed_generators", None))
-        if random:
+        if _draws_random(sub):
             raise NotImplementedError(
                 f"stage 3: layer {layer.name!r} owns weights and draws random numbers in its "
                 f"call ({sub.name!r}): the forward recomputed in backward would draw "
                 "different masks. Move the dropout into a layer of its own (it then runs "
                 "once), or train at stage 1 or 2"
             )
+
+
+#: Attributes holding the dropout rates of Keras's recurrent cells (``DropoutRNNCell``):
+#: the cells own a seed generator whatever the rates and draw from it only when one is > 0.
+_RNN_DROPOUT_RATES = ("dropout", "recurrent_dropout")
+
+
+def _draws_random(layer: keras.layers.Layer) -> bool:
+    """True when ``layer``'s own call may draw random numbers: a ``Dropout`` of rate > 0,
+    or any other layer owning a seed generator, except a recurrent cell (``LSTMCell``,
+    ``GRUCell``, ``SimpleRNNCell``) whose ``dropout`` and ``recurrent_dropout`` are 0."""
+    if isinstance(layer, keras.layers.Dropout):
+        return layer.rate > 0
+    if not getattr(layer, "_seed_generators", None):
+        return False
+    rates = [getattr(layer, a) for a in _RNN_DROPOUT_RATES if hasattr(layer, a)]
+    return len(rates) < len(_RNN_DROPOUT_RATES) or any(r > 0 for r in rates)
