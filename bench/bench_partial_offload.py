@@ -52,35 +52,63 @@ CONFIGS = {
 }
 
 
+def _time_steps(model: keras.Model, ds: tf.data.Dataset) -> tuple[list[float], list[float]]:
+    """(wall, CPU) seconds of each step of one fit over ``ds``, without its first step."""
+    timer = base._StepTimer()
+    model.fit(ds, verbose=0, callbacks=[timer])
+    return timer.times[1:], timer.cpu_times[1:]
+
+
+def _positions(medians: dict[str, float]) -> dict[str, float]:
+    """``(partial - none) / (cpu - none)`` per stage and ratio (in [0, 1]: between; either
+    of the two ends may be the faster one)."""
+    return {
+        f"stage{s}_ratio{r}": round(
+            (medians[f"stage{s}_ratio{r}"] - medians[f"stage{s}_none"])
+            / (medians[f"stage{s}_cpu"] - medians[f"stage{s}_none"]),
+            3,
+        )
+        for s in (1, 2)
+        for r in RATIOS
+    }
+
+
 def main() -> None:
     """Build every configuration, measure them interleaved and write the results file."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--steps", type=int, default=9, help="steps per configuration per round")
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--width", type=int, default=768, help="hidden width of the bench model")
     ap.add_argument("--out", type=Path, default=RESULTS, help="the results file")
     args = ap.parse_args()
     load_before = os.getloadavg()
     ds = base._data(args.steps, args.batch)
     mirrored = tf.distribute.MirroredStrategy(list(base.DEVICES.devices))
-    models = {"mirrored": base.build_trained(mirrored, lambda: DenseGradAdam(1e-3), ds)}
+    models = {"mirrored": base.build_trained(mirrored, lambda: DenseGradAdam(1e-3), ds, args.width)}
     strategies = []
     for name, cfg in CONFIGS.items():
         strategy = zero_runtime.ZeroInfinityStrategy(cfg)
         strategies.append(strategy)
-        models[name] = base.build_trained(strategy, lambda: keras.optimizers.get("adam"), ds)
+        models[name] = base.build_trained(
+            strategy, lambda: keras.optimizers.get("adam"), ds, args.width
+        )
     names = list(models)
     times: dict[str, list[float]] = {n: [] for n in names}
+    cpu_times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(args.rounds):
         for name in names if r % 2 == 0 else reversed(names):
-            times[name] += base.time_steps(models[name], ds)
+            wall, cpu = _time_steps(models[name], ds)
+            times[name] += wall
+            cpu_times[name] += cpu
     for strategy in strategies:
         strategy.close()
     medians = {name: statistics.median(t) for name, t in times.items()}
+    cpu_medians = {name: statistics.median(t) for name, t in cpu_times.items()}
     between = {
-        f"stage{s}_ratio{r}": medians[f"stage{s}_none"]
+        f"stage{s}_ratio{r}": min(medians[f"stage{s}_none"], medians[f"stage{s}_cpu"])
         <= medians[f"stage{s}_ratio{r}"]
-        <= medians[f"stage{s}_cpu"]
+        <= max(medians[f"stage{s}_none"], medians[f"stage{s}_cpu"])
         for s in (1, 2)
         for r in RATIOS
     }
@@ -93,13 +121,21 @@ def main() -> None:
             "configurations measured interleaved in one process; a load average above ~1 "
             "means other processes shared the 2 cores during the run"
         ),
-        "model_params": base.build_model().count_params(),
+        "model_params": base.build_model(args.width).count_params(),
         "global_batch": args.batch,
         "ratios": list(RATIOS),
         "timed_steps_per_config": len(times["mirrored"]),
         "median_step_seconds": medians,
         "ratios_vs_mirrored": {k: v / medians["mirrored"] for k, v in medians.items()},
         "partial_between_none_and_cpu": between,
+        # (partial - none) / (cpu - none) of the medians: 0 = as no offload, 1 = as full
+        "position_between_none_and_cpu": {
+            "wall": _positions(medians),
+            "cpu_time": _positions(cpu_medians),
+        },
+        # Process CPU seconds per step (every thread of this process): the work a step
+        # costs, less sensitive than wall time to other processes' load.
+        "median_step_cpu_seconds": cpu_medians,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -221,6 +221,26 @@ def test_partial_offload_with_accumulation_matches_full_offload(cpu_devices):
         np.testing.assert_array_equal(h, f)
 
 
+def test_accelerator_path_slices_on_the_device_and_matches(cpu_devices, monkeypatch):
+    """Replicas not on a CPU take the other path (slices to the host call, the parts
+    joined on the device); run here by declaring the CPU devices accelerators."""
+    weights = {}
+    for ratio in (0.5, 1.0):
+        if ratio < 1.0:
+            monkeypatch.setattr(SplitOptimizerState, "device_on_cpu", lambda self, r: False)
+        strategy = zero_runtime.ZeroInfinityStrategy(
+            ZeroConfig(stage=1, offload_optimizer="cpu", offload_optimizer_ratio=ratio)
+        )
+        try:
+            _, model = _fit(strategy, _adamw)
+            weights[ratio] = model.get_weights()
+        finally:
+            strategy.close()
+            monkeypatch.undo()
+    for h, f in zip(weights[0.5], weights[1.0]):
+        np.testing.assert_array_equal(h, f)
+
+
 @pytest.mark.parametrize(
     "kw, message",
     [

@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from zero_runtime import comm
 from zero_runtime.lifecycle import host_function
+from zero_runtime.optim import kernels
 from zero_runtime.optim.device_state import DeviceOptimizerState
 from zero_runtime.optim.replica_context import local_copy, replica_id, unwrap
 from zero_runtime.optim.split_state import SplitOptimizerState
@@ -404,18 +405,29 @@ class FlatShardUpdate:
             active=active,
             decayed=(False,) * len(active),
         )
+        # On a CPU device the host calls take the whole shards (a CPU tensor reaches numpy
+        # as a view of its buffer), compute the host part straight into the output buffer
+        # and copy the device part in front of it: no slice or concat copies. Elsewhere
+        # only the host fraction crosses to the host and the parts are joined on the device.
+        merge = store.device_on_cpu(replica)
+        host_in = [grad_shard, param_shard] if merge else [grad_shard[k:], param_shard[k:]]
         # The host part runs on the store's worker thread (start returns at once), so no
-        # inter-op thread waits on it while the device part is ready to run; the finish
-        # call depends on the device part and collects the host part (split_state.py).
+        # inter-op thread waits on it while the device part runs; the finish call comes
+        # after the device part and collects the host part (split_state.py).
         started = host_function(
-            functools.partial(self._zero_split_start, store=store, replica=replica, fn=host_fn),
-            [step, grad_shard[k:], param_shard[k:], tf.constant(0.0), tf.cast(lr, tf.float32)]
-            + list(scalars),
+            functools.partial(
+                self._zero_split_start,
+                store=store,
+                replica=replica,
+                fn=host_fn,
+                cut=k if merge else None,
+            ),
+            [step, *host_in, tf.constant(0.0), tf.cast(lr, tf.float32), *scalars],
             tf.int64,
             stateful=True,
             name="zero_host_update_start",
         )
-        parts = []
+        device_part = []
         if k:
             mask = None
             if not all(active):
@@ -424,23 +436,65 @@ class FlatShardUpdate:
                     m[min(s, k) : min(e, k)] = True
                 mask = tf.constant(m)
             with tf.control_dependencies([started]):  # the host part first: it is longer
-                parts.append(
+                device_part.append(
                     self._zero_device_step(
                         store.device.slots(replica), param_shard[:k], grad_shard[:k], scalars, mask
                     )
                 )
-        with tf.control_dependencies(parts):
-            host_part = host_function(
+        with tf.control_dependencies(device_part):
+            finished = host_function(
                 functools.partial(self._zero_split_finish, store=store, replica=replica),
-                [started],
+                [started, *(device_part if merge else [])],
                 tf.float32,
                 stateful=True,
                 name="zero_host_update",
             )
-        host_part.set_shape([layout.shard_size - k])
-        self._zero_gate_tokens().append(host_part)
-        parts.append(host_part)
-        return tf.concat(parts, axis=0) if len(parts) > 1 else parts[0]
+        self._zero_gate_tokens().append(finished)
+        if merge or not device_part:
+            finished.set_shape([layout.shard_size])
+            return finished
+        finished.set_shape([layout.shard_size - k])
+        return tf.concat([device_part[0], finished], axis=0)
+
+    def _zero_split_start(
+        self,
+        step: np.ndarray,
+        grad: np.ndarray,
+        param: np.ndarray,
+        *args: np.ndarray,
+        store: SplitOptimizerState,
+        replica: int,
+        fn,
+        cut: int | None,
+    ) -> np.int64:
+        """The start of a split update: hand the host part to the store's worker thread.
+
+        ``cut`` None: ``grad`` and ``param`` are the host part. Else they are the whole
+        shard, the host part ``[cut:]``; it is computed into the end of a new aligned
+        ``[shard_size]`` buffer, which :meth:`_zero_split_finish` completes and returns."""
+        if cut is None:
+            store.start_update(replica, fn, step, grad, param, *args)
+            return np.int64(step)
+        full = kernels.aligned_empty(len(param))
+
+        def job() -> tuple[np.ndarray, float]:
+            _, seconds = fn(step, grad[cut:], param[cut:], *args, out=full[cut:])
+            return full, seconds
+
+        store.start_update(replica, job)
+        return np.int64(step)
+
+    def _zero_split_finish(
+        self, step: np.ndarray, *device_part: np.ndarray, store: SplitOptimizerState, replica: int
+    ) -> np.ndarray:
+        """The finish of a split update: wait for the host part, put the device part (if
+        given) in front of it, report the step."""
+        param, seconds = store.finish_update(replica)
+        if device_part:
+            np.copyto(param[: len(device_part[0])], device_part[0])
+        if self._zero.runtime is not None:
+            self._zero.runtime.on_shard_updated(self, replica, int(step), seconds)
+        return param
 
     def _zero_tick_op(self, replica: int, step: tf.Tensor) -> tf.Tensor:
         """Graph: the step clock, a host call telling the runtime that ``replica``
@@ -452,22 +506,6 @@ class FlatShardUpdate:
             stateful=True,
             name="zero_step_clock",
         )
-
-    def _zero_split_start(
-        self, step: np.ndarray, *args: np.ndarray, store: SplitOptimizerState, replica: int, fn
-    ) -> np.int64:
-        """The start of a split update: hand the host part to the store's worker thread."""
-        store.start_update(replica, fn, step, *args)
-        return np.int64(step)
-
-    def _zero_split_finish(
-        self, step: np.ndarray, store: SplitOptimizerState, replica: int
-    ) -> np.ndarray:
-        """The finish of a split update: wait for the host part, report the step."""
-        param, seconds = store.finish_update(replica)
-        if self._zero.runtime is not None:
-            self._zero.runtime.on_shard_updated(self, replica, int(step), seconds)
-        return param
 
     def _zero_tick(self, step: np.ndarray, replica: int) -> np.int64:
         if self._zero.runtime is not None:
@@ -493,13 +531,18 @@ class FlatShardUpdate:
         replica: int,
         active: tuple[bool, ...],
         decayed: tuple[bool, ...],
+        out: np.ndarray | None = None,
     ) -> tuple[np.ndarray, float]:
         """The host update of ``replica``'s shard on the store's tier: the new parameter
-        elements (float32, ``param``'s shape; a copy, ``param`` is not written) and the
-        seconds it took."""
+        elements (float32, ``param``'s shape, in ``out`` if given, else in a new
+        :func:`~.kernels.aligned_empty` buffer, which TensorFlow takes as the host call's
+        output without a copy; ``param`` is not written) and the seconds it took."""
         start = time.perf_counter()
         zs = self._zero
-        param = np.array(param, dtype=np.float32, copy=True)
+        if out is None:
+            out = kernels.aligned_empty(len(param))
+        np.copyto(out, param)
+        param = out
         if any(decayed):  # Keras: v - v * wd * lr, before the update
             wd, lr = np.float32(wd), np.float32(lr)
             for s, e in zs.layout.active_ranges(replica, decayed):

@@ -19,6 +19,21 @@ import numpy as np
 TILE_ELEMENTS = 65_536
 
 
+#: Alignment of a host update's output buffer, bytes: TensorFlow's CPU allocator's
+#: (``EIGEN_MAX_ALIGN_BYTES``). A ``tf.numpy_function`` output this aligned becomes the
+#: output tensor's buffer as is; any other is copied (measured: numpy's own allocations
+#: here are 32 bytes off).
+ALIGN_BYTES = 64
+
+
+def aligned_empty(n: int) -> np.ndarray:
+    """An uninitialised float32 ``[n]`` array whose data starts on an :data:`ALIGN_BYTES`
+    boundary (``n`` >= 0)."""
+    raw = np.empty(4 * n + ALIGN_BYTES, np.uint8)
+    skip = -raw.ctypes.data % ALIGN_BYTES
+    return raw[skip : skip + 4 * n].view(np.float32)
+
+
 def tiles(n: int, tile: int = TILE_ELEMENTS) -> Iterator[tuple[int, int]]:
     """``[start, end)`` ranges covering ``[0, n)`` in steps of ``tile`` elements (>= 1)."""
     if tile < 1:

@@ -39,6 +39,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+import tensorflow as tf
 
 from zero_runtime.optim.device_state import DeviceOptimizerState
 from zero_runtime.optim.host_state import HostOptimizerState, _checked_shard
@@ -115,10 +116,17 @@ class SplitOptimizerState:
             ShardSlice(layout.shard_size - self.device_size, n),  # type: ignore[arg-type]
             self.slot_names,
         )
+        self._on_cpu = tuple(tf.DeviceSpec.from_string(d).device_type == "CPU" for d in devices)
         self._workers = max(1, len(devices))
         self._pool: ThreadPoolExecutor | None = None
         self._pending: dict[int, Future] = {}
         self._pending_lock = threading.Lock()
+
+    def device_on_cpu(self, replica: int) -> bool:
+        """True when ``replica``'s device is a CPU (its tensors reach a host call as
+        views, no copy); ``replica`` is taken modulo the local replicas, as
+        :meth:`DeviceOptimizerState.slots`."""
+        return self._on_cpu[replica % len(self._on_cpu)] if self._on_cpu else True
 
     def start_update(self, replica: int, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` (the host part's update, :meth:`update` inside) on a worker
