@@ -178,7 +178,7 @@ def test_tier_occupancy_chart_shows_every_run(
             },
         ]
         device_legend = alpha.locator('.mh-tier-cell[data-tier="device"] .u-legend')
-        device_labels = ("param", "grad", "other", "used", "pool budget", "framework allocator")
+        device_labels = ("param", "grad", "other", "used", "pool budget", "allocator in use")
         peaks = ("pool pages + gradient shards (in step)", "TensorFlow allocator peak (in step)")
         for label in (*device_labels, *peaks):
             expect(device_legend).to_contain_text(label)

@@ -17,7 +17,7 @@ export const HOLDERS = [
 // Readings drawn beside each tier's accounting (memory_hierarchy/readings columns).
 export const TIER_READINGS = {
   device: [
-    { column: 'framework_device_bytes', label: 'framework allocator' },
+    { column: 'framework_device_bytes', label: 'TensorFlow allocator in use (step end)' },
     { column: 'nvml_used_bytes', label: 'NVML used' },
   ],
   host: [{ column: 'process_rss_bytes', label: 'process RSS' }],
@@ -247,10 +247,13 @@ export function tierPlot(tiers, readings, tier, runInfo = null) {
     yMax = Math.max(yMax, peakMax);
     stepPeak = Math.max(stepPeak ?? 0, peakMax);
   }
+  // A reference line is off scale beside the largest figure drawn, the in-step peaks
+  // included (the device's memory beside a 29 MiB allocator peak is on scale).
+  const scale = Math.max(peakUse ?? 0, stepPeak ?? 0) || peakUse;
   for (const line of candidates) {
     const lineMax = maxOf(line.values);
     if (lineMax === null) continue; // not measured: not drawn
-    if (offScale(lineMax, peakUse)) {
+    if (offScale(lineMax, scale)) {
       off.push({ kind: line.kind, label: line.label, value: lineMax });
     } else {
       lines.push(line);

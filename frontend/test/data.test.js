@@ -115,6 +115,11 @@ test('tierPlot draws the in-step peaks (accounting and allocator) beside boundar
       ['capacity', 'device memory (allocator limit)'],
     ],
   );
+  // The device's memory is judged on scale beside the peaks, not the boundary use alone.
+  const small = tiersAnswer([0, 1], { device: { used_bytes: [MIB, MIB], peak_bytes: [13 * MIB, 13 * MIB], capacity_bytes: [12 * MIB, 12 * MIB] } });
+  const capped = tierPlot(small, readings, 'device', { stage: 3, device_capacity_bytes: 36 * MIB });
+  assert.deepEqual(capped.offScale, []);
+  assert.ok(capped.lines.some((l) => l.label === 'device memory (allocator limit)'));
   const s0 = tierPlot(tiers, readings, 'device', { stage: 0 });
   assert.deepEqual(s0.lines.filter((l) => l.kind === 'peak').map((l) => l.label), ['TensorFlow allocator peak (in step)']);
   assert.deepEqual(peaks[1].values, [26 * MIB, 28 * MIB]);
