@@ -51,3 +51,11 @@ test('placement cells of one side', () => {
   assert.equal(placementSideText(side, 'partitioning'), '—');
   assert.equal(placementSideText(null, 'tiers'), '—');
 });
+
+test('the diff says when the device figures of the two runs are different measures', async () => {
+  const { deviceMeasuresDiffer } = await import('../src/views/diff_view.js');
+  assert.equal(deviceMeasuresDiffer({ a: 0, b: 3 }), true);
+  assert.equal(deviceMeasuresDiffer({ a: 3, b: 3 }), false);
+  assert.equal(deviceMeasuresDiffer({ a: 1, b: 2 }), false);
+  assert.equal(deviceMeasuresDiffer({ a: null, b: 3 }), false);
+});

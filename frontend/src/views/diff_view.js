@@ -37,6 +37,20 @@ function signedCount(v) {
   return `${v > 0 ? '+' : ''}${formatCount(v)}`;
 }
 
+/** The device figures of a stage-3 run and of a run below stage 3 are different
+ * measures (the pool's pages + gradient shards vs TensorFlow's allocator): issue #19. */
+export const MIXED_DEVICE_NOTE =
+  'The device figures are as each run records them: TensorFlow’s allocator below stage 3, ' +
+  'the pool’s pages + gradient shards at stage 3 — not one measure across these two runs. ' +
+  'The selected-runs chart compares the device by the allocator peak.';
+
+/** True when one run is at stage 3 and the other below it. */
+export function deviceMeasuresDiffer(stage) {
+  const a = stage?.a;
+  const b = stage?.b;
+  return typeof a === 'number' && typeof b === 'number' && (a === 3) !== (b === 3);
+}
+
 export class DiffView {
   /** @param {import('../model.js').Model} model */
   constructor(model) {
@@ -196,7 +210,8 @@ export class DiffView {
     };
     for (const tier of DIFF_TIERS) {
       const t = answer.summary.tiers[tier];
-      row(`${tier}/peak_bytes`, `${tier} peak`, t.peak_bytes, formatBytes, signedBytes);
+      const mixed = tier === 'device' && deviceMeasuresDiffer(answer.stage);
+      row(`${tier}/peak_bytes`, mixed ? 'device peak (not one measure: see the device chart)' : `${tier} peak`, t.peak_bytes, formatBytes, signedBytes);
       row(`${tier}/last_used_bytes`, `${tier} used (last step)`, t.last_used_bytes, formatBytes, signedBytes);
     }
     for (const dir of ['d2h', 'h2d', 'h2n', 'n2h']) {
@@ -212,8 +227,9 @@ export class DiffView {
       if (last === null) delete cell.dataset.lastUsedDelta;
       else cell.dataset.lastUsedDelta = String(last);
       const measured = hasValues(used) || hasValues(peak);
-      note.hidden = measured;
-      note.textContent = measured ? '' : 'Not measured in both runs.';
+      const mixed = tier === 'device' && measured && deviceMeasuresDiffer(answer.stage);
+      note.hidden = measured && !mixed;
+      note.textContent = !measured ? 'Not measured in both runs.' : mixed ? MIXED_DEVICE_NOTE : '';
       this.charts.get(tier).update({
         x,
         series: [
