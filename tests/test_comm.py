@@ -349,6 +349,32 @@ def test_watchdog_drops_stale_traced_deadlines_instead_of_aborting():
     assert dog.state is comm.WatchdogState.FIRED
 
 
+def test_step_deadline_waits_out_tracing_and_aborts_a_stalled_execution():
+    """A stage-3 step run from Python (zero_runtime/stage3/step_clock.py) has one deadline
+    over the call: restarted while no tf.function executes (tracing), enforced while one
+    does; inside it collectives are traced without their host callbacks."""
+    calls: list[str] = []
+    running = [False]
+    dog = comm.CollectiveWatchdog(abort=calls.append, executing=lambda: running[0])
+    assert not dog.covers_traces
+    with dog.step_deadline(0.2, "the collectives of a step"):
+        assert dog.covers_traces and dog.armed == 1
+        time.sleep(0.6)  # "tracing": due three times, restarted each time
+        assert calls == [] and dog.armed == 1 and dog.stale_dropped == 0
+        running[0] = True  # executing, and stalled
+        deadline = time.monotonic() + 10
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert not dog.covers_traces and dog.armed == 0
+    assert len(calls) == 1 and "the collectives of a step did not complete within 0.2 s" in calls[0]
+    with dog.step_deadline(0.2, "a call that traces its step"):
+        dog.traced_builds += 1  # what guard() counts for each collective it builds
+        time.sleep(0.6)  # executing (eager ops run while tracing), yet not held to it
+        assert len(calls) == 1 and dog.armed == 1
+    with dog.step_deadline(0, "no deadline"):  # 0: nothing armed, still unguarded
+        assert dog.covers_traces and dog.armed == 0
+
+
 def test_a_failed_step_leaves_no_deadline_that_aborts_later(strategy):
     """A step that fails while replica 0 waits in a guarded all-to-all (replica 1's input
     fails) leaves that deadline armed; it is dropped as stale, and the next collectives

@@ -323,6 +323,42 @@ class ShardedVariable(_KerasTFVariable):
         finally:
             self.pool.release(sid)
 
+    def read_shard_into(self, replica: int, out: np.ndarray) -> None:
+        """Copy ``replica``'s shard into ``out`` (float32 ``[shard_elements]``, e.g. a slice
+        of a unit's concatenated shards): one copy, from its pages (paged in to the host)
+        or its device variable."""
+        rec = self._replicas[replica]
+        if rec.variable is not None or self.tier == "device":
+            out[:] = self.read_shard(replica)
+            return
+        out[:] = self.pool.acquire(rec.shard_id, "host")
+        self.pool.release(rec.shard_id)
+
+    def update_shard_in_place(self, replica: int, fn: Callable[[np.ndarray], None]) -> None:
+        """Run ``fn`` on ``replica``'s shard where it lives on the host (SHARDED or RELEASED
+        -> SHARDED): ``fn`` gets a writable float32 ``[shard_elements]`` array (the page
+        itself for a one-page shard; a copy written back after ``fn`` otherwise) and
+        updates it in place. The optimizer's update without a read and a write copy.
+
+        Raises:
+            ShardStateError: the replica's copy is GATHERING or GATHERED.
+            ValueError: a shard that is not in host-tier pages (``tier`` 'host').
+        """
+        rec = self._replicas[replica]
+        if self.tier != "host" or rec.variable is not None:
+            raise ValueError(
+                f"update_shard_in_place: {getattr(self, '_path', '?')!r} is on tier "
+                f"{self.tier!r}; in place is for host-tier shards (use write_shard)"
+            )
+        with self._lock:
+            self._expect(rec, (ShardState.SHARDED, ShardState.RELEASED), "update_shard_in_place")
+            view = self.pool.acquire(rec.shard_id, "host", writable=True)
+            try:
+                fn(view)
+            finally:
+                self.pool.release(rec.shard_id)
+            rec.state = ShardState.SHARDED
+
     def write_shard(self, replica: int, shard: np.ndarray) -> None:
         """Store ``replica``'s updated shard (SHARDED or RELEASED -> SHARDED).
 

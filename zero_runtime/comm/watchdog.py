@@ -73,6 +73,7 @@ class _Deadline:
     start: float = 0.0  # time.time() seconds when armed (the collective could start)
     lane: object = None  # the replica's device (interval listeners' lane), or None
     postpone: bool = False  # a step's deadline: restarted while no tf.function executes
+    builds: int = 0  # traced_builds when a step's deadline was armed
 
 
 class CollectiveWatchdog:
@@ -156,8 +157,8 @@ class CollectiveWatchdog:
             traced: True when armed from a traced step (a host callback).
             lane: the replica's device, handed to interval listeners (None: ``scope``).
             postpone: restart the deadline, instead of enforcing it, when it falls due
-                while no ``tf.function`` executes (the step is still being traced);
-                :meth:`step_deadline` sets it.
+                while no ``tf.function`` executes, or after a collective was traced since
+                it was armed (the call traces its step); :meth:`step_deadline` sets it.
 
         Raises:
             ValueError: ``seconds`` is not > 0.
@@ -177,6 +178,7 @@ class CollectiveWatchdog:
                 time.time(),
                 scope if lane is None else lane,
                 postpone,
+                self.traced_builds,
             )
             self.deadlines_started += 1
             if self._thread is None:
@@ -232,12 +234,15 @@ class CollectiveWatchdog:
         collective inside its graph.
 
         While the block runs, :func:`guard` builds the collectives traced in it without
-        their host callbacks (:attr:`covers_traces`). The deadline is restarted while no
-        ``tf.function`` executes (the call is tracing, which may take longer than a
-        collective may) and enforced while one does: a step that does not finish within
-        ``seconds`` of execution aborts the process's collectives like a collective's
-        deadline. No interval is reported to the interval listeners (the collectives of
-        such a step are not timed one by one).
+        their host callbacks (:attr:`covers_traces`). A call that traces its step (a
+        collective is built after the deadline is armed: the first call, a retrace) is not
+        held to it: tracing and the first run's graph optimisation may take longer than a
+        collective may, and eager ops run while tracing, so "a tf.function executes" does
+        not tell tracing apart. Any other call is: if it has not returned ``seconds``
+        after it started, while a ``tf.function`` executes, the process's collectives are
+        aborted as for a collective's deadline (restarted while none executes). No
+        interval is reported to the interval listeners (the collectives of such a step
+        are not timed one by one).
 
         Args:
             seconds: the time the step may execute, seconds; 0 or less: no deadline
@@ -273,8 +278,8 @@ class CollectiveWatchdog:
                 if wait > 0:
                     self._cond.wait(wait)
                     continue
-                if first.postpone and not self._executing():
-                    # The step is tracing (or between its functions): not a stall.
+                if first.postpone and (self.traced_builds != first.builds or not self._executing()):
+                    # The call traces its step (or is between its functions): not a stall.
                     self._deadlines[key] = dataclasses.replace(
                         first, due=time.monotonic() + first.seconds
                     )

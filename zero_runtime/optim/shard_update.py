@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from zero_runtime.lifecycle import host_function
 from zero_runtime.optim.device_state import DeviceOptimizerState
+from zero_runtime.optim.host_state import HostOptimizerState
 from zero_runtime.optim.replica_context import replica_id
 from zero_runtime.sharded_variable import ShardState
 
@@ -204,6 +205,16 @@ class ShardedUpdate:
 
     def _zero3_host_update(self, step, grad, wd, lr, *scalars, replica: int) -> np.int64:
         zs = self._zero
+        variables = self._zero3_variables
+        if (
+            zs.journals is None
+            and isinstance(zs.store, HostOptimizerState)
+            and all(v.tier == "host" for v in variables)
+        ):
+            self._zero3_host_update_in_place(variables, replica, grad, wd, lr, scalars)
+            if zs.runtime is not None:
+                zs.runtime.on_shard_updated(self, replica, int(step), 0.0)
+            return np.int64(step)
         self._zero_begin(replica, int(step))
         try:
             param = self._zero3_read(wd, lr, replica=replica, decay=True)
@@ -215,3 +226,47 @@ class ShardedUpdate:
         except BaseException:
             self._zero_rollback(replica)
             raise
+
+    def _zero3_host_update_in_place(
+        self, variables: list, replica: int, grad: np.ndarray, wd, lr, scalars
+    ) -> None:
+        """Host states, host-tier shards, no journal: update each variable's shard where
+        its pages are (``ShardedVariable.update_shard_in_place``), Keras's decoupled
+        weight decay first, then the optimizer's host step over its range of the states;
+        bitwise the same as reading, updating and writing the whole shard (element-wise
+        kernels), without the two copies.
+
+        Args:
+            variables: the ShardedVariables (the optimizer's order).
+            replica: the replica id.
+            grad: float32 ``[shard_size]``, the reduced gradient shards concatenated.
+            wd: the weight decay (float32 scalar, 0 without).
+            lr: the learning rate of the step (float32 scalar).
+            scalars: the subclass's ``_zero_scalars`` values.
+        """
+        store = self._zero.store
+        step_fn = functools.partial(self._zero_host_step, scalars=scalars)
+        wd, lr = np.float32(wd), np.float32(lr)
+        off = 0
+        for i, v in enumerate(variables):
+            end = off + v.shard_elements
+            decay = bool(self.weight_decay) and self._use_weight_decay(v)
+            last = i == len(variables) - 1
+
+            def update(param: np.ndarray, off=off, end=end, decay=decay, last=last) -> None:
+                if decay:  # Keras: v - v * wd * lr
+                    param[:] = param - param * wd * lr
+                store.update(
+                    replica,
+                    ((off, end),),
+                    param,
+                    grad[off:end],
+                    step_fn,
+                    offset=off,
+                    count=last,
+                )
+
+            if v.state(replica) is ShardState.GATHERED:  # a persistent copy goes stale
+                v.release(replica)
+            v.update_shard_in_place(replica, update)
+            off = end

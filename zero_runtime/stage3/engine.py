@@ -39,7 +39,6 @@ import psutil
 import tensorflow as tf
 
 from zero_runtime import comm
-from zero_runtime.comm.buckets import replica_barrier
 from zero_runtime.config import ZeroConfig
 from zero_runtime.lifecycle import (
     ClosePhase,
@@ -58,8 +57,9 @@ from zero_runtime.stage3.embedding import (
     row_paging_applies,
     row_paging_budget,
 )
-from zero_runtime.stage3.gather import Unit, UnitRunner, reduce_scatter_variables
+from zero_runtime.stage3.gather import UnitRunner, reduce_scatter_variables
 from zero_runtime.stage3.step_clock import OutsideStepClock
+from zero_runtime.stage3.units_path import UnitsPath
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +183,8 @@ class Stage3Engine:
             buffers (device tier).
         blocks: the :class:`Block` list (empty for a model run by units).
         runner: the :class:`UnitRunner` of a model run by units, else None.
+        units: the :class:`~zero_runtime.stage3.units_path.UnitsPath` of a model run by
+            units (shards its units, runs its passes), else None.
         plan: the :class:`BlockPlan`.
         recorded_order: the ``(phase, block)`` uses traced in the first step.
         device_peaks: the pool's device-tier peak bytes of every finished step.
@@ -223,6 +225,7 @@ class Stage3Engine:
         specs = units_mod.plan_units(model) if layers is None else None
         self.model = model
         self.runner: UnitRunner | None = None
+        self.units: UnitsPath | None = None
         self.tile_plans: dict[int, tiling.TilePlan] = {}  # id(kernel) -> its tiles
         # Frozen (non-trainable) weights are not sharded: replicated on every replica's
         # device like MirroredStrategy's, and counted on that tier (placement_rows).
@@ -270,19 +273,7 @@ class Stage3Engine:
             new_vars = []
             for v in list(layer.trainable_variables):
                 size = math.prod(v.shape)
-                sv = ShardedVariable(
-                    # A deferred variable (strategy.zero_init) is initialized here, on
-                    # the host, one at a time: construction.consume.
-                    np.asarray(construction.consume(v), np.float32),
-                    pool=self.pool,
-                    num_shards=self.num_shards,
-                    tier=self.tier,
-                    name=v.name,
-                    path=v.path,
-                    persistent=size < config.persistence_threshold,
-                    local_replicas=self.local_replicas,
-                    gather_remote=self._gather_remote if remote else None,
-                )
+                sv = self.shard_variable(v, remote, persistent=size < config.persistence_threshold)
                 _replace_variable(layer, v, sv)
                 new_vars.append(sv)
             elements = sum(math.prod(v.shape) for v in new_vars if not v.persistent)
@@ -306,7 +297,9 @@ class Stage3Engine:
             timeout_seconds=config.collective_timeout_seconds,
         )
         if specs is not None:
-            self.runner = self._shard_units(model, specs, remote)
+            self.units = UnitsPath(self, model, specs, remote, _replace_variable, _replica_id)
+            self.runner = self.units.runner
+            self.tile_plans = self.units.tile_plans
         self.recorded_order: list[tuple[str, int]] = []
         self._order_frozen = False
         self._lock = threading.Lock()
@@ -400,44 +393,23 @@ class Stage3Engine:
             nvme_budget_bytes=config.nvme_budget_bytes if self.tier == "nvme" else None,
         )
 
-    def _shard_units(self, model: keras.Model, specs, remote: bool) -> UnitRunner:
-        """Replace the units' originals by ShardedVariables (each once, also when two
-        units own it) and hook the units' calls (:class:`UnitRunner`)."""
-        sharded: dict[int, ShardedVariable] = {}
-        for spec in specs:
-            for v in spec.originals:
-                if id(v) in sharded:
-                    continue
-                sharded[id(v)] = ShardedVariable(
-                    np.asarray(construction.consume(v), np.float32),
-                    pool=self.pool,
-                    num_shards=self.num_shards,
-                    tier=self.tier,
-                    name=v.name,
-                    path=v.path,
-                    local_replicas=self.local_replicas,
-                    gather_remote=self._gather_remote if remote else None,
-                    # Device tier: each shard a variable on its replica's device, read
-                    # and updated in the step's graph (no host call; the pool reserves).
-                    devices=self.devices,
-                )
-                _replace_variable(model, v, sharded[id(v)])
-        # Memory-centric tiling (zero_runtime/stage3/tiling.py): a Dense/EinsumDense whose
-        # kernel exceeds the tile budget runs as column tiles.
-        tile_size = tiling.resolve_tile_size(self.config.tile_size, self.config.device_budget_bytes)
-        units = []
-        for s in specs:
-            variables = tuple(sharded[id(v)] for v in s.originals)
-            plan = tiling.plan_tiles(s.layer, variables, tile_size)
-            call = s.layer.__dict__.get("call") or type(s.layer).call.__get__(s.layer)
-            tiles = None if plan is None else tiling.TiledCall(plan)
-            units.append(Unit(s.index, s.layer, variables, call, tiles))
-        self.tile_plans = {id(u.tiles.plan.kernel): u.tiles.plan for u in units if u.tiles}
-        units = tuple(units)
-        runner = UnitRunner(units, self.group, self.num_shards, _replica_id)
-        # The model's own call, taken after the hooks (a model owning weights is a unit).
-        self._own_call = model.__dict__.get("call") or type(model).call.__get__(model)
-        return runner
+    def shard_variable(self, v, remote: bool, **kwargs) -> ShardedVariable:
+        """A :class:`ShardedVariable` of Keras variable ``v`` in this engine's pool (on
+        its ``offload_param`` tier, over its replicas; ``remote``: other workers hold
+        some replicas' shards). A deferred variable (``strategy.zero_init``) is
+        initialized here, on the host, one at a time (``construction.consume``).
+        ``kwargs``: more ShardedVariable arguments (``persistent``, ``devices``)."""
+        return ShardedVariable(
+            np.asarray(construction.consume(v), np.float32),
+            pool=self.pool,
+            num_shards=self.num_shards,
+            tier=self.tier,
+            name=v.name,
+            path=v.path,
+            local_replicas=self.local_replicas,
+            gather_remote=self._gather_remote if remote else None,
+            **kwargs,
+        )
 
     def _gather_remote(self, local: dict[int, np.ndarray]) -> np.ndarray:
         """Every replica's shard of one variable, from every worker (outside a step)."""
@@ -486,7 +458,8 @@ class Stage3Engine:
             RuntimeError: outside replica context or with a non-static replica id.
         """
         if self.runner is not None:
-            return self._units_forward_backward(x, loss_fn, training)
+            self.update_in_backward = False
+            return self.units.forward_backward(x, loss_fn, training)
         replica = _replica_id()
         self.update_in_backward = update is not None
         anchor = tf.zeros([], tf.float32)
@@ -511,46 +484,10 @@ class Stage3Engine:
                     grads[id(v)] = tf.identity(g)
         return y_pred, loss, grads
 
-    def _units_forward_backward(self, x, loss_fn, training: bool):
-        """:meth:`forward_backward` of a model run by units: the model's own call, every
-        unit use gathered and reduce-scattered by the :class:`UnitRunner`; the update
-        comes after the whole backward (a tied weight's later use may still read it)."""
-        self.update_in_backward = False
-        replica, anchors = self.runner.begin(tf.nest.flatten(x)[0], backward=True)
-        try:
-            with tf.GradientTape() as tape:
-                tape.watch(anchors)
-                y_pred = self.model(x, training=training)
-                loss = loss_fn(y_pred)
-            shards = tape.gradient(
-                loss, anchors, unconnected_gradients=tf.UnconnectedGradients.ZERO
-            )
-            # Every replica's forward and backward traced before any replica's update:
-            # the units' collectives are raw (no merge_call), and without this barrier
-            # replica 0's update host calls were traced before replica 1's loss, whose
-            # Assert (an unknown batch dimension) automatic control dependencies then
-            # chained after them: a deadlock (docs/zero_stages.md, "Dimensions unknown").
-            replica_barrier()
-        finally:
-            self.runner.end(replica)
-        return y_pred, loss, {id(v): g for v, g in zip(self.runner.variables, shards)}
-
-    def _model_call(self, x, training: bool):
-        """The model's own call (its units hooked), with ``training`` if it takes it."""
-        own = self._own_call
-        kwargs = {"training": training} if self.model._call_has_training_arg else {}  # noqa: SLF001
-        return own(x, **kwargs)
-
     def forward(self, x, training: bool = False):
         """Forward only, block by block on this replica (gather, run, release)."""
         if self.runner is not None:
-            if self.runner.in_step():  # inside _units_forward_backward
-                return self._model_call(x, training)
-            replica, _ = self.runner.begin(tf.nest.flatten(x)[0], backward=False)
-            try:
-                return self._model_call(x, training)
-            finally:
-                self.runner.end(replica)
+            return self.units.forward(x, training)
         replica = _replica_id()
         h = x
         for block in self.blocks:

@@ -393,9 +393,14 @@ def _device_shards(variables: tuple, replica: int) -> tf.Tensor | None:
 
 
 def _read_shards(variables: tuple, replica: int, *_) -> np.ndarray:
-    """Host side of a gather: the replica's shards of ``variables``, concatenated."""
-    parts = [v.read_shard(replica) for v in variables]
-    return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+    """Host side of a gather: the replica's shards of ``variables``, concatenated (each
+    copied once, into its slice of the result)."""
+    out = np.empty(sum(v.shard_elements for v in variables), np.float32)
+    off = 0
+    for v in variables:
+        v.read_shard_into(replica, out[off : off + v.shard_elements])
+        off += v.shard_elements
+    return out
 
 
 def reduce_scatter_variables(variables, grads: list, group, raw: bool = False) -> tf.Tensor:

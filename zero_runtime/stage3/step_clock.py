@@ -19,9 +19,12 @@ the graph: :meth:`OutsideStepClock.wrap` wraps the trainer's ``train_function`` 
   also ``steps_per_execution > 1``) is reported for every local replica, in order, as the
   in-graph callbacks would have: ``on_shard_updated`` then ``end_step``.
 
-A custom loop (``strategy.run(model.train_step)`` in the user's ``tf.function``) has no
-such wrapper: its step keeps the in-graph callbacks. Host and NVMe tiers keep them too
-(their shards are read and written by host calls anyway).
+With shards on the host or NVMe (or gradient accumulation) the step keeps its runtime
+clock and pool boundary in the graph (its shards are read and written by host calls
+anyway), but the wrapper still replaces the watchdog's per-collective callbacks by the
+call's one deadline. A custom loop (``strategy.run(model.train_step)`` in the user's
+``tf.function``) has no wrapper: its step keeps every in-graph callback. The block path
+(chains) is not wrapped.
 """
 
 from __future__ import annotations
@@ -97,19 +100,19 @@ class OutsideStepClock:
 
         @functools.wraps(train_function)
         def stepped(*args, **kwargs):
-            if not self.eligible:  # host or NVMe tiers: the in-graph callbacks
+            if self.engine.runner is None:  # the block path: its in-graph callbacks
                 return train_function(*args, **kwargs)
             opt = trainer.optimizer
-            before = int(opt.iterations.numpy()) if opt.built else None
+            before = int(opt.iterations.numpy()) if opt.built and self.eligible else None
             seconds = self.engine.config.collective_timeout_seconds
             seconds *= max(1, int(getattr(trainer, "steps_per_execution", 1) or 1))
             self.active += 1
             try:
-                with WATCHDOG.step_deadline(seconds, f"stage-3 step of {trainer.name!r}"):
+                with WATCHDOG.step_deadline(seconds, f"of a stage-3 step of {trainer.name!r}"):
                     logs = train_function(*args, **kwargs)
             finally:
                 self.active -= 1
-            if self.traced_outside:
+            if self.traced_outside:  # device tier: the step's boundary, from here
                 start = 0 if before is None else before
                 self.steps_ended(opt, range(start, int(opt.iterations.numpy())))
             return logs

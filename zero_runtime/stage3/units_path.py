@@ -1,0 +1,110 @@
+"""The units path of a stage-3 engine: shard a model's units and run its steps.
+
+A model that is not a chain (a DAG, nested or subclassed, tied weights,
+BatchNormalization) runs by units (:mod:`zero_runtime.stage3.units` plans them,
+:mod:`zero_runtime.stage3.gather` hooks their calls). :class:`UnitsPath` is the part of
+:class:`~zero_runtime.stage3.engine.Stage3Engine` that does it: it replaces the units'
+originals by ShardedVariables, hooks the units, and runs the traced forward/backward
+and forward-only passes through the model's own call.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from zero_runtime.comm.buckets import replica_barrier
+from zero_runtime.sharded_variable import ShardedVariable
+from zero_runtime.stage3 import tiling
+from zero_runtime.stage3.gather import Unit, UnitRunner
+
+
+class UnitsPath:
+    """Shards ``model``'s units and runs its stage-3 passes.
+
+    Args:
+        engine: the :class:`~zero_runtime.stage3.engine.Stage3Engine` (its
+            ``shard_variable``, devices, replicas, collective group).
+        model: the built Keras model (its units' trainable weights are replaced in place).
+        specs: the :class:`~zero_runtime.stage3.units.UnitSpec` plan of ``model``.
+        remote: True when other workers hold some replicas' shards.
+        replace: ``(model, old, new)``, points every reference to a Keras variable at
+            its ShardedVariable (the engine's ``_replace_variable``).
+        replica_id: ``() -> int``, the static replica id of the current replica context.
+
+    Attributes:
+        runner: the :class:`~zero_runtime.stage3.gather.UnitRunner` (the hooks).
+        tile_plans: ``{id(kernel): TilePlan}`` of the units that run as tiles
+            (:mod:`zero_runtime.stage3.tiling`).
+    """
+
+    def __init__(self, engine, model: keras.Model, specs, remote: bool, replace, replica_id):
+        self.model = model
+        sharded: dict[int, ShardedVariable] = {}
+        for spec in specs:
+            for v in spec.originals:
+                if id(v) in sharded:  # owned by two units: sharded once
+                    continue
+                # Device tier: each shard a variable on its replica's device, read and
+                # updated in the step's graph (no host call; the pool reserves its pages).
+                sharded[id(v)] = engine.shard_variable(v, remote, devices=engine.devices)
+                replace(model, v, sharded[id(v)])
+        # Memory-centric tiling (zero_runtime/stage3/tiling.py): a Dense/EinsumDense whose
+        # kernel exceeds the tile budget runs as column tiles.
+        config = engine.config
+        tile_size = tiling.resolve_tile_size(config.tile_size, config.device_budget_bytes)
+        units = []
+        for s in specs:
+            variables = tuple(sharded[id(v)] for v in s.originals)
+            plan = tiling.plan_tiles(s.layer, variables, tile_size)
+            call = s.layer.__dict__.get("call") or type(s.layer).call.__get__(s.layer)
+            tiles = None if plan is None else tiling.TiledCall(plan)
+            units.append(Unit(s.index, s.layer, variables, call, tiles))
+        self.tile_plans = {id(u.tiles.plan.kernel): u.tiles.plan for u in units if u.tiles}
+        self.runner = UnitRunner(tuple(units), engine.group, engine.num_shards, replica_id)
+        # The model's own call, taken after the hooks (a model owning weights is a unit).
+        self._own_call = model.__dict__.get("call") or type(model).call.__get__(model)
+
+    def forward_backward(self, x, loss_fn, training: bool):
+        """The traced forward and backward on this replica: the model's own call, every
+        unit use gathered and reduce-scattered by the runner; the update comes after the
+        whole backward (a tied weight's later use may still read it).
+
+        Returns:
+            ``(y_pred, loss, grads)``, ``grads`` ``{id(variable): float32
+            [shard_elements]}``, the replica's reduced gradient shard of every original.
+        """
+        replica, anchors = self.runner.begin(tf.nest.flatten(x)[0], backward=True)
+        try:
+            with tf.GradientTape() as tape:
+                tape.watch(anchors)
+                y_pred = self.model(x, training=training)
+                loss = loss_fn(y_pred)
+            shards = tape.gradient(
+                loss, anchors, unconnected_gradients=tf.UnconnectedGradients.ZERO
+            )
+            # Every replica's forward and backward traced before any replica's update:
+            # the units' collectives are raw (no merge_call), and without this barrier
+            # replica 0's update host calls were traced before replica 1's loss, whose
+            # Assert (an unknown batch dimension) automatic control dependencies then
+            # chained after them: a deadlock (docs/zero_stages.md, "Dimensions unknown").
+            replica_barrier()
+        finally:
+            self.runner.end(replica)
+        return y_pred, loss, {id(v): g for v, g in zip(self.runner.variables, shards)}
+
+    def forward(self, x, training: bool):
+        """Forward only on this replica (evaluate, predict; or the model's call inside
+        :meth:`forward_backward`): the model's own call, its units gathered per use."""
+        if self.runner.in_step():  # inside forward_backward
+            return self._model_call(x, training)
+        replica, _ = self.runner.begin(tf.nest.flatten(x)[0], backward=False)
+        try:
+            return self._model_call(x, training)
+        finally:
+            self.runner.end(replica)
+
+    def _model_call(self, x, training: bool):
+        """The model's own call (its units hooked), with ``training`` if it takes it."""
+        kwargs = {"training": training} if self.model._call_has_training_arg else {}  # noqa: SLF001
+        return self._own_call(x, **kwargs)
