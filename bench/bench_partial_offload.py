@@ -12,9 +12,17 @@ updating both parts at once comes only from TensorFlow's inter-op parallelism (2
 here); on a GPU the device part runs on the accelerator while the host part runs on the
 CPU (ZeRO-Offload++).
 
-Writes ``bench/results/partial_offload.json``.
+Each configuration's figures: median wall seconds per step and median process CPU
+seconds per step (all threads; less sensitive to other processes' load), and the position
+``(partial - none) / (cpu - none)`` of each partial run (0..1: between).
 
-Usage: ``.venv/bin/python bench/bench_partial_offload.py [--rounds R] [--steps N]``
+Writes ``bench/results/partial_offload.json`` (default model, ~2.1M parameters); the
+committed ``bench/results/partial_offload_wide.json`` is
+``--width 2048 --batch 16 --rounds 8 --steps 6 --out bench/results/partial_offload_wide.json``
+(10.6M parameters: the optimizer step a visible share of the step).
+
+Usage: ``.venv/bin/python bench/bench_partial_offload.py [--rounds R] [--steps N]
+[--batch B] [--width W] [--out PATH] [--note TEXT]``
 """
 
 from __future__ import annotations
@@ -81,6 +89,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--width", type=int, default=768, help="hidden width of the bench model")
     ap.add_argument("--out", type=Path, default=RESULTS, help="the results file")
+    ap.add_argument("--note", default="", help="added to the results file's note")
     args = ap.parse_args()
     load_before = os.getloadavg()
     ds = base._data(args.steps, args.batch)
@@ -119,8 +128,9 @@ def main() -> None:
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
         "note": (
             "configurations measured interleaved in one process; a load average above ~1 "
-            "means other processes shared the 2 cores during the run"
-        ),
+            "means other processes shared the 2 cores during the run. " + args.note
+        ).strip(),
+        "width": args.width,
         "model_params": base.build_model(args.width).count_params(),
         "global_batch": args.batch,
         "ratios": list(RATIOS),
