@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from zero_runtime.optim import kernels
 from zero_runtime.optim.device_state import DeviceOptimizerState
 from zero_runtime.optim.host_state import HostOptimizerState, _checked_shard
 from zero_runtime.optim.layout import FlatLayout
@@ -55,11 +56,11 @@ class ShardSlice:
     num_shards: int
 
 
-#: The device part's length is a multiple of this many float32 elements (64 bytes, the
-#: alignment of TensorFlow's CPU allocations, ``EIGEN_MAX_ALIGN_BYTES``): TensorFlow's
+#: The device part's length is a multiple of this many float32 elements (64 bytes,
+#: ``kernels.ALIGN_BYTES``, the alignment of TensorFlow's CPU allocations): TensorFlow's
 #: ``StridedSlice`` of an aligned prefix of a 1-D tensor shares its buffer
 #: (``IsDim0SliceAligned`` in ``tensorflow/core/kernels/ops_util.h``); any other cut copies.
-ALIGN_ELEMENTS = 16
+ALIGN_ELEMENTS = kernels.ALIGN_BYTES // 4
 
 
 def device_elements(shard_size: int, ratio: float) -> int:
