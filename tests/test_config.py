@@ -53,7 +53,7 @@ EXPECTED_DEFAULTS = {
     "embedding_row_paging_threshold": 10_000_000,  # issue #6 item 3 (row-paged tables)
     "offload_optimizer_ratio": 1.0,  # issue #21 item 4 (partial offload, Twin-Flow)
     "headroom_fraction": 0.1,  # issue #21 item 3 (device_budget_bytes="auto")
-    "tile_size": None,  # issue #17 item 1 (memory-centric tiling; None: from the budget)
+    "tile_size": None,  # issue #17 item 1 (memory-centric tiling; None: off, 'auto')
 }
 
 

@@ -5,7 +5,8 @@ A ``Dense``/``EinsumDense``/``Embedding`` unit whose kernel (table) exceeds
 forward and backward (ZeRO-Infinity, SC21, section 5.1.3). Shown here:
 
 - the plan: which layers tile, along which axis, in how many tiles; what stays untiled;
-  ``tile_size`` None derives the budget from ``device_budget_bytes``, 0 never tiles;
+  ``tile_size`` None (the default) never tiles, ``'auto'`` derives the budget from
+  ``device_budget_bytes``;
 - exactness: tiled layers fed by the model's inputs (an ``Embedding`` among them) give
   bitwise the untiled model's predictions and, after two SGD steps through compile/fit,
   bitwise its weights (so the gradients are equal; with these small widths the bias
@@ -105,14 +106,14 @@ def test_which_layers_tile_and_how():
 
 
 def test_tile_size_from_the_device_budget():
-    assert tiling.resolve_tile_size(None, None) is None  # no budget: no tiling
-    assert tiling.resolve_tile_size(None, "auto") is None
-    assert tiling.resolve_tile_size(None, 256 * 2**20) == 2 * 2**20  # 8 MiB tiles
-    assert tiling.resolve_tile_size(0, 256 * 2**20) is None  # never
+    assert tiling.resolve_tile_size(None, 256 * 2**20) is None  # the default: off
+    assert tiling.resolve_tile_size("auto", None) is None  # no budget: no tiling
+    assert tiling.resolve_tile_size("auto", "auto") is None
+    assert tiling.resolve_tile_size("auto", 256 * 2**20) == 2 * 2**20  # 8 MiB tiles
     assert tiling.resolve_tile_size(5000, None) == 5000
-    assert zero_runtime.ZeroConfig(tile_size=0).tile_size == 0
-    with pytest.raises(ValueError, match="tile_size=-1 is invalid"):
-        zero_runtime.ZeroConfig(tile_size=-1)
+    assert zero_runtime.ZeroConfig(tile_size="auto").tile_size == "auto"
+    with pytest.raises(ValueError, match="tile_size=0 is invalid"):
+        zero_runtime.ZeroConfig(tile_size=0)
 
 
 def _fed_by_input() -> keras.Model:
@@ -167,7 +168,7 @@ def test_tiled_layers_equal_the_untiled_bitwise(offload_param, cpu_devices):
     the untiled model's, shards on the host or the device; the placement table names
     the tiles."""
     out = {}
-    for tile_size in (0, 100):
+    for tile_size in (None, 100):
         config = {**CONFIG, "offload_param": offload_param, "tile_size": tile_size}
         strategy = zero_runtime.ZeroInfinityStrategy(config)
         try:
@@ -178,7 +179,7 @@ def test_tiled_layers_equal_the_untiled_bitwise(offload_param, cpu_devices):
             out[tile_size] = (pred, model.get_weights(), rows)
         finally:
             strategy.close()
-    (pred0, w0, rows0), (pred1, w1, rows1) = out[0], out[100]
+    (pred0, w0, rows0), (pred1, w1, rows1) = out[None], out[100]
     assert "tiled" not in " ".join(rows0.values())
     assert "tiled: 5 tiles along axis 1" in rows1["wide/kernel"]
     assert "(wide/kernel[:, 0:8] .. wide/kernel[:, 32:40])" in rows1["wide/kernel"]

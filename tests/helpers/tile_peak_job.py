@@ -3,14 +3,14 @@ fresh process, for tests/test_stage3_tiling.py (the device-peak test)::
 
     python tests/helpers/tile_peak_job.py OUT.json TILE_SIZE
 
-``TILE_SIZE`` elements (0: untiled). The model (:func:`build`, a DAG, so it runs by
-units): ``x (B, T, D_IN) -> wide Dense D_IN -> D_OUT -> head Dense -> + skip(x)``; the
-wide kernel is 8 MiB. Trains one step (tracing), resets the BFC allocator's peak, trains
-one more, then predicts, and writes ``{"peak": the training step's bytes above the in-use
-bytes before it, "predict_peak": the same for predict, "output_sum", "kernel_elements",
-"tile_elements": the widest tile's kernel elements (0 untiled), "tiles": count,
-"loss": the second step's loss}``. The runtime's in-step peak reset is disabled
-(bench/bench_max_model.py explains why).
+``TILE_SIZE`` elements (0: untiled, ``tile_size`` None). The model (:func:`build`, a
+DAG, so it runs by units): ``x (B, T, D_IN) -> wide Dense D_IN -> D_OUT -> head Dense
+-> + skip(x)``; the wide kernel is 8 MiB. Trains one step (tracing), resets the BFC
+allocator's peak, trains one more, then predicts, and writes ``{"peak": the training
+step's bytes above the in-use bytes before it, "predict_peak": the same for predict,
+"output_sum", "kernel_elements", "tile_elements": the widest tile's kernel elements (0
+untiled), "tiles": count, "loss": the second step's loss}``. The runtime's in-step peak
+reset is disabled (bench/bench_max_model.py explains why).
 """
 
 # isort: skip_file  (the environment must be set before TensorFlow is imported)
@@ -55,7 +55,7 @@ def main(out_path: str, tile_size: int) -> None:
             "offload_param": "cpu",
             "offload_optimizer": "cpu",
             "page_size_bytes": 65536,
-            "tile_size": tile_size,
+            "tile_size": tile_size or None,
         }
     )
     with strategy.scope():

@@ -109,7 +109,7 @@ SPECS: Mapping[str, KeySpec] = MappingProxyType(
         "embedding_row_paging_threshold": KeySpec("int", "elements", 1, COUNT_MAX),
         "offload_optimizer_ratio": KeySpec("float", "", 0.0, 1.0),
         "headroom_fraction": KeySpec("float", "", 0.0, 0.9),
-        "tile_size": KeySpec("int", "elements", 0, COUNT_MAX, nullable=True),
+        "tile_size": KeySpec("int", "elements", 1, COUNT_MAX, nullable=True, auto=True),
     }
 )
 

@@ -98,15 +98,17 @@ class ZeroConfig:
             device's real capacity the runtime keeps free below its measured in-step
             peak, float in (0, 0.9]. Default 0.1. Ignored otherwise.
         tile_size: memory-centric tiling at stage 3 (ZeRO-Infinity, SC21, section 5.1.3):
-            a ``Dense``/``EinsumDense`` unit whose kernel has more than this many elements
-            runs as column tiles of at most this many kernel elements each, gathered,
-            computed and released one at a time, forward and backward
-            (zero_runtime/stage3/tiling.py), elements, int >= 0, or None. Default None:
-            chosen by the runtime from an int ``device_budget_bytes`` (a tile's working
-            set, about 8 float32 copies of the tile, in a quarter of the budget:
-            ``device_budget_bytes // 128``); no tiling without a device budget. 0 = never
-            tile. DeepSpeed has no config key for it: its ``TiledLinear(in_splits,
-            out_splits)`` replaces a module by hand.
+            a ``Dense``/``EinsumDense``/``Embedding`` unit whose kernel has more than this
+            many elements runs as column tiles of at most this many kernel elements each,
+            gathered, computed and released one at a time, forward and backward
+            (zero_runtime/stage3/tiling.py), elements, int >= 1, None or ``'auto'``.
+            Default None: no tiling (measured: on the units path a training step's peak
+            is the gradient shards it holds, and tiling the GPT family raised it; see
+            docs/zero_stages.md). ``'auto'``: from an int ``device_budget_bytes`` (a tile's
+            working set, about 8 float32 copies of the tile, in a quarter of the budget:
+            ``device_budget_bytes // 128``; no tiling without one). DeepSpeed has no config
+            key for it: its ``TiledLinear(in_splits, out_splits)`` replaces a module by
+            hand.
 
     Raises:
         ZeroConfigError: on construction, for a value of the wrong type (bool is never an

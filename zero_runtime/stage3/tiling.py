@@ -85,28 +85,28 @@ ELEMENTWISE_ACTIVATIONS = frozenset(
 #: The layer types that tile (exactly these: a subclass's call may do more).
 _TILED = (keras.layers.Dense, keras.layers.EinsumDense, keras.layers.Embedding)
 
-#: ``tile_size`` derived from ``device_budget_bytes`` when it is None: a tile's working
+#: ``tile_size`` derived from ``device_budget_bytes`` when it is ``'auto'``: a tile's working
 #: set is about 8 float32 copies of the tile (backward: the gathered slice, the
 #: all-gather output, the view, ``dW_j``, the reduce-scatter's padded input and its
 #: output), given a quarter of the budget: ``budget / 4 / (8 * 4 bytes)`` elements.
 BUDGET_BYTES_PER_TILE_ELEMENT = 128
 
 
-def resolve_tile_size(tile_size: int | None, device_budget_bytes) -> int | None:
+def resolve_tile_size(tile_size: int | str | None, device_budget_bytes) -> int | None:
     """The tile budget in elements, or None (no tiling).
 
     Args:
-        tile_size: the ``tile_size`` ZeroConfig key: elements, 0 (never tile) or None
-            (derive from the budget).
-        device_budget_bytes: the ``device_budget_bytes`` key (bytes, None or 'auto'
+        tile_size: the ``tile_size`` ZeroConfig key: elements (>= 1), None (no tiling) or
+            ``'auto'`` (derive from the budget).
+        device_budget_bytes: the ``device_budget_bytes`` key (bytes, None, or 'auto'
             resolved by the strategy to an int).
 
     Returns:
-        ``tile_size`` when it is >= 1; None for 0, or for None without an int budget;
-        else ``device_budget_bytes // BUDGET_BYTES_PER_TILE_ELEMENT`` (at least 1).
+        ``tile_size`` when it is an int; None for None, or for ``'auto'`` without an int
+        budget; else ``device_budget_bytes // BUDGET_BYTES_PER_TILE_ELEMENT`` (>= 1).
     """
-    if tile_size is not None:
-        return tile_size or None
+    if tile_size != "auto":
+        return tile_size
     if isinstance(device_budget_bytes, int) and not isinstance(device_budget_bytes, bool):
         return max(1, device_budget_bytes // BUDGET_BYTES_PER_TILE_ELEMENT)
     return None
