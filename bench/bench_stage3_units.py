@@ -19,7 +19,8 @@ figure is its median step (the first step of each fit dropped); ratios are over 
 model's Mirrored median. Writes ``bench/results/stage3_units.json`` with the load average
 before and after.
 
-Usage: ``.venv/bin/python bench/bench_stage3_units.py [--rounds R] [--steps N] [--batch B]``
+Usage: ``.venv/bin/python bench/bench_stage3_units.py [--rounds R] [--steps N] [--batch B]
+[--note TEXT]``
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=5, help="steps per configuration per round")
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--note", default="", help="context recorded in the results (e.g. load)")
     args = ap.parse_args()
     load_before = os.getloadavg()
     ds = bst._data(args.steps, args.batch)  # noqa: SLF001
@@ -118,6 +120,7 @@ def main() -> None:
             "configurations measured interleaved in one process; a load average above "
             "~1 means other processes shared the 2 cores during the run"
         ),
+        "context": args.note,
         "replicas": len(bst.DEVICES.devices),
         "model_params": {m: b().count_params() for m, b in MODELS.items()},
         "stage3_path": paths,
