@@ -40,12 +40,14 @@ def _data():
     return x, rng.randint(0, 5, (STEPS * BATCH,)).astype("int32")
 
 
-def _trained(config: dict):
+def _trained(config: dict, steps_per_execution: int = 1):
     strategy = zero_runtime.ZeroInfinityStrategy(config)
     with strategy.scope():
         model = _residual()
         model.compile(
-            optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+            optimizer="adam",
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            steps_per_execution=steps_per_execution,
         )
     x, y = _data()
     model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
@@ -134,5 +136,22 @@ def test_device_tier_steps_are_recorded_and_the_pool_accounts_the_shards(cpu_dev
             np.concatenate([v.read_shard(r) for r in range(v.num_shards)]),
             np.concatenate([v.device_shard(r).numpy() for r in range(v.num_shards)]),
         )
+    finally:
+        strategy.close()
+
+
+@pytest.mark.slow
+def test_several_steps_per_call_and_train_on_batch_are_each_recorded(cpu_devices):
+    """``steps_per_execution=2``: 3 batches run in 2 calls (2 + 1 steps); each optimizer
+    step is reported after its call, then one more by ``train_on_batch``."""
+    strategy, model = _trained(DEVICE, steps_per_execution=2)
+    try:
+        engine = strategy.runtime.accounting.stage3_engines[-1]
+        assert engine.clock.traced_outside
+        assert [s.step for s in strategy.runtime.recorder.last(10)] == list(range(STEPS))
+        x, y = _data()
+        model.train_on_batch(x[:BATCH], y[:BATCH])
+        assert [s.step for s in strategy.runtime.recorder.last(10)] == list(range(STEPS + 1))
+        assert engine.last_step.step == STEPS
     finally:
         strategy.close()
