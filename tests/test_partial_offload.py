@@ -157,7 +157,8 @@ def test_split_store_write_then_read_is_exact(cpu_devices):
 
 def test_host_part_runs_on_a_worker_while_the_caller_goes_on(cpu_devices):
     """start_update returns before the host part ends (the device part can run); finish
-    waits for it and returns its value; its error surfaces at finish; closed: refused."""
+    waits for it and returns its value; its error surfaces at finish; inline runs it in
+    the caller's thread; closed: refused."""
     import threading
 
     from zero_runtime.optim.layout import FlatLayout
@@ -186,6 +187,12 @@ def test_host_part_runs_on_a_worker_while_the_caller_goes_on(cpu_devices):
     store.start_update(0, failing)
     with pytest.raises(ValueError, match="host kernel failed"):
         store.finish_update(0)
+    # inline (CPU devices): runs in the caller's thread, its error raised at once
+    store.start_update(0, host_part, np.float32(4), inline=True)
+    assert ran_on[-1] == threading.current_thread().name
+    assert store.finish_update(0) == 8.0
+    with pytest.raises(ValueError, match="host kernel failed"):
+        store.start_update(0, failing, inline=True)
     store.close()
     with pytest.raises(RuntimeError, match="store is closed"):
         store.start_update(0, failing)

@@ -481,7 +481,7 @@ class FlatShardUpdate:
             _, seconds = fn(step, grad[cut:], param[cut:], *args, out=full[cut:])
             return full, seconds
 
-        store.start_update(replica, job)
+        store.start_update(replica, job, inline=True)  # CPU device: no overlap (split_state)
         return np.int64(step)
 
     def _zero_split_finish(

@@ -16,18 +16,22 @@ the host kernels (:class:`~.host_state.HostOptimizerState`). The cut is rounded 
 multiple of :data:`ALIGN_ELEMENTS`, so that TensorFlow's slice of the device part is a view
 of the shard, not a copy, and the host part's slice copies only the host fraction.
 
-The two updates run at the same time. A host call that did the host update itself would
-hold one of TensorFlow's inter-op threads for its whole duration (a ``tf.numpy_function``
-runs synchronously on the executor thread); with one such call per replica and as many
-inter-op threads as cores, the device part waited until the host part was done (measured
-on the 2-core development machine, bench/bench_partial_offload.py). The update is
-therefore two host calls: :meth:`SplitOptimizerState.start_update` hands the host part to
-the replica's worker thread and returns at once, the device part runs, and
-:meth:`SplitOptimizerState.finish_update`, which depends on the device part, waits for
-the worker and returns the host part's new parameters. The stage 1-2 update
-(:mod:`.flat_update`) concatenates the two parts before the all-gather. Both follow
-Keras's operation order, so the result is the same as with either tier alone
-(``tests/test_partial_offload.py``).
+On an accelerator the two updates run at the same time. A host call that did the host
+update itself would hold one of TensorFlow's inter-op threads for its whole duration (a
+``tf.numpy_function`` runs synchronously on the executor thread); with one such call per
+replica and as many inter-op threads as cores, the device part waited until the host part
+was done (TF profiler trace on the 2-core development machine). The update is therefore
+two host calls: :meth:`SplitOptimizerState.start_update` hands the host part to the
+replica's worker thread and returns at once, the device part runs, and
+:meth:`SplitOptimizerState.finish_update`, which depends on the device part, waits for the
+worker and returns the host part's new parameters. On a CPU device both parts would share
+the same cores, and overlapping them measured slower than running them one after the
+other (side by side in one process, interleaved, load 6 on 2 cores: 46.0 vs 42.2 ms per
+step on bench/bench_partial_offload.py's 2.1M-parameter model, 202 vs 178 ms on its
+10.6M-parameter variant), so there the start call runs the host part itself, before the
+device part. The stage 1-2 update (:mod:`.flat_update`) joins the two parts before the
+all-gather. Both follow Keras's operation order, so the result is the same as with either
+tier alone (``tests/test_partial_offload.py``).
 """
 
 from __future__ import annotations
@@ -129,9 +133,13 @@ class SplitOptimizerState:
         :meth:`DeviceOptimizerState.slots`."""
         return self._on_cpu[replica % len(self._on_cpu)] if self._on_cpu else True
 
-    def start_update(self, replica: int, fn: Callable[..., Any], *args: Any) -> None:
+    def start_update(
+        self, replica: int, fn: Callable[..., Any], *args: Any, inline: bool = False
+    ) -> None:
         """Run ``fn(*args)`` (the host part's update, :meth:`update` inside) on a worker
-        thread and return at once; :meth:`finish_update` collects the result.
+        thread and return at once; :meth:`finish_update` collects the result. With
+        ``inline``, run it here, now (its error raised here), and keep the result for
+        :meth:`finish_update`.
 
         A replica has at most one update in flight: a step whose finish never ran (its
         device part failed) is waited for here first, its outcome dropped, so two updates
@@ -140,17 +148,22 @@ class SplitOptimizerState:
 
         Raises:
             RuntimeError: the store is closed.
+            Exception: with ``inline``, whatever ``fn`` raised.
         """
         with self._pending_lock:
             if self._workers == 0:
                 raise RuntimeError("the split optimizer-state store is closed")
-            if self._pool is None:
+            if self._pool is None and not inline:
                 self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="zero-twin")
             stale = self._pending.pop(replica, None)
             pool = self._pool
         if stale is not None:
             stale.exception()  # wait; a failed step's error was (or will never be) raised
-        future = pool.submit(fn, *args)
+        if inline:
+            future: Future = Future()
+            future.set_result(fn(*args))
+        else:
+            future = pool.submit(fn, *args)
         with self._pending_lock:
             self._pending[replica] = future
 
