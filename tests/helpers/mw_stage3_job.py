@@ -44,6 +44,8 @@ CONFIGS: dict[str, dict] = {
     "s3_all_device": {"stage": 3, "offload_param": "none", "offload_optimizer": "none"},
     # the GPT nested in a functional DAG (a residual logit branch): run by units
     "s3_units": {"stage": 3, "offload_param": "cpu", "offload_optimizer": "cpu"},
+    # the same on the device tier: shard variables, no host call in the step
+    "s3_units_device": {"stage": 3, "offload_param": "none", "offload_optimizer": "none"},
     # accumulation on gradient shards (zero_runtime/stage3/accumulation.py), host states
     "s3_accum": {
         "stage": 3,
@@ -283,7 +285,7 @@ def run(name: str, out: str, replicas: int, timeout: float) -> dict:
     if name == "s3_embedding":
         record = embedding_record(strategy)
     elif config["stage"] == 3:
-        record = stage3_record(strategy, dag=name == "s3_units")
+        record = stage3_record(strategy, dag=name.startswith("s3_units"))
     elif logdir is not None:
         record = tuning_record(strategy, logdir)
     else:
