@@ -82,7 +82,8 @@ class ZeroConfig:
             (fallback disabled).
         collective_timeout_seconds: a collective that does not finish within this many
             seconds fails, float > 0 (finite). Default 60.0. Ints are accepted and stored
-            as float.
+            as float. A stage-3 model run by units under ``fit`` has one deadline per
+            train-function call instead (zero_runtime/stage3/step_clock.py).
         embedding_row_paging_threshold: at stage 3, a ``keras.layers.Embedding`` whose
             table has at least this many elements is row-paged (only the rows a step looks
             up move; hot rows stay on the device tier, cold ones on the offload tier; lazy
