@@ -378,11 +378,12 @@ class FlatShardUpdate:
     ) -> tf.Tensor:
         """Partial offload (Twin-Flow, :mod:`.split_state`): the new parameter shard,
         float32 ``[shard_size]``, from the device update of elements ``[0, device_size)``
-        and the host update of the rest, which run at the same time (the host part on the
-        store's worker thread, between a start and a finish host call; the finish waits
-        for the device part, so neither holds a TensorFlow thread while the other runs).
-        AdamW's decay is applied to the whole shard first, in
-        TensorFlow (Keras's ``v - v * wd * lr``), so a failed step leaves the weights as
+        and the host update of the rest, between a start and a finish host call (the
+        finish after the device part). On an accelerator the two run at the same time (the
+        host part on the store's worker thread, so no TensorFlow thread waits on it); on a
+        CPU device the start call runs the host part itself, before the device part (the
+        same cores; see split_state). AdamW's decay is applied to the whole shard first,
+        in TensorFlow (Keras's ``v - v * wd * lr``), so a failed step leaves the weights as
         they were and neither part decays twice."""
         layout = self._zero.layout
         k = store.device_size
@@ -411,9 +412,9 @@ class FlatShardUpdate:
         # only the host fraction crosses to the host and the parts are joined on the device.
         merge = store.device_on_cpu(replica)
         host_in = [grad_shard, param_shard] if merge else [grad_shard[k:], param_shard[k:]]
-        # The host part runs on the store's worker thread (start returns at once), so no
-        # inter-op thread waits on it while the device part runs; the finish call comes
-        # after the device part and collects the host part (split_state.py).
+        # Accelerator: the host part runs on the store's worker thread (start returns at
+        # once), so no inter-op thread waits on it while the device part runs; CPU: start
+        # runs it. The finish call comes after the device part and collects the host part.
         started = host_function(
             functools.partial(
                 self._zero_split_start,
@@ -435,7 +436,7 @@ class FlatShardUpdate:
                 for s, e in layout.active_ranges(replica, active):
                     m[min(s, k) : min(e, k)] = True
                 mask = tf.constant(m)
-            with tf.control_dependencies([started]):  # the host part first: it is longer
+            with tf.control_dependencies([started]):  # the host part starts first
                 device_part.append(
                     self._zero_device_step(
                         store.device.slots(replica), param_shard[:k], grad_shard[:k], scalars, mask
