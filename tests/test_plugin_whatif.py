@@ -53,6 +53,13 @@ def test_a_lower_budget_is_predicted_before_it_is_applied(plugin_client, logdir)
     assert steady["peak_bytes"]["device"] <= LOW < body["recorded"]["peak_bytes"]["device"]
     assert body["oom"] is None and body["page_size"] == PAGE
     assert sorted(os.listdir(logdir / "high")) == before  # nothing written
+    # What the replay covers, and the whole run's figures over the same steps (the Page
+    # moves panel's): this job has no other pool, so they are the pool's (issue #21).
+    assert "optimizer-state store" in body["scope"] and "not replayed" in body["scope"]
+    whole = body["run_recorded"]
+    assert whole["steps"] == len(body["steps"])
+    assert whole["moves_per_step"] == body["recorded"]["moves_per_step"]
+    assert whole["prefetch_misses"] == body["recorded"]["prefetch_misses"]
     # The unchanged budget predicts what was recorded; a non-paging key says so.
     same = _whatif(client, "high", {"device_budget_bytes": HIGH}).get_json()
     assert same["predicted"]["steady"]["moves_per_step"] == same["recorded"]["moves_per_step"]

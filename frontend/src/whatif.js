@@ -23,20 +23,24 @@ function seconds(value) {
 }
 
 /**
- * The table of a /whatif answer: one row per figure, the recorded steps' mean (now) and
- * the predicted steady steps' mean.
+ * The table of a /whatif answer: one row per figure, the pool's recorded steps' mean (now),
+ * the predicted steady steps' mean, and the whole run's recorded figure over the same
+ * steps (`run_recorded`: what the Page moves and tiers panels show, other pools such as
+ * the NVMe optimizer-state store included; '—' where it has none).
  * @param {object} answer GET /whatif's answer with available true
- * @returns {Array<{key: string, label: string, now: string, predicted: string,
- *   nowValue: number|null, predictedValue: number|null}>}
+ * @returns {Array<{key: string, label: string, now: string, predicted: string, whole: string,
+ *   nowValue: number|null, predictedValue: number|null, wholeValue: number|null}>}
  */
 export function whatifRows(answer) {
   const now = answer?.recorded ?? {};
   const pred = answer?.predicted?.steady ?? {};
+  const whole = answer?.run_recorded ?? {};
   const rows = MOVE_ROWS.map(([d, label]) => ({
     key: `moves_${d}`,
     label,
     nowValue: now.moves_per_step?.[d] ?? null,
     predictedValue: pred.moves_per_step?.[d] ?? null,
+    wholeValue: whole.moves_per_step?.[d] ?? null,
   }));
   for (const [key, label, tier, field] of [
     ['device_peak', 'pool device peak (the pool\u2019s pages only)', 'device', 'peak_bytes'],
@@ -48,6 +52,7 @@ export function whatifRows(answer) {
       label,
       nowValue: now[field]?.[tier] ?? null,
       predictedValue: pred[field]?.[tier] ?? null,
+      wholeValue: key === 'nvme_used' ? (whole.nvme_used_bytes ?? null) : null,
       bytes: true,
     });
   }
@@ -56,23 +61,53 @@ export function whatifRows(answer) {
     label: 'prefetch misses per step (pages)',
     nowValue: now.prefetch_misses ?? null,
     predictedValue: pred.prefetch_misses ?? null,
+    wholeValue: whole.prefetch_misses ?? null,
   });
   rows.push({
     key: 'stall',
     label: 'stall per step (predicted: misses \u00d7 the recorded stall per miss)',
     nowValue: now.stall_seconds ?? null,
     predictedValue: pred.stall_seconds ?? null,
+    wholeValue: whole.stall_seconds ?? null,
     seconds: true,
   });
+  const show = (r, v) => {
+    if (r.bytes) return v === null ? '—' : formatBytes(v);
+    if (r.seconds) return v === null ? '—' : seconds(v);
+    return num(v);
+  };
   return rows.map((r) => ({
     ...r,
+    wholeValue: r.wholeValue ?? null,
     now: r.bytes ? formatBytes(r.nowValue) : r.seconds ? seconds(r.nowValue) : num(r.nowValue),
     predicted: r.bytes
       ? formatBytes(r.predictedValue)
       : r.seconds
         ? seconds(r.predictedValue)
         : num(r.predictedValue),
+    whole: show(r, r.wholeValue ?? null),
   }));
+}
+
+/**
+ * The sentence under the what-if headline: what the replay covers (`scope`) and the
+ * page moves per step the run recorded outside it over the same steps (the whole run's
+ * `run_recorded` minus the pool's `recorded`), so the "pool now" column and the Page
+ * moves panel do not silently disagree (issue #21).
+ * @param {object} answer GET /whatif's answer with available true
+ */
+export function whatifScope(answer) {
+  if (!answer?.available || !answer.scope) return '';
+  const head = `Replayed: ${answer.scope}.`;
+  const whole = totalMoves(answer.run_recorded);
+  const pool = totalMoves(answer.recorded);
+  if (whole === null || pool === null) return head;
+  const outside = Math.max(0, whole - pool);
+  return (
+    `${head} Over these steps the whole run recorded ${num(whole)} page moves per step ` +
+    `(Page moves panel), the pool ${num(pool)}: ${num(outside)} per step are outside the replay ` +
+    'and stay as recorded.'
+  );
 }
 
 /** Page moves per step in all directions of a summary (null when absent). */

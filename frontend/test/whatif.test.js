@@ -1,7 +1,7 @@
 // node --test: the what-if panel's rows and sentences from /whatif and /tuning answers.
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
-import { markerWhatifText, outcomeText, totalMoves, whatifHeadline, whatifRows } from '../src/whatif.js';
+import { markerWhatifText, outcomeText, totalMoves, whatifHeadline, whatifRows, whatifScope } from '../src/whatif.js';
 
 const summary = (moves, peak, extra = {}) => ({
   moves_per_step: moves,
@@ -30,6 +30,36 @@ test('whatifRows gives now and predicted per figure', () => {
   assert.equal(rows.stall.predicted, 'unknown');
   assert.equal(rows.stall.now, '0.0 ms');
   assert.equal(totalMoves(answer.predicted.steady), 30.5);
+});
+
+test('the whole run\'s recorded figures stand beside the pool\'s, and the scope says what is outside the replay', () => {
+  const scoped = {
+    ...answer,
+    scope: "the stage-3 pool's pages only",
+    run_recorded: {
+      moves_per_step: { d2h: 0, h2d: 0, h2n: 264, n2h: 264 },
+      prefetch_misses: 128,
+      stall_seconds: 0.207,
+      nvme_used_bytes: 11 * 2 ** 20,
+      steps: 3,
+    },
+  };
+  const rows = Object.fromEntries(whatifRows(scoped).map((r) => [r.key, r]));
+  assert.equal(rows.moves_h2n.now, '0');
+  assert.equal(rows.moves_h2n.whole, '264');
+  assert.equal(rows.misses.wholeValue, 128);
+  assert.equal(rows.stall.whole, '207.0 ms');
+  assert.equal(rows.nvme_used.whole, '11 MiB');
+  assert.equal(rows.device_peak.whole, '\u2014');
+  assert.equal(
+    whatifScope(scoped),
+    "Replayed: the stage-3 pool's pages only. Over these steps the whole run recorded 528 page " +
+      'moves per step (Page moves panel), the pool 0: 528 per step are outside the replay and stay as recorded.',
+  );
+  // An answer without the run's figures: no whole column, the scope alone.
+  assert.equal(whatifRows(answer)[0].whole, '\u2014');
+  assert.equal(whatifScope({ ...scoped, run_recorded: null }), "Replayed: the stage-3 pool's pages only.");
+  assert.equal(whatifScope({ available: false, reason: 'x' }), '');
 });
 
 test('whatifHeadline states the replay, an OOM, or why there is none', () => {

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from werkzeug import wrappers
 
-from tb_plugin import routing, tuning, whatif
+from tb_plugin import metadata, routing, tuning, whatif
 from tb_plugin.reader import Reader
+from tb_plugin.routes.diff import _columns
 from zero_runtime.memory.simulate import ReplayError
 
 
@@ -34,7 +36,8 @@ def whatif_impl(
         the pool cannot take) or True with ``simulate.predict``'s fields: ``steps``
         (the replayed steps), ``page_size``, ``recorded``, ``replayed``,
         ``replay_exact``, ``predicted`` (``first``, ``steady``), ``oom``,
-        ``stall_seconds_per_miss``, ``notes`` (docs/http_api.md).
+        ``stall_seconds_per_miss``, ``notes`` (docs/http_api.md), ``scope`` (what the
+        replay covers) and ``run_recorded`` (:func:`run_recorded`).
 
     Raises:
         NotFoundError: not a run of this logdir.
@@ -47,7 +50,58 @@ def whatif_impl(
         out.update(whatif.predict(run_dir, updates), available=True)
     except ReplayError as exc:
         out["reason"] = str(exc)
+        return out
+    out["scope"] = SCOPE
+    out["run_recorded"] = run_recorded(reader, ctx, experiment, run, out["steps"])
     return out
+
+
+#: What the replay covers (issue #21): the access trace is the stage-3 pool's only.
+SCOPE = (
+    "the stage-3 pool's pages only (parameter shards and their gathers); the page moves "
+    "of the job's other pools, such as the NVMe optimizer-state store (its own pool), are "
+    "not in the trace and not replayed, and these keys do not change them in the running job"
+)
+
+
+_RUN_PAGE_FIELDS = [
+    ("", f) for f in ("d2h_pages", "h2d_pages", "h2n_pages", "n2h_pages", "prefetch_misses")
+] + [("", "stall_seconds")]
+
+
+def run_recorded(
+    reader: Reader, ctx: Any, experiment: str, run: str, steps: list[int]
+) -> dict[str, Any] | None:
+    """The whole run's recorded figures over the replayed ``steps``, as the Page moves and
+    tiers panels show them (``memory_hierarchy/pages`` and ``tiers``: every pool of the
+    job, the optimizer-state store's included), to set beside the pool's ``recorded``.
+
+    Returns:
+        ``{"moves_per_step": {"d2h"|"h2d"|"h2n"|"n2h": pages per step (mean)},
+        "prefetch_misses": pages per step, "stall_seconds": seconds per step,
+        "nvme_used_bytes": NVMe used at the last of those steps (bytes) or None,
+        "steps": how many of ``steps`` the run's series holds}``, or None when it holds
+        none of them.
+    """
+    got, values = _columns(reader, ctx, experiment, run, metadata.TAG_PAGES, _RUN_PAGE_FIELDS)
+    rows = values[np.isin(got, steps)]
+    if not len(rows):
+        return None
+    means = [
+        float(np.nanmean(rows[:, j])) if np.isfinite(rows[:, j]).any() else None
+        for j in range(rows.shape[1])
+    ]
+    t_steps, nvme = _columns(
+        reader, ctx, experiment, run, metadata.TAG_TIERS, [("nvme", "used_bytes")]
+    )
+    nvme = nvme[np.isin(t_steps, steps), 0]
+    return {
+        "moves_per_step": dict(zip(("d2h", "h2d", "h2n", "n2h"), means[:4], strict=True)),
+        "prefetch_misses": means[4],
+        "stall_seconds": means[5],
+        "nvme_used_bytes": float(nvme[-1]) if len(nvme) and np.isfinite(nvme[-1]) else None,
+        "steps": len(rows),
+    }
 
 
 @wrappers.Request.application

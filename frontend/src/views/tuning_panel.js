@@ -24,7 +24,7 @@ import {
   tuningStateText,
 } from '../data.js';
 import { formatBytes } from '../format.js';
-import { outcomeText, whatifHeadline, whatifRows } from '../whatif.js';
+import { outcomeText, whatifHeadline, whatifRows, whatifScope } from '../whatif.js';
 import { el } from './run_panel.js';
 
 /**
@@ -325,16 +325,25 @@ export class TuningPanel {
     this.whatif.dataset.state = answer.available ? (answer.oom ? 'oom' : 'ready') : 'unavailable';
     const parts = [el('p', 'mh-whatif-headline', whatifHeadline(answer))];
     if (answer.available) {
+      const scope = whatifScope(answer);
+      if (scope) parts.push(el('p', 'mh-whatif-scope', scope));
       const table = el('table', 'mh-whatif-table');
       const head = el('tr');
-      for (const t of ['', 'now (recorded)', 'predicted']) head.append(el('th', null, t));
+      const titles = ['', 'pool now (recorded)', 'pool predicted', 'whole run now (Page moves panel)'];
+      for (const t of titles) head.append(el('th', null, t));
       table.append(head);
       for (const row of whatifRows(answer)) {
         const tr = el('tr');
         tr.dataset.key = row.key;
         tr.dataset.now = row.nowValue === null ? '' : String(row.nowValue);
         tr.dataset.predicted = row.predictedValue === null ? '' : String(row.predictedValue);
-        tr.append(el('th', null, row.label), el('td', null, row.now), el('td', null, row.predicted));
+        tr.dataset.whole = row.wholeValue === null ? '' : String(row.wholeValue);
+        tr.append(
+          el('th', null, row.label),
+          el('td', null, row.now),
+          el('td', null, row.predicted),
+          el('td', null, row.whole),
+        );
         table.append(tr);
       }
       parts.push(table);
