@@ -4,7 +4,9 @@ The plugin caches decoded data and encoded answers: the decoded steps of a time 
 the decoded records of a json tag (:mod:`tb_plugin.reader`), keyed by ``(experiment, run,
 tag, max_step)``, and encoded ``/series`` answers (:mod:`tb_plugin.routes.series`), keyed
 by the same plus the answer's parameters. ``max_step`` is in the key, so a run that grows gets a
-new entry on the next request and the old one ages out; nothing is invalidated by hand.
+new entry on the next request and the old one ages out; so is the generation of the run's
+event files (:mod:`tb_plugin.run_files`), so a run rewritten into the same directory does
+too; nothing is invalidated by hand.
 
 Concurrent requests for the same missing key compute it once: the first computes, the
 others wait for its result (TensorBoard serves requests from a thread pool, and the view

@@ -30,7 +30,9 @@ from tensorboard.compat.proto import event_pb2
 _MASK_DELTA = 0xA282EAD8
 _FLUSH = object()  # queue marker: flush the file now
 _CLOSE = object()  # queue marker: flush, close the file and stop
-_uid = itertools.count()  # distinguishes files one process opens in the same second
+# distinguishes files one process opens in the same second; zero-padded so names sort in
+# creation order (TensorBoard's directory watcher skips a file named before the last one)
+_uid = itertools.count()
 
 
 def masked_crc32c(data: bytes) -> int:
@@ -66,7 +68,8 @@ class EventFileWriter:
         logdir: the directory (created if missing).
         max_queue_size: events held before :meth:`add_event` blocks (count).
         flush_secs: the file is flushed at least this often while events arrive (seconds).
-        filename_suffix: appended to ``events.out.tfevents.<time>.<host>.<pid>.<n>``.
+        filename_suffix: appended to ``events.out.tfevents.<time>.<host>.<pid>.<n>``
+            (``<n>``: six digits, counting the files this process opened).
 
     Raises:
         OSError: the directory or the file cannot be created. An error of the background
@@ -82,7 +85,7 @@ class EventFileWriter:
     ) -> None:
         self._logdir = str(logdir)
         os.makedirs(self._logdir, exist_ok=True)
-        stamp = f"{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_uid)}"
+        stamp = f"{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_uid):06d}"
         name = f"events.out.tfevents.{stamp}"
         self.path = os.path.join(self._logdir, name + filename_suffix)
         self._file = open(self.path, "wb")  # noqa: SIM115 - closed by the thread

@@ -119,9 +119,12 @@ class SeriesLevels:
 
     Args:
         layout: the tag's layout (its shape gives the row width S = rows x columns).
+        generation: the run's files' generation these steps come from
+            (:class:`tb_plugin.run_files.RunGenerations`; default 0).
 
     Attributes:
         layout: the tag's layout.
+        generation: as given.
         lock: held by whoever appends (the background indexer or a request); readers of
             :meth:`snapshot` need not hold it.
 
@@ -129,8 +132,9 @@ class SeriesLevels:
     the first ``n`` rows, which later appends never change.
     """
 
-    def __init__(self, layout: Layout) -> None:
+    def __init__(self, layout: Layout, generation: int = 0) -> None:
         self.layout = layout
+        self.generation = generation
         self.width = int(np.prod(layout.shape)) if layout.shape else 1
         self.lock = threading.Lock()
         self._n = 0

@@ -11,12 +11,14 @@ data server; :mod:`tb_plugin.fast_read` decodes its answers in bulk) and
 - the **decoded steps and min/max levels** of matrix and vector tags
   (:class:`tb_plugin.levels.SeriesLevels`, one per ``(experiment, run, tag)`` in a
   :class:`tb_plugin.levels.LevelStore`), brought up to the listing's ``max_step`` by
-  decoding only the new steps; every listing (each ``/runs`` poll) wakes a background
-  indexer that brings every run's series up to date as their steps load, so a chart
-  request is answered from memory at any point budget;
+  decoding only the new steps (read anew from every step when the run's event files were
+  replaced or truncated, :mod:`tb_plugin.run_files`, or its ``max_step`` fell); every
+  listing (each ``/runs`` poll) wakes a background indexer that brings every run's series
+  up to date as their steps load, so a chart request is answered from memory at any point
+  budget;
 - the decoded records of json tags, in a :class:`tb_plugin.cache.CostLru` keyed by
-  ``(experiment, run, tag, max_step)``: ``max_step`` comes from the cheap listing, so a
-  live run's new records are read on the next request;
+  ``(experiment, run, tag, max_step, generation)``: ``max_step`` comes from the cheap
+  listing, so a live run's new records are read on the next request;
 - the way from a run name to its directory inside the logdir (:meth:`Reader.run_dir`,
   for live tuning).
 
@@ -42,6 +44,7 @@ from tb_plugin import fast_read, metadata, tuning
 from tb_plugin.cache import CostLru
 from tb_plugin.layout import DataContractError, Layout, cached_layout
 from tb_plugin.levels import LevelStore, SeriesLevels
+from tb_plugin.run_files import RunGenerations
 
 # Steps asked of the data provider per time series; ``read_tensors`` caps its answer at
 # this many, so it is large: thinning is done by the routes, to their point budget.
@@ -108,6 +111,7 @@ class Reader:
     ) -> None:
         self._data_provider = data_provider
         self.logdir = logdir
+        self._generations = RunGenerations()
         self._levels = LevelStore(series_cache_bytes)
         self._records_cache: CostLru[list[dict[str, Any]]] = CostLru(records_cache_bytes)
         self._listing_lock = threading.Lock()
@@ -244,9 +248,14 @@ class Reader:
         if layout.kind == metadata.KIND_JSON:
             raise errors.InvalidArgumentError(f"tag {tag!r} is a json tag; read it from /json")
         key = (experiment, run, tag)
+        generation = self.generation(run)
         levels = self._levels.get(key)
         if levels is None or levels.layout != layout:
-            levels = self._levels.setdefault(key, SeriesLevels(layout))
+            levels = self._levels.setdefault(key, SeriesLevels(layout, generation))
+        if levels.generation != generation or levels.last_step > max_step:
+            # the run's files were replaced (a rerun into the same logdir): read it anew
+            levels = SeriesLevels(layout, generation)
+            self._levels.put(key, levels)
         if levels.last_step < max_step:
             with levels.lock:
                 if levels.last_step < max_step:  # not brought up to date meanwhile
@@ -267,7 +276,7 @@ class Reader:
         layout, after = levels.layout, levels.last_step
         skipped, new = self._decode(ctx, experiment, run, tag, layout, after)
         if skipped != levels.n:  # earlier steps changed: start again from every step
-            fresh = SeriesLevels(layout)
+            fresh = SeriesLevels(layout, levels.generation)
             with fresh.lock:
                 _skipped, everything = self._decode(ctx, experiment, run, tag, layout, -1)
                 fresh.append(*everything)
@@ -367,7 +376,7 @@ class Reader:
                 )
             return events, cost
 
-        key = ("json", experiment, run, tag, max_step)
+        key = ("json", experiment, run, tag, max_step, self.generation(run))
         return self._records_cache.get_or_compute(key, compute)
 
     def records_if_any(self, ctx: Any, experiment: str, run: str, tag: str) -> list[dict]:
@@ -377,6 +386,11 @@ class Reader:
         return self.records(ctx, experiment, run, tag)
 
     # -- run directories -------------------------------------------------------------------
+    def generation(self, run: str) -> int:
+        """The generation of the run's event files (:mod:`tb_plugin.run_files`): part of
+        every cache key of the run, so a run whose files were replaced is read anew."""
+        return self._generations.generation(self.logdir, run)
+
     def run_dir(self, ctx: Any, experiment: str, run: str) -> str:
         """The run's directory inside the logdir (see :func:`tuning.resolve_run_dir`).
 

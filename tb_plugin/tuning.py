@@ -95,8 +95,13 @@ def _no_duplicates(pairs: Sequence[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def parse_json_strictly(text: str) -> Any:
+def parse_json_strictly(text: str, what: str = "the body") -> Any:
     """Decode JSON refusing ``NaN``/``Infinity`` and duplicate keys.
+
+    Args:
+        text: the JSON text.
+        what: what ``text`` is, for the error message (default ``"the body"``; a query
+            parameter's reader names it, e.g. ``"the updates parameter"``).
 
     Raises:
         tensorboard.errors.InvalidArgumentError: not valid JSON, a non-finite constant, or
@@ -105,7 +110,7 @@ def parse_json_strictly(text: str) -> Any:
     try:
         return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
     except ValueError as exc:  # json.JSONDecodeError, or int() of too many digits
-        raise errors.InvalidArgumentError(f"the body is not valid JSON: {exc}") from exc
+        raise errors.InvalidArgumentError(f"{what} is not valid JSON: {exc}") from exc
 
 
 def parse_tune_body(body: bytes) -> dict[str, int]:

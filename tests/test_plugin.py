@@ -13,6 +13,7 @@ import io
 import json
 import math
 import os
+import shutil
 import socket
 import time
 from urllib.parse import quote, urlencode
@@ -30,8 +31,9 @@ from tensorboard.summary.writer.event_file_writer import EventFileWriter
 from tensorboard.util import tensor_util
 from werkzeug import test as werkzeug_test
 
-from tb_plugin import export, fast_read, metadata, plugin, reader, routing, tuning
+from tb_plugin import export, fast_read, metadata, plugin, reader, routing, run_files, tuning
 from tb_plugin.loader import MemoryHierarchyLoader, parse_bool_flag
+from tb_plugin.routes import oom as oom_routes
 from tb_plugin.routes import runs as runs_routes
 from tb_plugin.routes import series as series_routes
 from tb_plugin.routes import static as static_routes
@@ -368,6 +370,82 @@ def test_a_growing_run_is_read_again_when_its_max_step_changes(tmp_path, monkeyp
     assert body["steps"] == list(range(8)) and body["total_steps"] == 8
     answer = series_routes.series_answer(p.reader, p.answers, ctx, "", "alpha", tag, 100, None)
     assert json.loads(gzip.decompress(answer.gzipped))["steps"] == list(range(8))
+
+
+def test_a_run_rewritten_into_the_same_directory_is_read_anew(tmp_path, monkeypatch):
+    """Issue #19: a TensorBoard left open while the demo reruns into the same logdir
+    answered the old run's /series and /oom from its caches."""
+    monkeypatch.setattr(reader, "LISTING_TTL_SECONDS", 0.0)  # no reuse of the listing
+    monkeypatch.setattr(reader, "LISTING_STALE_SECONDS", 0.0)
+    logdir = str(tmp_path / "rerun")
+    run = synthetic.RUN_STANDIN
+
+    def write(steps: range, oom_text: str) -> None:
+        synthetic.write_run(logdir, run, steps)
+        writer = SummaryWriter(os.path.join(logdir, run))
+        writer.json(metadata.TAG_OOM, 3, {"message": oom_text}, wall_time=1.0)
+        writer.close()
+
+    write(range(10), "384 KiB")
+
+    def loaded() -> tb_data_provider.MultiplexerDataProvider:
+        multiplexer = plugin_event_multiplexer.EventMultiplexer(
+            tensor_size_guidance={metadata.PLUGIN_NAME: 0}
+        )
+        multiplexer.AddRunsFromDirectory(logdir)
+        multiplexer.Reload()
+        return tb_data_provider.MultiplexerDataProvider(multiplexer, logdir)
+
+    class Provider:
+        """TensorBoard's data as the Rust data server serves it after the rerun: the
+        replaced files' data only. (The Python multiplexer keeps a deleted file's events,
+        so the test loads the directory anew; every call goes to a real provider.)"""
+
+        inner = loaded()
+
+        def __getattr__(self, name: str):
+            return getattr(self.inner, name)
+
+    context = base_plugin.TBContext(data_provider=Provider(), logdir=logdir)
+    p = plugin.MemoryHierarchyPlugin(context)
+    ctx = tb_context.RequestContext()
+    tag = metadata.TAG_TIERS
+
+    def series_steps() -> list[int]:
+        answer = series_routes.series_answer(p.reader, p.answers, ctx, "", run, tag, 100, None)
+        return json.loads(gzip.decompress(answer.gzipped))["steps"]
+
+    def oom_text() -> str:
+        return oom_routes.oom_impl(p.reader, ctx, "", run)["postmortem"]["message"]
+
+    assert series_steps() == list(range(10)) and oom_text() == "384 KiB"
+    shutil.rmtree(os.path.join(logdir, run))  # the rerun empties the run's directory
+    write(range(4), "144 KiB")  # the same OOM step, a shorter run
+    Provider.inner = loaded()
+    assert series_steps() == list(range(4))
+    assert series_routes.series_impl(p.reader, ctx, "", run, tag)["total_steps"] == 4
+    assert oom_text() == "144 KiB"
+
+
+def test_run_generations_count_replaced_and_truncated_files_not_appends(tmp_path):
+    gens = run_files.RunGenerations()
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    first = run_dir / "events.out.tfevents.0000000002.host.1.0"
+    first.write_bytes(b"x" * 100)
+    assert gens.generation(str(tmp_path), "r") == 0
+    with open(first, "ab") as fh:
+        fh.write(b"y" * 10)  # a live run appends
+    (run_dir / "events.out.tfevents.0000000003.host.1.1").write_bytes(b"z")  # a newer file
+    assert gens.generation(str(tmp_path), "r") == 0
+    first.write_bytes(b"x" * 5)  # truncated
+    assert gens.generation(str(tmp_path), "r") == 1
+    first.unlink()
+    first.write_bytes(b"x" * 500)  # replaced: another inode under the same name
+    assert gens.generation(str(tmp_path), "r") in (1, 2)  # an inode may be reused at once
+    os.replace(first, run_dir / "events.out.tfevents.0000000001.host.1.0")  # older name
+    assert gens.generation(str(tmp_path), "r") >= 2
+    assert gens.generation("gs://bucket", "r") == 0  # nothing to stat
 
 
 def test_a_stale_listing_is_answered_at_once_and_refreshed_in_the_background(tmp_path, monkeypatch):
@@ -1121,7 +1199,14 @@ def test_a_job_that_closed_is_not_offered_tuning_until_a_job_starts_again(
     assert body["job_ended"] == {"reason": "closed", "step": 12, "summary": None}
     status, body = post_tune(client, {"updates": {"telemetry_every_n_steps": 3}})
     assert status == 409, body
-    assert "closed after step 11" in body["error"]["message"]
+    assert "has ended (closed after step 11)" in body["error"]["message"]
+    assert not os.path.exists(os.path.join(run_dir, control.REQUEST_FILE))
+    for flag in (None, False):  # tuning off: 409 too, not 403 "start TensorBoard with ..."
+        status, body = post_tune(
+            plugin_client(str(logdir), tuning=flag), {"updates": {"telemetry_every_n_steps": 3}}
+        )
+        assert status == 409, body
+        assert "has ended (closed after step 11)" in body["error"]["message"], body
     assert not os.path.exists(os.path.join(run_dir, control.REQUEST_FILE))
     control.ControlChannel(run_dir, STARTED)  # a job starts again here
     status, body = get_json(client, "/tuning", run=TUNED_RUN)

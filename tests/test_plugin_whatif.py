@@ -75,6 +75,7 @@ def test_whatif_refuses_bad_proposals_and_says_why_it_cannot_predict(plugin_clie
         ('{"device_budget_bytes": NaN}', "not a number"),
         ("[1]", "non-empty JSON object"),
         ({"stage": 2}, "cannot be tuned live"),
+        ("notjson", "the updates parameter is not valid JSON"),  # a query parameter
     ):
         answer = _whatif(client, "high", bad)
         assert answer.status_code == 400, bad

@@ -3,7 +3,8 @@
 The answer is thinned to a point budget from the series' precomputed min/max levels
 (:meth:`tb_plugin.levels.SeriesLevels.indices`: every bucket's minimum and maximum kept),
 encoded and gzipped once, and kept in an answer cache keyed by ``(experiment, run, tag,
-max_step, points, format)``. Every step (``points=0``) is streamed instead.
+max_step, generation, points, format)`` (``generation``: :mod:`tb_plugin.run_files`).
+Every step (``points=0``) is streamed instead.
 """
 
 from __future__ import annotations
@@ -122,8 +123,9 @@ def series_answer(
     points: int,
     fmt: str | None,
 ) -> routing.Answer:
-    """The encoded /series answer, cached in ``answers`` by (run, tag, max_step, points,
-    format): :func:`series_impl`'s JSON, or with ``fmt`` a download of it."""
+    """The encoded /series answer, cached in ``answers`` by (run, tag, max_step, the
+    run files' generation, points, format): :func:`series_impl`'s JSON, or with ``fmt`` a
+    download of it."""
     _layout, max_step = reader.layout(ctx, experiment, run, tag)
 
     def compute() -> tuple[routing.Answer, int]:
@@ -135,7 +137,7 @@ def series_answer(
             answer = routing.download(body, fmt, export.series_csv, run, tag, suffix)
         return answer, len(answer.gzipped)
 
-    key = ("series", experiment, run, tag, max_step, points, fmt)
+    key = ("series", experiment, run, tag, max_step, reader.generation(run), points, fmt)
     return answers.get_or_compute(key, compute)
 
 

@@ -89,6 +89,22 @@ def job_ended(reader: Reader, ctx: Any, experiment: str, run: str) -> dict[str, 
     return {"reason": "closed", "step": closed["step"], "summary": None}
 
 
+def require_running(reader: Reader, ctx: Any, experiment: str, run: str) -> None:
+    """Raise JobEndedError (409) when the run's job has ended (:func:`job_ended`)."""
+    ended = job_ended(reader, ctx, experiment, run)
+    if ended is None:
+        return
+    how = (
+        f"ended with an out-of-memory failure at step {ended['step']}"
+        if ended["reason"] == "oom"
+        else f"closed after step {ended['step'] - 1}"
+    )
+    raise JobEndedError(
+        f"the job of {run[:80]!r} has ended ({how}): no job reads live-tuning requests "
+        "any more; nothing was written (apply the change to the next run's config)"
+    )
+
+
 class PayloadTooLargeError(errors.PublicError):
     """A POST body larger than :data:`tb_plugin.tuning.MAX_BODY_BYTES` (HTTP 413)."""
 
@@ -352,17 +368,7 @@ def tune_impl(
     """
     access.require_enabled()
     run_dir = reader.run_dir(ctx, experiment, run)
-    ended = job_ended(reader, ctx, experiment, run)
-    if ended is not None:
-        how = (
-            f"ended with an out-of-memory failure at step {ended['step']}"
-            if ended["reason"] == "oom"
-            else f"closed after step {ended['step'] - 1}"
-        )
-        raise JobEndedError(
-            f"{run[:80]!r} {how}: no job reads live-tuning requests any more; nothing was "
-            "written (apply the change to the next run's config)"
-        )
+    require_running(reader, ctx, experiment, run)
     chief = tuning.job_chief_run(reader.logdir, run)
     if chief is not None:
         try:
@@ -406,7 +412,8 @@ def tune_route(
 ) -> wrappers.Response:
     """POST /tune?run=R with ``{"updates": {...}}``: see :func:`tune_impl`.
 
-    Refused, with nothing written: another method (405); tuning off (403); a ``Host``
+    Refused, with nothing written: another method (405); a run whose job has ended
+    (409, whether tuning is on or off); tuning off (403); a ``Host``
     or ``Origin`` that is not an address this TensorBoard serves (403, a DNS rebinding
     guard: :func:`tb_plugin.origin.check_same_origin`); without the header
     ``X-Memory-Hierarchy-Tuning: 1`` (403, so a cross-site form cannot post it); a
@@ -419,6 +426,10 @@ def tune_route(
     """
     if request.method != "POST":
         raise MethodNotAllowedError("/tune accepts only POST", allow="POST")
+    if not access.enabled and request.args.get("run"):
+        # a job that has ended takes no request whatever the flag: say so, not "restart"
+        ctx, experiment = routing.scope(request)
+        require_running(reader, ctx, experiment, request.args["run"])
     access.require_enabled()
     origin.check_same_origin(request.environ, access.flags, "POST /tune")
     if request.headers.get(tuning.HEADER_NAME) != tuning.HEADER_VALUE:

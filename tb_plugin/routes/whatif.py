@@ -111,6 +111,6 @@ def whatif_route(reader: Reader, request: wrappers.Request) -> wrappers.Response
     is a JSON object checked as ``POST /tune``'s (400 otherwise)."""
     run = routing.required_arg(request, "run")
     text = routing.required_arg(request, "updates")
-    updates = tuning.check_updates(tuning.parse_json_strictly(text))
+    updates = tuning.check_updates(tuning.parse_json_strictly(text, "the updates parameter"))
     ctx, experiment = routing.scope(request)
     return routing.respond_json(request, whatif_impl(reader, ctx, experiment, run, updates))
