@@ -119,7 +119,7 @@ def test_the_indexer_encodes_the_first_answers_before_any_request(synthetic_logd
     p.reader.listing(ctx, "")  # what every request does first: wakes the indexer
     last = synthetic.NUM_STEPS - 1
     keys = [
-        ("series", "", run, tag, last, first_view.VIEW_POINTS, None)
+        ("series", "", run, tag, last, p.reader.generation(run), first_view.VIEW_POINTS, None)
         for run in synthetic.RUNS
         for tag in first_view.SERIES_TAGS
     ]
