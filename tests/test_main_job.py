@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -51,8 +52,20 @@ def main_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess
         text=True,
         timeout=900,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, (
+        proc.stdout[-3000:] + proc.stderr[-3000:] + _failure_detail(logdir / "zero_infinity", nvme)
+    )
     return logdir, proc
+
+
+def _failure_detail(run_dir: Path, nvme: Path) -> str:
+    """The ZeRO run's failed request as its post-mortem records it (the error's own
+    message: a full disk, a thrashing placement...) and the NVMe directory's free space,
+    for the assertion message of a failed main job."""
+    path = run_dir / oom.OOM_FILENAME
+    request = json.loads(path.read_text()).get("failed_request") if path.exists() else None
+    free = shutil.disk_usage(nvme).free if nvme.exists() else None
+    return f"\nZeRO run's failed request: {request}\nfree bytes under --nvme-dir: {free}"
 
 
 def _accumulator(run_dir: Path) -> EventAccumulator:

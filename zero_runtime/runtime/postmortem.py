@@ -279,6 +279,10 @@ def build_report(
         for h in t["holders"]:
             kinds[h["kind"]] = kinds.get(h["kind"], 0) + int(h["bytes"])
         cause = advice_mod.diagnose(tier, or_none(t["capacity_bytes"]), used, kinds, evidence)
+        if pool_snap is not None and pool_snap.reason:
+            # The pool knows why it could not place the page (a full disk, a placement
+            # that thrashes, a tier full down to NVMe): said beside the holders.
+            cause += f" (the pool: {pool_snap.reason})"
     return oom.build_report(
         step=step,
         failed=failed,
