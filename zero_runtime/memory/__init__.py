@@ -19,7 +19,8 @@ state machine), :mod:`.transitions` (every page move between tiers), :mod:`.plac
 scheduler), :mod:`.prefetch` (the prefetch queue and thread), :mod:`.access` (bytes in
 and out of pages), :mod:`.tiers` (slots and storage), :mod:`.policy` (victim ranking),
 :mod:`.reports` (placement, usage, OOM snapshots), :mod:`.counters`, :mod:`.errors`,
-:mod:`.trace` (the access trace: a ring of the last steps' operations);
+:mod:`.trace` (the access trace: a ring of the last steps' operations),
+:mod:`.flat_store` (many small shards packed into page-sized chunks);
 :mod:`.core` wires them and holds every operation's policy path, and :mod:`.pool` is the
 façade over it. :mod:`.simulate` replays a recorded trace through the same core over the
 slot-only tiers of :mod:`.sim_tiers` (what-if, ``docs/tuning.md``). See
@@ -38,6 +39,7 @@ from zero_runtime.memory.errors import (
     PoolClosedError,
     PoolOutOfMemoryError,
 )
+from zero_runtime.memory.flat_store import FlatRange, FlatShardSpace
 from zero_runtime.memory.page_table import KINDS, PageState
 from zero_runtime.memory.pool import (
     DEFAULT_PAGE_SIZE,
@@ -53,6 +55,8 @@ __all__ = [
     "KINDS",
     "MIN_PAGE_SIZE",
     "DeviceTier",
+    "FlatRange",
+    "FlatShardSpace",
     "Holder",
     "NvmeFullError",
     "NvmePathError",
