@@ -437,15 +437,18 @@ class FlatShardUpdate:
                     m[min(s, k) : min(e, k)] = True
                 mask = tf.constant(m)
             with tf.control_dependencies([started]):  # the host part starts first
+                # The device part's decrement u (new = param - u): on a CPU device the
+                # finish call writes param - u straight into the output buffer, in
+                # front of the host part (no TensorFlow output to copy there).
                 device_part.append(
-                    self._zero_device_step(
+                    self._zero_device_delta(
                         store.device.slots(replica), param_shard[:k], grad_shard[:k], scalars, mask
                     )
                 )
         with tf.control_dependencies(device_part):
             finished = host_function(
                 functools.partial(self._zero_split_finish, store=store, replica=replica),
-                [started, *(device_part if merge else [])],
+                [started, *((device_part[0], param_shard) if merge and device_part else ())],
                 tf.float32,
                 stateful=True,
                 name="zero_host_update",
@@ -455,7 +458,7 @@ class FlatShardUpdate:
             finished.set_shape([layout.shard_size])
             return finished
         finished.set_shape([layout.shard_size - k])
-        return tf.concat([device_part[0], finished], axis=0)
+        return tf.concat([param_shard[:k] - device_part[0], finished], axis=0)
 
     def _zero_split_start(
         self,
@@ -488,11 +491,14 @@ class FlatShardUpdate:
     def _zero_split_finish(
         self, step: np.ndarray, *device_part: np.ndarray, store: SplitOptimizerState, replica: int
     ) -> np.ndarray:
-        """The finish of a split update: wait for the host part, put the device part (if
-        given) in front of it, report the step."""
+        """The finish of a split update: wait for the host part; given the device part's
+        decrement ``u`` (float32 ``[device_size]``) and the old whole shard, write
+        ``shard[:device_size] - u`` in front of the host part (the device part's new
+        parameters, bitwise TensorFlow's subtraction); report the step."""
         param, seconds = store.finish_update(replica)
         if device_part:
-            np.copyto(param[: len(device_part[0])], device_part[0])
+            delta, old = device_part
+            np.subtract(old[: len(delta)], delta, out=param[: len(delta)])
         if self._zero.runtime is not None:
             self._zero.runtime.on_shard_updated(self, replica, int(step), seconds)
         return param

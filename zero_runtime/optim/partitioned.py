@@ -130,7 +130,9 @@ class _PartitionedUpdate(FlatShardUpdate, ShardedUpdate, TransactionalUpdate):
 
     Subclasses define ``_zero_slots`` (names of state buffers), ``_zero_scalars(lr)``,
     ``_zero_host_step(slots, scratch, param, grad, scalars)`` (numpy, in place, one tile)
-    and ``_zero_device_step(slots, param, grad, scalars, mask)`` (TensorFlow ops).
+    and ``_zero_device_delta(slots, param, grad, scalars, mask)`` (TensorFlow ops: the
+    step's decrement ``u``, the new parameters being ``param - u``; see
+    :meth:`_zero_device_step`).
     """
 
     _zero_slots: tuple[str, ...] = ()
@@ -375,8 +377,20 @@ class _PartitionedUpdate(FlatShardUpdate, ShardedUpdate, TransactionalUpdate):
     def _zero_host_step(self, slots, scratch, param, grad, scalars) -> None:
         raise NotImplementedError
 
-    def _zero_device_step(self, slots, param, grad, scalars, mask) -> tf.Tensor:
+    def _zero_device_delta(self, slots, param, grad, scalars, mask) -> tf.Tensor:
+        """TensorFlow ops of one step on a device shard: update the state ``slots`` and
+        return ``u``, float32 of ``param``'s shape, with the new parameters ``param - u``
+        (``u`` is 0 where ``mask``, a bool tensor or None for all, is False)."""
         raise NotImplementedError
+
+    def _zero_device_step(self, slots, param, grad, scalars, mask) -> tf.Tensor:
+        """The new parameter shard, ``param - u`` (:meth:`_zero_device_delta`). Bitwise
+        Keras's ``update_step``: each subclass's ``u`` is Keras's own expression, negated
+        exactly where Keras adds (``p - (-x) == p + x`` in IEEE arithmetic), and
+        ``p - 0 == p`` where ``mask`` is False. The split update (Twin-Flow,
+        :mod:`.split_state`) takes ``u`` itself so that a CPU host call can write
+        ``param - u`` straight into its output buffer (no copy of the device part)."""
+        return param - self._zero_device_delta(slots, param, grad, scalars, mask)
 
 
 def _plain_variable(initial: tf.Tensor) -> tf.Variable:
@@ -386,6 +400,11 @@ def _plain_variable(initial: tf.Tensor) -> tf.Variable:
 
 def _masked(mask, new: tf.Tensor, old: tf.Tensor) -> tf.Tensor:
     return new if mask is None else tf.where(mask, new, old)
+
+
+def _masked_delta(mask, delta: tf.Tensor) -> tf.Tensor:
+    """``delta`` where ``mask`` (None: everywhere), 0 elsewhere."""
+    return delta if mask is None else tf.where(mask, delta, tf.zeros_like(delta))
 
 
 class _AdamHost(_PartitionedUpdate):
@@ -417,7 +436,7 @@ class _AdamHost(_PartitionedUpdate):
             scratch[1],
         )
 
-    def _zero_device_step(self, slots, param, grad, scalars, mask) -> tf.Tensor:
+    def _zero_device_delta(self, slots, param, grad, scalars, mask) -> tf.Tensor:
         # Keras's Adam.update_step, operation for operation, on the shard.
         (alpha,) = scalars
         m_var, v_var = slots["momentum"], slots["velocity"]
@@ -426,7 +445,7 @@ class _AdamHost(_PartitionedUpdate):
         v = _masked(mask, v_old + (tf.square(grad) - v_old) * (1 - self.beta_2), v_old)
         m_var.assign(m)
         v_var.assign(v)
-        return _masked(mask, param - (m * alpha) / (tf.sqrt(v) + self.epsilon), param)
+        return _masked_delta(mask, (m * alpha) / (tf.sqrt(v) + self.epsilon))
 
 
 @keras.saving.register_keras_serializable(package="zero_runtime")
@@ -481,19 +500,19 @@ class SGD(_PartitionedUpdate, keras.optimizers.SGD):
         else:
             kernels.sgd_update(param, grad, lr, scratch[0])
 
-    def _zero_device_step(self, slots, param, grad, scalars, mask) -> tf.Tensor:
-        # Keras's SGD.update_step on the shard.
+    def _zero_device_delta(self, slots, param, grad, scalars, mask) -> tf.Tensor:
+        # Keras's SGD.update_step on the shard (negated where Keras adds).
         (lr,) = scalars
         if self.momentum == 0:
-            return _masked(mask, param - grad * lr, param)
+            return _masked_delta(mask, grad * lr)
         momentum = tf.cast(self.momentum, tf.float32)
         m_var = slots["momentum"]
         m_old = m_var.read_value()
         m = _masked(mask, m_old * momentum - grad * lr, m_old)
         m_var.assign(m)
         if self.nesterov:
-            return _masked(mask, param + (m * momentum - grad * lr), param)
-        return _masked(mask, param + m, param)
+            return _masked_delta(mask, -(m * momentum - grad * lr))
+        return _masked_delta(mask, -m)
 
 
 #: Keras optimizer identifiers that the strategy maps to partitioned optimizers.
