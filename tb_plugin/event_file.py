@@ -122,6 +122,33 @@ class EventFileWriter:
         self._check()
         self._queue.put(event.SerializeToString())
 
+    def add_serialized_event(self, data: bytes) -> None:
+        """Queue one already serialised ``Event`` proto (``Event.SerializeToString()``
+        or bytes equal to it) for writing, as :meth:`add_event` does after serialising.
+
+        Raises:
+            TypeError: ``data`` is not ``bytes``.
+            OSError: the writer is closed, or the background thread failed.
+        """
+        if not isinstance(data, bytes):
+            raise TypeError(f"expected the bytes of a serialised Event, got {type(data)}")
+        self._check()
+        self._queue.put(data)
+
+    def add_serialized_events(self, events: list[bytes]) -> None:
+        """Queue several serialised ``Event`` protos as one item: the thread writes them
+        in order with one wake-up.
+
+        Raises:
+            TypeError: an element of ``events`` is not ``bytes``.
+            OSError: the writer is closed, or the background thread failed.
+        """
+        for data in events:
+            if not isinstance(data, bytes):
+                raise TypeError(f"expected the bytes of a serialised Event, got {type(data)}")
+        self._check()
+        self._queue.put(list(events))
+
     def flush(self) -> None:
         """Block until every event queued so far is written and the file flushed."""
         self._check()
@@ -174,6 +201,10 @@ class EventFileWriter:
             if item is _FLUSH or item is _CLOSE:
                 self._file.flush()
                 deadline = None
+            elif isinstance(item, list):  # add_serialized_events
+                self._file.write(b"".join([frame(data) for data in item]))
+                if deadline is None:
+                    deadline = time.monotonic() + self._flush_secs
             else:
                 self._file.write(frame(item))  # type: ignore[arg-type]
                 if deadline is None:

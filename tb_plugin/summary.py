@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import struct
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -42,7 +43,11 @@ class SummaryWriter:
         filename_suffix: appended to the event file name (default ``".memory_hierarchy"``).
 
     The writer is thread-safe. Lifecycle: open after construction; :meth:`close` flushes
-    and makes further writes raise ``RuntimeError``.
+    and makes further writes raise ``RuntimeError``. Events written with ``hold=True``
+    (:meth:`record`) wait in memory until :meth:`release` hands them to the file writer's
+    thread together (one wake-up of that thread per batch instead of per event); any
+    other write, :meth:`flush` and :meth:`close` release them first, so the file keeps the
+    order of the calls.
     """
 
     def __init__(
@@ -55,6 +60,7 @@ class SummaryWriter:
         self._lock = threading.Lock()
         self._closed = False
         self._tags_written: set[str] = set()  # tags whose metadata is in the file already
+        self._held: list[bytes] = []  # serialised events written with hold=True
 
     # -- low level -----------------------------------------------------------------------
     def _write(self, tag: str, step: int, tensor: np.ndarray, wall_time: float | None) -> None:
@@ -74,7 +80,11 @@ class SummaryWriter:
             value.metadata.CopyFrom(make(value.tag))
 
     def _write_values(
-        self, values: list[summary_pb2.Summary.Value], step: int, wall_time: float | None
+        self,
+        values: list[summary_pb2.Summary.Value],
+        step: int,
+        wall_time: float | None,
+        hold: bool = False,
     ) -> None:
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
@@ -83,11 +93,33 @@ class SummaryWriter:
             step=int(step),
             summary=summary_pb2.Summary(value=values),
         )
+        self._queue(
+            event.SerializeToString(), [v.tag for v in values if v.HasField("metadata")], hold
+        )
+
+    def _queue(self, data: bytes, metadata_tags: list[str], hold: bool) -> None:
+        """Hand one serialised event to the file writer (or hold it, :meth:`release`) and
+        mark the tags whose metadata it carries as written."""
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"SummaryWriter for {self.logdir!r} is closed")
-            self._writer.add_event(event)
-            self._tags_written.update(v.tag for v in values if v.HasField("metadata"))
+            if hold:
+                self._held.append(data)
+            else:
+                self._release_locked()
+                self._writer.add_serialized_event(data)
+            self._tags_written.update(metadata_tags)
+
+    def release(self) -> None:
+        """Hand the events held so far (``hold=True``) to the file writer, at once."""
+        with self._lock:
+            if not self._closed:
+                self._release_locked()
+
+    def _release_locked(self) -> None:
+        if self._held:
+            held, self._held = self._held, []
+            self._writer.add_serialized_events(held)
 
     def vector(
         self, tag: str, step: int, values: Mapping[str, float], wall_time: float | None = None
@@ -107,13 +139,7 @@ class SummaryWriter:
         self._write_values([self._vector_value(tag, values)], step, wall_time)
 
     def _vector_value(self, tag: str, values: Mapping[str, float]) -> summary_pb2.Summary.Value:
-        kind, _rows, columns, _units = metadata.LAYOUTS[tag]
-        if kind != metadata.KIND_VECTOR:
-            raise ValueError(f"tag {tag!r} is a {kind} tag, not a vector tag")
-        unknown = set(values) - set(columns)
-        if unknown:
-            raise ValueError(f"unknown columns {sorted(unknown)} for {tag!r}; known: {columns}")
-        arr = np.array([_num(values.get(c)) for c in columns], dtype=np.float64)
+        arr = np.array(_vector_cells(tag, values), dtype=np.float64)
         return self._value(tag, arr)
 
     def matrix(
@@ -139,20 +165,9 @@ class SummaryWriter:
     def _matrix_value(
         self, tag: str, rows: Mapping[str, Mapping[str, float]]
     ) -> summary_pb2.Summary.Value:
-        kind, row_names, columns, _units = metadata.LAYOUTS[tag]
-        if kind != metadata.KIND_MATRIX:
-            raise ValueError(f"tag {tag!r} is a {kind} tag, not a matrix tag")
-        unknown_rows = set(rows) - set(row_names)
-        if unknown_rows:
-            raise ValueError(f"unknown rows {sorted(unknown_rows)} for {tag!r}; known: {row_names}")
-        arr = np.full((len(row_names), len(columns)), np.nan, dtype=np.float64)
-        for i, r in enumerate(row_names):
-            cells = rows.get(r, {})
-            unknown = set(cells) - set(columns)
-            if unknown:
-                raise ValueError(f"unknown columns {sorted(unknown)} for {tag!r}; known: {columns}")
-            for j, c in enumerate(columns):
-                arr[i, j] = _num(cells.get(c))
+        row_names, columns = metadata.LAYOUTS[tag][1:3]
+        cells = _matrix_cells(tag, rows)
+        arr = np.array(cells, dtype=np.float64).reshape(len(row_names), len(columns))
         return self._value(tag, arr)
 
     def record(
@@ -163,11 +178,14 @@ class SummaryWriter:
         vectors: Mapping[str, Mapping[str, float]] = {},  # noqa: B006
         scalars: Mapping[str, float] = {},  # noqa: B006
         wall_time: float | None = None,
+        hold: bool = False,
     ) -> None:
         """Write one step's matrix, vector and scalar tags as ONE event (one record in
         the file instead of one per tag: less framing, fewer CRCs and queue hand-overs).
         Readers see exactly what :meth:`matrix`, :meth:`vector` and :meth:`scalars` would
-        have written at that step.
+        have written at that step. Once every tag's metadata is in the file, the event's
+        bytes are put together from per-tag prefixes and the packed cells, without
+        building protos (the same bytes, ``_encode_record``).
 
         Args:
             step: the training step (int >= 0).
@@ -175,15 +193,32 @@ class SummaryWriter:
             vectors: vector tag -> values (as :meth:`vector`).
             scalars: scalar tag -> finite value (as :meth:`scalars`).
             wall_time: seconds since the epoch (default: now).
+            hold: True keeps the event in memory until :meth:`release` (or any other
+                write, :meth:`flush`, :meth:`close`); False (default) queues it now.
 
         Raises:
             ValueError: as :meth:`matrix`, :meth:`vector` and :meth:`scalars`.
         """
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        written = self._tags_written
+        if (
+            written.issuperset(matrices)
+            and written.issuperset(vectors)
+            and written.issuperset(scalars)
+        ):
+            # Every tag's metadata is in the file: encode the event from precomputed bytes.
+            data = _encode_record(
+                step, time.time() if wall_time is None else wall_time, matrices, vectors, scalars
+            )
+            if data is not None:
+                self._queue(data, [], hold)
+                return
         values = [self._matrix_value(tag, rows) for tag, rows in matrices.items()]
         values += [self._vector_value(tag, v) for tag, v in vectors.items()]
         values += self._scalar_values(scalars)
         if values:
-            self._write_values(values, step, wall_time)
+            self._write_values(values, step, wall_time, hold)
 
     def json(
         self, tag: str, step: int, obj: Mapping[str, Any], wall_time: float | None = None
@@ -228,12 +263,7 @@ class SummaryWriter:
     def _scalar_values(self, values: Mapping[str, float]) -> list[summary_pb2.Summary.Value]:
         protos = []
         for tag, v in values.items():
-            if tag not in metadata.SCALAR_TAGS:
-                raise ValueError(
-                    f"unknown scalar tag {tag!r}; known: {sorted(metadata.SCALAR_TAGS)}"
-                )
-            if not math.isfinite(v):
-                raise ValueError(f"scalar {tag!r} must be finite, got {v!r}")
+            _check_scalar(tag, v)
             value = summary_pb2.Summary.Value(
                 tag=tag,
                 tensor=tensor_pb2.TensorProto(
@@ -245,15 +275,17 @@ class SummaryWriter:
         return protos
 
     def flush(self) -> None:
-        """Write everything queued to disk (blocks until written)."""
+        """Write everything queued or held to disk (blocks until written)."""
         with self._lock:
             if not self._closed:
+                self._release_locked()
                 self._writer.flush()
 
     def close(self) -> None:
-        """Flush and close the event file; idempotent."""
+        """Write everything queued or held, and close the event file; idempotent."""
         with self._lock:
             if not self._closed:
+                self._release_locked()
                 self._writer.close()
                 self._closed = True
 
@@ -281,6 +313,147 @@ def _tensor_proto(array: np.ndarray) -> tensor_pb2.TensorProto:
         )
         return proto
     return tensor_util.make_tensor_proto(array)
+
+
+def _vector_cells(tag: str, values: Mapping[str, float]) -> list[float]:
+    """The float64 cells of vector ``tag`` (NaN for a missing column), in column order.
+
+    Raises:
+        ValueError: ``tag`` is not a vector tag, or ``values`` names unknown columns.
+    """
+    kind, _rows, columns, _units = metadata.LAYOUTS[tag]
+    if kind != metadata.KIND_VECTOR:
+        raise ValueError(f"tag {tag!r} is a {kind} tag, not a vector tag")
+    if not _column_set(tag).issuperset(values):
+        unknown = set(values) - set(columns)
+        raise ValueError(f"unknown columns {sorted(unknown)} for {tag!r}; known: {columns}")
+    return [_num(values.get(c)) for c in columns]
+
+
+def _matrix_cells(tag: str, rows: Mapping[str, Mapping[str, float]]) -> list[float]:
+    """The float64 cells of matrix ``tag``, row-major (NaN for a missing row or cell).
+
+    Raises:
+        ValueError: ``tag`` is not a matrix tag, or ``rows`` names unknown rows or columns.
+    """
+    kind, row_names, columns, _units = metadata.LAYOUTS[tag]
+    if kind != metadata.KIND_MATRIX:
+        raise ValueError(f"tag {tag!r} is a {kind} tag, not a matrix tag")
+    unknown_rows = set(rows) - set(row_names)
+    if unknown_rows:
+        raise ValueError(f"unknown rows {sorted(unknown_rows)} for {tag!r}; known: {row_names}")
+    known = _column_set(tag)
+    out: list[float] = []
+    for r in row_names:
+        cells = rows.get(r, {})
+        if not known.issuperset(cells):
+            unknown = set(cells) - set(columns)
+            raise ValueError(f"unknown columns {sorted(unknown)} for {tag!r}; known: {columns}")
+        out.extend(_num(cells.get(c)) for c in columns)
+    return out
+
+
+def _check_scalar(tag: str, value: float) -> None:
+    """Raise ValueError unless ``tag`` is one of :data:`metadata.SCALAR_TAGS` and ``value``
+    is finite."""
+    if tag not in metadata.SCALAR_TAGS:
+        raise ValueError(f"unknown scalar tag {tag!r}; known: {sorted(metadata.SCALAR_TAGS)}")
+    if not math.isfinite(value):
+        raise ValueError(f"scalar {tag!r} must be finite, got {value!r}")
+
+
+@functools.cache
+def _column_set(tag: str) -> frozenset[str]:
+    return frozenset(metadata.LAYOUTS[tag][2])
+
+
+# -- the per-step record from precomputed bytes ------------------------------------------
+# A telemetry record is the same few tags at every step, each a fixed-shape tensor; once
+# their metadata is in the file, the only bytes that change are the cells, the step and
+# the wall time. The Summary.Value bytes before the cells are taken once per tag from
+# protobuf's own serialisation (fields are written in field-number order, and the cells
+# are the last field: ``TensorProto.tensor_content`` for float64, ``float_val`` for the
+# float32 scalars), so an event costs a struct.pack per tag instead of building and
+# serialising ~20 protos (tests/test_telemetry_event_file.py checks the bytes are equal).
+
+
+def _varint(n: int) -> bytes:
+    """Protobuf base-128 varint of ``n`` >= 0."""
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field (wire type 2)."""
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+@functools.cache
+def _tensor_prefix(tag: str) -> tuple[bytes, struct.Struct]:
+    """(Summary.Value bytes of float64 tag ``tag`` up to its cells, the cells' packer)."""
+    kind, rows, columns, _units = metadata.LAYOUTS[tag]
+    shape = (len(rows), len(columns)) if kind == metadata.KIND_MATRIX else (len(columns),)
+    size = 8 * math.prod(shape)
+    template = summary_pb2.Summary.Value(tag=tag, tensor=_tensor_proto(np.zeros(shape)))
+    data = template.SerializeToString()
+    if not data.endswith(bytes(size)):
+        raise AssertionError(f"Summary.Value of {tag!r} does not end with its cells")
+    return data[:-size], struct.Struct(f"<{size // 8}d")
+
+
+@functools.cache
+def _scalar_prefix(tag: str) -> bytes:
+    """Summary.Value bytes of scalar ``tag`` (float32, no metadata) up to its value."""
+    template = summary_pb2.Summary.Value(
+        tag=tag,
+        tensor=tensor_pb2.TensorProto(dtype=types_pb2.DT_FLOAT, float_val=[0.0], tensor_shape={}),
+    )
+    data = template.SerializeToString()
+    if not data.endswith(bytes(4)):
+        raise AssertionError(f"Summary.Value of {tag!r} does not end with its value")
+    return data[:-4]
+
+
+_F32 = struct.Struct("<f")
+_F64 = struct.Struct("<d")
+
+
+def _encode_record(
+    step: int,
+    wall_time: float,
+    matrices: Mapping[str, Mapping[str, Mapping[str, float]]],
+    vectors: Mapping[str, Mapping[str, float]],
+    scalars: Mapping[str, float],
+) -> bytes | None:
+    """The serialised ``Event`` :meth:`SummaryWriter.record` writes for tags whose metadata
+    is in the file already (byte for byte what protobuf writes); None when a scalar does
+    not fit a float32 (the caller builds the protos instead).
+
+    Raises:
+        ValueError: as :meth:`SummaryWriter.record`.
+    """
+    values = []
+    for tag, rows in matrices.items():
+        prefix, packer = _tensor_prefix(tag)
+        values.append(prefix + packer.pack(*_matrix_cells(tag, rows)))
+    for tag, cells in vectors.items():
+        prefix, packer = _tensor_prefix(tag)
+        values.append(prefix + packer.pack(*_vector_cells(tag, cells)))
+    for tag, v in scalars.items():
+        _check_scalar(tag, v)
+        try:
+            values.append(_scalar_prefix(tag) + _F32.pack(v))
+        except OverflowError:  # beyond float32: let protobuf decide
+            return None
+    summary = b"".join([_field(1, v) for v in values])
+    head = b"\x09" + _F64.pack(wall_time) if wall_time != 0.0 else b""
+    if step:
+        head += b"\x10" + _varint(step)
+    return head + _field(5, summary)
 
 
 def _num(value: float | None) -> float:

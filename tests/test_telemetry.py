@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import zero_runtime
-from zero_runtime.telemetry import Timeline, intersect, overlap, total, union
+from zero_runtime.telemetry import BackgroundEmitter, Timeline, intersect, overlap, total, union
 from zero_runtime.telemetry.collector import step_timing
 
 # -- Timeline -----------------------------------------------------------------------------
@@ -213,3 +213,117 @@ def test_headline_scalars_sum_the_measured_directions_and_drop_nan():
     assert set(got) <= set(metadata.SCALAR_TAGS)
     none = metadata.headline_scalars({}, {"prefetch_hits": 0.0, "prefetch_misses": 0.0}, {})
     assert none == {}  # no prefetch at all: no hit rate
+
+
+# -- BackgroundEmitter: batches off the step's path -----------------------------------------
+
+
+def test_emitter_batches_without_waking_per_item_and_drain_writes_everything():
+    """Items wait (no wake-up per submit) until ``max_delay`` or ``batch`` items; drain
+    processes everything submitted before it, in order, then after_batch runs once per
+    batch; close processes the rest."""
+    seen: list[int] = []
+    batches: list[int] = []
+    emitter = BackgroundEmitter(
+        seen.append, batch=1000, max_delay=30.0, after_batch=lambda: batches.append(len(seen))
+    )
+    for i in range(10):
+        emitter.submit(i)
+    time.sleep(0.2)
+    assert seen == []  # not woken: fewer than `batch` items and well within max_delay
+    emitter.drain()
+    assert seen == list(range(10)) and batches == [10]
+    for i in range(10, 13):
+        emitter.submit(i)
+    emitter.close()
+    emitter.close()  # idempotent
+    assert seen == list(range(13)) and batches == [10, 13]
+    with pytest.raises(RuntimeError, match="closed"):
+        emitter.submit(13)
+    emitter.drain()  # a no-op after close
+
+
+def test_emitter_wakes_at_batch_size_and_after_max_delay():
+    seen: list[int] = []
+    by_count = BackgroundEmitter(seen.append, batch=4, max_delay=30.0)
+    for i in range(4):
+        by_count.submit(i)
+    deadline = time.monotonic() + 5.0
+    while len(seen) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert seen == [0, 1, 2, 3]
+    by_count.close()
+    late: list[int] = []
+    by_time = BackgroundEmitter(late.append, batch=1000, max_delay=0.1)
+    by_time.submit(7)
+    deadline = time.monotonic() + 5.0
+    while not late and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert late == [7]
+    by_time.close()
+
+
+def test_emitter_logs_a_failing_item_and_goes_on(caplog):
+    def fn(item: int) -> None:
+        if item == 1:
+            raise ValueError("bad record")
+        seen.append(item)
+
+    seen: list[int] = []
+    emitter = BackgroundEmitter(fn, batch=1, max_delay=1.0)
+    for i in range(3):
+        emitter.submit(i)
+    emitter.close()
+    assert seen == [0, 2]
+    assert "writing a StepStats record failed" in caplog.text
+    with pytest.raises(ValueError, match="batch=0"):
+        BackgroundEmitter(fn, batch=0)
+    with pytest.raises(ValueError, match="max_delay=0"):
+        BackgroundEmitter(fn, max_delay=0)
+
+
+# -- Accounting: per-step figures that change only with the optimizers --------------------
+
+
+def test_accounting_recomputes_collectives_and_placement_rows_only_when_inputs_change():
+    """The collective bytes and the stage 0-2 placement rows are cached between records and
+    computed again when an input changes (a stage-2 group falling back to all-reduce, the
+    offload ratio); callers get copies unless they ask for the shared rows."""
+    from types import SimpleNamespace
+
+    from zero_runtime.optim.layout import FlatLayout
+    from zero_runtime.runtime.accounting import Accounting
+    from zero_runtime.telemetry import collective_bytes
+
+    n = 2
+    layout = FlatLayout.from_variables(
+        [SimpleNamespace(shape=(10,), path="a"), SimpleNamespace(shape=(3, 4), path="b")], n
+    )
+    group = SimpleNamespace(impl_used="all_to_all")
+    zs = SimpleNamespace(
+        layout=layout,
+        stage=2,
+        group=group,
+        accumulation_steps=1,
+        config=SimpleNamespace(offload_optimizer_ratio=1.0),
+    )
+    accounting = Accounting(SimpleNamespace(devices=["/cpu:0", "/cpu:1"]))
+    accounting.add_optimizer(SimpleNamespace(zero_state=zs))
+    first = accounting.collectives()
+    assert first == collective_bytes(zs, n) and first["reduce_scatter_calls"] == float(n)
+    first["reduce_scatter_calls"] = -1.0  # a caller's copy
+    assert accounting.collectives()["reduce_scatter_calls"] == float(n)
+    group.impl_used = "all_reduce"  # the fallback: all-reduce from now on
+    moved = accounting.collectives()
+    assert (moved["all_reduce_calls"], moved["reduce_scatter_calls"]) == (float(n), 0.0)
+
+    rows = accounting.placement("cpu")["variables"]
+    assert [r["name"] for r in rows] == ["a", "b"]
+    assert rows[1]["shard_bytes_per_replica"] == 4 * 6 and rows[0]["optimizer_tier"] == "host"
+    rows[0]["name"] = "changed by a caller"
+    shared = accounting.placement("cpu", copy=False)["variables"]
+    assert shared[0]["name"] == "a"
+    assert accounting.placement("cpu", copy=False)["variables"][0] is shared[0]
+    assert accounting.placement("nvme", copy=False)["variables"][0]["optimizer_tier"] == "nvme"
+    zs.config.offload_optimizer_ratio = 0.5
+    assert accounting.placement("cpu")["variables"][0]["optimizer_host_fraction"] == 0.5

@@ -3,6 +3,7 @@ what TensorBoard's own writer writes, and TensorBoard and TensorFlow read it bac
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 import time
@@ -17,6 +18,7 @@ from tensorboard.summary.writer.event_file_writer import EventFileWriter as TbWr
 from tensorboard.util import tensor_util
 
 from tb_plugin import event_file, metadata
+from tb_plugin import summary as summary_module
 from tb_plugin.summary import SummaryWriter
 
 
@@ -136,3 +138,89 @@ def test_summary_writer_files_read_by_tensorboard(tmp_path):
     grid = tf.make_ndarray(values[metadata.TAG_TIERS].tensor)
     assert grid[0, 0] == 5.0 and grid[1, 0] == 7.0
     assert tf.make_ndarray(values["zero/timing/step_seconds"].tensor) == pytest.approx(0.25)
+
+
+def _record_args(step: int) -> dict:
+    """One telemetry record's tags with step-dependent cells (NaN and missing cells too)."""
+    return {
+        "matrices": {
+            metadata.TAG_TIERS: {
+                "device": {"used_bytes": 5.0 * step, "peak_bytes": 1e12 + step},
+                "host": {"used_bytes": 7.0, "capacity_bytes": math.nan},
+            }
+        },
+        "vectors": {
+            metadata.TAG_READINGS: {"process_rss_bytes": 123456789.0 + step},
+            metadata.TAG_TIMING: {"step_seconds": 0.0291 * (step + 1), "traced": 0.0},
+        },
+        "scalars": {"zero/timing/step_seconds": 0.0291 * (step + 1), "zero/host/used_bytes": 7.0},
+    }
+
+
+@pytest.mark.parametrize("step", [0, 1, 127, 128, 300, 2**40])
+def test_fast_record_bytes_equal_protobufs(tmp_path, step):
+    """Once a record's tags carry their metadata in the file, ``record`` puts the event
+    together from per-tag prefixes (no protos); the bytes are protobuf's own."""
+    writer = SummaryWriter(str(tmp_path))
+    writer.record(0, **_record_args(0))  # the first values carry the metadata
+    args = _record_args(step)
+    wall_time = 1796281387.637240 + step
+    fast = summary_module._encode_record(step, wall_time, **args)
+    values = [writer._matrix_value(t, rows) for t, rows in args["matrices"].items()]
+    values += [writer._vector_value(t, v) for t, v in args["vectors"].items()]
+    values += writer._scalar_values(args["scalars"])
+    assert not any(v.HasField("metadata") for v in values)
+    summary = summary_pb2.Summary(value=values)
+    proto = event_pb2.Event(wall_time=wall_time, step=step, summary=summary)
+    assert fast == proto.SerializeToString()
+    writer.close()
+
+
+def test_held_records_are_written_at_release_in_call_order(tmp_path):
+    """hold=True keeps a record in memory until release (or any other write, flush,
+    close); every record ends up in the file once, in call order, with the metadata on
+    each tag's first value only, and TensorFlow reads every checksum."""
+    writer = SummaryWriter(str(tmp_path))
+    for step in range(5):
+        writer.record(step, hold=True, **_record_args(step))
+    time.sleep(0.1)
+    assert len(records(only_file(tmp_path))) == 1  # only the file_version event so far
+    writer.release()
+    writer.json(metadata.TAG_PLACEMENT, 5, {"variables": []})
+    writer.record(6, hold=True, **_record_args(6))
+    writer.flush()
+    writer.record(7, hold=True, **_record_args(7))
+    writer.close()  # writes the held step 7
+    raw = [
+        event_pb2.Event.FromString(r.numpy()) for r in tf.data.TFRecordDataset(only_file(tmp_path))
+    ]
+    assert [e.step for e in raw[1:]] == list(range(8))
+    with_metadata = [v.tag for e in raw for v in e.summary.value if v.HasField("metadata")]
+    assert sorted(with_metadata) == sorted(set(with_metadata))  # once per tag
+    for e in raw[1:]:
+        if e.step == 5:
+            continue
+        values = {v.tag: v for v in e.summary.value}
+        grid = tf.make_ndarray(values[metadata.TAG_TIERS].tensor)
+        assert grid.shape == (3, 7) and grid[0, 0] == 5.0 * e.step and math.isnan(grid[1, 1])
+        timing = tf.make_ndarray(values[metadata.TAG_TIMING].tensor)
+        assert timing[0] == 0.0291 * (e.step + 1)
+        scalar = tf.make_ndarray(values["zero/timing/step_seconds"].tensor)
+        assert scalar == np.float32(0.0291 * (e.step + 1))
+
+
+def test_fast_record_validates_like_the_proto_path(tmp_path):
+    """The precomputed path refuses what the proto path refuses, with the same message."""
+    writer = SummaryWriter(str(tmp_path))
+    writer.record(0, **_record_args(0))
+    with pytest.raises(ValueError, match="unknown columns \\['bogus'\\]"):
+        writer.record(1, vectors={metadata.TAG_TIMING: {"bogus": 1.0}})
+    with pytest.raises(ValueError, match="unknown rows \\['gpu'\\]"):
+        writer.record(1, matrices={metadata.TAG_TIERS: {"gpu": {}}})
+    with pytest.raises(ValueError, match="must be finite"):
+        writer.record(1, scalars={"zero/timing/step_seconds": math.inf})
+    with pytest.raises(ValueError, match="step must be >= 0"):
+        writer.record(-1, **_record_args(1))
+    writer.close()
+    with pytest.raises(RuntimeError, match="is closed"):
+        writer.record(1, **_record_args(1))

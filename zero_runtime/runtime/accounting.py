@@ -14,11 +14,9 @@ import math
 import threading
 from typing import Any
 
-import psutil
-
 from tb_plugin import metadata
 from zero_runtime import estimator
-from zero_runtime.config import ZeroConfig
+from zero_runtime.config import ZeroConfig, physical_memory_bytes
 from zero_runtime.devices import DeviceInfo, framework_memory_bytes
 from zero_runtime.telemetry import Readings, TierStats, collective_bytes
 
@@ -48,6 +46,11 @@ class Accounting:
         self._lock = threading.Lock()
         self._host_peak = 0  # bytes: the host tier's peak since the last record
         self._stage3_rows: list[dict[str, Any]] = []  # placement rows of the last record
+        # Per-step figures that change only with the optimizers (recomputed on a key change).
+        self._collectives_key: tuple | None = None
+        self._collectives: dict[str, float] = {}
+        self._rows_key: tuple | None = None
+        self._rows: list[dict[str, Any]] = []
 
     @property
     def local_replicas(self) -> int:
@@ -88,12 +91,17 @@ class Accounting:
 
     def state_bytes_on(self, tier: str) -> tuple[int, int]:
         """(optimizer-state bytes, other bytes) the optimizers' stores hold on ``tier``."""
-        state = other = 0
+        return self._state_bytes().get(tier, (0, 0))
+
+    def _state_bytes(self) -> dict[str, tuple[int, int]]:
+        """Tier -> (optimizer-state bytes, other bytes) over the optimizers' stores, each
+        store asked once."""
+        out: dict[str, tuple[int, int]] = {}
         for opt in self.optimizers:
-            s, o = opt.zero_state.store.usage().get(tier, (0, 0))
-            state += s
-            other += o
-        return state, other
+            for tier, (s, o) in opt.zero_state.store.usage().items():
+                state, other = out.get(tier, (0, 0))
+                out[tier] = (state + s, other + o)
+        return out
 
     def grad_bytes(self) -> int:
         """Device bytes of gradients the local replicas keep, by the ZeRO accounting.
@@ -143,12 +151,28 @@ class Accounting:
         return any(hasattr(o.zero_state.store, "pool") for o in self.optimizers)
 
     def collectives(self) -> dict[str, float]:
-        """``<kind>_bytes`` / ``<kind>_calls`` summed over the optimizers (one step)."""
-        out: dict[str, float] = {}
-        for opt in self.optimizers:
-            for k, v in collective_bytes(opt.zero_state, self.local_replicas).items():
-                out[k] = out.get(k, 0.0) + v
-        return out
+        """``<kind>_bytes`` / ``<kind>_calls`` summed over the optimizers (one step).
+
+        Computed again only when an input changed (the optimizers, their layouts, stages,
+        accumulation steps, or a stage-2 group's implementation after a fallback); a new
+        dict each call (records keep it)."""
+        key = tuple(
+            (
+                id(zs),
+                id(zs.layout),
+                zs.stage,
+                zs.accumulation_steps,
+                getattr(zs.group, "impl_used", None),
+            )
+            for zs in (opt.zero_state for opt in self.optimizers)
+        )
+        if key != self._collectives_key:
+            out: dict[str, float] = {}
+            for opt in self.optimizers:
+                for k, v in collective_bytes(opt.zero_state, self.local_replicas).items():
+                    out[k] = out.get(k, 0.0) + v
+            self._collectives, self._collectives_key = out, key
+        return dict(self._collectives)
 
     # -- one step's record -----------------------------------------------------------------
     def close_step(
@@ -170,7 +194,8 @@ class Accounting:
         """
         param_bytes = float(self.model_param_bytes() * self.local_replicas)
         grad_bytes = float(self.grad_bytes())
-        device_opt, _ = self.state_bytes_on("device")
+        by_tier = self._state_bytes()
+        device_opt, _ = by_tier.get("device", (0, 0))
         used = readings.framework_device_bytes
         attributed = param_bytes + grad_bytes + device_opt
         device = TierStats(
@@ -182,12 +207,12 @@ class Accounting:
             optimizer_bytes=float(device_opt),
             other_bytes=max(0.0, used - attributed) if math.isfinite(used) else math.nan,
         )
-        state, scratch = self.state_bytes_on("host")
+        state, scratch = by_tier.get("host", (0, 0))
         host_used = float(state + scratch)
         self._host_peak = max(self._host_peak, int(host_used))
         host = TierStats(
             used_bytes=host_used,
-            capacity_bytes=float(config.host_budget_bytes or psutil.virtual_memory().total),
+            capacity_bytes=float(config.host_budget_bytes or physical_memory_bytes()),
             peak_bytes=float(self._host_peak),
             param_bytes=0.0,
             grad_bytes=0.0,
@@ -195,7 +220,7 @@ class Accounting:
             other_bytes=float(scratch),
         )
         self._host_peak = int(host_used)
-        nvme_state, _ = self.state_bytes_on("nvme")
+        nvme_state, _ = by_tier.get("nvme", (0, 0))
         nvme = TierStats(
             used_bytes=float(nvme_state),
             capacity_bytes=_or_nan(config.nvme_budget_bytes),
@@ -247,11 +272,16 @@ class Accounting:
         return stage3_tiers(tiers, records, float(self.grad_bytes()), float(frozen))
 
     # -- placement -----------------------------------------------------------------------
-    def placement(self, offload_optimizer: str) -> dict[str, Any]:
+    def placement(self, offload_optimizer: str, copy: bool = True) -> dict[str, Any]:
         """Where every trainable variable's parameter, gradient and optimizer state live.
 
         Args:
             offload_optimizer: the active config's ``offload_optimizer``.
+            copy: True (default): every row is a new dict the caller may change. False:
+                the stage 0-2 rows are the dicts cached since their inputs last changed
+                (the optimizers, their stages, layouts and offload ratio), shared between
+                calls and not to be modified; the per-step summary writer compares them
+                with the last written placement without rebuilding them.
 
         Returns:
             ``{"variables": [{"name", "shape", "dtype", "bytes", "partitioning",
@@ -262,11 +292,23 @@ class Accounting:
             variables come from the engines' pools as of the last step record
             (``Stage3Engine.placement_rows``).
         """
+        key = (offload_optimizer,) + tuple(
+            (id(zs), id(zs.layout), zs.stage, _offload_ratio(zs))
+            for zs in (opt.zero_state for opt in self.optimizers)
+        )
+        if key != self._rows_key:
+            self._rows, self._rows_key = self._optimizer_rows(offload_optimizer), key
+        rows = [dict(r) for r in self._rows] if copy else list(self._rows)
+        rows.extend(self._stage3_rows)
+        return {"variables": rows}
+
+    def _optimizer_rows(self, offload_optimizer: str) -> list[dict[str, Any]]:
+        """The placement rows of the stage 0-2 optimizers' variables (:meth:`placement`)."""
         rows = []
         opt_tier = OPTIMIZER_TIER[offload_optimizer]
         for opt in self.optimizers:
             zs = opt.zero_state
-            if zs.stage >= 3:  # rows from the stage-3 engines' pools (below)
+            if zs.stage >= 3:  # rows from the stage-3 engines' pools (placement)
                 continue
             layout = zs.layout
             n = layout.num_shards
@@ -276,7 +318,7 @@ class Accounting:
                 text = f"optimizer state and gradient sharded 1/{n} (ZeRO-2); parameter replicated"
             else:
                 text = f"optimizer state sharded 1/{n} (ZeRO-1); parameter and gradient replicated"
-            ratio = zs.config.offload_optimizer_ratio if zs.stage > 0 else 1.0
+            ratio = _offload_ratio(zs)
             extra = {"optimizer_host_fraction": ratio} if ratio < 1.0 else {}
             for name, shape, size in zip(layout.names, layout.shapes, layout.sizes):
                 rows.append(
@@ -293,8 +335,12 @@ class Accounting:
                         "optimizer_tier": "device" if zs.stage == 0 else opt_tier,
                     }
                 )
-        rows.extend(self._stage3_rows)
-        return {"variables": rows}
+        return rows
+
+
+def _offload_ratio(zero_state: Any) -> float:
+    """The share of a partitioned optimizer's states on its offload tier (1.0 at stage 0)."""
+    return zero_state.config.offload_optimizer_ratio if zero_state.stage > 0 else 1.0
 
 
 def estimate(

@@ -115,7 +115,7 @@ class ZeroRuntime:
         WATCHDOG.add_interval_listener(self.collector.record_collective)
         self._traced_builds: int | None = None  # WATCHDOG.traced_builds at the last step
         # Summaries are serialised off the step's critical path (telemetry/emitter.py).
-        self.summaries = RunSummaries(logdir, self.placement) if logdir else None
+        self.summaries = RunSummaries(logdir, self._shared_placement) if logdir else None
         self.control = control.ControlChannel(logdir, config) if logdir else None
         # The stage-3 pool's access trace, written off the step's thread (what-if).
         self._trace_writer = TraceWriter(os.path.join(logdir, TRACE_DIR)) if logdir else None
@@ -408,6 +408,11 @@ class ZeroRuntime:
         """Where every trainable variable's parameter, gradient and optimizer state live
         (:meth:`Accounting.placement` under the active ``offload_optimizer``)."""
         return self.accounting.placement(self.config.offload_optimizer)
+
+    def _shared_placement(self) -> dict[str, Any]:
+        """:meth:`placement` with the cached rows shared, not copied (read-only: the
+        summary writer compares it with the placement it wrote last, every record)."""
+        return self.accounting.placement(self.config.offload_optimizer, copy=False)
 
     # -- out of memory (issue #10) -------------------------------------------------------
     def write_postmortem(self, exc: BaseException, step: int | None = None) -> str | None:

@@ -34,7 +34,8 @@ class RunSummaries:
         self._writer = SummaryWriter(logdir)
         self._placement = placement
         self._last_placement: dict[str, Any] | None = None
-        self._emitter = BackgroundEmitter(self._write_step)
+        # Records are written in batches; each batch goes to the file writer at once.
+        self._emitter = BackgroundEmitter(self._write_step, after_batch=self._writer.release)
 
     def run_info(
         self,
@@ -82,7 +83,8 @@ class RunSummaries:
         self._writer.json(metadata.TAG_ESTIMATE, 0, dict(estimate))
 
     def step(self, stats: StepStats) -> None:
-        """Queue one StepStats record for the background writer (never blocks)."""
+        """Queue one StepStats record for the background writer (never blocks; written
+        within ``emitter.DEFAULT_MAX_DELAY`` seconds, or at :meth:`flush`/:meth:`close`)."""
         self._emitter.submit(stats)
 
     def config_event(self, step: int, outcome: Mapping[str, Any]) -> None:
@@ -141,6 +143,7 @@ class RunSummaries:
             vectors=vectors,
             scalars=metadata.headline_scalars(tiers, stats.pages, stats.timing),
             wall_time=stats.wall_time,
+            hold=True,  # handed over with the batch (BackgroundEmitter's after_batch)
         )
         placement = self._placement()
         if placement != self._last_placement:  # first step and whenever it changes
