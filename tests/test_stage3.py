@@ -130,7 +130,10 @@ def test_stage3_parity_with_mirrored(offload_param, offload_optimizer, reference
     assert store.tier == {"none": "device", "cpu": "host", "nvme": "nvme"}[offload_optimizer]
     if offload_param == "nvme":
         assert engine.pool.nvme_file is not None
-        assert engine.pool.usage()["nvme"].used_bytes > 0
+        # The shards' chunks are allocated on NVMe and paged in to the host (n2h); packed
+        # (issue 16), a model this small then fits the host window and may stay there.
+        assert engine.space.tier == "nvme"
+        assert sum(r.pages["n2h_pages"] for r in strategy.runtime.recorder.last()) > 0
     weights = model.get_weights()  # gathered on demand from the shards
     ref_losses, ref_weights = reference
     sharded.close()

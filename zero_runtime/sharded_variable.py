@@ -7,8 +7,11 @@ Vocabulary (used by :mod:`zero_runtime.stage3` and the stage-3 optimizer path):
 - *shard*: replica ``r``'s rows ``[r * R, (r + 1) * R)`` of the moved value, zero-padded
   to ``R = ceil(D / N)`` rows, flattened: float32 ``[R * prod(rest)]`` (ZeRO-3, parameter
   partitioning, Rajbhandari et al., SC20, section 5.3). It lives as pages of the paged
-  pool on the tier ``offload_param`` selects ('cpu' -> host, 'nvme' -> NVMe), one pool
-  tensor per replica; on the device tier ('none', with ``devices`` given) it is a
+  pool on the tier ``offload_param`` selects ('cpu' -> host, 'nvme' -> NVMe): with a
+  ``space`` (:class:`~zero_runtime.memory.FlatShardSpace`, the stage-3 engine's), a range
+  of the replica's flat space, packed with the other variables' shards into page-sized
+  chunks; without one, its own pool tensor per replica (:meth:`ShardedVariable.page_ids`
+  names the pool tensors either way). On the device tier ('none', with ``devices`` given) it is a
   TensorFlow variable on the replica's device (:meth:`ShardedVariable.device_shard`,
   read and assigned inside a step with no host call) and the pool holds a reservation
   of its pages (``PagedBufferPool.reserve``: counted, pinned, no bytes).
@@ -59,7 +62,7 @@ from keras.src.backend.tensorflow.core import Variable as _KerasTFVariable
 from tensorflow.python.ops import resource_variable_ops
 
 from zero_runtime.lifecycle import host_function
-from zero_runtime.memory import PagedBufferPool
+from zero_runtime.memory import FlatRange, FlatShardSpace, PagedBufferPool
 
 #: Tier of a shard's pages for each ``offload_param`` value.
 PARAM_TIER = {"none": "device", "cpu": "host", "nvme": "nvme"}
@@ -125,10 +128,15 @@ class ShardedVariable(_KerasTFVariable):
             ``[shard_elements]`` resource variable on its replica's device and the pool
             holds a reservation of its pages. Default None: the shards are pool pages on
             ``tier`` (also 'device': pages as TensorFlow tensors, read by host calls).
+        space: a :class:`~zero_runtime.memory.FlatShardSpace` on ``tier`` ('host' or
+            'nvme') over ``local_replicas``: each shard is then a range of the replica's
+            flat space (packed with other variables' shards, page-sized chunks) instead
+            of its own pool tensor of whole pages. Default None.
 
     Raises:
-        ValueError: a non-float32 value, ``num_shards`` < 1, a bad ``shard_dim``, or
-            ``local_replicas`` out of range / a subset without ``gather_remote``.
+        ValueError: a non-float32 value, ``num_shards`` < 1, a bad ``shard_dim``,
+            ``local_replicas`` out of range / a subset without ``gather_remote``, or a
+            ``space`` on another tier / over other replicas, or with device ``devices``.
     """
 
     def __init__(
@@ -146,6 +154,7 @@ class ShardedVariable(_KerasTFVariable):
         local_replicas: Sequence[int] | None = None,
         gather_remote: Callable[[dict[int, np.ndarray]], np.ndarray] | None = None,
         devices: Sequence[str] | None = None,
+        space: FlatShardSpace | None = None,
     ) -> None:
         value = np.asarray(value)
         if value.dtype != np.float32:
@@ -181,8 +190,20 @@ class ShardedVariable(_KerasTFVariable):
         self._replicas = [
             _ReplicaShard(f"p/{uid}/r{r}", f"g/{uid}/r{r}") for r in range(self.num_shards)
         ]
+        self.space = space
+        self._range: FlatRange | None = None
+        if space is not None:
+            if space.tier != tier or set(space.replicas) != set(local):
+                raise ValueError(
+                    f"ShardedVariable {name!r}: space {space!r} is not on tier {tier!r} over "
+                    f"local replicas {local}"
+                )
+            # One range, the same on every replica (allocates the chunks it enters).
+            self._range = space.reserve(self.shard_elements)
         for r in self.local_replicas:  # a worker allocates only its own replicas' shards
             rec = self._replicas[r]
+            if space is not None:
+                continue
             if tier == "device" and devices:
                 pool.reserve(rec.shard_id, (self.shard_elements,), np.float32, "param")
                 rec.variable = _device_variable(
@@ -276,8 +297,17 @@ class ShardedVariable(_KerasTFVariable):
         return self._replicas[replica].state
 
     def shard_id(self, replica: int) -> str:
-        """The pool tensor id of ``replica``'s shard."""
+        """The name of ``replica``'s shard (in messages); without a ``space`` also its pool
+        tensor id (or device reservation). Pool calls use :meth:`page_ids`."""
         return self._replicas[replica].shard_id
+
+    def page_ids(self, replica: int) -> tuple[str, ...]:
+        """The pool tensor ids holding ``replica``'s shard, in order: the chunks of the
+        flat space its range overlaps (shared with other variables; empty for an empty
+        shard), or its own tensor (a device shard's reservation) without a space."""
+        if self.space is not None:
+            return self.space.page_ids(replica, self._range)
+        return (self._replicas[replica].shard_id,)
 
     def shards_from_logical(self, value: np.ndarray) -> np.ndarray:
         """Split a logical value into shards: float32 ``[N, shard_elements]``."""
@@ -310,6 +340,8 @@ class ShardedVariable(_KerasTFVariable):
         rec = self._replicas[replica]
         if rec.variable is not None:
             return np.array(rec.variable.numpy(), np.float32, copy=True)
+        if self.space is not None:
+            return self.space.read(replica, self._range)
         sid = rec.shard_id
         if self.tier == "device":
             out = self.pool.acquire(sid, "device")
@@ -331,6 +363,9 @@ class ShardedVariable(_KerasTFVariable):
         if rec.variable is not None or self.tier == "device":
             out[:] = self.read_shard(replica)
             return
+        if self.space is not None:
+            self.space.read_into(replica, self._range, out)
+            return
         out[:] = self.pool.acquire(rec.shard_id, "host")
         self.pool.release(rec.shard_id)
 
@@ -339,6 +374,8 @@ class ShardedVariable(_KerasTFVariable):
         -> SHARDED): ``fn`` gets a writable float32 ``[shard_elements]`` array (the page
         itself for a one-page shard; a copy written back after ``fn`` otherwise) and
         updates it in place. The optimizer's update without a read and a write copy.
+        With a ``space``: the page itself when the shard's range lies in one chunk, a copy
+        written back otherwise.
 
         Raises:
             ShardStateError: the replica's copy is GATHERING or GATHERED.
@@ -352,6 +389,10 @@ class ShardedVariable(_KerasTFVariable):
             )
         with self._lock:
             self._expect(rec, (ShardState.SHARDED, ShardState.RELEASED), "update_shard_in_place")
+            if self.space is not None:
+                self.space.update_in_place(replica, self._range, fn)
+                rec.state = ShardState.SHARDED
+                return
             view = self.pool.acquire(rec.shard_id, "host", writable=True)
             try:
                 fn(view)
@@ -369,7 +410,7 @@ class ShardedVariable(_KerasTFVariable):
         rec = self._replicas[replica]
         with self._lock:
             self._expect(rec, (ShardState.SHARDED, ShardState.RELEASED), "write_shard")
-            self._store(rec, shard)
+            self._store(replica, shard)
             rec.state = ShardState.SHARDED
 
     # -- transitions ---------------------------------------------------------------------
@@ -451,13 +492,17 @@ class ShardedVariable(_KerasTFVariable):
         return self.logical_from_shards(shards)
 
     def free(self) -> None:
-        """Free every page this variable owns (shards and gathered buffers)."""
+        """Free every page this variable owns (shards and gathered buffers); with a
+        ``space``, give its range back (chunks no other shard uses are freed)."""
         for rec in self._replicas:
             if rec.state is ShardState.GATHERED:
                 self.pool.free(rec.gathered_id)
-            if rec.shard_id in self.pool.tensor_ids():
+            if self.space is None and rec.shard_id in self.pool.tensor_ids():
                 self.pool.free(rec.shard_id)
             rec.variable = None
+        if self.space is not None and self._range is not None:
+            self.space.release(self._range)
+            self._range = None
 
     # -- helpers -------------------------------------------------------------------------
     def _write_logical(self, value: np.ndarray) -> None:
@@ -466,10 +511,12 @@ class ShardedVariable(_KerasTFVariable):
             rec = self._replicas[r]
             with self._lock:
                 self._expect(rec, (ShardState.SHARDED, ShardState.RELEASED), "assign")
-                self._store(rec, shards[r])
+                self._store(r, shards[r])
 
-    def _store(self, rec: _ReplicaShard, shard: np.ndarray) -> None:
-        """Write one replica's shard where it lives (its device variable or its pages)."""
+    def _store(self, replica: int, shard: np.ndarray) -> None:
+        """Write one replica's shard where it lives (its device variable, its range of the
+        flat space, or its pages)."""
+        rec = self._replicas[replica]
         flat = np.asarray(shard, np.float32).reshape(-1)
         if rec.variable is not None:
             if flat.shape != (self.shard_elements,):
@@ -478,6 +525,8 @@ class ShardedVariable(_KerasTFVariable):
                     f"expected {self.shard_elements}"
                 )
             rec.variable.assign(flat)
+        elif self.space is not None:
+            self.space.write(replica, self._range, flat)
         else:
             self.pool.write(rec.shard_id, flat)
 

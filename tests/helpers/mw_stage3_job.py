@@ -158,11 +158,18 @@ def stage3_record(strategy, steps: int = STEPS, dag: bool = False) -> dict:
         "local_replica_ids": list(sharded.engine.local_replicas),
         "variables": len(sharded.engine.variables),
         "path": "units" if sharded.engine.runner is not None else "blocks",
-        # pool tensors of parameter shards ("p/<var>/r<replica>"): this process's only
+        # pool tensors of parameter shards ("p/<var>/r<replica>", or the flat space's
+        # chunks "p/params#<id>/c<k>/r<replica>" on host/NVMe): this process's only
         "shard_tensors": sorted(
             int(t.rsplit("/r", 1)[1])
             for t in sharded.engine.pool.tensor_ids()
             if t.startswith("p/")
+        ),
+        # per replica: one tensor per variable, or the flat space's chunks
+        "shard_tensors_per_replica": (
+            sharded.engine.space.allocated_chunks
+            if sharded.engine.space is not None
+            else len(sharded.engine.variables)
         ),
     }
     sharded.close()

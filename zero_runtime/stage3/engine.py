@@ -47,7 +47,14 @@ from zero_runtime.lifecycle import (
     host_function,
     resources_of,
 )
-from zero_runtime.memory import PageCounters, PagedBufferPool, PoolOutOfMemoryError, TierUsage
+from zero_runtime.memory import (
+    FlatShardSpace,
+    PageCounters,
+    PagedBufferPool,
+    PoolOutOfMemoryError,
+    TierUsage,
+)
+from zero_runtime.memory.flat_store import SPACE_TIERS
 from zero_runtime.sharded_variable import PARAM_TIER, ShardedVariable, ShardState
 from zero_runtime.stage3 import construction, tiling
 from zero_runtime.stage3 import units as units_mod
@@ -238,6 +245,13 @@ class Stage3Engine:
         self.pool = self._make_pool(
             layers if specs is None else [u.layer for u in specs], config, specs is None
         )
+        # Host/NVMe shards are packed into one flat space per replica (page-sized chunks):
+        # page rounding costs at most one page per replica, not a page per variable.
+        self.space = (
+            FlatShardSpace(self.pool, self.tier, self.local_replicas, name="params")
+            if self.tier in SPACE_TIERS
+            else None
+        )
         if self.resources is not None:
             self.resources.adopt(self, ClosePhase.MODELS, f"stage-3 engine of {model.name!r}")
         remote = len(self.local_replicas) < self.num_shards  # shards on other workers
@@ -314,12 +328,15 @@ class Stage3Engine:
         # Set when a step is traced: True when blocks are updated during backward (the
         # gradient shard moves to the host optimizer at once; see forward_backward).
         self.update_in_backward: bool | None = None
+        # One entry per chunk read (a chunk shared by several variables is acquired once
+        # per variable), so the pool's position in the order follows the acquires.
         self.pool.set_access_order(
             [
-                v.shard_id(r)
+                pid
                 for _, b in self.plan.uses
                 for v in blocks[b].variables
                 for r in self.local_replicas
+                for pid in v.page_ids(r)
             ]
         )
         self.last_step: PoolStep | None = None
@@ -342,27 +359,37 @@ class Stage3Engine:
         state_tier = STATE_TIER[config.offload_optimizer]
         state_tier = "host" if state_tier == "nvme" and self.tier != "nvme" else state_tier
         row_states = dict.fromkeys(("device", "host", "nvme"), 0)  # row optimizer pages
+        row_shard_pages = []  # per row-paged table, its row pages
+        packed_elements = 0  # shard elements of one replica in the flat space (host/NVMe)
         for layer in layers:
             if row_paging and row_paging_applies(layer, config):
                 # A row-paged table is never gathered whole: its row pages on their tier,
                 # a row cache on the device, its row states (embedding.row_paging_budget).
                 b = row_paging_budget(tuple(layer.embeddings.shape), page, n, local)
+                row_shard_pages.append(b.shard_pages)
                 per_block_shard_pages.append(b.shard_pages)
                 per_block_gathered_pages.append(b.cache_pages)
                 window_pages.append(b.cache_pages)
                 row_states[state_tier] += b.state_pages
                 continue
-            shard_pages = gathered = 0
+            shard_pages = gathered = elements = 0
             for v in layer.trainable_variables:
                 shape = tuple(v.shape) or (1,)
                 rows = -(-shape[0] // n)
                 rest = math.prod(shape[1:])
                 shard_pages += local * pages(rows * rest)
                 gathered += local * pages(n * rows * rest)
+                elements += rows * rest
+            packed_elements += elements
+            if self.tier in SPACE_TIERS:
+                # Packed in the flat space: the block's range, + one chunk it may straddle.
+                shard_pages = local * (pages(elements) + 1) if elements else 0
             per_block_shard_pages.append(shard_pages)
             per_block_gathered_pages.append(gathered)
             window_pages.append(shard_pages)
         all_shards = sum(per_block_shard_pages)
+        if self.tier in SPACE_TIERS:  # the flat space: whole chunks, one partial per replica
+            all_shards = sum(row_shard_pages) + local * pages(packed_elements)
         all_gathered = sum(per_block_gathered_pages)
         device = config.device_budget_bytes
         if device is None:
@@ -408,6 +435,7 @@ class Stage3Engine:
             path=v.path,
             local_replicas=self.local_replicas,
             gather_remote=self._gather_remote if remote else None,
+            space=self.space,
             **kwargs,
         )
 
@@ -681,9 +709,9 @@ class Stage3Engine:
             if block.shard_elements > budget:
                 break
             budget -= block.shard_elements
-            ids += [v.shard_id(replica) for v in block.variables]
+            ids += [pid for v in block.variables for pid in v.page_ids(replica)]
         if ids:
-            self.pool.prefetch(ids)
+            self.pool.prefetch(list(dict.fromkeys(ids)))  # a shared chunk once
 
     def _fetch(
         self, b: int, use: int | None, replica: int, need: tuple[int, ...], *_
@@ -838,7 +866,8 @@ class Stage3Engine:
             tiers = sorted(
                 {
                     p.tier
-                    for p in self.pool.describe(v.shard_id(self.local_replicas[0])).pages
+                    for pid in v.page_ids(self.local_replicas[0])
+                    for p in self.pool.describe(pid).pages
                     if p.tier
                 },
                 key=("device", "host", "nvme").index,
@@ -928,6 +957,8 @@ class Stage3Engine:
         self.state = LifecycleState.CLOSED
         if self.runner is not None:
             self.runner.remove()
+        if self.space is not None:
+            self.space.close()
         self.pool.close()
 
 
