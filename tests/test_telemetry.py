@@ -327,3 +327,17 @@ def test_accounting_recomputes_collectives_and_placement_rows_only_when_inputs_c
     assert accounting.placement("nvme", copy=False)["variables"][0]["optimizer_tier"] == "nvme"
     zs.config.offload_optimizer_ratio = 0.5
     assert accounting.placement("cpu")["variables"][0]["optimizer_host_fraction"] == 0.5
+
+
+def test_proc_readings_equal_psutils():
+    """The step's RSS and the budget check's available host memory, read with one pread of
+    a /proc file kept open, are psutil's figures (read back to back: equal up to what
+    the process or the machine allocated in between, 64 MiB)."""
+    import psutil
+
+    from zero_runtime.telemetry import probes
+
+    slack = 64 * 2**20
+    assert abs(probes._rss_bytes() - psutil.Process().memory_info().rss) < slack
+    assert abs(probes.host_available_bytes() - psutil.virtual_memory().available) < slack
+    assert probes._proc_fd("/proc/no-such-file") is None

@@ -29,6 +29,7 @@ from zero_runtime.runtime import advice as advice_mod
 from zero_runtime.runtime import headroom
 from zero_runtime.runtime.advice import fmt_bytes as oom_fmt
 from zero_runtime.telemetry import StepStats
+from zero_runtime.telemetry.probes import host_available_bytes
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ def check_budgets(
         used = device_used_bytes()
         if used > device_budget_bytes:
             return oom.DeviceBudgetExceededError(int(used), device_budget_bytes, step)
-    available = psutil.virtual_memory().available
+    available = host_available_bytes()
     if available < host_margin_bytes:
         return oom.HostMemoryLowError(available, host_margin_bytes, step)
     return None

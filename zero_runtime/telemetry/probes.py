@@ -74,7 +74,7 @@ def _rss_bytes() -> float:
     ``pread`` of a file kept open (~4 us against ~14 us through psutil, on the training
     step). psutil elsewhere (no ``/proc``)."""
     try:
-        fd = _statm_fd(os.getpid())
+        fd = _proc_fd(f"/proc/{os.getpid()}/statm")
         if fd is not None:
             return float(int(os.pread(fd, 256, 0).split()[1]) * _PAGE_SIZE)
     except (OSError, ValueError, IndexError):
@@ -82,15 +82,34 @@ def _rss_bytes() -> float:
     return float(_process(os.getpid()).memory_info().rss)
 
 
+def host_available_bytes() -> int:
+    """Host memory available to new allocations, bytes: what
+    ``psutil.virtual_memory().available`` reports on Linux (``MemAvailable`` of
+    ``/proc/meminfo``, KiB), read with one ``pread`` of the file kept open instead of
+    parsing all of it (the budget check runs this at every step boundary, on the step).
+    psutil where ``/proc/meminfo`` has no ``MemAvailable`` line or cannot be read."""
+    try:
+        fd = _proc_fd("/proc/meminfo")
+        if fd is not None:
+            data = os.pread(fd, 8192, 0)
+            at = data.find(b"MemAvailable:")
+            if at >= 0:
+                return int(data[at + 13 : data.index(b"kB", at)]) * 1024
+    except (OSError, ValueError):
+        pass
+    return int(psutil.virtual_memory().available)
+
+
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-@functools.lru_cache(maxsize=4)
-def _statm_fd(pid: int) -> int | None:
-    """An open descriptor of ``/proc/<pid>/statm`` (kept for the process's life; a new
-    one after a fork), or None without ``/proc``."""
+@functools.lru_cache(maxsize=8)
+def _proc_fd(path: str) -> int | None:
+    """An open read-only descriptor of ``path`` under ``/proc`` (kept for the process's
+    life; a per-process path names the pid, so a fork opens its own), or None when it
+    cannot be opened."""
     try:
-        return os.open(f"/proc/{pid}/statm", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     except OSError:
         return None
 
