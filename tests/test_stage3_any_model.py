@@ -48,13 +48,7 @@ import zero_runtime
 from zero_runtime.sharded_variable import ShardedVariable
 
 BATCH = am.BATCH
-CONFIG = {
-    "stage": 3,
-    "offload_param": "cpu",
-    "offload_optimizer": "cpu",
-    "page_size_bytes": 65536,
-    "collective_timeout_seconds": 30,
-}
+CONFIG = am.STAGE3_HOST_CONFIG
 # Parameters and optimizer states on the device: shards are per-replica variables, the
 # step has no host call (zero_runtime/stage3/step_clock.py).
 DEVICE_CONFIG = {**CONFIG, "offload_param": "none", "offload_optimizer": "none"}

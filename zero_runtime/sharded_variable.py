@@ -132,6 +132,9 @@ class ShardedVariable(_KerasTFVariable):
             'nvme') over ``local_replicas``: each shard is then a range of the replica's
             flat space (packed with other variables' shards, page-sized chunks) instead
             of its own pool tensor of whole pages. Default None.
+        autocast: Keras's flag (default True): under a mixed-precision policy a layer's
+            read is cast to its compute dtype. The variable this one replaces gives it
+            (normalization layers keep theirs in float32: ``autocast=False``).
 
     Raises:
         ValueError: a non-float32 value, ``num_shards`` < 1, a bad ``shard_dim``,
@@ -155,6 +158,7 @@ class ShardedVariable(_KerasTFVariable):
         gather_remote: Callable[[dict[int, np.ndarray]], np.ndarray] | None = None,
         devices: Sequence[str] | None = None,
         space: FlatShardSpace | None = None,
+        autocast: bool = True,
     ) -> None:
         value = np.asarray(value)
         if value.dtype != np.float32:
@@ -217,6 +221,7 @@ class ShardedVariable(_KerasTFVariable):
             dtype="float32",
             trainable=trainable,
             name=name,
+            autocast=autocast,
         )
         if path is not None:
             self._path = path

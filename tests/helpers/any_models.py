@@ -25,6 +25,15 @@ import numpy as np
 VOCAB, WIDTH = 13, 16
 BATCH = 8  # global batch: 4 per replica on the tests' 2 replicas
 FLOOR = 1e-3  # smallest denominator of the relative difference (see rel)
+# Stage 3 with parameters and optimizer states in host pages of 64 KiB: the stage-3 tests'
+# common configuration (ZeroConfig keys).
+STAGE3_HOST_CONFIG = {
+    "stage": 3,
+    "offload_param": "cpu",
+    "offload_optimizer": "cpu",
+    "page_size_bytes": 65536,
+    "collective_timeout_seconds": 30,
+}
 
 
 class TiedHead(keras.layers.Layer):

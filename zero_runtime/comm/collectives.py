@@ -151,9 +151,27 @@ def all_gather_flat(shard: tf.Tensor, group: CollectiveGroup | None = None) -> t
         Tensor ``[num_replicas * shard_size]``, identical on every replica.
     """
     ctx = _replica_context()
+    if shard.dtype == tf.bfloat16:
+        return _all_gather_bf16(shard, group)
     if group is not None and ctx.num_replicas_in_sync > 1:
         return _raw(ctx, group, "all_gather", shard, gen_collective_ops.collective_gather_v2)
     return ctx.all_gather(tf.identity(shard), axis=0)
+
+
+def _all_gather_bf16(shard: tf.Tensor, group: CollectiveGroup | None) -> tf.Tensor:
+    """:func:`all_gather_flat` of a bfloat16 ``[E]`` shard (E static). TensorFlow's
+    gather kernels take no bfloat16 (``CollectiveGatherV2``: float16/32/64, int32/64), so
+    the shard's bytes travel as int32: pairs of bfloat16 bitcast to one int32 (E padded
+    to even), the same bytes on the wire, bitcast back after the gather."""
+    e = int(shard.shape[0])
+    pad = e % 2
+    if pad:
+        shard = tf.concat([shard, tf.zeros([1], tf.bfloat16)], axis=0)
+    words = tf.bitcast(tf.reshape(shard, [-1, 2]), tf.int32)  # (ceil(E / 2),)
+    full = tf.bitcast(all_gather_flat(words, group), tf.bfloat16)  # (N * ceil(E / 2), 2)
+    if pad:
+        return tf.reshape(tf.reshape(full, [-1, e + 1])[:, :e], [-1])
+    return tf.reshape(full, [-1])
 
 
 def gather_local_shards(local: Mapping[int, np.ndarray], group: WorkerGroup) -> np.ndarray:
@@ -254,6 +272,7 @@ def _raw(
 ) -> tf.Tensor:
     """``op(flat, **keys)``, a raw V2 collective of ``group``, under the group's deadline."""
     replica = _static_replica_id(ctx)
+    group.record(kind, flat)
     instance = group.next_instance_key(replica)
     args = dict(
         group_size=ctx.num_replicas_in_sync,

@@ -63,6 +63,8 @@ class CollectiveGroup:
     fallback_impl: str | None = None
     _counters: dict[int, itertools.count] = dataclasses.field(default_factory=dict)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    _tally: dict[str, float] | None = None  # armed by start_tally (trace time)
+    step_tally: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def create(
@@ -119,6 +121,34 @@ class CollectiveGroup:
     def group_size(self) -> int:
         """Number of devices (replicas) in the group."""
         return len(self.devices)
+
+    # -- bytes per traced step (telemetry) ------------------------------------------------
+    def start_tally(self) -> None:
+        """Start counting the collectives traced from now on (a training step's trace
+        begins; call once per trace, before the first local replica's collectives)."""
+        with self._lock:
+            self._tally = {}
+
+    def stop_tally(self) -> dict[str, float]:
+        """Stop counting; the counts become :attr:`step_tally` (what one run of the
+        traced step moves, every local replica) and are returned: ``<kind>_bytes`` and
+        ``<kind>_calls`` for each kind recorded (``zero_runtime.telemetry.comm``)."""
+        with self._lock:
+            tally, self._tally = self._tally or {}, None
+            self.step_tally = dict(tally)
+            return dict(self.step_tally)
+
+    def record(self, kind: str, flat: tf.Tensor) -> None:
+        """Count one traced collective of ``kind`` (``all_reduce``, ``reduce_scatter``,
+        ``all_gather``) whose per-replica input is ``flat``: its bytes by its real dtype
+        (``elements * dtype.size``; a length unknown at trace time counts as 0 bytes)."""
+        kind = "reduce_scatter" if kind == "all_to_all" else kind  # its implementation
+        with self._lock:
+            if self._tally is None:
+                return
+            n = flat.shape.num_elements() or 0
+            for key, add in ((f"{kind}_bytes", float(n * flat.dtype.size)), (f"{kind}_calls", 1.0)):
+                self._tally[key] = self._tally.get(key, 0.0) + add
 
     def next_instance_key(self, replica: int) -> int:
         """The next instance key for ``replica``'s trace (1, 2, ... per replica).

@@ -18,7 +18,7 @@ from tb_plugin import metadata
 from zero_runtime import estimator
 from zero_runtime.config import ZeroConfig, physical_memory_bytes
 from zero_runtime.devices import DeviceInfo, framework_memory_bytes
-from zero_runtime.telemetry import Readings, TierStats, collective_bytes
+from zero_runtime.telemetry import COLLECTIVE_KINDS, Readings, TierStats, collective_bytes
 
 #: ``offload_optimizer`` -> the tier the optimizer states live on.
 OPTIMIZER_TIER = {"none": "device", "cpu": "host", "nvme": "nvme"}
@@ -151,11 +151,21 @@ class Accounting:
         return any(hasattr(o.zero_state.store, "pool") for o in self.optimizers)
 
     def collectives(self) -> dict[str, float]:
-        """``<kind>_bytes`` / ``<kind>_calls`` summed over the optimizers (one step).
+        """``<kind>_bytes`` / ``<kind>_calls`` of one step: summed over the optimizers at
+        stages 0-2; at stage 3 what the engines' traced step issues (its per-use
+        all-gathers and reduce-scatters, by their real dtype: ``CollectiveGroup.step_tally``;
+        the stage-3 optimizer updates local shards and adds no collective).
 
-        Computed again only when an input changed (the optimizers, their layouts, stages,
-        accumulation steps, or a stage-2 group's implementation after a fallback); a new
-        dict each call (records keep it)."""
+        The optimizers' sum is computed again only when an input changed (the optimizers,
+        their layouts, stages, accumulation steps, or a stage-2 group's implementation
+        after a fallback); a new dict each call (records keep it)."""
+        engines = self.live_stage3_engines()
+        if engines:
+            out = {f"{k}_{u}": 0.0 for k in COLLECTIVE_KINDS for u in ("bytes", "calls")}
+            for e in engines:
+                for k, v in e.group.step_tally.items():
+                    out[k] = out.get(k, 0.0) + v
+            return out
         key = tuple(
             (
                 id(zs),
@@ -167,7 +177,7 @@ class Accounting:
             for zs in (opt.zero_state for opt in self.optimizers)
         )
         if key != self._collectives_key:
-            out: dict[str, float] = {}
+            out = {}
             for opt in self.optimizers:
                 for k, v in collective_bytes(opt.zero_state, self.local_replicas).items():
                     out[k] = out.get(k, 0.0) + v

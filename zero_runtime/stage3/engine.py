@@ -436,6 +436,7 @@ class Stage3Engine:
             local_replicas=self.local_replicas,
             gather_remote=self._gather_remote if remote else None,
             space=self.space,
+            autocast=bool(getattr(v, "_autocast", True)),  # Keras keeps no public getter
             **kwargs,
         )
 
@@ -485,10 +486,21 @@ class Stage3Engine:
         Raises:
             RuntimeError: outside replica context or with a non-static replica id.
         """
+        replica = _replica_id()
+        # Telemetry: the collectives this step's trace issues, counted by their real
+        # dtype over the local replicas (traced one after the other).
+        if replica == self.local_replicas[0]:
+            self.group.start_tally()
+        try:
+            return self._forward_backward(x, loss_fn, training, update, replica)
+        finally:
+            if replica == self.local_replicas[-1]:
+                self.group.stop_tally()
+
+    def _forward_backward(self, x, loss_fn, training: bool, update, replica: int):
         if self.runner is not None:
             self.update_in_backward = False
             return self.units.forward_backward(x, loss_fn, training)
-        replica = _replica_id()
         self.update_in_backward = update is not None
         anchor = tf.zeros([], tf.float32)
         with tf.GradientTape() as tape:
@@ -1053,6 +1065,11 @@ def _check_supported(layer: keras.layers.Layer) -> None:
             )
         if getattr(sub, "dropout", 0) and isinstance(sub, keras.layers.MultiHeadAttention):
             raise NotImplementedError(f"stage 3: {sub.name!r} has attention dropout")
+        policy = sub.dtype_policy
+        if policy.compute_dtype != policy.variable_dtype:
+            # The block path calls layers outside Keras's __call__ (no autocast); units
+            # run mixed precision as Keras does (zero_runtime/stage3/gather.py).
+            raise NotImplementedError(f"stage 3: {sub.name!r} computes in {policy.name}")
     for v in layer.trainable_variables:
         if np.dtype(v.dtype) != np.float32:
             raise ValueError(f"stage 3 supports float32 weights; {v.path!r} is {v.dtype}")

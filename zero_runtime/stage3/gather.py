@@ -43,6 +43,10 @@ import functools
 import keras
 import numpy as np
 import tensorflow as tf
+
+# Keras 3 exports no getter of the active autocast scope (the compute dtype a layer's
+# ``__call__`` casts its float variables to under a mixed policy); these are Keras's own.
+from keras.src.backend.common.variables import AutocastScope, get_autocast_scope
 from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
 
 from zero_runtime import comm
@@ -210,6 +214,12 @@ class UnitRunner:
         state_vars = [] if layer is None else list(layer.non_trainable_variables)
         state_vals = [tf.convert_to_tensor(v.value) for v in state_vars]
         dep = tf.reshape(inputs[0], [-1])[:1] if inputs else state.token
+        # Mixed precision: the compute dtype the layer's __call__ casts its weights to
+        # (None: no cast). The backward's recompute runs outside __call__, so it enters
+        # the same scope itself; the all-gather moves that dtype (half the bytes under
+        # mixed_bfloat16 / mixed_float16) when every weight of the unit is cast anyway.
+        autocast = compute_dtype()
+        gather_dtype = autocast if autocast and all(v._autocast for v in unit.variables) else None  # noqa: SLF001
 
         def call(tensors, views, state_values):
             if run is None:  # an outside read: the value itself
@@ -218,13 +228,13 @@ class UnitRunner:
             for i, t in zip(pos, tensors):
                 args[i] = t
             mapping = list(zip(unit.variables, views)) + list(zip(state_vars, state_values))
-            with keras.StatelessScope(state_mapping=mapping) as scope:
+            with AutocastScope(autocast), keras.StatelessScope(state_mapping=mapping) as scope:
                 out = run(tf.nest.pack_sequence_as(structure, args))
             new_state = [scope.get_current_value(v) for v in state_vars]
             return out, new_state
 
         if state.anchors is None:  # forward only: gather, call, assign state, drop
-            views = self._gather(unit, replica, dep)
+            views = self._gather(unit, replica, dep, gather_dtype)
             out, new_state = call(inputs, views, state_vals)
             self._assign(state_vars, state_vals, new_state)
             return out
@@ -237,7 +247,7 @@ class UnitRunner:
         def use(*xs):
             tensors = list(xs[:n_in])
             given = list(xs[n_in + n_anchor :])
-            views = self._gather(unit, replica, dep)
+            views = self._gather(unit, replica, dep, gather_dtype)
             out, new_state = call(tensors, views, given)
             changed = [k for k, (a, b) in enumerate(zip(given, new_state)) if a is not b]
             box["structure"], box["changed"] = out, changed
@@ -248,7 +258,7 @@ class UnitRunner:
                 dys = [
                     tf.zeros_like(o) if d is None else d for o, d in zip(outs, dys[: box["n_out"]])
                 ]
-                views2 = self._gather(unit, replica, tf.reshape(dys[0], [-1])[:1])
+                views2 = self._gather(unit, replica, tf.reshape(dys[0], [-1])[:1], gather_dtype)
                 float_in = [k for k, t in enumerate(tensors) if t.dtype.is_floating]
                 with tf.GradientTape() as tape:
                     tape.watch(views2)
@@ -339,8 +349,14 @@ class UnitRunner:
                 v.assign(b)
 
     # -- collectives ---------------------------------------------------------------------
-    def _gather(self, unit: Unit, replica: int, dep: tf.Tensor) -> list[tf.Tensor]:
+    def _gather(
+        self, unit: Unit, replica: int, dep: tf.Tensor, dtype: str | None = None
+    ) -> list[tf.Tensor]:
         """The unit's views on this replica: one host read of its shards, one all-gather.
+
+        ``dtype``: None (default) gathers float32; a 16-bit float dtype name
+        (``"bfloat16"``, ``"float16"``) casts the replica's shard first, so the all-gather
+        moves half the bytes (the float32 shards stay the master weights).
 
         Returns one float32 tensor per original, of its logical shape.
         """
@@ -355,6 +371,8 @@ class UnitRunner:
                 name="zero3_unit_shards",
             )
         shard.set_shape([e])
+        if dtype is not None:
+            shard = tf.cast(shard, dtype)
         full = comm.all_gather_flat(shard, self.group)  # (N * E,)
         rows = tf.reshape(full, [self.num_shards, e])  # (N, E)
         views, off = [], 0
@@ -365,8 +383,22 @@ class UnitRunner:
             moved = moved[: v._moved_shape[0]]  # noqa: SLF001  (D, *rest)
             if v.shard_dim:
                 moved = tf.experimental.numpy.moveaxis(moved, 0, v.shard_dim)
-            views.append(tf.reshape(moved, v.shape))
+            view = tf.reshape(moved, v.shape)
+            # Float32 views of 16-bit gathered values (exact): the layer's autocast gives
+            # the compute dtype back bitwise, and the views' gradients are float32 where
+            # Keras's are (a tied weight's uses and an embedding's repeated rows are
+            # summed in float32, as under MirroredStrategy).
+            views.append(view if dtype is None else tf.cast(view, tf.float32))
         return views
+
+
+def compute_dtype() -> str | None:
+    """The dtype Keras casts float variables to in the layer call being traced: a
+    16-bit float dtype name under a mixed-precision policy, None otherwise (no autocast
+    scope, or one that does not cast)."""
+    scope = get_autocast_scope()
+    dtype = None if scope is None else scope.dtype
+    return None if dtype in (None, "float32") else dtype
 
 
 def _inside_control_flow(step_graph) -> bool:

@@ -133,6 +133,7 @@ class ShardedModel(keras.Model):
         user's own object, which :func:`zero_runtime.stage3.autoshard.bind` points here)."""
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         opt = trainer.optimizer
+        _check_no_loss_scaling(opt)
         if not opt.built:
             with tf.init_scope():
                 opt.build(self.trainable_variables)
@@ -323,3 +324,15 @@ def _end_step(engine: Stage3Engine, replica: int, step: np.ndarray) -> np.int64:
         return np.int64(step)
     engine.end_step(replica, int(step))
     return np.int64(step)
+
+
+@tf.autograph.experimental.do_not_convert
+def _check_no_loss_scaling(opt) -> None:
+    """Raise NotImplementedError for a Keras ``LossScaleOptimizer`` (what ``compile``
+    makes under a ``mixed_float16`` policy): stage 3 does not scale losses yet."""
+    if isinstance(opt, keras.optimizers.LossScaleOptimizer):
+        raise NotImplementedError(
+            "stage 3 does not implement loss scaling yet: Keras wrapped the optimizer "
+            "in a LossScaleOptimizer (a 'mixed_float16' policy); use 'mixed_bfloat16' "
+            "(no loss scaling needed), or stage 1 or 2"
+        )
