@@ -24,6 +24,7 @@ import platform
 import time
 from pathlib import Path
 
+import _checkout  # noqa: E402, F401  (this checkout's zero_runtime, not the editable install's)
 import numpy as np
 import psutil
 

@@ -44,6 +44,8 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import _checkout  # noqa: E402, F401  (this checkout's zero_runtime, not the editable install's)
+
 from zero_runtime.devices import local_devices  # noqa: E402
 
 DEVICES = local_devices(2)

@@ -46,6 +46,7 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import _checkout  # noqa: E402, F401  (this checkout's zero_runtime, not the editable install's)
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 
