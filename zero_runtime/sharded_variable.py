@@ -560,6 +560,28 @@ def _device_variable(elements: int, device: str, name: str) -> tf.Variable:
         )
 
 
+def least_padding_dim(shape: Sequence[int], num_shards: int) -> int:
+    """The axis to split ``shape`` along over ``num_shards`` replicas with the fewest
+    padding elements: axis ``d`` is padded to ``N * ceil(shape[d] / N)`` rows of
+    ``prod(other axes)`` elements. Axis 0 on a tie (tiling and row-paged tables need it,
+    and a kernel's input dimension usually divides); 0 for a scalar. A 1x1 convolution's
+    ``(1, 1, C_in, C_out)`` kernel split along axis 0 over 2 replicas is half padding.
+
+    Raises:
+        ValueError: ``num_shards`` < 1.
+    """
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    dims = [int(d) for d in shape]
+    total = math.prod(dims)
+
+    def padding(d: int) -> int:
+        size = dims[d]
+        return (-(-size // num_shards) * num_shards - size) * (total // size) if size else 0
+
+    return min(range(len(dims)), key=lambda d: (padding(d), d), default=0)
+
+
 def _moved_shape(shape: tuple[int, ...], shard_dim: int) -> tuple[int, ...]:
     if not shape:
         return (1,)

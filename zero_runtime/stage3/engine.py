@@ -55,7 +55,12 @@ from zero_runtime.memory import (
     TierUsage,
 )
 from zero_runtime.memory.flat_store import SPACE_TIERS
-from zero_runtime.sharded_variable import PARAM_TIER, ShardedVariable, ShardState
+from zero_runtime.sharded_variable import (
+    PARAM_TIER,
+    ShardedVariable,
+    ShardState,
+    least_padding_dim,
+)
 from zero_runtime.stage3 import construction, tiling
 from zero_runtime.stage3 import units as units_mod
 from zero_runtime.stage3.embedding import (
@@ -375,8 +380,9 @@ class Stage3Engine:
             shard_pages = gathered = elements = 0
             for v in layer.trainable_variables:
                 shape = tuple(v.shape) or (1,)
-                rows = -(-shape[0] // n)
-                rest = math.prod(shape[1:])
+                d = least_padding_dim(shape, n)  # the axis shard_variable splits
+                rows = -(-shape[d] // n)
+                rest = math.prod(shape[:d] + shape[d + 1 :])
                 shard_pages += local * pages(rows * rest)
                 gathered += local * pages(n * rows * rest)
                 elements += rows * rest
@@ -425,7 +431,10 @@ class Stage3Engine:
         its ``offload_param`` tier, over its replicas; ``remote``: other workers hold
         some replicas' shards). A deferred variable (``strategy.zero_init``) is
         initialized here, on the host, one at a time (``construction.consume``).
+        Split along the axis with the least padding (:func:`least_padding_dim`): a
+        ``(1, 1, C_in, C_out)`` kernel along ``C_out``, not its first axis.
         ``kwargs``: more ShardedVariable arguments (``persistent``, ``devices``)."""
+        kwargs.setdefault("shard_dim", least_padding_dim(tuple(v.shape), self.num_shards))
         return ShardedVariable(
             np.asarray(construction.consume(v), np.float32),
             pool=self.pool,
