@@ -346,18 +346,19 @@ def test_model_sc21_stage_3_working_memory_gathers_params_and_grads(model):
     assert result.tiers.host_bytes == 4 * 1_714 + 8 * 1_714
 
 
-def test_model_page_rounding_is_per_unit(model):
+def test_model_page_rounding_is_per_unit_and_once_for_packed_stage3_params(model):
     config = ZeroConfig(stage=3, offload_optimizer="cpu", offload_param="cpu")
     config = config.replace(persistence_threshold=100, page_size_bytes=64 * 1024)
     result = estimate_for_model(model, config, 2, page_rounding=True, accounting="sc21")
     page = 64 * 1024
     b = result.tiers.breakdown
-    # Partitioned params of units d64, bn, d32, d4: [1024, 0, 2048, 128] -> 3 units with
-    # elements, one page each; trainable units [1088, 128, 2080, 132] -> 4 pages each term.
-    assert b["params"]["bytes"] == 3 * page
+    # Partitioned params of units d64, bn, d32, d4: [1024, 0, 2048, 128], packed in one
+    # flat space per replica (4 * 3200 / 2 bytes: one page); trainable units [1088, 128,
+    # 2080, 132] -> 4 pages each term.
+    assert b["params"]["bytes"] == page
     assert b["optimizer_states"]["bytes"] == 4 * page
     assert b["fp32_grads"]["bytes"] == 4 * page
-    assert result.tiers.host_bytes == 11 * page
+    assert result.tiers.host_bytes == 9 * page
 
 
 def test_build_model_abstractly_allocates_no_weights(keras):

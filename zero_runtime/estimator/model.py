@@ -65,7 +65,9 @@ def estimate_for_model(
       The working memory is per replica: on the CPU stand-in every local replica gathers
       its own copy, so a process holds ``local_replicas`` times it.
     - ``page_rounding``: host and NVMe terms are rounded up to ``config.page_size_bytes``
-      per unit (each unit's shard is at least one page in the paged pool).
+      per unit (each unit's shard is at least one page in the paged pool); at stage 3 the
+      parameters on the host or NVMe are packed into one flat space per replica
+      (``zero_runtime.memory.FlatShardSpace``), rounded up once (a row-paged table apart).
     - Stage 3, tiling: an embedding the engine row-pages (a plain ``Embedding`` of at
       least ``config.embedding_row_paging_threshold`` elements) is never gathered whole:
       it is left out of the working memory, and its device row cache
@@ -162,7 +164,7 @@ def estimate_for_model(
             persistent_params=persistent_params,
             working_set_bytes=working_set,
             page_size_bytes=config.page_size_bytes if page_rounding else None,
-            param_units=[u.gathered if stage3 else u.params for u in units],
+            param_units=_param_units(units, stage3, offload_param),
             trainable_units=[u.trainable for u in units],
             row_cache_bytes=sum(
                 row_cache_bytes(u.table_shape, config.page_size_bytes, num_replicas)
@@ -233,3 +235,15 @@ def build_model_abstractly(factory: Any) -> keras.Model:
             "build it (give it a keras.Input) inside the function"
         )
     return model
+
+
+def _param_units(units: list, stage3: bool, offload_param: str) -> list[int]:
+    """Elements of the parameter term per paged unit (page rounding): each unit's own, or
+    at stage 3 on the host or NVMe one flat space of every unit but the row-paged tables
+    (each its own row pages)."""
+    if not stage3:
+        return [u.params for u in units]
+    if offload_param not in ("cpu", "nvme"):
+        return [u.gathered for u in units]
+    tables = [u.gathered for u in units if u.table_shape]
+    return [sum(u.gathered for u in units if not u.table_shape), *tables]

@@ -418,8 +418,9 @@ def not_modelled(config: ZeroConfig) -> dict[str, list[str]]:
 
     The estimator counts model states from Ψ alone (SC20 section 3.1, fp32 bytes per
     element divided as section 5.1 says). The paged pool (stage 3, and NVMe optimizer
-    states at stages 1-2) differs from that in ways named here: page rounding (every
-    variable's shard takes whole ``page_size_bytes`` pages), the host window the pool
+    states at stages 1-2) differs from that in ways named here: page rounding (pool tensors
+    take whole ``page_size_bytes`` pages; stage 3's host/NVMe parameter shards are packed,
+    at most one partly filled page per replica), the host window the pool
     keeps for NVMe pages, and stage 3's update in backward (gradient shards leave the
     device block by block).
 
@@ -431,9 +432,11 @@ def not_modelled(config: ZeroConfig) -> dict[str, list[str]]:
     """
     out: dict[str, list[str]] = {}
     kib = config.page_size_bytes // 1024
-    rounding = (
-        f"page rounding: every variable's shard takes whole pages of {kib} KiB "
-        "(page_size_bytes), so small variables (biases, norms) take a page each"
+    rounding = f"page rounding: paged tensors take whole pages of {kib} KiB (page_size_bytes)"
+    packed = (
+        f"page rounding: the parameter shards are packed into one flat space per replica "
+        f"of {kib} KiB pages (page_size_bytes), at most one partly filled page per replica; "
+        "each variable is padded to a multiple of the replicas along its split axis"
     )
     paged_nvme = config.offload_optimizer == "nvme" or (
         config.stage == 3 and config.offload_param == "nvme"
@@ -447,11 +450,10 @@ def not_modelled(config: ZeroConfig) -> dict[str, list[str]]:
         ]
         tier = {"cpu": "host", "nvme": "nvme"}.get(config.offload_param)
         if tier:
-            out.setdefault(tier, []).append(rounding)
+            out.setdefault(tier, []).append(packed)
+    if config.offload_optimizer == "nvme":
+        out.setdefault("nvme", []).append(rounding)
     if paged_nvme:
-        out.setdefault("nvme", [])
-        if rounding not in out["nvme"]:
-            out["nvme"].append(rounding)
         if config.stage == 3 and config.offload_param == "nvme":
             out["nvme"].append(
                 "in-step spill: when the device budget and the host window are full, the "
