@@ -30,6 +30,7 @@ import sys
 import keras
 import numpy as np
 import pytest
+from helpers import any_models as am
 from helpers.mirrored import Mirrored
 
 import zero_runtime
@@ -37,13 +38,7 @@ from zero_runtime.stage3 import tiling
 
 BATCH = 8
 VOCAB = 50
-CONFIG = {
-    "stage": 3,
-    "offload_param": "cpu",
-    "offload_optimizer": "cpu",
-    "page_size_bytes": 65536,
-    "collective_timeout_seconds": 30,
-}
+CONFIG = am.STAGE3_HOST_CONFIG
 JOB = os.path.join(os.path.dirname(__file__), "helpers", "tile_peak_job.py")
 
 
