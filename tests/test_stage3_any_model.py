@@ -16,6 +16,10 @@ with plain ``MirroredStrategy`` (same model, data and seed) per variable, as
 - ``tied``: one ``Dense`` called twice, and a layer reading another layer's kernel (the
   kernel is sharded once, gathered per use, the uses' gradients summed); Adam.
 - ``subclassed``: a subclassed ``keras.Model`` whose ``call`` adds a branch; Adam.
+- ``holder``: a residual DAG whose layer owns a weight (a scale) and holds a ``Dense`` it
+  calls: a unit holding another unit runs its own call, each read of its own weight a
+  one-variable use (``Unit.hooked``); hooked, its use's ``tf.custom_gradient`` dropped the
+  inner ``Dense``'s gradient (found on the demo GPT's ``TokenAndPositionEmbedding``); Adam.
 - ``rnn``: a ``GRU`` (its cell, the unit, runs inside Keras's ``tf.while_loop`` over the
   time steps: gathered before the loop) beside a residual ``Dense``; Adam.
 - ``embed_add``: an ``Embedding`` whose output feeds both a ``Dense`` and a residual
@@ -135,6 +139,44 @@ def _subclassed_data():
     return x, (x[:, :4] * 2.0 - x[:, 4:]).astype("float32")
 
 
+class Holder(keras.layers.Layer):
+    """``scale * inner(h)``: owns ``scale`` (8,) and holds the ``Dense`` it calls."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.inner = keras.layers.Dense(8, activation="tanh", name="inner")
+
+    def build(self, shape) -> None:
+        self.inner.build(shape)
+        self.scale = self.add_weight(shape=(8,), initializer="ones", name="scale")
+
+    def call(self, h):
+        return self.scale * self.inner(h)
+
+
+class Nested(keras.layers.Layer):
+    """A layer that owns a weight and reads another layer's kernel in its call, through a
+    function (so the other layer is not one of its sublayers)."""
+
+    def __init__(self, src: keras.layers.Dense, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.src = lambda: src  # not tracked: src is not a sublayer
+
+    def build(self, shape) -> None:
+        self.bias = self.add_weight(shape=(6,), initializer="zeros", name="bias")
+
+    def call(self, h):
+        return keras.ops.matmul(h, keras.ops.transpose(self.src().kernel)) + self.bias
+
+
+def _holder() -> keras.Model:
+    keras.utils.set_random_seed(17)
+    i = keras.Input((6,))
+    h = keras.layers.Dense(8, name="d0")(i)
+    h = keras.layers.Add()([h, Holder(name="holder")(h)])
+    return keras.Model(i, keras.layers.Dense(6, name="out")(h))
+
+
 def _rnn() -> keras.Model:
     """A GRU (its cell runs inside Keras's ``tf.while_loop`` over time steps; the cell
     owns a seed generator but no dropout) beside a residual ``Dense``, then pooling."""
@@ -198,6 +240,7 @@ MODELS = {
     "gpt": (am.gpt, am.gpt_data, "sgd", "scce"),
     "dag_bn": (_dag_bn, _dag_bn_data, "adam", "mse"),
     "tied": (_tied, _tied_data, "adam", "mse"),
+    "holder": (_holder, _tied_data, "adam", "mse"),
     "subclassed": (_subclassed, _subclassed_data, "adam", "mse"),
     "embed_add": (am.embed_add, am.embed_add_data, "sgd", "scce"),
     "branchy": (_branchy, _branchy_data, "adam", "mse"),
@@ -251,7 +294,7 @@ def reference(cpu_devices):
 @pytest.mark.parametrize(
     ("name", "tier"),
     [(name, "cpu") for name in MODELS if name != "branchy"]  # branchy: its own test
-    + [(name, "none") for name in ("gpt", "dag_bn", "tied", "embed_add", "rnn")],
+    + [(name, "none") for name in ("gpt", "dag_bn", "tied", "embed_add", "rnn", "holder")],
 )
 def test_any_model_trains_at_stage3_like_mirrored(name, tier, reference):
     """``tier``: 'cpu' (parameters and states in the host pool) or 'none' (both on the
@@ -299,6 +342,25 @@ def test_partial_batch_embedding_residual_trains_like_mirrored(cpu_devices):
     assert len(losses) == len(ref_losses) == 1
     assert losses[0] == pytest.approx(ref_losses[0], rel=1e-5)
     assert max(_rel(w, r) for w, r in zip(weights, ref)) <= BOUND
+
+
+def test_a_weight_read_inside_another_units_call_is_refused(cpu_devices):
+    """A layer owning a weight whose call reads the kernel of a unit it does not hold as
+    a sublayer would nest that read's use inside its own ``tf.custom_gradient`` (which
+    drops the inner gradient): refused while the step is traced, naming both."""
+    strategy = zero_runtime.ZeroInfinityStrategy(DEVICE_CONFIG)
+    x, y = _tied_data()
+    try:
+        with strategy.scope():
+            keras.utils.set_random_seed(4)
+            i = keras.Input((6,))
+            d0 = keras.layers.Dense(8, name="d0")
+            model = keras.Model(i, Nested(d0, name="nested")(d0(i)))
+            model.compile(optimizer="adam", loss="mse")
+        with pytest.raises(NotImplementedError, match=r"'d0/kernel'.*'nested'"):
+            model.train_on_batch(x[:BATCH], y[:BATCH])
+    finally:
+        strategy.close()
 
 
 def test_custom_tape_over_a_units_model_names_the_supported_form(cpu_devices):

@@ -1,10 +1,12 @@
 """Stage 3 traces its train step once per input signature, not once per epoch (issue #16,
 item 4; docs/stage3_design.md, "No retrace per epoch").
 
-A chain (the block path, zero_runtime/stage3/model.py) and a non-chain model (the units
-path, zero_runtime/stage3/units_path.py) train for three epochs under plain
-``compile``/``fit``, with parameters on the device (``offload_param`` "none") and on the
-host ("cpu"). Traces are counted two ways: Python-side entries into the traced step
+A chain and a non-chain model train for three epochs under plain ``compile``/``fit``,
+with parameters and optimizer states on the device (``offload_param`` "none") and on the
+host ("cpu"). The chain on the host runs on the block engine (zero_runtime/stage3/engine.py:
+its optimizer updates during backward, zero_runtime/stage3/path_choice.py); every other
+case runs by units (zero_runtime/stage3/units_path.py). Traces are counted two ways:
+Python-side entries into the traced step
 (stage 3: ``Stage3Engine.forward_backward``, which both paths' train step calls;
 MirroredStrategy: the model's ``train_step``), entered only while tracing, once per local
 replica per trace; and
@@ -40,7 +42,8 @@ OFFLOAD = {
 
 
 def _chain() -> keras.Model:
-    """A chain of Dense layers: stage 3 runs it block by block."""
+    """A chain of Dense layers: stage 3 runs it by units, or block by block when its
+    config needs the block engine (here: host optimizer states)."""
     keras.utils.set_random_seed(0)
     return keras.Sequential(
         [
@@ -159,7 +162,8 @@ def test_stage3_traces_its_step_once_not_per_epoch(
         entries = len(stage3_entries)
         engine = strategy.runtime.accounting.stage3_engines[-1]
         # The model took the path this case is about.
-        assert (engine.runner is None) == (name == "chain"), engine.runner
+        path = "blocks" if (name, offload) == ("chain", "cpu") else "units"
+        assert engine.path == path, engine.block_reasons
     finally:
         strategy.close()
     ref_entries, ref_per_epoch = mirrored_counts[name, False]

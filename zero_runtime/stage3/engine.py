@@ -1,7 +1,9 @@
 """Per-block execution of a model whose parameters are sharded (ZeRO stage 3).
 
 The model runs as a sequence of *blocks*: the layers of a ``keras.Sequential`` (a
-functional model's top-level layers, which must form a chain). Every trainable weight
+functional model's top-level layers, which must form a chain) whose config needs this
+engine (:mod:`zero_runtime.stage3.path_choice`; other models run by units,
+:mod:`zero_runtime.stage3.units_path`). Every trainable weight
 is replaced by a :class:`~zero_runtime.sharded_variable.ShardedVariable` whose shards live
 in one paged pool. In a training step, on each replica (TF_NOTES section 5, the
 ``tf.custom_gradient`` path):
@@ -61,7 +63,7 @@ from zero_runtime.sharded_variable import (
     ShardState,
     least_padding_dim,
 )
-from zero_runtime.stage3 import construction, tiling
+from zero_runtime.stage3 import construction, path_choice, tiling
 from zero_runtime.stage3 import units as units_mod
 from zero_runtime.stage3.embedding import (
     STATE_TIER,
@@ -181,8 +183,11 @@ class Stage3Engine:
     """Shards a model's parameters and runs it block by block (ZeRO stage 3).
 
     A ``keras.Sequential`` or a functional chain (no BatchNormalization, dropout or shared
-    weights) runs block by block (below); any other model runs by units: the model's
-    own call with every layer that owns weights hooked (:attr:`runner`,
+    weights) whose config needs the block engine
+    (:func:`~zero_runtime.stage3.path_choice.block_engine_reasons`: NVMe parameters,
+    row-paged tables, the update during backward, a device budget, a tight
+    ``max_live_parameters``) runs block by block (below); any other model runs by units:
+    the model's own call with every layer that owns weights hooked (:attr:`runner`,
     :mod:`zero_runtime.stage3.gather`).
 
     Args:
@@ -193,6 +198,9 @@ class Stage3Engine:
     Attributes:
         pool: the paged pool holding shards (tier from ``offload_param``) and gathered
             buffers (device tier).
+        path: ``'blocks'`` (the block engine) or ``'units'`` (the units path).
+        block_reasons: why a chain runs on the block engine (one sentence each; empty
+            for a model run by units).
         blocks: the :class:`Block` list (empty for a model run by units).
         runner: the :class:`UnitRunner` of a model run by units, else None.
         units: the :class:`~zero_runtime.stage3.units_path.UnitsPath` of a model run by
@@ -231,6 +239,20 @@ class Stage3Engine:
             getattr(strategy, "local_replica_ids", range(len(self.devices)))
         )
         layers = _chain_or_none(model)
+        # A chain runs by units too unless its config needs the block engine
+        # (zero_runtime/stage3/path_choice.py): the units path is the fast one.
+        self.block_reasons = (
+            () if layers is None else path_choice.block_engine_reasons(layers, config)
+        )
+        if not self.block_reasons:
+            layers = None
+        self.path = "units" if layers is None else "blocks"
+        log.info(
+            "stage 3: model %r runs %s%s",
+            model.name,
+            "by units" if layers is None else "on the block engine: ",
+            "; ".join(self.block_reasons),
+        )
         # Any other model (a DAG, nested or subclassed, tied weights, BatchNormalization):
         # units hooked in the model's own call (zero_runtime/stage3/gather.py). Every
         # refusal comes before anything is replaced: a refused model is left unchanged.

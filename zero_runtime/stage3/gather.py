@@ -65,6 +65,12 @@ class Unit:
         call: the layer's own ``call`` (bound), what the hook runs.
         tiles: a :class:`~zero_runtime.stage3.tiling.TiledCall` when the unit runs as
             column tiles (memory-centric tiling, issue #17), else None (default).
+        hooked: True (default) when the layer's ``call`` is hooked. False for a layer
+            that also holds other units (``TokenAndPositionEmbedding`` owning a position
+            table and an ``Embedding``): a use of it would nest their uses inside its
+            ``tf.custom_gradient``, whose backward drops the nested units' gradients, so
+            its call runs as is and each read of its own weights is a one-variable use
+            (:meth:`UnitRunner.read_outside`).
     """
 
     index: int
@@ -72,6 +78,7 @@ class Unit:
     variables: tuple[ShardedVariable, ...]
     call: object
     tiles: object = None
+    hooked: bool = True
 
     @property
     def shard_elements(self) -> int:
@@ -91,6 +98,7 @@ class _StepState:
     anchors: dict[int, tf.Tensor] | None
     graph: object = None  # the graph the step's forward is traced in
     branch_views: dict = dataclasses.field(default_factory=dict)  # id(unit) -> views
+    running: Unit | None = None  # the unit whose call runs in a use's custom_gradient
 
 
 class UnitRunner:
@@ -111,8 +119,9 @@ class UnitRunner:
         self._steps: dict[int, _StepState] = {}
         self._outside: dict[int, Unit] = {}  # id(variable) -> its one-variable unit
         for unit in units:
-            hook = functools.partial(self.hooked_call, unit)
-            object.__setattr__(unit.layer, "call", hook)  # an instance attribute
+            if unit.hooked:
+                hook = functools.partial(self.hooked_call, unit)
+                object.__setattr__(unit.layer, "call", hook)  # an instance attribute
         for v in self.variables:
             object.__setattr__(v, "_zero_outside_read", self.read_outside)
 
@@ -130,7 +139,8 @@ class UnitRunner:
     def remove(self) -> None:
         """Take the hooks away (the layers run their own ``call`` again)."""
         for unit in self.units:
-            unit.layer.__dict__.pop("call", None)
+            if unit.hooked:
+                unit.layer.__dict__.pop("call", None)
         for v in self.variables:
             v.__dict__.pop("_zero_outside_read", None)
 
@@ -173,6 +183,7 @@ class UnitRunner:
         """The unit layer's ``call``: a gathered use inside a step, else its own call."""
         if not self.in_step():
             return unit.call(*args, **kwargs)
+        self._refuse_nested(unit.layer.name)
         if unit.tiles is not None and unit.tiles.applies(args, kwargs):
             # Inside tf.cond / tf.while_loop the unit is gathered whole before the control
             # flow (_use_in_branch): tiles run outside control flow only.
@@ -196,11 +207,29 @@ class UnitRunner:
         one-variable gathered use (with backward). None outside a step."""
         if not self.in_step():
             return None
+        self._refuse_nested(f"a read of {variable.path!r}")
         unit = self._outside.get(id(variable))
         if unit is None:
             unit = Unit(-1, None, (variable,), None)
             self._outside[id(variable)] = unit
         return self._use(unit, ((), {}), None)
+
+    def _refuse_nested(self, what: str) -> None:
+        """Raise when a use would start inside another unit's call (its
+        ``tf.custom_gradient`` would drop the nested use's gradient).
+
+        Raises:
+            NotImplementedError: naming both.
+        """
+        state = self._steps[self._replica_id()]
+        if state.running is not None and not _inside_control_flow(state.graph):
+            raise NotImplementedError(
+                f"stage 3: {what} runs inside the call of {state.running.layer.name!r}, a "
+                "layer that owns weights: its use's backward would drop the gradient of the "
+                "inner use. Move the weight or the inner layer out of that layer's call "
+                "(a layer that *holds* the inner layer as a sublayer is supported), or "
+                "train at stage 1 or 2"
+            )
 
     def _use(self, unit: Unit, structure, run):
         replica = self._replica_id()
@@ -228,8 +257,12 @@ class UnitRunner:
             for i, t in zip(pos, tensors):
                 args[i] = t
             mapping = list(zip(unit.variables, views)) + list(zip(state_vars, state_values))
-            with AutocastScope(autocast), keras.StatelessScope(state_mapping=mapping) as scope:
-                out = run(tf.nest.pack_sequence_as(structure, args))
+            state.running = unit
+            try:
+                with AutocastScope(autocast), keras.StatelessScope(state_mapping=mapping) as scope:
+                    out = run(tf.nest.pack_sequence_as(structure, args))
+            finally:
+                state.running = None
             new_state = [scope.get_current_value(v) for v in state_vars]
             return out, new_state
 

@@ -56,6 +56,9 @@ class UnitsPath:
         units = []
         for s in specs:
             variables = tuple(sharded[id(v)] for v in s.originals)
+            if _holds_other_units(s, specs):  # its own weights: read per use (Unit.hooked)
+                units.append(Unit(s.index, s.layer, variables, None, None, hooked=False))
+                continue
             plan = tiling.plan_tiles(s.layer, variables, tile_size)
             call = s.layer.__dict__.get("call") or type(s.layer).call.__get__(s.layer)
             tiles = None if plan is None else tiling.TiledCall(plan)
@@ -108,3 +111,9 @@ class UnitsPath:
         """The model's own call (its units hooked), with ``training`` if it takes it."""
         kwargs = {"training": training} if self.model._call_has_training_arg else {}  # noqa: SLF001
         return self._own_call(x, **kwargs)
+
+
+def _holds_other_units(spec, specs) -> bool:
+    """True when ``spec``'s layer holds another unit's layer among its sublayers."""
+    inner = {id(sub) for sub in spec.layer._flatten_layers(include_self=False)}  # noqa: SLF001
+    return any(id(o.layer) in inner for o in specs if o is not spec)

@@ -1,0 +1,101 @@
+"""Which stage-3 engine runs a chain: the block engine or the units path (issue #16).
+
+Stage 3 runs a model one of two ways (docs/zero_stages.md):
+
+- the **units path** (:mod:`zero_runtime.stage3.units_path`): the model's own call, every
+  layer that owns weights gathered per use by one all-gather into TF tensors,
+  recomputed and reduce-scattered in backward (``tf.custom_gradient``); device-tier
+  shards are TF variables, so a device-tier step has no host call. Every model can run
+  this way, and it is the fast one (bench/results/stage3_units.json).
+- the **block engine** (:class:`~zero_runtime.stage3.engine.Stage3Engine`'s blocks): a
+  chain (``keras.Sequential`` or a functional chain) block by block, every gather and
+  release a host callback into the paged pool.
+
+A chain runs by units unless its config asks for something only the block engine does
+(:func:`block_engine_reasons`); a model that is not a chain always runs by units.
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+
+from zero_runtime.config import ZeroConfig
+from zero_runtime.stage3.embedding import row_paging_applies
+
+#: Gathered units the units path holds at once, at most: the unit in use and the next
+#: one (its gather may start while the previous unit's views are still read).
+UNITS_LIVE = 2
+
+
+def block_engine_reasons(layers: list, config: ZeroConfig) -> tuple[str, ...]:
+    """Why the chain ``layers`` needs the block engine under ``config``; empty when the
+    units path does everything the config asks.
+
+    The block engine alone has:
+
+    - NVMe parameter prefetch along the recorded access order (``offload_param='nvme'``;
+      the units path would read every NVMe shard synchronously at its use);
+    - row-paged embedding tables (an ``Embedding`` at or above
+      ``embedding_row_paging_threshold`` elements, ``embedding.row_paging_applies``);
+    - the optimizer update during backward (host or NVMe optimizer states,
+      ``gradient_accumulation_steps == 1``: each block's gradient shard goes to the host
+      as soon as it is reduced, :mod:`zero_runtime.optim.backward_update`);
+    - gathered parameters in the pool's device tier, so that an int
+      ``device_budget_bytes`` bounds them (the units path's gathered views are TF tensors
+      outside the pool);
+    - a plan within ``max_live_parameters`` below :data:`UNITS_LIVE` units' elements
+      (the units path holds up to that many gathered units at once).
+
+    ``persistence_threshold`` and ``max_reuse_distance`` are permissions (a parameter
+    *may* stay gathered), not bounds: the units path, which gathers a unit's small
+    parameters in the unit's one all-gather and gathers again for backward, honours them.
+
+    Args:
+        layers: the chain's layers (``engine._chain_or_none``), built.
+        config: the stage-3 config.
+
+    Returns:
+        One sentence per reason (empty: run by units).
+    """
+    reasons = []
+    if config.offload_param == "nvme":
+        reasons.append("offload_param='nvme' (NVMe parameter prefetch along the access order)")
+    paged = [layer.name for layer in layers if row_paging_applies(layer, config)]
+    if paged:
+        reasons.append(f"row-paged embedding tables {paged}")
+    if config.offload_optimizer != "none" and config.gradient_accumulation_steps == 1:
+        reasons.append(
+            f"offload_optimizer={config.offload_optimizer!r} (the update during backward)"
+        )
+    if config.device_budget_bytes is not None:
+        reasons.append(
+            f"device_budget_bytes={config.device_budget_bytes!r} (gathered parameters "
+            "counted in the pool's device tier)"
+        )
+    largest = max((_own_elements(sub) for layer in layers for sub in _units(layer)), default=0)
+    if config.max_live_parameters < UNITS_LIVE * largest:
+        reasons.append(
+            f"max_live_parameters={config.max_live_parameters} < {UNITS_LIVE} x the largest "
+            f"unit's {largest} elements"
+        )
+    return tuple(reasons)
+
+
+def _units(layer: keras.layers.Layer) -> list:
+    """The layers under ``layer`` (itself included) that own trainable weights directly:
+    the units the units path would gather (:func:`zero_runtime.stage3.units.plan_units`)."""
+    return [
+        sub
+        for sub in layer._flatten_layers(include_self=True)  # noqa: SLF001
+        if any(v.trainable for v in sub._trainable_variables)  # noqa: SLF001
+    ]
+
+
+def _own_elements(layer: keras.layers.Layer) -> int:
+    return sum(
+        math.prod(v.shape)
+        for v in layer._trainable_variables  # noqa: SLF001
+        if v.trainable
+    )
