@@ -93,8 +93,27 @@ def test_over_the_target_shrinks_at_once_and_growth_waits_for_a_quiet_window():
     top = c.target_bytes // PAGE * PAGE
     assert d.updates == {"device_budget_bytes": min(budget - cut + grow, top)}
     # a window with one step above the low mark does not grow it
-    for s, peak in ((6, 40 * MIB), (7, 85 * MIB), (8, 40 * MIB)):
+    for s, peak in ((6, 79 * MIB), (7, 85 * MIB), (8, 79 * MIB), (9, 79 * MIB)):
         assert c.observe(s, peak, NVME3) is None
+
+
+def test_a_long_tail_shrinks_the_budget_before_a_step_goes_over():
+    c = _controller(interval_steps=5)
+    c.observe(0, 0, NVME3)
+    budget = c.budget
+    assert c.observe(1, 86 * MIB, NVME3) is None  # one or two peaks: no judgement yet
+    assert c.observe(2, 80 * MIB, NVME3) is None
+    d = c.observe(3, 81 * MIB, NVME3)  # reach 86 + (86 - 80) / 2 = 89 MiB: under 90
+    assert d is None
+    d = c.observe(4, 77 * MIB, NVME3)  # reach 86 + (86 - 77) / 2 = 90.5 MiB: over 90
+    reach = 86 * MIB + 4.5 * MIB
+    assert reach > c.target_bytes
+    cut = math.ceil(2 * (reach - c.target_bytes) / PAGE) * PAGE
+    assert d.updates == {"device_budget_bytes": budget - cut}
+    assert "reach" in d.reason and "over the target" in d.reason
+    # the window starts again at the new budget: three calm peaks decide nothing
+    for s in (5, 6, 7):
+        assert c.observe(s, 84 * MIB, NVME3) is None
 
 
 def test_a_floor_is_reported_once_and_a_manual_change_turns_it_off():
