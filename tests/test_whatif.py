@@ -29,17 +29,31 @@ MOVES = ("d2h_pages", "h2d_pages", "h2n_pages", "n2h_pages", "evictions")
 HITS = ("prefetch_hits", "prefetch_misses")
 
 
-def _workload(pool: PagedBufferPool, steps: int, nvme: bool) -> list:
+def _workload(
+    pool: PagedBufferPool,
+    steps: int,
+    nvme: bool,
+    prefetch_steps: int | None = None,
+    settled_steps: int = 0,
+) -> list:
     """Six 2-page shards; per step, six 3-page gathered buffers on the device, half of them
-    kept to a second use (backward) while the others are freed at once; prefetch with NVMe."""
+    kept to a second use (backward) while the others are freed at once; prefetch with NVMe.
+
+    ``prefetch_steps``: only the first n steps ask for prefetch (None: all).
+    ``settled_steps``: in the first n steps each prefetch request is waited for
+    (``synchronize``) before the next operation, so the pages where those steps leave
+    them do not depend on when the prefetch thread ran.
+    """
     for i in range(6):
         pool.allocate(f"p{i}", (PAGE // 2,), np.float32, "param", "nvme" if nvme else "host")
     pool.set_access_order([f"p{i}" for i in range(6)])
     counters = []
     for s in range(steps):
         for i in range(6):
-            if nvme and i + 1 < 6:
+            if nvme and i + 1 < 6 and (prefetch_steps is None or s < prefetch_steps):
                 pool.prefetch([f"p{i + 1}"])
+                if s < settled_steps:
+                    pool.synchronize()
             pool.allocate(f"g{i}", (3 * PAGE // 4,), np.float32, "param", "device")
             pool.write(f"g{i}", np.full(3 * PAGE // 4, s, np.float32))
             pool.acquire(f"p{i}", "host")
@@ -55,7 +69,10 @@ def _workload(pool: PagedBufferPool, steps: int, nvme: bool) -> list:
     return counters
 
 
-def _run(device_pages: int, nvme_dir=None, steps: int = 5):
+def _run(device_pages: int, nvme_dir=None, steps: int = 5, **workload):
+    """The workload traced in a pool of ``device_pages`` device pages (8 host pages and
+    NVMe in ``nvme_dir``, or 30 host pages); ``workload``: :func:`_workload`'s options.
+    Returns its per-step counters and its recorded steps (through their JSON form)."""
     host = 8 if nvme_dir else 30
     with PagedBufferPool(
         host_budget_bytes=host * PAGE,
@@ -64,7 +81,7 @@ def _run(device_pages: int, nvme_dir=None, steps: int = 5):
         nvme_path=str(nvme_dir) if nvme_dir else None,
     ) as pool:
         pool.set_tracing(True)
-        counters = _workload(pool, steps, nvme_dir is not None)
+        counters = _workload(pool, steps, nvme_dir is not None, **workload)
         trace = [StepTrace.from_json(json.loads(json.dumps(s.to_json()))) for s in pool.trace_steps]
     return counters, trace
 
@@ -132,30 +149,35 @@ def test_a_prefetch_request_is_rederived_for_a_new_size():
 
 def test_prefetch_off_is_predicted_as_a_run_without_prefetch(tmp_path):
     """With NVMe shards, dropping the recorded prefetch requests turns the pages they
-    brought in early into misses, as a real run without prefetch has."""
+    brought in early into misses, as the same run with prefetch turned off has.
+
+    The prediction starts from the recorded state at step 1, so the real run turns
+    prefetch off at step 1 from that same state: step 0 (prefetch on) waits for each
+    prefetch in both runs. Left to the prefetch thread's timing, step 0 leaves different
+    shards on the host from run to run (besides p0 and p1: p4, p5, both or neither),
+    and from each of those states the run without prefetch reads a different number of
+    pages from NVMe in steps 1-4 (32, 24, 22, 28): under load the prediction was 22
+    against a real run from scratch's 32.
+    """
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    _, trace = _run(10, tmp_path / "a")
-    with PagedBufferPool(
-        host_budget_bytes=8 * PAGE,
-        page_size_bytes=PAGE,
-        device_budget_bytes=10 * PAGE,
-        nvme_path=str(tmp_path / "b"),
-    ) as pool:
-        pool.prefetch = lambda *a, **k: None  # this run's job asks for no prefetch
-        real = _workload(pool, 5, True)
+    _, trace = _run(10, tmp_path / "a", settled_steps=1)
+    _, real_trace = _run(10, tmp_path / "b", prefetch_steps=1, settled_steps=1)
+    real = [s.measured for s in real_trace]
+    assert real_trace[1].start == trace[1].start
+    assert not any(code == "P" for s in real_trace[1:] for code, *_ in s.events)
     predicted = replay(trace[1:], Proposal(prefetch_elements=(PAGE // 4, 0)))
     kept = replay(trace[1:])
 
     def total(steps, field):
-        return sum(
-            f.counters[field] if hasattr(f, "counters") else getattr(f, field) for f in steps
-        )
+        return sum(f.counters[field] if hasattr(f, "counters") else f[field] for f in steps)
 
     assert total(predicted.steps, "prefetch_misses") > total(kept.steps, "prefetch_misses")
-    # The real runs' NVMe I/O completes on threads: counts vary a little from run to run.
-    for field, rel in (("prefetch_misses", 0.1), ("n2h_pages", 0.25)):
-        assert total(predicted.steps, field) == pytest.approx(total(real[1:], field), rel=rel)
+    # Without prefetch the real run's moves do not depend on its I/O threads' timing.
+    for figures, measured in zip(predicted.steps, real[1:], strict=True):
+        for field in (*MOVES, *HITS):
+            assert figures.counters[field] == measured[field], (figures.step, field)
+    assert total(predicted.steps, "n2h_pages") > 0
 
 
 def test_a_pool_records_only_when_asked():
