@@ -23,6 +23,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import any_models as am
 
 import zero_runtime
 from demo.model import GPTConfig, build_gpt
@@ -261,3 +262,45 @@ def test_gradient_bytes_accounting_is_one_block_shard(tmp_path, cpu_devices):
     assert strategy.runtime.grad_bytes() == 4 * largest * 2
     sharded.close()
     strategy.close()
+
+
+def _train_units(end_of_step: bool) -> tuple:
+    """The tied GPT DAG (run by units) at stage 3, host parameters and Adam states:
+    ``(losses, weights, update_in_backward, iterations, early, late)``."""
+    strategy = zero_runtime.ZeroInfinityStrategy(
+        {"stage": 3, "offload_param": "cpu", "offload_optimizer": "cpu", "page_size_bytes": 65536}
+    )
+    try:
+        with strategy.scope():
+            model = am.gpt()
+            extra = {"clipvalue": 1e9} if end_of_step else {}
+            model.compile(
+                optimizer=_optimizer("adam", **extra),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            )
+        x, y = am.gpt_data()
+        hist = model.fit(x, y, batch_size=am.BATCH, epochs=2, verbose=0, shuffle=False)
+        (engine,) = strategy.runtime.accounting.stage3_engines
+        assert engine.path == "units"
+        return (
+            hist.history["loss"],
+            model.get_weights(),
+            engine.update_in_backward,
+            int(model.optimizer.iterations.numpy()),
+        )
+    finally:
+        strategy.close()
+
+
+def test_units_path_updates_in_backward_like_the_end_of_step_update(cpu_devices):
+    """A model run by units updates each original read by one use during backward and the
+    tied embedding table (read by the embedding and the head) after it: bitwise the
+    end-of-step update's losses and weights (which tests/test_stage3_any_model.py ties to
+    MirroredStrategy)."""
+    losses, weights, in_bwd, iters = _train_units(False)
+    ref_losses, ref_weights, ref_in_bwd, ref_iters = _train_units(True)
+    assert in_bwd is True and ref_in_bwd is False
+    assert iters == ref_iters > 0
+    assert losses == ref_losses and losses[-1] != losses[0]
+    for w, r in zip(weights, ref_weights):
+        np.testing.assert_array_equal(w, r)

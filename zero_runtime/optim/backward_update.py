@@ -22,6 +22,10 @@ belongs to one block, whose backward is its last use in the step. Not used (the
 end-of-step update is) with gradient accumulation or clipping, which need every
 gradient shard first, or with optimizer states on the device ('none').
 
+A model run by units (:mod:`zero_runtime.stage3.units_path`) calls :meth:`update` per
+use whose originals no other use reads (its backward is their last read), and once
+after the backward for the rest (tied weights, uses inside control flow or as tiles).
+
 Lifecycle per replica and step (traced once into the step's graph): ``__init__`` reads
 the step's scalars; :meth:`update` once per block, in backward order (copy + queue);
 :meth:`finish` after the last, which waits for the queued updates (raising the first

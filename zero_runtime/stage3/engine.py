@@ -529,8 +529,8 @@ class Stage3Engine:
 
     def _forward_backward(self, x, loss_fn, training: bool, update, replica: int):
         if self.runner is not None:
-            self.update_in_backward = False
-            return self.units.forward_backward(x, loss_fn, training)
+            self.update_in_backward = update is not None
+            return self.units.forward_backward(x, loss_fn, training, update)
         self.update_in_backward = update is not None
         anchor = tf.zeros([], tf.float32)
         with tf.GradientTape() as tape:

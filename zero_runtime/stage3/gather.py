@@ -99,6 +99,13 @@ class _StepState:
     graph: object = None  # the graph the step's forward is traced in
     branch_views: dict = dataclasses.field(default_factory=dict)  # id(unit) -> views
     running: Unit | None = None  # the unit whose call runs in a use's custom_gradient
+    # The update during backward (zero_runtime/optim/backward_update.py), None without:
+    update: object = None  # the replica's BackwardShardUpdate
+    done: tf.Tensor | None = None  # float32 scalar anchor: its gradient = the updates' token
+    uses: dict = dataclasses.field(default_factory=dict)  # id(v) -> its custom_gradient uses
+    use_vars: list = dataclasses.field(default_factory=list)  # each such use's originals
+    shared: set = dataclasses.field(default_factory=set)  # id(v) used in a branch or as tiles
+    updated: set = dataclasses.field(default_factory=set)  # id(v) queued during backward
 
 
 class UnitRunner:
@@ -145,12 +152,19 @@ class UnitRunner:
             v.__dict__.pop("_zero_outside_read", None)
 
     # -- step state --------------------------------------------------------------------
-    def begin(self, token: tf.Tensor, backward: bool) -> tuple[int, list[tf.Tensor]]:
+    def begin(
+        self, token: tf.Tensor, backward: bool, update=None
+    ) -> tuple[int, list[tf.Tensor]]:
         """Start a traced forward on this replica.
 
         Args:
             token: any tensor of the step's input (a data dependency for the first reads).
             backward: True in a training step: every original gets its anchor.
+            update: with ``backward``, a
+                :class:`~zero_runtime.optim.backward_update.BackwardShardUpdate` of this
+                replica, or None (default). Given, a use whose originals no other use
+                reads (:meth:`backward_split`) hands its reduced gradient shard to it as
+                soon as it is reduced, and its anchors get no gradient.
 
         Returns:
             The replica id and the anchors, in :attr:`variables` order (empty without
@@ -161,10 +175,42 @@ class UnitRunner:
         anchors = None
         if backward:
             anchors = {id(v): tf.zeros([v.shard_elements], tf.float32) for v in self.variables}
+        update = update if backward else None
         self._steps[replica] = _StepState(
-            tf.reshape(token, [-1])[:1], anchors, tf.compat.v1.get_default_graph()
+            tf.reshape(token, [-1])[:1],
+            anchors,
+            tf.compat.v1.get_default_graph(),
+            update=update,
+            done=None if update is None else tf.zeros([], tf.float32),
         )
         return replica, list((anchors or {}).values())
+
+    def done_anchor(self, replica: int) -> tf.Tensor | None:
+        """The replica's float32 scalar whose gradient is the token of every update
+        queued during backward (None without an update); the caller's tape watches it."""
+        return self._steps[replica].done
+
+    def backward_split(self, replica: int) -> tuple[list, list]:
+        """After the replica's traced forward: ``(early, late)``, the originals whose
+        shards are updated during backward (a use whose originals are each read by it
+        alone, outside control flow and tiles: its backward is their last read of the
+        step) and the rest
+        (tied, used in a branch, tiled, or unused: their anchors' gradients, summed over
+        their uses, are updated after the whole backward)."""
+        state = self._steps[replica]
+        ids = {id(v) for vs in state.use_vars if self._early(state, vs) for v in vs}
+        early = [v for v in self.variables if id(v) in ids]
+        return early, [v for v in self.variables if id(v) not in ids]
+
+    def updated_in_backward(self, replica: int) -> set:
+        """The ids of the originals whose update a traced backward queued."""
+        return self._steps[replica].updated
+
+    @staticmethod
+    def _early(state: _StepState, variables) -> bool:
+        return state.update is not None and all(
+            state.uses.get(id(v)) == 1 and id(v) not in state.shared for v in variables
+        )
 
     def end(self, replica: int) -> None:
         """End the replica's traced forward."""
@@ -187,7 +233,9 @@ class UnitRunner:
         if unit.tiles is not None and unit.tiles.applies(args, kwargs):
             # Inside tf.cond / tf.while_loop the unit is gathered whole before the control
             # flow (_use_in_branch): tiles run outside control flow only.
-            if not _inside_control_flow(self._steps[self._replica_id()].graph):
+            state = self._steps[self._replica_id()]
+            if not _inside_control_flow(state.graph):
+                state.shared.update(id(v) for v in unit.variables)  # tiles: not early
                 return unit.tiles(self, unit, args[0], kwargs)  # zero_runtime/stage3/tiling.py
         return self._use(unit, (args, kwargs), lambda a: unit.call(*a[0], **a[1]))
 
@@ -273,13 +321,17 @@ class UnitRunner:
             return out
 
         anchors = [state.anchors[id(v)] for v in unit.variables]
+        for v in unit.variables:
+            state.uses[id(v)] = state.uses.get(id(v), 0) + 1
+        state.use_vars.append(unit.variables)
+        done_in = [] if state.done is None else [state.done]
         n_in, n_anchor, n_state = len(inputs), len(anchors), len(state_vals)
         box = {}  # trace-time: the output structure and which state changed
 
         @tf.custom_gradient
         def use(*xs):
             tensors = list(xs[:n_in])
-            given = list(xs[n_in + n_anchor :])
+            given = list(xs[n_in + n_anchor : n_in + n_anchor + n_state])
             views = self._gather(unit, replica, dep, gather_dtype)
             out, new_state = call(tensors, views, given)
             changed = [k for k, (a, b) in enumerate(zip(given, new_state)) if a is not b]
@@ -308,16 +360,20 @@ class UnitRunner:
                 shard = reduce_scatter_variables(
                     unit.variables, gs[: len(views2)], self.group, raw=True
                 )
-                pieces = tf.split(shard, [v.shard_elements for v in unit.variables])
                 dxs = [None] * n_in
                 for k, g in zip(float_in, gs[len(views2) :]):
                     dxs[k] = g
-                return (*dxs, *pieces, *([None] * n_state))
+                if self._early(state, unit.variables):  # its last read: update it now
+                    done = state.update.update(unit.variables, shard, tf.zeros([]))
+                    state.updated.update(id(v) for v in unit.variables)
+                    return (*dxs, *([None] * n_anchor), *([None] * n_state), done)
+                pieces = tf.split(shard, [v.shard_elements for v in unit.variables])
+                return (*dxs, *pieces, *([None] * n_state), *([None] * len(done_in)))
 
             extra = [new_state[k] for k in changed]
             return [*outs, *extra], grad
 
-        result = use(*inputs, *anchors, *state_vals)
+        result = use(*inputs, *anchors, *state_vals, *done_in)
         n_out = box["n_out"]
         out = tf.nest.pack_sequence_as(box["structure"], list(result[:n_out]))
         changed = box["changed"]
@@ -334,6 +390,7 @@ class UnitRunner:
         (no recompute: the views live until the backward), and the views' gradient, summed
         over the branches by TensorFlow, is reduce-scattered in the step's graph too.
         """
+        state.shared.update(id(v) for v in unit.variables)  # gathered once: not early
         views = state.branch_views.get(id(unit))
         if views is None:
             with state.graph.as_default():

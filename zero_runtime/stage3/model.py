@@ -61,8 +61,11 @@ class ShardedModel(keras.Model):
     (``gradient_accumulation_steps``, :mod:`zero_runtime.stage3.accumulation`) and
     clipping (``clipnorm`` / ``global_clipnorm`` / ``clipvalue`` of the reduced gradient,
     :mod:`zero_runtime.stage3.clipping`) are done on gradient shards. A model that is not
-    a chain (a DAG, nested or subclassed, tied weights, BatchNormalization) runs by units
-    (:mod:`zero_runtime.stage3.gather`), updated after the whole backward. Not
+    a chain (a DAG, nested or subclassed, tied weights, BatchNormalization), or a chain
+    whose config does not need the block engine, runs by units
+    (:mod:`zero_runtime.stage3.gather`); with the update in backward there, an original
+    read by one use is updated when that use's gradient shard is reduced, the others
+    (tied, in control flow, tiled) after the whole backward. Not
     implemented at stage 3: EMA, accumulation or clipping with row-paged embedding
     tables, a layer that owns weights and draws random numbers in its own ``call``.
     """
@@ -153,7 +156,7 @@ class ShardedModel(keras.Model):
         )
         # With host/NVMe optimizer states (and no accumulation or clipping) each block's
         # shards are updated during backward (zero_runtime/optim/backward_update.py).
-        in_backward = backward_update.supported(opt) and self.engine.runner is None
+        in_backward = backward_update.supported(opt)
         update = BackwardShardUpdate(opt, replica) if in_backward else None
         # Device tier under fit: no host call in the step; its boundary is reported from
         # Python after the call (zero_runtime/stage3/step_clock.py).

@@ -41,7 +41,9 @@ def block_engine_reasons(layers: list, config: ZeroConfig) -> tuple[str, ...]:
       ``embedding_row_paging_threshold`` elements, ``embedding.row_paging_applies``);
     - the optimizer update during backward (host or NVMe optimizer states,
       ``gradient_accumulation_steps == 1``: each block's gradient shard goes to the host
-      as soon as it is reduced, :mod:`zero_runtime.optim.backward_update`);
+      as soon as it is reduced, :mod:`zero_runtime.optim.backward_update`; the units
+      path does it too, for originals read by one use, but the block engine's is the
+      one the chain tests of memory, persistence and the plan are built on);
     - gathered parameters in the pool's device tier, so that an int
       ``device_budget_bytes`` bounds them (the units path's gathered views are TF tensors
       outside the pool);

@@ -68,21 +68,42 @@ class UnitsPath:
         # The model's own call, taken after the hooks (a model owning weights is a unit).
         self._own_call = model.__dict__.get("call") or type(model).call.__get__(model)
 
-    def forward_backward(self, x, loss_fn, training: bool):
+    def forward_backward(self, x, loss_fn, training: bool, update=None):
         """The traced forward and backward on this replica: the model's own call, every
-        unit use gathered and reduce-scattered by the runner; the update comes after the
-        whole backward (a tied weight's later use may still read it).
+        unit use gathered and reduce-scattered by the runner.
+
+        Args:
+            x: the replica's input batch.
+            loss_fn: ``y_pred -> scalar loss`` (runs under the tape).
+            training: passed to the model's call.
+            update: a :class:`~zero_runtime.optim.backward_update.BackwardShardUpdate` of
+                this replica, or None (default): the update after the whole backward.
+                Given, an original read by one use only is updated as soon as that use's
+                gradient shard is reduced (its backward is the step's last read of it);
+                the others (tied, in control flow, tiled, unused) after the backward
+                (:meth:`~zero_runtime.stage3.gather.UnitRunner.backward_split`).
 
         Returns:
-            ``(y_pred, loss, grads)``, ``grads`` ``{id(variable): float32
-            [shard_elements]}``, the replica's reduced gradient shard of every original.
+            ``(y_pred, loss, grads)``: without ``update``, ``grads`` ``{id(variable):
+            float32 [shard_elements]}``, the replica's reduced gradient shard of every
+            original; with it, a float32 scalar 0.0 that exists once every update is
+            queued.
         """
-        replica, anchors = self.runner.begin(tf.nest.flatten(x)[0], backward=True)
+        replica, anchors = self.runner.begin(
+            tf.nest.flatten(x)[0], backward=True, update=update
+        )
         try:
+            done = self.runner.done_anchor(replica)
             with tf.GradientTape() as tape:
                 tape.watch(anchors)
+                if done is not None:
+                    tape.watch(done)
                 y_pred = self.model(x, training=training)
                 loss = loss_fn(y_pred)
+            if update is not None:
+                token = self._backward_with_updates(tape, loss, replica, anchors, update)
+                replica_barrier()  # as below
+                return y_pred, loss, token
             shards = tape.gradient(
                 loss, anchors, unconnected_gradients=tf.UnconnectedGradients.ZERO
             )
@@ -95,6 +116,28 @@ class UnitsPath:
         finally:
             self.runner.end(replica)
         return y_pred, loss, {id(v): g for v, g in zip(self.runner.variables, shards)}
+
+    def _backward_with_updates(self, tape, loss, replica: int, anchors: list, update):
+        """The backward of a step that updates during backward; returns the token of
+        every update (float32 scalar 0.0)."""
+        runner = self.runner
+        by_id = {id(v): a for v, a in zip(runner.variables, anchors)}
+        early, late = runner.backward_split(replica)
+        gs = tape.gradient(
+            loss,
+            [runner.done_anchor(replica), *(by_id[id(v)] for v in late)],
+            unconnected_gradients=tf.UnconnectedGradients.ZERO,
+        )
+        token, grads = gs[0], list(gs[1:])
+        # An early original whose use's backward was never traced (its output does not
+        # reach the loss) gets a zero gradient, as Mirrored's optimizer would.
+        done = runner.updated_in_backward(replica)
+        missed = [v for v in early if id(v) not in done]
+        grads += [tf.zeros([v.shard_elements], tf.float32) for v in missed]
+        rest = late + missed
+        if rest:
+            token = token + update.update(rest, tf.concat(grads, axis=0), token)
+        return token
 
     def forward(self, x, training: bool):
         """Forward only on this replica (evaluate, predict; or the model's call inside
