@@ -32,7 +32,7 @@ import zero_runtime
 from tb_plugin import metadata
 from zero_runtime.optim import SGD
 from zero_runtime.sharded_variable import ShardedVariable
-from zero_runtime.stage3 import engine as engine_module
+from zero_runtime.stage3 import pool_sizing
 from zero_runtime.stage3.embedding import RowPagedTable, row_paging_budget
 
 VOCAB, WIDTH, SEQ = 200_000, 16, 8
@@ -299,7 +299,7 @@ def test_default_budgets_page_rows_and_the_table_gets_a_placement_row(reference,
     budget = row_paging_budget((VOCAB, WIDTH), PAGE, 2, 2)
     assert (budget.pages_per_shard, budget.cache_pages) == (98, 2 * 13)
     dense_gathered = 2 * 2  # kernel (128, 1) and bias (1,): one page each per replica
-    capacity = (budget.cache_pages + dense_gathered + engine_module.SLACK_PAGES) * PAGE
+    capacity = (budget.cache_pages + dense_gathered + pool_sizing.SLACK_PAGES) * PAGE
     table_bytes = 2 * budget.pages_per_shard * PAGE
     print(
         f"default device budget {capacity} bytes vs table {table_bytes}; per step h2d/d2h "

@@ -12,7 +12,8 @@ Public API::
 ``ShardedModel.train_step`` also runs inside ``strategy.run`` for custom loops.
 """
 
-from zero_runtime.stage3.engine import BlockPlan, Stage3Engine
+from zero_runtime.stage3.block_plan import BlockPlan
+from zero_runtime.stage3.engine import Stage3Engine
 from zero_runtime.stage3.model import ShardedModel
 
 __all__ = ["BlockPlan", "ShardedModel", "Stage3Engine"]
