@@ -126,7 +126,7 @@ class BackwardShardUpdate:
             Grappler prunes unused ones).
         """
         fn = functools.partial(self._host_enqueue, tuple(variables))
-        # Stateless, ordered by its inputs only: see zero_runtime.stage3.engine._host_call.
+        # Stateless, ordered by its inputs only: see zero_runtime.stage3.block_step._host_call.
         done = host_function(
             fn,
             [shard, after, self.step, *self._scalars],

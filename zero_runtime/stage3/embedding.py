@@ -432,7 +432,7 @@ class RowPagedEmbedding:
             functools.partial(self._fetch_rows, replica),
             [all_ids],
             [tf.int32, tf.int32, tf.float32],
-            stateful=False,  # ordered by data only (see engine._host_call)
+            stateful=False,  # ordered by data only (see block_step._host_call)
             name="zero3_fetch_rows",
         )
         width = self.table.row_elements

@@ -457,7 +457,7 @@ class UnitRunner:
                 functools.partial(_read_shards, unit.variables, replica),
                 [dep],
                 tf.float32,
-                stateful=False,  # ordered by ``dep`` only (see engine._host_call)
+                stateful=False,  # ordered by ``dep`` only (see block_step._host_call)
                 name="zero3_unit_shards",
             )
         shard.set_shape([e])

@@ -395,7 +395,7 @@ class _Tile:
                 functools.partial(_read_tile, kernel, self.replica, plan.kernel_axis, start, size),
                 deps,
                 tf.float32,
-                stateful=False,  # ordered by ``dep`` only (see engine._host_call)
+                stateful=False,  # ordered by ``dep`` only (see block_step._host_call)
                 name="zero3_tile_shard",
             )
         piece.set_shape([kernel.rows * math.prod(rest)])  # (R * n_j * ...,)
