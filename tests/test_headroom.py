@@ -172,3 +172,18 @@ def test_auto_holds_the_headroom_in_a_run_that_pages(tmp_path):
     assert record["page_moves"] > 0  # the budget forces paging
     assert record["final_loss"] < record["first_loss"]
     assert record["auto_events"] >= 1 and all(e["source"] == "auto" for e in record["events"])
+    # The floor is the engine's working set (two blocks' gathered buffers + persistent
+    # copies), far above MIN_PAGES: a cut below it made a gather fail (CI, session 11).
+    assert record["floor_bytes"] > 4 * 65536
+    assert min(record["budgets"]) >= record["floor_bytes"]
+
+
+def test_the_floor_rises_to_the_working_set_and_holds():
+    c = _controller()
+    c.raise_floor(70 * MIB + 1)  # rounded up to pages
+    assert c.min_budget == 70 * MIB + PAGE
+    c.raise_floor(PAGE)  # never lowered
+    assert c.min_budget == 70 * MIB + PAGE
+    c.observe(0, 0, NVME3)
+    d = c.observe(1, 99 * MIB, NVME3)  # a cut to 63 MiB stops at the floor
+    assert d.updates["device_budget_bytes"] == 70 * MIB + PAGE

@@ -34,14 +34,16 @@ first traces), decides at step boundaries:
   ``capacity * (1 - 2 * headroom_fraction)``): the budget grows by half the slack, rounded
   down to pages, never past the target.
 
-The budget never goes below ``MIN_PAGES`` pages. When it is there and the peak is still
-over the target, the memory outside the pool (activations, framework buffers) alone
-exceeds it: the controller says so once and stops shrinking. ``max_reuse_distance`` and
-``persistence_threshold`` take effect only when stage 3's plan is rebuilt
-(``TUNABLE_KEYS``), so the controller does not change them. Every decision is applied as
-a live-tuning change (``ControlChannel.apply_auto``), recorded as a config event with
-``source: "auto"`` and its reason, and shown in the tab like a manual change. A manual
-change of ``device_budget_bytes`` in the tab turns the controller off.
+The budget never goes below ``MIN_PAGES`` pages, nor below the pool's working set when
+one is known (:meth:`HeadroomController.raise_floor`: a stage-3 engine's gathered
+buffers). When it is there and the peak is still over the target, the memory outside the
+pool (activations, framework buffers) alone exceeds it: the controller says so once and
+stops shrinking. ``max_reuse_distance`` and ``persistence_threshold`` take effect only
+when stage 3's plan is rebuilt (``TUNABLE_KEYS``), so the controller does not change
+them. Every decision is applied as a live-tuning change (``ControlChannel.apply_auto``),
+recorded as a config event with ``source: "auto"`` and its reason, and shown in the tab
+like a manual change. A manual change of ``device_budget_bytes`` in the tab turns the
+controller off.
 """
 
 from __future__ import annotations
@@ -197,6 +199,14 @@ class HeadroomController:
         self._window: list[float] = []
         self._level: list[float] = []  # peaks at the current budget
         self._levels: list[tuple[int, float]] = []  # (budget, mean peak) of past budgets
+
+    def raise_floor(self, floor_bytes: int) -> None:
+        """Never set a budget below ``floor_bytes`` (rounded up to pages): the pool's
+        working set, e.g. a stage-3 engine's gathered buffers of two blocks and its
+        persistent parameters (``Stage3Engine.min_device_budget``). Below it the next
+        gather cannot place its pages (a ``PoolOutOfMemoryError``, not a lower peak)."""
+        pages = -(-int(floor_bytes) // self.page)
+        self.min_budget = max(self.min_budget, pages * self.page)
 
     def describe(self) -> dict[str, Any]:
         """The controller's settings and state, for ``run_info`` (bytes)."""

@@ -312,6 +312,34 @@ class Stage3Engine(BlockSteps):
         return max((sum(v.shard_elements for v in b.variables) for b in self.blocks), default=0)
 
     @property
+    def min_device_budget(self) -> int:
+        """Bytes the pool's device tier must be able to pin at once in a step, all local
+        replicas: on the block engine the gathered buffers of the two largest blocks
+        (every variable of a block is read from the device tier when the block runs, and
+        a block's backward overlaps the next block's gather), plus the shards when they
+        live on the device (``offload_param='none'``). Other gathered copies (persistent
+        parameters, kept blocks) may move down to the host under pressure. The units
+        path's gathered views are TensorFlow tensors outside the pool: only its
+        device-tier shards count. A budget below this fails at a gather
+        (``PoolOutOfMemoryError``)."""
+        page = self.pool.page_size
+        local = len(self.local_replicas)
+
+        def gathered_pages(v: ShardedVariable) -> int:
+            shape = tuple(v.shape) or (1,)
+            rows = -(-shape[0] // self.num_shards)
+            elements = self.num_shards * rows * math.prod(shape[1:])
+            return local * max(1, -(-4 * elements // page))
+
+        shards = 0
+        if self.tier == "device":
+            shards = sum(local * max(1, -(-4 * v.shard_elements // page)) for v in self.variables)
+        if self.runner is not None:
+            return shards * page
+        blocks = sorted(sum(gathered_pages(v) for v in b.variables) for b in self.blocks)
+        return (shards + sum(blocks[-2:])) * page
+
+    @property
     def variables(self) -> list[ShardedVariable]:
         """Every sharded variable, block by block (unit by unit, each once)."""
         if self.runner is not None:
