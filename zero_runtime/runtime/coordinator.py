@@ -200,9 +200,8 @@ class ZeroRuntime:
         """
         self.accounting.add_stage3_engine(engine)
         self._observe_store(engine)
-        floor = getattr(engine, "min_device_budget", None)
-        if self.headroom is not None and floor is not None:
-            self.headroom.raise_floor(floor)  # 'auto' never cuts below the working set
+        if self.headroom is not None and hasattr(engine, "min_device_budget"):
+            self.headroom.raise_floor(engine.min_device_budget)  # never below the working set
         pool = getattr(engine, "pool", None)
         if self._trace_writer is not None and pool is not None:
             if len(self.accounting.stage3_engines) == 1:  # the first engine's pool is traced

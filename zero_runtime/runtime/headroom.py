@@ -202,8 +202,8 @@ class HeadroomController:
 
     def raise_floor(self, floor_bytes: int) -> None:
         """Never set a budget below ``floor_bytes`` (rounded up to pages): the pool's
-        working set, e.g. a stage-3 engine's gathered buffers of two blocks and its
-        persistent parameters (``Stage3Engine.min_device_budget``). Below it the next
+        working set, e.g. a stage-3 engine's gathered buffers of its two largest blocks
+        (``Stage3Engine.min_device_budget``). Below it the next
         gather cannot place its pages (a ``PoolOutOfMemoryError``, not a lower peak)."""
         pages = -(-int(floor_bytes) // self.page)
         self.min_budget = max(self.min_budget, pages * self.page)

@@ -72,7 +72,7 @@ from zero_runtime.stage3.embedding import (
     row_paging_applies,
 )
 from zero_runtime.stage3.gather import UnitRunner
-from zero_runtime.stage3.pool_sizing import size_pool
+from zero_runtime.stage3.pool_sizing import gathered_pages, size_pool
 from zero_runtime.stage3.step_clock import OutsideStepClock
 from zero_runtime.stage3.units_path import UnitsPath
 
@@ -324,19 +324,15 @@ class Stage3Engine(BlockSteps):
         (``PoolOutOfMemoryError``)."""
         page = self.pool.page_size
         local = len(self.local_replicas)
-
-        def gathered_pages(v: ShardedVariable) -> int:
-            shape = tuple(v.shape) or (1,)
-            rows = -(-shape[0] // self.num_shards)
-            elements = self.num_shards * rows * math.prod(shape[1:])
-            return local * max(1, -(-4 * elements // page))
-
         shards = 0
         if self.tier == "device":
             shards = sum(local * max(1, -(-4 * v.shard_elements // page)) for v in self.variables)
         if self.runner is not None:
             return shards * page
-        blocks = sorted(sum(gathered_pages(v) for v in b.variables) for b in self.blocks)
+        blocks = sorted(
+            sum(gathered_pages(tuple(v.shape), self.num_shards, local, page) for v in b.variables)
+            for b in self.blocks
+        )
         return (shards + sum(blocks[-2:])) * page
 
     @property

@@ -23,6 +23,15 @@ from zero_runtime.stage3.embedding import STATE_TIER, row_paging_applies, row_pa
 SLACK_PAGES = 8  # pages added to default tier budgets (rounding, transient placement)
 
 
+def gathered_pages(shape: tuple[int, ...], num_shards: int, local: int, page: int) -> int:
+    """Pages of one float32 variable's gathered buffers over ``local`` replicas: its
+    ``num_shards`` shards of ``ceil(shape[0] / num_shards)`` rows each (axis 0, as
+    ``Stage3Engine.shard_variable`` splits), rounded up to ``page`` bytes per replica."""
+    shape = tuple(shape) or (1,)
+    rows = -(-shape[0] // num_shards)
+    return local * max(1, -(-4 * num_shards * rows * math.prod(shape[1:]) // page))
+
+
 def size_pool(
     layers: list,
     config: ZeroConfig,
@@ -79,7 +88,7 @@ def size_pool(
             rows = -(-shape[d] // n)
             rest = math.prod(shape[:d] + shape[d + 1 :])
             shard_pages += local * pages(rows * rest)
-            gathered += local * pages(n * rows * rest)
+            gathered += gathered_pages(shape, n, local, page)
             elements += rows * rest
         packed_elements += elements
         if tier in SPACE_TIERS:
