@@ -188,6 +188,7 @@ class PoolCore:
         except BaseException:
             PageAccess.drop_acquire(entry)
             raise
+        entry.acquisitions += 1  # serves the prefetch requests queued before it
         self.policy.advance(entry.tensor_id)
         self.touch(entry)
         return result

@@ -157,6 +157,9 @@ class TensorEntry:
         pages: the page records, in index order.
         pin_count: explicit ``pin()`` calls not yet matched by ``unpin()``.
         acquire_count: ``acquire()`` calls not yet matched by ``release()``.
+        acquisitions: every ``acquire()`` that succeeded, ever (a prefetch request queued
+            before the latest one was served by it: :class:`~zero_runtime.memory.prefetch.
+            PrefetchRequest`).
         acquired_tier: the tier it is acquired on while ``acquire_count > 0``.
         acquired: the array handed out by ``acquire(tier='host')`` while acquired.
         writable: whether that array may be written (and is written back on release).
@@ -172,6 +175,7 @@ class TensorEntry:
     pages: list[PageRecord]
     pin_count: int = 0
     acquire_count: int = 0
+    acquisitions: int = 0
     acquired_tier: str | None = None
     acquired: np.ndarray | None = None
     writable: bool = False

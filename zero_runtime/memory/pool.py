@@ -531,7 +531,9 @@ class PagedBufferPool:
     def prefetch(self, tensor_ids: str | Iterable[str], tier: str = "host") -> None:
         """Schedule page-ins of tensors ahead of use; returns at once.
 
-        A background thread moves the pages to ``tier`` without pinning them. It never
+        A background thread moves the pages to ``tier`` without pinning them; a tensor
+        acquired before the thread reaches the request was served by that acquire and is
+        skipped (``memory.prefetch.PrefetchRequest``). It never
         evicts pinned pages or the tensors of this call, nor, when an access order is set,
         pages needed sooner than these tensors; when nothing can move it gives up
         quietly (``acquire`` then brings the rest).
@@ -550,7 +552,7 @@ class PagedBufferPool:
             self._check_tier(tier, ("host", "device"))
             for tid in ids:
                 self._p.table.get(tid)
-            self._p.prefetcher.submit(ids, tier)
+            self._p.prefetcher.submit(self._p.prefetcher.request(ids, tier))
             self._trace("P", ids, tier)
 
     def evict(self, tensor_ids: str | Iterable[str], to_tier: str = "nvme") -> None:

@@ -7,6 +7,12 @@ evicts pinned pages or the tensors it brings in, nor (with an access order) page
 sooner than them; it steps aside while a blocking caller is short of slots (``starved``)
 and resumes the interrupted request afterwards; it never raises.
 
+A request is for the next use of its tensors: a tensor acquired after the request was
+queued and before the thread reached it was served by that acquire, and the thread skips
+it (:class:`PrefetchRequest`). Without that rule a thread that runs late (a loaded CPU)
+reads back a tensor that was used and written behind to NVMe meanwhile, and the
+write-behind then writes it again.
+
 States (:class:`PrefetcherState`), one transition per method: IDLE (no thread yet) ->
 RUNNING (:meth:`Prefetcher.submit` started the thread) -> STOPPED (:meth:`Prefetcher.stop`
 joined it; from IDLE too).
@@ -15,6 +21,7 @@ joined it; from IDLE too).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import enum
 import logging
 import threading
@@ -35,6 +42,30 @@ class PrefetcherState(enum.Enum):
     IDLE = "idle"
     RUNNING = "running"
     STOPPED = "stopped"
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefetchRequest:
+    """One queued prefetch: tensors to bring to a tier before their next use.
+
+    Attributes:
+        ids: the tensor ids, in the caller's order.
+        tier: 'host' or 'device'.
+        seen: each tensor's ``TensorEntry.acquisitions`` when the request was queued; a
+            tensor acquired since then was served by that acquire and is skipped.
+    """
+
+    ids: tuple[str, ...]
+    tier: str
+    seen: tuple[int, ...]
+
+    def pending(self, table: PageTable) -> tuple[str, ...]:
+        """The ids still to bring: allocated, and not acquired since the request."""
+        return tuple(
+            t
+            for t, n in zip(self.ids, self.seen, strict=True)
+            if t in table and table.get(t).acquisitions == n
+        )
 
 
 class Prefetcher:
@@ -66,7 +97,7 @@ class Prefetcher:
         self._policy = policy
         self._cond = cond
         self._closed = closed
-        self._queue: collections.deque[tuple[tuple[str, ...], str]] = collections.deque()
+        self._queue: collections.deque[PrefetchRequest] = collections.deque()
         self._working = False  # a request is being placed now
         self._thread: threading.Thread | None = None
         self.state = PrefetcherState.IDLE
@@ -75,9 +106,16 @@ class Prefetcher:
         """True while a request is queued or being placed (lock held)."""
         return bool(self._queue) or self._working
 
-    def submit(self, ids: tuple[str, ...], tier: str) -> None:
+    def request(self, ids: tuple[str, ...], tier: str) -> PrefetchRequest:
+        """A request for ``ids`` as of now (lock held). A tensor not allocated yet counts
+        as never acquired (the what-if simulator re-derives requests that may name one)."""
+        table = self._table
+        seen = tuple(table.get(t).acquisitions if t in table else 0 for t in ids)
+        return PrefetchRequest(ids, tier, seen)
+
+    def submit(self, request: PrefetchRequest) -> None:
         """Queue a request (lock held); IDLE -> RUNNING on the first one."""
-        self._queue.append((ids, tier))
+        self._queue.append(request)
         if self.state is PrefetcherState.IDLE:
             self._start()
         self._cond.notify_all()
@@ -97,16 +135,17 @@ class Prefetcher:
             self._thread.join()
         self.state = PrefetcherState.STOPPED
 
-    def place(self, ids: tuple[str, ...], tier: str) -> bool:
-        """Place one request's pages on ``tier``, advisory (lock held): tensors freed
-        meanwhile are skipped; with an access order, only pages used later than the
-        furthest of ``ids`` may be evicted. Returns True when every page is placed.
-        Never raises but ``PoolClosedError`` (a failure is logged and counts as done).
+    def place(self, request: PrefetchRequest) -> bool:
+        """Place one request's pages on its tier, advisory (lock held): tensors freed or
+        acquired meanwhile are skipped (:meth:`PrefetchRequest.pending`); with an access
+        order, only pages used later than the furthest of its tensors may be evicted.
+        Returns True when every page is placed. Never raises but ``PoolClosedError`` (a
+        failure is logged and counts as done).
 
         The prefetch thread runs it; so does the what-if simulator
         (:mod:`zero_runtime.memory.simulate`) at the points the thread ran.
         """
-        ids = tuple(t for t in ids if t in self._table)
+        ids, tier = request.pending(self._table), request.tier
         pages = [p for t in ids for p in self._table.get(t).pages]
         limit = None
         if self._policy.ordered and ids:
@@ -127,15 +166,15 @@ class Prefetcher:
                     self._cond.notify_all()
                     self._cond.wait(WAIT_SLICE_SECONDS)
                     continue
-                ids, tier = self._queue.popleft()
+                request = self._queue.popleft()
                 self._working = True
                 if self._on_run is not None:
-                    self._on_run(ids, tier)
+                    self._on_run(request.ids, request.tier)
                 try:
-                    done = self.place(ids, tier)
+                    done = self.place(request)
                 except PoolClosedError:
                     break
                 if not done and self._placement.starved and not self._closed():
-                    self._queue.appendleft((ids, tier))  # resume after the caller
+                    self._queue.appendleft(request)  # resume after the caller
             self._working = False
             self._cond.notify_all()

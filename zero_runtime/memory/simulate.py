@@ -338,11 +338,10 @@ def _serve(
             if proposed != recorded:
                 ids = _derive_request(ids, core.policy.order, itemsize, sizes, proposed, stride)
         if ids:
-            queue.append((ids, tier))
+            queue.append(core.prefetcher.request(ids, tier))
     elif code == "X":
         if queue:
-            ids, tier = queue.popleft()
-            core.prefetcher.place(ids, tier)
+            core.prefetcher.place(queue.popleft())
     elif code == "E":
         core.placement.evict([get(t) for t in args[0]], args[1])
     elif code == "N":
