@@ -4,17 +4,25 @@
 which use gathers and which keeps its block gathered (``max_reuse_distance``,
 ``max_live_parameters``); :class:`Block` is one block of a chain; :class:`PoolStep` is the
 pool's usage and page counters at the end of a step
-(:meth:`~zero_runtime.stage3.engine.Stage3Engine.close_step`).
+(:meth:`~zero_runtime.stage3.engine.Stage3Engine.close_step`); :func:`shard_blocks`
+turns a chain's layers into blocks of sharded variables.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import TYPE_CHECKING
 
 import keras
 
 from zero_runtime.memory import PageCounters, TierUsage
 from zero_runtime.sharded_variable import ShardedVariable
+from zero_runtime.stage3.chain import _replace_variable
+from zero_runtime.stage3.embedding import RowPagedEmbedding, row_paging_applies
+
+if TYPE_CHECKING:
+    from zero_runtime.stage3.engine import Stage3Engine
 
 FWD, BWD = "fwd", "bwd"
 
@@ -58,6 +66,55 @@ class Block:
     def shard_elements(self) -> int:
         """Elements of one replica's shards of all the block's variables."""
         return sum(v.shard_elements for v in self.variables)
+
+
+def shard_blocks(
+    engine: Stage3Engine, layers: list, remote: bool
+) -> tuple[tuple[Block, ...], dict[int, RowPagedEmbedding]]:
+    """Replace the chain ``layers``' trainable weights by sharded variables, one
+    :class:`Block` per layer, in place.
+
+    A variable of fewer than ``persistence_threshold`` elements is persistent (gathered
+    once per step). An ``Embedding`` at or above ``embedding_row_paging_threshold``
+    elements becomes a row-paged table (:class:`RowPagedEmbedding`: only the batch's rows
+    move) and a block without gathers.
+
+    Args:
+        engine: the stage-3 engine (its config, pool, replicas, ``shard_variable``).
+        layers: the chain's built layers, in call order (empty by units).
+        remote: True when other workers hold some replicas' shards.
+
+    Returns:
+        ``(blocks, row_paged)``: the blocks in layer order, and ``{block index:
+        RowPagedEmbedding}``.
+    """
+    config = engine.config
+    blocks: list[Block] = []
+    row_paged: dict[int, RowPagedEmbedding] = {}
+    for i, layer in enumerate(layers):
+        if row_paging_applies(layer, config):
+            old = layer.embeddings
+            row_paged[i] = RowPagedEmbedding(
+                layer,
+                engine.pool,
+                engine.num_shards,
+                config,
+                local_replicas=engine.local_replicas,
+                gather_remote=engine._gather_remote if remote else None,  # noqa: SLF001
+            )
+            _replace_variable(layer, old, row_paged[i].table)
+            blocks.append(Block(i, layer, (), 0, 0))
+            continue
+        new_vars = []
+        for v in list(layer.trainable_variables):
+            size = math.prod(v.shape)
+            sv = engine.shard_variable(v, remote, persistent=size < config.persistence_threshold)
+            _replace_variable(layer, v, sv)
+            new_vars.append(sv)
+        elements = sum(math.prod(v.shape) for v in new_vars if not v.persistent)
+        persistent = sum(math.prod(v.shape) for v in new_vars if v.persistent)
+        blocks.append(Block(i, layer, tuple(new_vars), elements, persistent))
+    return tuple(blocks), row_paged
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import threading
 
 import keras
@@ -62,15 +61,11 @@ from zero_runtime.sharded_variable import (
     ShardedVariable,
     ShardState,
 )
-from zero_runtime.stage3 import construction, path_choice, tiling
+from zero_runtime.stage3 import construction, path_choice, placement, tiling
 from zero_runtime.stage3 import units as units_mod
-from zero_runtime.stage3.block_plan import Block, BlockPlan, PoolStep
+from zero_runtime.stage3.block_plan import BlockPlan, PoolStep, shard_blocks
 from zero_runtime.stage3.block_step import BlockSteps, _replica_id
 from zero_runtime.stage3.chain import _chain_or_none, _replace_variable
-from zero_runtime.stage3.embedding import (
-    RowPagedEmbedding,
-    row_paging_applies,
-)
 from zero_runtime.stage3.gather import UnitRunner
 from zero_runtime.stage3.pool_sizing import gathered_pages, size_pool
 from zero_runtime.stage3.step_clock import OutsideStepClock
@@ -198,34 +193,9 @@ class Stage3Engine(BlockSteps):
             if remote
             else None
         )
-        blocks = []
-        # Embedding tables of >= embedding_row_paging_threshold elements: row-paged, only
-        # the batch's rows move (zero_runtime/stage3/embedding.py); block without gathers.
-        self.row_paged: dict[int, RowPagedEmbedding] = {}
-        for i, layer in enumerate(layers or ()):
-            if row_paging_applies(layer, config):
-                old = layer.embeddings
-                self.row_paged[i] = RowPagedEmbedding(
-                    layer,
-                    self.pool,
-                    self.num_shards,
-                    config,
-                    local_replicas=self.local_replicas,
-                    gather_remote=self._gather_remote if remote else None,
-                )
-                _replace_variable(layer, old, self.row_paged[i].table)
-                blocks.append(Block(i, layer, (), 0, 0))
-                continue
-            new_vars = []
-            for v in list(layer.trainable_variables):
-                size = math.prod(v.shape)
-                sv = self.shard_variable(v, remote, persistent=size < config.persistence_threshold)
-                _replace_variable(layer, v, sv)
-                new_vars.append(sv)
-            elements = sum(math.prod(v.shape) for v in new_vars if not v.persistent)
-            persistent = sum(math.prod(v.shape) for v in new_vars if v.persistent)
-            blocks.append(Block(i, layer, tuple(new_vars), elements, persistent))
-        self.blocks = tuple(blocks)
+        # The block engine's blocks (row-paged embedding tables among them); none by units.
+        self.blocks, self.row_paged = shard_blocks(self, layers or [], remote)
+        blocks = self.blocks
         self.plan = BlockPlan.make(
             {b.index: b.elements for b in blocks if b.variables},
             config.max_reuse_distance,
@@ -426,68 +396,15 @@ class Stage3Engine(BlockSteps):
         )
 
     def placement_rows(self, optimizer_tier: str) -> list[dict]:
-        """One placement row per sharded variable (``memory_hierarchy/placement``), and
-        one per row-paged table (:meth:`RowPagedEmbedding.placement_row`).
-
-        ``param_tier`` is where replica 0's shard pages are now, by the pool's page table
-        (tiers joined with '+' when its pages are split); gradients are reduced to a shard
-        on the device, held to the step's end ('device') or, when blocks are updated
-        during backward, handed to the host optimizer at once ('device -> host').
-        """
-        grad_tier = "device -> host (in backward)" if self.update_in_backward else "device"
-        rows = []
-        for v in self.variables:
-            tiers = sorted(
-                {
-                    p.tier
-                    for pid in v.page_ids(self.local_replicas[0])
-                    for p in self.pool.describe(pid).pages
-                    if p.tier
-                },
-                key=("device", "host", "nvme").index,
-            )
-            text = f"sharded 1/{self.num_shards} along dim {v.shard_dim} (ZeRO-3)"
-            if v.persistent:
-                text += "; persistent: gathered once per step"
-            if id(v) in self.tile_plans:
-                text += "; " + self.tile_plans[id(v)].describe()
-            rows.append(
-                {
-                    "name": v.path,
-                    "shape": list(v.shape),
-                    "dtype": "float32",
-                    "bytes": 4 * math.prod(v.shape),
-                    "partitioning": text,
-                    "shard_bytes_per_replica": 4 * v.shard_elements,
-                    "param_tier": "+".join(tiers) or v.tier,
-                    "grad_tier": grad_tier,
-                    "optimizer_tier": optimizer_tier,
-                }
-            )
-        # One row per row-paged table: its row pages' bytes per tier, rows/pages touched.
-        rows.extend(e.placement_row() for e in self.row_paged.values())
-        for v in self.frozen:  # replicated on the device, no gradient, no optimizer state
-            nbytes = _nbytes(v)
-            rows.append(
-                {
-                    "name": v.path,
-                    "shape": list(v.shape),
-                    "dtype": str(np.dtype(v.dtype)),
-                    "bytes": nbytes,
-                    "partitioning": "frozen, replicated (not trainable: not sharded)",
-                    "shard_bytes_per_replica": nbytes,
-                    "param_tier": "device",
-                    "grad_tier": "none",
-                    "optimizer_tier": "none",
-                }
-            )
-        return rows
+        """One placement row per sharded variable, row-paged table and frozen weight
+        (``memory_hierarchy/placement``; :func:`zero_runtime.stage3.placement.placement_rows`)."""
+        return placement.placement_rows(self, optimizer_tier)
 
     @property
     def frozen_bytes(self) -> int:
         """Bytes of the frozen (non-trainable) weights one replica holds on its device:
         they are replicated, not sharded (``frozen``)."""
-        return sum(_nbytes(v) for v in self.frozen)
+        return sum(placement.variable_nbytes(v) for v in self.frozen)
 
     def recover(self) -> dict[str, int]:
         """Return every local replica's variables to SHARDED/RELEASED after a failed step.
@@ -534,7 +451,3 @@ class Stage3Engine(BlockSteps):
         if self.space is not None:
             self.space.close()
         self.pool.close()
-
-
-def _nbytes(v) -> int:
-    return math.prod(v.shape) * np.dtype(v.dtype).itemsize
