@@ -28,8 +28,6 @@ Usage: ``.venv/bin/python bench/bench_partial_offload.py [--rounds R] [--steps N
 from __future__ import annotations
 
 # isort: skip_file  (bench_step_time sets the environment before TensorFlow is imported)
-import argparse
-import datetime
 import json
 import os
 import statistics
@@ -83,10 +81,7 @@ def _positions(medians: dict[str, float]) -> dict[str, float]:
 
 def main() -> None:
     """Build every configuration, measure them interleaved and write the results file."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=9, help="steps per configuration per round")
-    ap.add_argument("--batch", type=int, default=64)
+    ap = base.interleaved_parser(__doc__.splitlines()[0], 8, 9, 64)
     ap.add_argument("--width", type=int, default=768, help="hidden width of the bench model")
     ap.add_argument("--out", type=Path, default=RESULTS, help="the results file")
     ap.add_argument("--note", default="", help="added to the results file's note")
@@ -122,14 +117,7 @@ def main() -> None:
         for r in RATIOS
     }
     result = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "nproc": os.cpu_count(),
-        "load_average_before": [round(x, 2) for x in load_before],
-        "load_average_after": [round(x, 2) for x in os.getloadavg()],
-        "note": (
-            "configurations measured interleaved in one process; a load average above ~1 "
-            "means other processes shared the 2 cores during the run. " + args.note
-        ).strip(),
+        **base.run_header(load_before, f"{base.INTERLEAVED_NOTE}. {args.note}".strip()),
         "width": args.width,
         "model_params": base.build_model(args.width).count_params(),
         "global_batch": args.batch,

@@ -36,9 +36,7 @@ Usage: ``.venv/bin/python bench/bench_stage3_nvme.py [--rounds R] [--steps N] [-
 from __future__ import annotations
 
 # isort: skip_file  (bench_step_time sets the environment before TensorFlow is imported)
-import argparse
 import dataclasses
-import datetime
 import json
 import os
 import statistics
@@ -97,10 +95,7 @@ def capture_pages(strategy) -> list[dict[str, float]]:
 
 def main() -> None:
     """Measure the disk, the two configurations interleaved, the disk again; write the file."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=6, help="steps per configuration per round")
-    ap.add_argument("--batch", type=int, default=32)
+    ap = bst.interleaved_parser(__doc__.splitlines()[0], 4, 6, 32)
     ap.add_argument("--fio-size", type=int, default=256 << 20, help="bytes per fio job")
     args = ap.parse_args()
     import bench_paging as bp
@@ -146,15 +141,12 @@ def main() -> None:
     overlapped = max(n2h / read_bw, h2n / write_bw)
     both = max(medians["mirrored"], serial)
     step = medians["stage3_nvme"]
+    note = (
+        "configurations timed interleaved in one process, fio before and after them on "
+        "the same disk; a load average above ~1 means other processes shared the 2 cores"
+    )
     result = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "nproc": os.cpu_count(),
-        "load_average_before": [round(x, 2) for x in load_before],
-        "load_average_after": [round(x, 2) for x in os.getloadavg()],
-        "note": (
-            "configurations timed interleaved in one process, fio before and after them on "
-            "the same disk; a load average above ~1 means other processes shared the 2 cores"
-        ),
+        **bst.run_header(load_before, note),
         "replicas": len(bst.DEVICES.devices),
         "model_params": models["mirrored"].count_params(),
         "stage3_path": path,

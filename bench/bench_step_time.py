@@ -145,13 +145,39 @@ def time_steps(model: keras.Model, ds: tf.data.Dataset) -> list[float]:
     return timer.times[1:]
 
 
+INTERLEAVED_NOTE = (
+    "configurations measured interleaved in one process; a load average above ~1 means "
+    "other processes shared the 2 cores during the run"
+)
+
+
+def interleaved_parser(description: str, rounds: int, steps: int, batch: int):
+    """The argument parser of a bench that times configurations interleaved: ``--rounds``
+    (default ``rounds``), ``--steps`` per configuration per round (``steps``) and the
+    global ``--batch`` (``batch``); a bench adds its own arguments to it."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--steps", type=int, default=steps, help="steps per configuration per round")
+    ap.add_argument("--batch", type=int, default=batch)
+    return ap
+
+
+def run_header(load_before: tuple[float, ...], note: str = INTERLEAVED_NOTE) -> dict:
+    """The first keys of every results file: UTC ``date``, ``nproc``, the 1/5/15-minute
+    load averages before the run (``load_before``, from ``os.getloadavg()``) and now,
+    and ``note``."""
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "nproc": os.cpu_count(),
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "note": note,
+    }
+
+
 def main() -> None:
     """Build every configuration, measure them interleaved and write the results file."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=12)
-    ap.add_argument("--steps", type=int, default=9, help="steps per configuration per round")
-    ap.add_argument("--batch", type=int, default=64)
-    args = ap.parse_args()
+    args = interleaved_parser(__doc__.splitlines()[0], 12, 9, 64).parse_args()
     load_before = os.getloadavg()
     ds = _data(args.steps, args.batch)
     mirrored = tf.distribute.MirroredStrategy(list(DEVICES.devices))
@@ -175,16 +201,8 @@ def main() -> None:
     medians = {name: statistics.median(t) for name, t in times.items()}
     base = medians["mirrored"]
     ratios = {k: v / base for k, v in medians.items() if k != "mirrored"}
-    load_after = os.getloadavg()
     result = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "nproc": os.cpu_count(),
-        "load_average_before": [round(x, 2) for x in load_before],
-        "load_average_after": [round(x, 2) for x in load_after],
-        "note": (
-            "configurations measured interleaved in one process; a load average above "
-            "~1 means other processes shared the 2 cores during the run"
-        ),
+        **run_header(load_before),
         "replicas": len(DEVICES.devices),
         "devices": list(DEVICES.devices),
         "model_params": build_model().count_params(),
