@@ -34,17 +34,6 @@ BOUND = 1e-4  # docs/parity.md, stage 3
 REPLICAS = 2  # the session's local replicas (conftest.py)
 
 
-# Both tests below need a split along another axis than 0 (least_padding_dim), switched
-# off in Stage3Engine.shard_variable until checkpoint resharding handles that axis.
-AXIS_SPLIT_OFF = pytest.mark.xfail(
-    strict=True,
-    reason="least_padding_dim is switched off in Stage3Engine.shard_variable: a split along "
-    "another axis broke tests/test_checkpoint.py::test_reshard_from_two_replicas_to_one_and_four "
-    "(stage 3, restored at 1 and 4 replicas: losses 2.4e-3 off); with axis 0 MobileNet's "
-    "host parameter bytes are 1.96x fp32",
-)
-
-
 def _fit(strategy, build, data, loss):
     with strategy.scope():
         model = build()
@@ -90,7 +79,6 @@ def test_tied_gpt_at_default_pages_holds_one_page_per_replica_and_trains_like_mi
     assert worst <= BOUND, worst
 
 
-@AXIS_SPLIT_OFF
 @pytest.mark.slow
 def test_mobilenet_host_parameter_bytes_are_within_a_quarter_of_fp32(cpu_devices):
     """``keras.applications.MobileNetV3Small`` (not written here; ~140 trainable
@@ -155,7 +143,6 @@ def _odd_data():
     return rng.standard_normal((4 * am.BATCH, 5)).astype("float32"), rng.randint(0, 3, 32)
 
 
-@AXIS_SPLIT_OFF
 @pytest.mark.slow
 def test_a_kernel_split_along_another_axis_trains_like_mirrored(cpu_devices):
     """The block path (a Sequential chain) with a kernel sharded along axis 1."""

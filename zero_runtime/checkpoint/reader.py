@@ -244,13 +244,34 @@ class CheckpointReader:
         """Tensor ``name``'s logical value (its shape, its saved dtype)."""
         rec = self.index.tensor(name)
         flat = self.canonical(name)
-        shape = rec.shape
-        if not shape:
+        if not rec.shape:
             return flat.reshape(()).astype(rec.dtype)
-        d = rec.shard_dim
-        moved = (shape[d], *shape[:d], *shape[d + 1 :])
-        value = np.moveaxis(flat.reshape(moved), 0, d)
+        value = _logical(flat, rec.shape, rec.shard_dim)
         return np.ascontiguousarray(value).astype(np.dtype(rec.dtype), copy=False)
+
+    def canonical_along(self, name: str, shard_dim: int) -> np.ndarray:
+        """Tensor ``name``'s elements in the canonical order of ``shard_dim``: its value
+        with that axis moved to the front, C order, 1-D, the saved dtype. The stored
+        order when the checkpoint's ``shard_dim`` is the same; otherwise the elements are
+        reordered (a stage-3 job that splits a variable along another axis than the
+        saving job did, e.g. at another replica count: ``least_padding_dim``).
+
+        Raises:
+            as :meth:`canonical`.
+        """
+        rec = self.index.tensor(name)
+        flat = self.canonical(name)
+        if len(rec.shape) < 2 or rec.shard_dim == shard_dim:
+            return flat
+        value = _logical(flat, rec.shape, rec.shard_dim)
+        return np.ascontiguousarray(np.moveaxis(value, shard_dim, 0)).reshape(-1)
+
+
+def _logical(flat: np.ndarray, shape: tuple[int, ...], shard_dim: int) -> np.ndarray:
+    """The logical value (``shape``) of elements in the canonical order of ``shard_dim``."""
+    d = shard_dim
+    moved = (shape[d], *shape[:d], *shape[d + 1 :])
+    return np.moveaxis(flat.reshape(moved), 0, d)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,7 +348,9 @@ def restore(state: TrainingState, reader: CheckpointReader) -> RestoreResult:
     Every shard file is verified (size, SHA-256) before any variable changes. Parameters
     are assigned whole (replicated variables on every local replica; ShardedVariables
     scatter to their shards); each optimizer slot is cut into this worker's replicas'
-    shards of the current layout and written to its tier (the stores' ``write_shard``).
+    shards of the current layout and written to its tier (the stores' ``write_shard``),
+    in the order of each variable's current ``shard_dim`` (which may differ from the
+    saving job's: :meth:`CheckpointReader.canonical_along`).
     A row-paged table's states go to the current row pages that hold saved rows
     (:func:`~zero_runtime.checkpoint.tables.restore_states`); the others have none.
 
@@ -344,7 +367,9 @@ def restore(state: TrainingState, reader: CheckpointReader) -> RestoreResult:
     sizes = state.sizes
     for slot in state.slots:
         flats = {
-            j: reader.canonical(f"slot/{slot}/{i}").astype(np.float32, copy=False)
+            j: reader.canonical_along(f"slot/{slot}/{i}", state.shard_dim(i)).astype(
+                np.float32, copy=False
+            )
             for j, i in enumerate(state.dense)
         }
         for replica in state.local_replicas:
@@ -359,7 +384,7 @@ def restore(state: TrainingState, reader: CheckpointReader) -> RestoreResult:
             name = f"slot/{slot}/{i}"
             for seg in index.tensor(name).segments:
                 covered[seg.start // width : (seg.start + seg.count) // width] = True
-            values[slot] = reader.canonical(name).astype(np.float32).reshape(vocab, width)
+            values[slot] = reader.canonical_along(name, 0).astype(np.float32).reshape(vocab, width)
         tb.restore_states(embedding, state.local_replicas, values, covered)
         del values
     for name, v in state.replicated:

@@ -60,6 +60,7 @@ from zero_runtime.sharded_variable import (
     PARAM_TIER,
     ShardedVariable,
     ShardState,
+    least_padding_dim,
 )
 from zero_runtime.stage3 import construction, path_choice, placement, tiling
 from zero_runtime.stage3 import units as units_mod
@@ -255,7 +256,7 @@ class Stage3Engine(BlockSteps):
         Split along the axis with the least padding (:func:`least_padding_dim`): a
         ``(1, 1, C_in, C_out)`` kernel along ``C_out``, not its first axis.
         ``kwargs``: more ShardedVariable arguments (``persistent``, ``devices``)."""
-        kwargs.setdefault("shard_dim", 0)  # least_padding_dim breaks resharding checkpoints (CI)
+        kwargs.setdefault("shard_dim", least_padding_dim(tuple(v.shape), self.num_shards))
         return ShardedVariable(
             np.asarray(construction.consume(v), np.float32),
             pool=self.pool,

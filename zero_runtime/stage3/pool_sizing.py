@@ -18,6 +18,7 @@ import psutil
 from zero_runtime.config import ZeroConfig
 from zero_runtime.memory import PagedBufferPool
 from zero_runtime.memory.flat_store import SPACE_TIERS
+from zero_runtime.sharded_variable import least_padding_dim
 from zero_runtime.stage3.embedding import STATE_TIER, row_paging_applies, row_paging_budget
 
 SLACK_PAGES = 8  # pages added to default tier budgets (rounding, transient placement)
@@ -25,11 +26,14 @@ SLACK_PAGES = 8  # pages added to default tier budgets (rounding, transient plac
 
 def gathered_pages(shape: tuple[int, ...], num_shards: int, local: int, page: int) -> int:
     """Pages of one float32 variable's gathered buffers over ``local`` replicas: its
-    ``num_shards`` shards of ``ceil(shape[0] / num_shards)`` rows each (axis 0, as
-    ``Stage3Engine.shard_variable`` splits), rounded up to ``page`` bytes per replica."""
+    ``num_shards`` shards of ``ceil(shape[d] / num_shards)`` rows each along the axis
+    ``d`` that ``Stage3Engine.shard_variable`` splits (:func:`least_padding_dim`),
+    rounded up to ``page`` bytes per replica."""
     shape = tuple(shape) or (1,)
-    rows = -(-shape[0] // num_shards)
-    return local * max(1, -(-4 * num_shards * rows * math.prod(shape[1:]) // page))
+    d = least_padding_dim(shape, num_shards)
+    rows = -(-shape[d] // num_shards)
+    rest = math.prod(shape[:d] + shape[d + 1 :])
+    return local * max(1, -(-4 * num_shards * rows * rest // page))
 
 
 def size_pool(

@@ -10,6 +10,8 @@ and forward-only passes through the model's own call.
 
 from __future__ import annotations
 
+import math
+
 import keras
 import tensorflow as tf
 
@@ -40,19 +42,23 @@ class UnitsPath:
 
     def __init__(self, engine, model: keras.Model, specs, remote: bool, replace, replica_id):
         self.model = model
+        # Memory-centric tiling (zero_runtime/stage3/tiling.py): a Dense/EinsumDense whose
+        # kernel exceeds the tile budget runs as column tiles, which read its shards'
+        # rows: such a kernel is split along axis 0 (others along their least padded).
+        config = engine.config
+        tile_size = tiling.resolve_tile_size(config.tile_size, config.device_budget_bytes)
         sharded: dict[int, ShardedVariable] = {}
         for spec in specs:
             for v in spec.originals:
                 if id(v) in sharded:  # owned by two units: sharded once
                     continue
+                kwargs = {}
+                if tile_size is not None and math.prod(v.shape) > tile_size:
+                    kwargs["shard_dim"] = 0
                 # Device tier: each shard a variable on its replica's device, read and
                 # updated in the step's graph (no host call; the pool reserves its pages).
-                sharded[id(v)] = engine.shard_variable(v, remote, devices=engine.devices)
+                sharded[id(v)] = engine.shard_variable(v, remote, devices=engine.devices, **kwargs)
                 replace(model, v, sharded[id(v)])
-        # Memory-centric tiling (zero_runtime/stage3/tiling.py): a Dense/EinsumDense whose
-        # kernel exceeds the tile budget runs as column tiles.
-        config = engine.config
-        tile_size = tiling.resolve_tile_size(config.tile_size, config.device_budget_bytes)
         units = []
         for s in specs:
             variables = tuple(sharded[id(v)] for v in s.originals)
@@ -89,9 +95,7 @@ class UnitsPath:
             original; with it, a float32 scalar 0.0 that exists once every update is
             queued.
         """
-        replica, anchors = self.runner.begin(
-            tf.nest.flatten(x)[0], backward=True, update=update
-        )
+        replica, anchors = self.runner.begin(tf.nest.flatten(x)[0], backward=True, update=update)
         try:
             done = self.runner.done_anchor(replica)
             with tf.GradientTape() as tape:
