@@ -20,15 +20,16 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import sys
 import time
 
 import numpy as np
 import pytest
 from helpers import checkpoint_job as job
+from helpers import relaunch
 
 import zero_runtime
-from zero_runtime import launch
 from zero_runtime.checkpoint import CheckpointManager, CheckpointReader, read_index
 
 JOB = os.path.join(os.path.dirname(__file__), "helpers", "checkpoint_job.py")
@@ -51,8 +52,15 @@ def job_run(tmp_path_factory) -> dict:
     args += ["--stage3-root", str(root3), "--nvme", str(nvme)]
     args += ["--embedding-root", str(base / "ckpt_emb")]
     text = io.StringIO()
+
+    def reset() -> None:  # a relaunch starts from empty directories
+        for d in (out, root, root3, nvme, base / "ckpt_emb"):
+            shutil.rmtree(d, ignore_errors=True)
+        out.mkdir()
+        nvme.mkdir()
+
     start = time.monotonic()
-    status = launch.launch(2, args, out=text)
+    status = relaunch.launch_job(2, args, text, reset)
     seconds = time.monotonic() - start
     print(f"2-worker checkpoint job: {seconds:.1f} s")
     return dict(

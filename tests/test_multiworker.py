@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import mw_job
+from helpers import mw_job, relaunch
 
 import zero_runtime
 from zero_runtime import launch, multiworker
@@ -28,6 +28,7 @@ from zero_runtime import launch, multiworker
 JOB = os.path.join(os.path.dirname(__file__), "helpers", "mw_job.py")
 TIMEOUT_S = 10.0  # collective_timeout_seconds of the failure jobs
 JOB_DEADLINE_S = 240  # a job that is not done by then has hung
+STARTUP_S = 30.0  # cluster_guard.startup_timeout_seconds(TIMEOUT_S)
 
 
 def _launch_job(out_dir: str, stage: int, logdir: str | None, result: dict) -> None:
@@ -35,7 +36,7 @@ def _launch_job(out_dir: str, stage: int, logdir: str | None, result: dict) -> N
     if logdir:
         args += ["--logdir", logdir]
     text = io.StringIO()
-    result["status"] = launch.launch(2, args, out=text)
+    result["status"] = relaunch.launch_job(2, args, text)
     result["output"] = text.getvalue()
 
 
@@ -130,9 +131,10 @@ def _start_pair(out_dir: str, extra: list[str]) -> tuple[list[subprocess.Popen],
     return procs, ports
 
 
-def _survivor_result(procs, ports, out_dir) -> tuple[str, float, int]:
-    """Wait for rank 0; return its output, seconds from rank 1 leaving to rank 0's exit,
-    and its status. Rank 1 is killed afterwards if it still runs (the stall case)."""
+def _survivor_result(procs, ports, out_dir, step: int = 3) -> tuple[str, float, int]:
+    """Wait for rank 0; return its output, seconds from rank 1 leaving (at ``step``) to
+    rank 0's exit, and its status. Rank 1 is killed afterwards if it still runs (the
+    stall case)."""
     try:
         output, _ = procs[0].communicate(timeout=JOB_DEADLINE_S)
         exited = time.time()
@@ -142,7 +144,7 @@ def _survivor_result(procs, ports, out_dir) -> tuple[str, float, int]:
                 p.kill()
             p.communicate()
     left = json.loads(open(os.path.join(out_dir, "left.json")).read())
-    assert left["rank"] == 1 and left["step"] == 3
+    assert left["rank"] == 1 and left["step"] == step
     return output, exited - left["time"], procs[0].returncode
 
 
@@ -164,6 +166,22 @@ def test_a_failed_worker_ends_the_job_within_the_timeout_naming_its_rank(mode, t
         assert "did not join a collective within 10 s" in output
         assert seconds > TIMEOUT_S - 1.0  # it waited for the timeout, no longer
     print(f"{mode}: rank 0 stopped {seconds:.1f} s after rank 1 left")
+
+
+def test_a_worker_stalled_before_the_first_variable_ends_the_job_within_the_timeout(tmp_path):
+    """Rank 0 broadcasts every new variable's initial value (MultiWorkerMirroredStrategy,
+    no timeout of its own): with rank 1 stalled before its first variable, rank 0 ends
+    after the start-up bound (30 s with the 10 s collective timeout) with the watchdog's
+    error naming the broadcast (seen in CI: both workers blocked in that broadcast for 20
+    minutes)."""
+    procs, ports = _start_pair(str(tmp_path), ["--stage", "2", "--die-at", "-2", "--stall"])
+    output, seconds, status = _survivor_result(procs, ports, str(tmp_path), step=-2)
+    assert status == 1, output[-3000:]
+    assert "broadcast of variable" in output, output[-3000:]
+    assert "did not complete within 30 s" in output, output[-3000:]
+    assert not os.path.exists(tmp_path / "rank0.json")
+    # rank 0 reaches the broadcast a few seconds after rank 1 left (building its model)
+    assert STARTUP_S - 1.0 < seconds < STARTUP_S + 15.0, seconds
 
 
 def test_cluster_from_env_reads_tf_config():

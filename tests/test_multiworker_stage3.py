@@ -39,9 +39,7 @@ import time
 import numpy as np
 import psutil
 import pytest
-from helpers import mw_stage3_job
-
-from zero_runtime import launch
+from helpers import mw_stage3_job, relaunch
 
 pytestmark = [pytest.mark.slow]  # ~2-3 min: two workers and the references, 2 cores
 
@@ -88,7 +86,7 @@ def runs(tmp_path_factory) -> dict:
         status = 0
         for name in CONFIGS:
             args = [sys.executable, mw_stage3_job.__file__, str(out), "--configs", name]
-            status = launch.launch(2, [*args, "--timeout", str(TIMEOUT_S)], out=text)
+            status = relaunch.launch_job(2, [*args, "--timeout", str(TIMEOUT_S)], text)
             if status != 0:
                 break
         result["status"] = status

@@ -8,7 +8,9 @@ final weights, the replica counts and the process's rank.
     python tests/helpers/mw_job.py OUT --stage 2 [--replicas 2] [--steps 6] [--die-at K]
 
 ``--die-at K``: rank 1 kills itself (SIGKILL) at the start of step K (mid-job), or, with
-``--stall``, stops taking part (sleeps) instead, to test failure handling.
+``--stall``, stops taking part (sleeps) instead, to test failure handling. ``--die-at -2``
+with ``--stall``: rank 1 sleeps before it creates the model's first variable (whose
+initial value rank 0 broadcasts), recorded as step -2.
 """
 
 # isort: skip_file  (the environment must be set before TensorFlow is imported)
@@ -59,6 +61,11 @@ def fit_record(
         opts = tf.data.Options()
         opts.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
         ds = ds.with_options(opts)
+    if rank == 1 and die_at == -2 and stall:  # before the first variable's broadcast
+        with open(os.path.join(out, "left.json"), "w") as f:
+            json.dump({"rank": rank, "step": die_at, "time": time.time()}, f)
+        print("rank 1 leaves before its first variable", flush=True)
+        time.sleep(600)
     with strategy.scope():
         keras.utils.set_random_seed(0)
         model = keras.Sequential(

@@ -49,6 +49,8 @@ from tensorflow.python.eager import context, execute
 from tensorflow.python.framework import errors
 from tensorflow.python.ops import resource_variable_ops
 
+from zero_runtime import cluster_guard
+
 
 class WatchdogState(enum.Enum):
     """Lifecycle: IDLE (no thread yet) -> WATCHING (thread running) -> FIRED (a deadline
@@ -460,7 +462,9 @@ def guard_strategy_collectives(strategy: tf.distribute.Strategy, seconds: Callab
     "every worker has data" check at the start of each step) goes through one
     ``CollectiveReplicaLauncher`` per device, whose ``all_reduce`` and ``_all_gather``
     are wrapped here: traced, under :func:`guard` (the launcher's ordering token orders the
-    callbacks); eager, under :meth:`CollectiveWatchdog.deadline`.
+    callbacks); eager, under :meth:`CollectiveWatchdog.deadline`. A multi-worker
+    strategy's broadcast of each new variable's initial value is held to the deadline
+    too (:func:`_wrap_initial_values`).
 
     Args:
         strategy: a ``tf.distribute`` strategy with collective cross-device ops.
@@ -486,6 +490,45 @@ def guard_strategy_collectives(strategy: tf.distribute.Strategy, seconds: Callab
         )
     for launcher in launchers:
         _wrap_launcher(launcher, seconds)
+    if getattr(strategy.extended, "_num_workers", 1) > 1:
+        _wrap_initial_values(strategy.extended, seconds)
+
+
+def _wrap_initial_values(extended: Any, seconds: Callable[[], float]) -> None:
+    """Put the broadcast of each new variable's initial value from rank 0 (a multi-worker
+    strategy's ``_get_variable_creator_initial_value``: eager ``broadcast_send`` /
+    ``broadcast_recv``, built without a timeout) under a :meth:`CollectiveWatchdog.deadline`.
+
+    Seen in CI on 2 loaded cores: both workers of a fresh 2-worker job blocked in that
+    broadcast of their first variable (same group and instance key) for 20 minutes; with
+    the deadline the job ends with the watchdog's error after the start-up bound,
+    ``cluster_guard.startup_timeout_seconds(collective_timeout_seconds)`` (the workers
+    reach their variables as they finish building: a start-up wait, not a step's).
+    """
+    if getattr(extended, "_zero_runtime_guarded_init", False):  # already wrapped: once only
+        return
+    extended._zero_runtime_guarded_init = True
+    original = extended._get_variable_creator_initial_value
+
+    def guarded(replica_id, device, primary_var, **kwargs):
+        make = original(replica_id=replica_id, device=device, primary_var=primary_var, **kwargs)
+        if replica_id != 0:  # copies the primary variable: no collective
+            return make
+        what = f"broadcast of variable {kwargs.get('name')!r}'s initial value from rank 0"
+
+        def initial_value():
+            limit = seconds()
+            if not tf.executing_eagerly() or limit <= 0:
+                return make()
+            # A start-up wait (the workers reach their first variables as they finish
+            # building): the start-up bound, not a step collective's.
+            limit = cluster_guard.startup_timeout_seconds(limit)
+            with WATCHDOG.deadline(limit, what):
+                return make()
+
+        return initial_value
+
+    extended._get_variable_creator_initial_value = guarded
 
 
 def _wrap_launcher(launcher: Any, seconds: Callable[[], float]) -> None:
