@@ -101,23 +101,29 @@ def _engine_of(strategy):
     return engine
 
 
-def test_mixed_bfloat16_halves_all_gather_bytes(cpu_devices):
-    """The traced step's collectives, counted by dtype: under ``mixed_bfloat16`` the
-    all-gathers of a model whose weights all autocast move exactly half the bytes of the
-    float32 run, and the reduce-scatters (float32 in both) the same bytes."""
+@pytest.mark.parametrize("mixed", ["mixed_bfloat16", "mixed_float16"])
+def test_mixed_policy_halves_all_gather_bytes(cpu_devices, mixed):
+    """The traced step's collectives, counted by dtype: under ``mixed_bfloat16`` and
+    ``mixed_float16`` the all-gathers of a model whose weights all autocast move exactly
+    half the bytes of the float32 run, and the reduce-scatters (float32 in all) the same
+    bytes."""
     tallies = {}
-    for policy in ("float32", "mixed_bfloat16"):
+    for policy in ("float32", mixed):
         strategy = zero_runtime.ZeroInfinityStrategy(CONFIG)
         _fit(strategy, "mlp", policy)
         tallies[policy] = dict(_engine_of(strategy).group.step_tally)
-    f32, b16 = tallies["float32"], tallies["mixed_bfloat16"]
+    f32, b16 = tallies["float32"], tallies[mixed]
     # 3 units, gathered in forward and again in the backward's recompute, 2 replicas.
     assert f32["all_gather_calls"] == b16["all_gather_calls"] == 3 * 2 * 2
     elements = 8 * 32 + 32 + 32 * 32 + 32 + 32 * 4 + 4  # every weight, split over 2 shards
     assert f32["all_gather_bytes"] == 4 * elements * 2  # forward + recompute, 2 replicas
     assert b16["all_gather_bytes"] == f32["all_gather_bytes"] / 2
     rs = "reduce_scatter_bytes" if "reduce_scatter_bytes" in f32 else "all_reduce_bytes"
-    assert f32[rs] == b16[rs] > 0
+    # mixed_float16 adds the loss scaling's finite flag, one float32 [1] all-reduce per
+    # replica after the backward (the tally window, replica 0's forward to the last
+    # replica's backward, holds replica 0's): float32 gradients otherwise, as in float32.
+    extra = 4 if mixed == "mixed_float16" else 0
+    assert f32[rs] + extra == b16[rs] > 0
 
 
 def test_embedding_and_norm_gather_in_float32(cpu_devices):
@@ -150,9 +156,96 @@ def test_embedding_and_norm_gather_in_float32(cpu_devices):
     assert keras.mixed_precision.global_policy().name == "float32"  # restored
 
 
-def test_mixed_float16_is_refused_naming_the_way_out(cpu_devices):
-    """``mixed_float16`` (Keras wraps the optimizer in a LossScaleOptimizer): stage 3 does
-    not scale losses yet and says so at the first step, naming ``mixed_bfloat16``."""
-    with pytest.raises(NotImplementedError, match="mixed_bfloat16"):
-        _fit(zero_runtime.ZeroInfinityStrategy(CONFIG), "mlp", "mixed_float16")
+@pytest.mark.parametrize("tier", ["none", "cpu"])
+@pytest.mark.parametrize("name", ["mlp", "dense3d"])
+def test_mixed_float16_trains_like_mirrored(cpu_devices, name, tier):
+    """Under ``mixed_float16`` (Keras wraps the optimizer in a LossScaleOptimizer): the
+    scaled loss is differentiated, the reduced gradient shards unscaled, and the losses,
+    weights and loss scale match MirroredStrategy's under the same policy and seed
+    (measured: 0 for both models and tiers)."""
+    ref, ref_loss = _fit(Mirrored(cpu_devices), name, "mixed_float16", "adam")
+    config = {**CONFIG, "offload_param": tier, "offload_optimizer": tier}
+    strategy = zero_runtime.ZeroInfinityStrategy(config)
+    model, loss = _fit(strategy, name, "mixed_float16", "adam")
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    worst = max(am.rel(w, r) for w, r in zip(model.get_weights(), ref.get_weights()))
+    assert worst <= BOUND, (name, tier, worst)
+    assert all(w.dtype == np.float32 for w in model.get_weights())  # float32 masters
+    opt, ref_opt = model.optimizer, ref.optimizer
+    got = [
+        int(opt.iterations.numpy()),
+        float(opt.dynamic_scale.numpy()),
+        int(opt.step_counter.numpy()),
+    ]
+    want = [
+        int(ref_opt.iterations.numpy()),
+        float(ref_opt.dynamic_scale.numpy()),
+        int(ref_opt.step_counter.numpy()),
+    ]
+    assert got == want
+
+
+def _overflow_run(strategy, tier_states: bool):
+    """Three ``train_on_batch`` steps of the MLP under ``mixed_float16`` with Adam: finite,
+    one whose targets overflow the float16 gradient on replica 1 only (its half of the
+    global batch, targets 1e4: the scaled gradient passes float16's 65504), finite.
+
+    Returns ``(model, records)``: per step the loss, the weights, the scale, the
+    counter, the optimizer's iterations and (``tier_states``) its state slots."""
+    with _policy("mixed_float16"):
+        with strategy.scope():
+            model = _mlp()
+            model.compile(optimizer="adam", loss="mse")
+        x, y = _mlp_data()
+        records = []
+        for step in range(3):
+            xb, yb = (
+                x[step * am.BATCH : (step + 1) * am.BATCH],
+                y[step * am.BATCH : (step + 1) * am.BATCH].copy(),
+            )
+            if step == 1:
+                yb[am.BATCH // 2 :] = 1e4  # replica 1's rows only
+            loss = model.train_on_batch(xb, yb)
+            opt = model.optimizer
+            rec = {
+                "loss": loss,
+                "weights": [w.copy() for w in model.get_weights()],
+                "scale": float(opt.dynamic_scale.numpy()),
+                "counter": int(opt.step_counter.numpy()),
+                "iterations": int(opt.iterations.numpy()),
+            }
+            if tier_states:
+                store = opt.inner_optimizer.host_state
+                rec["states"] = {
+                    k: np.array(store.slot_values(k)) for k in ("momentum", "velocity")
+                }
+            records.append(rec)
+    return model, records
+
+
+@pytest.mark.parametrize("tier", ["none", "cpu"])
+def test_mixed_float16_skips_a_step_overflowing_on_one_replica(cpu_devices, tier):
+    """A gradient that overflows float16 on replica 1 only: every replica skips the step
+    (the finite flag is all-reduced), weights and Adam states stay bitwise as they were,
+    ``iterations`` stays, the scale halves and the counter resets, as under
+    MirroredStrategy; the next finite step updates, and matches Mirrored's."""
+    _, ref = _overflow_run(Mirrored(cpu_devices), tier_states=False)
+    config = {**CONFIG, "offload_param": tier, "offload_optimizer": tier}
+    _, got = _overflow_run(zero_runtime.ZeroInfinityStrategy(config), tier_states=True)
+    first, skipped, after = got
+    assert not any(np.isnan(r["loss"]) for r in got)
+    assert [r["scale"] for r in got] == [r["scale"] for r in ref] == [2.0**15, 2.0**14, 2.0**14]
+    assert [r["counter"] for r in got] == [r["counter"] for r in ref] == [1, 0, 1]
+    assert [r["iterations"] for r in got] == [r["iterations"] for r in ref] == [1, 1, 2]
+    for w, w0 in zip(skipped["weights"], first["weights"]):
+        np.testing.assert_array_equal(w, w0)  # skipped: nothing written
+    for k in ("momentum", "velocity"):
+        np.testing.assert_array_equal(skipped["states"][k], first["states"][k])
+        assert np.abs(after["states"][k] - first["states"][k]).max() > 0
+    assert max(np.abs(w - w0).max() for w, w0 in zip(after["weights"], first["weights"])) > 0
+    for g, r in zip(got, ref):
+        np.testing.assert_allclose(g["loss"], r["loss"], rtol=1e-5)
+        worst = max(am.rel(w, x) for w, x in zip(g["weights"], r["weights"]))
+        assert worst <= BOUND, worst
     assert keras.mixed_precision.global_policy().name == "float32"

@@ -20,7 +20,9 @@ SGD) updates each element from its own gradient and states with the step's scala
 (learning rate, bias corrections, read once before backward), and every parameter
 belongs to one block, whose backward is its last use in the step. Not used (the
 end-of-step update is) with gradient accumulation or clipping, which need every
-gradient shard first, or with optimizer states on the device ('none').
+gradient shard first, with loss scaling (``mixed_float16``: a step with a non-finite
+gradient is skipped, known only after every shard), or with optimizer states on the
+device ('none').
 
 A model run by units (:mod:`zero_runtime.stage3.units_path`) calls :meth:`update` per
 use whose originals no other use reads (its backward is their last read), and once
@@ -52,6 +54,7 @@ import threading
 import weakref
 from typing import Any
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -68,7 +71,15 @@ from zero_runtime.optim.device_state import DeviceOptimizerState
 def supported(optimizer: Any) -> bool:
     """True when ``optimizer`` (a built partitioned optimizer at stage 3) can update
     during backward: optimizer states on the host or NVMe, no gradient accumulation, no
-    clipping (``clipnorm``, ``global_clipnorm``, ``clipvalue``)."""
+    clipping (``clipnorm``, ``global_clipnorm``, ``clipvalue``), no loss scaling.
+
+    False for a ``keras.optimizers.LossScaleOptimizer`` (``mixed_float16``): a step
+    whose gradient has a non-finite element anywhere, on any replica, must change no
+    parameter (Keras skips it), and a block updated during backward would be written
+    before the other blocks' gradients, so the step's finiteness, are known. The update
+    after the backward is used (zero_runtime/stage3/loss_scaling.py)."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return False
     zs = getattr(optimizer, "_zero", None)
     if zs is None or zs.stage != 3 or isinstance(zs.store, DeviceOptimizerState):
         return False

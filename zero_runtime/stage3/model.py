@@ -27,7 +27,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from zero_runtime.lifecycle import host_function
 from zero_runtime.optim import backward_update
 from zero_runtime.optim.backward_update import BackwardShardUpdate
-from zero_runtime.stage3 import autoshard
+from zero_runtime.stage3 import autoshard, loss_scaling
 from zero_runtime.stage3.accumulation import ShardAccumulator
 from zero_runtime.stage3.clipping import clip_shards, clipping_active
 from zero_runtime.stage3.engine import Stage3Engine
@@ -136,10 +136,14 @@ class ShardedModel(keras.Model):
         user's own object, which :func:`zero_runtime.stage3.autoshard.bind` points here)."""
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         opt = trainer.optimizer
-        _check_no_loss_scaling(opt)
         if not opt.built:
             with tf.init_scope():
                 opt.build(self.trainable_variables)
+        # mixed_float16: Keras's LossScaleOptimizer around the partitioned optimizer; the
+        # tape differentiates the scaled loss, the update unscales and may skip the step
+        # (zero_runtime/stage3/loss_scaling.py).
+        lso, inner = loss_scaling.split(opt)
+        loss_scaling.check_supported(lso, self.engine)
 
         def loss_fn(y_pred):
             loss = trainer._compute_loss(
@@ -149,18 +153,18 @@ class ShardedModel(keras.Model):
                 loss_module.unscale_loss_for_distribution(loss),
                 sample_weight=tf.shape(next(i for i in tree.flatten(x) if i is not None))[0],
             )
-            return loss
+            return loss if lso is None else lso.scale_loss(loss)
 
         replica = int(
             tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group)
         )
-        # With host/NVMe optimizer states (and no accumulation or clipping) each block's
-        # shards are updated during backward (zero_runtime/optim/backward_update.py).
+        # With host/NVMe optimizer states (and no accumulation, clipping or loss scaling)
+        # each block's shards are updated during backward (optim/backward_update.py).
         in_backward = backward_update.supported(opt)
         update = BackwardShardUpdate(opt, replica) if in_backward else None
         # Device tier under fit: no host call in the step; its boundary is reported from
         # Python after the call (zero_runtime/stage3/step_clock.py).
-        outside = self.engine.clock.applies(opt)
+        outside = self.engine.clock.applies(inner)
         y_pred, _, grads = self.engine.forward_backward(x, loss_fn, training=True, update=update)
         # Row-paged embeddings update their touched rows first (their scalars read the
         # iteration before the dense update increments it); the dense update follows.
@@ -200,6 +204,11 @@ class ShardedModel(keras.Model):
         """
         engine = self.engine
         n = engine.config.gradient_accumulation_steps
+        lso, opt = loss_scaling.split(opt)
+        if lso is not None:  # mixed_float16 (check_supported: n == 1, no row-paged tables)
+            variables = engine.variables
+            shards = [grads[id(v)] for v in variables]
+            return loss_scaling.apply_scaled(lso, variables, shards, engine.group, clock)
         clip = clipping_active(opt)
         if n == 1 and not clip:
             return opt.apply_shard_gradients(grads, clock=clock)
@@ -263,7 +272,7 @@ class ShardedModel(keras.Model):
             ``{"updates_waited": n, "gathering": g, "gathered": m}``: queued updates
             waited for and (variable, replica) pairs reset from each state.
         """
-        opt = getattr(self, "optimizer", None)
+        _, opt = loss_scaling.split(getattr(self, "optimizer", None))
         waited = backward_update.settle(opt) if opt is not None else 0
         counts = self.engine.recover()
         if waited or any(counts.values()):
@@ -311,7 +320,7 @@ class ShardedModel(keras.Model):
         this for every model of the strategy; the optimizer's state store is the
         strategy's too (closed by ``strategy.close()``).
         """
-        opt = getattr(self, "optimizer", None)
+        _, opt = loss_scaling.split(getattr(self, "optimizer", None))
         if opt is not None:
             backward_update.close(opt)
         self.engine.close()
@@ -327,15 +336,3 @@ def _end_step(engine: Stage3Engine, replica: int, step: np.ndarray) -> np.int64:
         return np.int64(step)
     engine.end_step(replica, int(step))
     return np.int64(step)
-
-
-@tf.autograph.experimental.do_not_convert
-def _check_no_loss_scaling(opt) -> None:
-    """Raise NotImplementedError for a Keras ``LossScaleOptimizer`` (what ``compile``
-    makes under a ``mixed_float16`` policy): stage 3 does not scale losses yet."""
-    if isinstance(opt, keras.optimizers.LossScaleOptimizer):
-        raise NotImplementedError(
-            "stage 3 does not implement loss scaling yet: Keras wrapped the optimizer "
-            "in a LossScaleOptimizer (a 'mixed_float16' policy); use 'mixed_bfloat16' "
-            "(no loss scaling needed), or stage 1 or 2"
-        )

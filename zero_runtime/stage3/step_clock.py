@@ -102,7 +102,7 @@ class OutsideStepClock:
         def stepped(*args, **kwargs):
             if self.engine.runner is None:  # the block path: its in-graph callbacks
                 return train_function(*args, **kwargs)
-            opt = trainer.optimizer
+            opt = getattr(trainer.optimizer, "inner_optimizer", trainer.optimizer)  # LSO
             before = int(opt.iterations.numpy()) if opt.built and self.eligible else None
             seconds = self.engine.config.collective_timeout_seconds
             seconds *= max(1, int(getattr(trainer, "steps_per_execution", 1) or 1))
