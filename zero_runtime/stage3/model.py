@@ -60,14 +60,18 @@ class ShardedModel(keras.Model):
     the traced step took); otherwise after the whole backward. Gradient accumulation
     (``gradient_accumulation_steps``, :mod:`zero_runtime.stage3.accumulation`) and
     clipping (``clipnorm`` / ``global_clipnorm`` / ``clipvalue`` of the reduced gradient,
-    :mod:`zero_runtime.stage3.clipping`) are done on gradient shards. A model that is not
+    :mod:`zero_runtime.stage3.clipping`) are done on gradient shards, and so is the
+    loss scaling of a ``mixed_float16`` policy (Keras's ``LossScaleOptimizer`` around the
+    partitioned optimizer: :mod:`zero_runtime.stage3.loss_scaling`; the update then runs
+    after the backward, without accumulation). A model that is not
     a chain (a DAG, nested or subclassed, tied weights, BatchNormalization), or a chain
     whose config does not need the block engine, runs by units
     (:mod:`zero_runtime.stage3.gather`); with the update in backward there, an original
     read by one use is updated when that use's gradient shard is reduced, the others
     (tied, in control flow, tiled) after the whole backward. Not
     implemented at stage 3: EMA, accumulation or clipping with row-paged embedding
-    tables, a layer that owns weights and draws random numbers in its own ``call``.
+    tables, loss scaling with accumulation or row-paged embedding tables, a layer that
+    owns weights and draws random numbers in its own ``call``.
     """
 
     def __init__(self, model: keras.Model, strategy=None, **kwargs) -> None:
