@@ -40,6 +40,8 @@ embedding tables (their touched rows are updated before the dense update, unscal
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import keras
 import tensorflow as tf
 
@@ -135,7 +137,14 @@ def update_scale(lso, finite: tf.Tensor) -> tf.Tensor:
     return tf.distribute.get_replica_context().merge_call(merge, args=(new_counter, new_scale))
 
 
-def apply_scaled(lso, variables: list, shards: list[tf.Tensor], group, clock: bool) -> tf.Tensor:
+def apply_scaled(
+    lso,
+    variables: list,
+    shards: list[tf.Tensor],
+    group,
+    clock: bool,
+    on_skip: Callable[[], tf.Tensor] | None = None,
+) -> tf.Tensor:
     """One optimizer step under a LossScaleOptimizer, on a replica's reduced gradient
     shards of the (scaled) loss.
 
@@ -154,6 +163,8 @@ def apply_scaled(lso, variables: list, shards: list[tf.Tensor], group, clock: bo
             reduced gradient shards.
         group: the engine's collective group.
         clock: passed to ``apply_shard_gradients`` (the in-graph step clock).
+        on_skip: builds the skipped branch's int64 scalar -1 (the stage-3 train step ends
+            the replica's micro-step there, as accumulation does); default a constant.
 
     Returns:
         int64 scalar: the optimizer step applied, or -1 for a skipped step (the pool's
@@ -167,7 +178,9 @@ def apply_scaled(lso, variables: list, shards: list[tf.Tensor], group, clock: bo
     grads = {id(v): g for v, g in zip(variables, unscaled)}
 
     def skip():
-        with tf.control_dependencies([scale]):
+        if on_skip is not None:
+            return on_skip()
+        with tf.control_dependencies(shards):
             return tf.constant(-1, tf.int64)
 
     done = tf.cond(

@@ -196,11 +196,12 @@ class ShardedModel(keras.Model):
 
     def _apply_gradients(self, opt, grads: dict, replica: int, clock: bool = True) -> tf.Tensor:
         """Accumulate (N > 1), clip and apply the replica's reduced gradient shards
-        (``clock``: see ``apply_shard_gradients``; without accumulation only).
+        (``clock``: see ``apply_shard_gradients``; without accumulation only); under a
+        LossScaleOptimizer, unscale, clip and apply or skip (:mod:`.loss_scaling`).
 
         Returns the int64 optimizer step once the shards are written, or -1 on a
         micro-step that only accumulated (``iterations`` counts micro-steps, the optimizer
-        ``iterations // N``).
+        ``iterations // N``) or a step skipped by loss scaling.
 
         Raises:
             NotImplementedError: accumulation or clipping with a row-paged embedding
@@ -212,7 +213,9 @@ class ShardedModel(keras.Model):
         if lso is not None:  # mixed_float16 (check_supported: n == 1, no row-paged tables)
             variables = engine.variables
             shards = [grads[id(v)] for v in variables]
-            return loss_scaling.apply_scaled(lso, variables, shards, engine.group, clock)
+            return loss_scaling.apply_scaled(
+                lso, variables, shards, engine.group, clock, lambda: self._end_micro_step_op([])
+            )
         clip = clipping_active(opt)
         if n == 1 and not clip:
             return opt.apply_shard_gradients(grads, clock=clock)
@@ -236,25 +239,34 @@ class ShardedModel(keras.Model):
         if n == 1:
             return opt.apply_shard_gradients(shards, clock=clock)
 
-        def accumulate_only():
-            # After the micro-step's gradients exist (a data input): release the
-            # persistent copies (the update would have), return -1.
-            out = host_function(
-                functools.partial(_micro_step_end, engine, replica),
-                [flat],
-                tf.int64,
-                stateful=True,
-                name="zero3_micro_step_end",
-            )
-            out.set_shape([])
-            return out
-
         done = tf.cond(
-            is_update, lambda: opt.apply_shard_gradients(shards, count=False), accumulate_only
+            is_update,
+            lambda: opt.apply_shard_gradients(shards, count=False),
+            lambda: self._end_micro_step_op([flat]),
         )
         with tf.control_dependencies([done]):
             opt.iterations.assign_add(1)  # outside the cond: a mirrored update (merge_call)
             return tf.identity(done)
+
+    def _end_micro_step_op(self, after: list[tf.Tensor]) -> tf.Tensor:
+        """Graph, in a ``tf.cond`` branch without an update (a micro-step that only
+        accumulated, or a step skipped by loss scaling): once ``after`` (the step's
+        gradient tensors, a data input; none inside a branch taken on a predicate that
+        reads them) exist, end the replica's micro-step
+        (``Stage3Engine.end_micro_step``: persistent copies released, the recorded access
+        order frozen; the pool's step closes at the next update). Returns int64 -1."""
+        replica = int(
+            tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group)
+        )
+        out = host_function(
+            functools.partial(_micro_step_end, self.engine, replica),
+            [after[0] if after else tf.zeros([0])],
+            tf.int64,
+            stateful=True,
+            name="zero3_micro_step_end",
+        )
+        out.set_shape([])
+        return out
 
     def get_config(self) -> dict:
         """Not serialisable as a wrapper: save ``sharded.inner`` (its weights gather)."""
