@@ -307,3 +307,33 @@ def test_mixed_float16_with_accumulation_is_refused(cpu_devices):
     with pytest.raises(NotImplementedError, match="gradient_accumulation_steps=1"):
         _fit(strategy, "mlp", "mixed_float16")
     assert keras.mixed_precision.global_policy().name == "float32"
+
+
+def test_loss_scale_optimizer_on_the_block_path(cpu_devices):
+    """An explicit ``LossScaleOptimizer`` under the float32 policy on a chain, which
+    then runs the block engine (not by units): the loss is scaled and the shards unscaled
+    there too, as under MirroredStrategy (measured: 0; scale 2^40, no overflow in float32,
+    3 steps)."""
+
+    def run(strategy):
+        with strategy.scope():
+            model = am.dense3d()
+            opt = keras.optimizers.LossScaleOptimizer(
+                keras.optimizers.get("adam"), initial_scale=2.0**40
+            )
+            model.compile(
+                optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+            )
+        x, y = am.dense3d_data()
+        history = model.fit(x, y, batch_size=am.BATCH, epochs=1, verbose=0, shuffle=False)
+        return model, history.history["loss"]
+
+    ref, ref_loss = run(Mirrored(cpu_devices))
+    strategy = zero_runtime.ZeroInfinityStrategy(CONFIG)
+    model, loss = run(strategy)
+    assert _engine_of(strategy).runner is None  # the block path
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    worst = max(am.rel(w, r) for w, r in zip(model.get_weights(), ref.get_weights()))
+    assert worst <= BOUND, worst
+    assert int(model.optimizer.iterations.numpy()) == int(ref.optimizer.iterations.numpy()) == 3
+    assert float(model.optimizer.dynamic_scale.numpy()) == 2.0**40
