@@ -283,6 +283,8 @@ class NvmeOptimizerState(StateTransactions):
         txn = self._begin(rec, replica, step)
         try:
             self._update(rec, txn, replica, ranges, param, grad, step_fn, offset)
+            if count:
+                self._write_behind_rest(txn, replica)
         except BaseException:
             self._rollback(rec, replica)
             raise
@@ -331,18 +333,50 @@ class NvmeOptimizerState(StateTransactions):
                 finally:
                     for tid in ids:
                         self.pool.release(tid)
-                pending.append(self._writer.submit(self.pool.evict, ids, "nvme"))  # write-behind
+                # Write-behind once the step has changed the whole sub-group: the stage-3
+                # update in backward changes it block by block, and writing (then reading
+                # again) it after each block moved it once per block.
+                lo, hi = self.subgroup_range(j)
+                txn.covered[j] = txn.covered.get(j, 0) + sum(e - s for s, e in parts)
+                if txn.covered[j] >= hi - lo:
+                    txn.resident.discard(j)
+                    pending.append(self._writer.submit(self.pool.evict, ids, "nvme"))
+                else:
+                    txn.resident.add(j)  # on host until the step's end (or the pool evicts it)
         finally:
             concurrent.futures.wait(pending)  # all of them, before a rollback touches pages
         for f in pending:
             f.result()  # the first write-behind error
 
+    def _write_behind_rest(self, txn, replica: int) -> None:
+        """Write the sub-groups the step changed only in part (``txn.resident``) to NVMe:
+        the step's end. Raises the first write's error (``PagingError``)."""
+        rest, txn.resident = sorted(txn.resident), set()
+        futures = [
+            self._writer.submit(self.pool.evict, self._ids(replica, j), "nvme") for j in rest
+        ]
+        concurrent.futures.wait(futures)
+        for f in futures:
+            f.result()
+
     # -- accounting ---------------------------------------------------------------------
     def mark_updated(self, replica: int) -> None:
         """Count one completed update of ``replica``'s shard made of partial updates
         (``update(..., count=False)``, the stage-3 update in backward) and finish its
-        step's transaction (committed by :meth:`resolve` once the step counter moved)."""
+        step's transaction (committed by :meth:`resolve` once the step counter moved).
+        Sub-groups the partial updates changed only in part are written behind to NVMe
+        now.
+
+        Raises:
+            zero_runtime.memory.PagingError: that write failed (the step is rolled back).
+        """
         rec = self._record(replica)
+        if rec.txn is not None:
+            try:
+                self._write_behind_rest(rec.txn, replica)
+            except BaseException:
+                self._rollback(rec, replica)
+                raise
         rec.updates += 1
         if rec.txn is not None:
             rec.txn.done = rec.txn.counted = True

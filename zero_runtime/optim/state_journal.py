@@ -43,6 +43,9 @@ class StepTransaction:
             ``journal_host_limit``), or None for a sub-group the step allocated (a
             rollback frees it).
         host_bytes: bytes of the host copies in ``undo``.
+        covered: sub-group -> elements of it this step's updates have changed so far.
+        resident: sub-groups changed in this step but not written behind yet (a later
+            partial update of the step changes more of them; written at its end).
     """
 
     step: int | None
@@ -50,6 +53,8 @@ class StepTransaction:
     counted: bool = False
     undo: dict[int, list[np.ndarray] | list[str] | None] = dataclasses.field(default_factory=dict)
     host_bytes: int = 0
+    covered: dict[int, int] = dataclasses.field(default_factory=dict)
+    resident: set[int] = dataclasses.field(default_factory=set)
 
 
 class StateTransactions:
