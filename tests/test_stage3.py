@@ -1,14 +1,15 @@
 """ZeRO stage 3 (per-block gather, sharded parameters) with Keras fit.
 
-Parity: stage 3 x offload_param none / cpu / nvme (optimizer states on the host, the block
-engine), and offload_param cpu / none + device optimizer states (the units path),
-nvme + NVMe optimizer states, against
-MirroredStrategy with Keras's
-own Adam given dense gradients (tests/helpers/reference_optimizers.py), on a GPT-style
-keras.Sequential (embedding, causal self-attention + MLP block with layer norms, final
-layer norm, dense head), 20 steps, bound 1e-5 relative. Memory: the pool's measured
-device-tier peak in each step is at most the two largest blocks' gathered parameters
-plus the persistent ones, per replica.
+Parity: stage 3 x offload_param none / cpu / nvme with optimizer states on the host, and
+offload_param cpu / none with device optimizer states (the units path, except NVMe
+parameters: the block engine), nvme + NVMe optimizer states (the block engine), and host
+parameters and states on the block engine (kept there by a device budget that never
+binds), against MirroredStrategy with Keras's own Adam given dense gradients
+(tests/helpers/reference_optimizers.py), on a GPT-style keras.Sequential (embedding,
+causal self-attention + MLP block with layer norms, final layer norm, dense head), 20
+steps, bound 1e-5 relative. Memory (the block engine): the pool's measured device-tier
+peak in each step is at most the two largest blocks' gathered parameters plus the
+persistent ones, per replica.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers.any_models import BLOCK_ENGINE_BUDGET
 from helpers.reference_optimizers import DenseGradAdam
 
 import zero_runtime
@@ -103,18 +105,20 @@ def _fit_stage3(config: dict, optimizer=None, make_model=_model, ds=None):
 
 
 @pytest.mark.parametrize(
-    ("offload_param", "offload_optimizer"),
+    ("offload_param", "offload_optimizer", "budget"),
     [
-        ("none", "cpu"),
-        ("cpu", "cpu"),
-        ("nvme", "cpu"),
-        ("cpu", "none"),
-        ("none", "none"),
-        ("nvme", "nvme"),
+        ("none", "cpu", None),
+        ("cpu", "cpu", None),
+        ("cpu", "cpu", BLOCK_ENGINE_BUDGET),  # the block engine's update during backward
+        ("nvme", "cpu", None),
+        ("cpu", "none", None),
+        ("none", "none", None),
+        ("nvme", "nvme", None),
     ],
 )
-def test_stage3_parity_with_mirrored(offload_param, offload_optimizer, reference, tmp_path):
+def test_stage3_parity_with_mirrored(offload_param, offload_optimizer, budget, reference, tmp_path):
     config = {
+        "device_budget_bytes": budget,
         "stage": 3,
         "offload_param": offload_param,
         "offload_optimizer": offload_optimizer,
@@ -132,8 +136,8 @@ def test_stage3_parity_with_mirrored(offload_param, offload_optimizer, reference
     }
     assert all(v.state(r) is not ShardState.GATHERED for v in variables for r in (0, 1))
     # A chain runs by units unless its config needs the block engine (path_choice):
-    # here parameters on NVMe or the update during backward (host/NVMe optimizer states).
-    blocks = offload_param == "nvme" or offload_optimizer != "none"
+    # here parameters on NVMe or an int device budget.
+    blocks = offload_param == "nvme" or budget is not None
     assert engine.path == ("blocks" if blocks else "units"), engine.block_reasons
     if blocks:
         assert any(v.persistent for v in variables) and not all(v.persistent for v in variables)
@@ -185,6 +189,7 @@ def test_stage3_device_tier_holds_at_most_two_blocks(tmp_path):
         "page_size_bytes": PAGE,
         "persistence_threshold": 1000,
         "max_reuse_distance": 0,
+        "device_budget_bytes": BLOCK_ENGINE_BUDGET,  # never binds: the block engine
     }
     rng = np.random.RandomState(0)
     x = rng.randint(0, BIG.vocab_size, size=(BIG_STEPS * BATCH, BIG.seq_len)).astype("int32")

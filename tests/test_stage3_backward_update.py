@@ -1,14 +1,17 @@
 """Stage 3: the optimizer update in backward (zero_runtime/optim/backward_update.py).
 
 With optimizer states on the host or NVMe, each block's parameter shards are updated as
-soon as the block's gradient shard is reduced. Values: exactly (bitwise) the end-of-step
-update's, which the parity tests of tests/test_stage3.py tie to MirroredStrategy; the
-end-of-step path is forced with ``clipvalue=1e9`` (clipping needs every shard first and
-changes no value at that bound). Covered: Adam with a learning-rate schedule, AdamW
-(decoupled weight decay), SGD with momentum; host and NVMe states; persistent
-(gathered all step) variables. Memory: one step's allocator peak, measured in a fresh
-process, drops by at least the gradient shards' bytes (4 bytes x parameters over the
-replicas) that the end-of-step update keeps on the device until the step's end.
+soon as the block's gradient shard is reduced. The chains here stay on the block engine
+through an int device budget that never binds (``am.BLOCK_ENGINE_BUDGET``; without it
+they run by units, whose update during backward the last test covers). Values: exactly
+(bitwise) the end-of-step update's, which the parity tests of tests/test_stage3.py tie
+to MirroredStrategy; the end-of-step path is forced with ``clipvalue=1e9`` (clipping
+needs every shard first and changes no value at that bound). Covered: Adam with a
+learning-rate schedule, AdamW (decoupled weight decay), SGD with momentum; host and NVMe
+states; persistent (gathered all step) variables. Memory: one step's allocator peak,
+measured in a fresh process, drops by at least the gradient shards' bytes (4 bytes x
+parameters over the replicas) that the end-of-step update keeps on the device until the
+step's end.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ def _train(offload: str, kind: str, end_of_step: bool, tmp_path):
             "page_size_bytes": 65536,
             "persistence_threshold": 100,  # biases and norms stay gathered all step
             "sub_group_size": 1000,  # several NVMe sub-groups, crossing blocks
+            "device_budget_bytes": am.BLOCK_ENGINE_BUDGET,  # the block engine
         }
     )
     with strategy.scope():
@@ -187,11 +191,13 @@ def _chain() -> keras.Model:
     )
 
 
-def test_a_step_that_fails_in_backward_leaves_the_model_usable(tmp_path, cpu_devices):
+@pytest.mark.parametrize("path", ["blocks", "units"])
+def test_a_step_that_fails_in_backward_leaves_the_model_usable(path, tmp_path, cpu_devices):
     """A step raising in backward (after d1 and d2 queued their updates): train_on_batch
     raises the TF error; recover (run by train_on_batch) waits for the queued updates
     and resets every shard, so the weights are stable, a checkpoint restores in the same
-    process and training from it equals training from it in a fresh model."""
+    process and training from it equals training from it in a fresh model. On the block
+    engine and by units."""
     rng = np.random.RandomState(0)
     x = rng.standard_normal((6, 8, 6)).astype("float32")
     y = rng.standard_normal((6, 8, 3)).astype("float32")
@@ -202,6 +208,7 @@ def test_a_step_that_fails_in_backward_leaves_the_model_usable(tmp_path, cpu_dev
             "offload_optimizer": "cpu",
             "page_size_bytes": 65536,
             "persistence_threshold": 10,
+            "device_budget_bytes": am.BLOCK_ENGINE_BUDGET if path == "blocks" else None,
         }
     )
 
@@ -214,7 +221,7 @@ def test_a_step_that_fails_in_backward_leaves_the_model_usable(tmp_path, cpu_dev
     sharded = build()
     for i in range(2):
         sharded.train_on_batch(x[i], y[i])
-    assert sharded.update_in_backward is True
+    assert sharded.update_in_backward is True and sharded.engine.path == path
     ckpt = str(tmp_path / "ckpt")
     strategy.save_checkpoint(ckpt, sharded)
     poisoned = x[2].copy()
@@ -247,7 +254,13 @@ def test_gradient_bytes_accounting_is_one_block_shard(tmp_path, cpu_devices):
     """The runtime's device gradient bytes with the update in backward: the largest
     block's shard per replica, not every shard."""
     strategy = zero_runtime.ZeroInfinityStrategy(
-        {"stage": 3, "offload_param": "cpu", "offload_optimizer": "cpu", "page_size_bytes": 65536}
+        {
+            "stage": 3,
+            "offload_param": "cpu",
+            "offload_optimizer": "cpu",
+            "page_size_bytes": 65536,
+            "device_budget_bytes": am.BLOCK_ENGINE_BUDGET,  # the block engine
+        }
     )
     with strategy.scope():
         sharded = strategy.shard_model(build_gpt(CFG, seed=4))

@@ -3,9 +3,9 @@ item 4; docs/stage3_design.md, "No retrace per epoch").
 
 A chain and a non-chain model train for three epochs under plain ``compile``/``fit``,
 with parameters and optimizer states on the device (``offload_param`` "none") and on the
-host ("cpu"). The chain on the host runs on the block engine (zero_runtime/stage3/engine.py:
-its optimizer updates during backward, zero_runtime/stage3/path_choice.py); every other
-case runs by units (zero_runtime/stage3/units_path.py). Traces are counted two ways:
+host ("cpu"), both run by units (zero_runtime/stage3/units_path.py); the chain also on the
+host on the block engine ("cpu-blocks": an int device budget that never binds keeps it
+there, zero_runtime/stage3/path_choice.py). Traces are counted two ways:
 Python-side entries into the traced step
 (stage 3: ``Stage3Engine.forward_backward``, which both paths' train step calls;
 MirroredStrategy: the model's ``train_step``), entered only while tracing, once per local
@@ -27,6 +27,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers.any_models import BLOCK_ENGINE_BUDGET
 from helpers.mirrored import Mirrored
 from test_stage3_step_clock import _tf_functions
 
@@ -38,12 +39,18 @@ BASE = {"stage": 3, "page_size_bytes": 65536, "collective_timeout_seconds": 30}
 OFFLOAD = {
     "none": {**BASE, "offload_param": "none", "offload_optimizer": "none"},
     "cpu": {**BASE, "offload_param": "cpu", "offload_optimizer": "cpu"},
+    "cpu-blocks": {
+        **BASE,
+        "offload_param": "cpu",
+        "offload_optimizer": "cpu",
+        "device_budget_bytes": BLOCK_ENGINE_BUDGET,
+    },
 }
 
 
 def _chain() -> keras.Model:
     """A chain of Dense layers: stage 3 runs it by units, or block by block when its
-    config needs the block engine (here: host optimizer states)."""
+    config needs the block engine (here: an int device budget)."""
     keras.utils.set_random_seed(0)
     return keras.Sequential(
         [
@@ -151,8 +158,11 @@ def mirrored_counts(cpu_devices):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("offload", sorted(OFFLOAD))
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize(
+    ("name", "offload"),
+    [(name, offload) for name in sorted(MODELS) for offload in ("cpu", "none")]
+    + [("chain", "cpu-blocks")],
+)
 def test_stage3_traces_its_step_once_not_per_epoch(
     name, offload, mirrored_counts, cpu_devices, stage3_entries
 ):
@@ -162,7 +172,7 @@ def test_stage3_traces_its_step_once_not_per_epoch(
         entries = len(stage3_entries)
         engine = strategy.runtime.accounting.stage3_engines[-1]
         # The model took the path this case is about.
-        path = "blocks" if (name, offload) == ("chain", "cpu") else "units"
+        path = "blocks" if offload == "cpu-blocks" else "units"
         assert engine.path == path, engine.block_reasons
     finally:
         strategy.close()

@@ -106,6 +106,9 @@ def test_lowering_device_budget_moves_more_pages_and_raising_it_back_fewer(tmp_p
         "persistence_threshold": 300,  # biases persistent, kernels sharded
         "max_reuse_distance": 10**9,  # keep every block gathered from forward to backward
         "collective_timeout_seconds": 30,
+        # HIGH never binds (28 pages); an int budget keeps the chain on the block engine,
+        # whose gathered buffers are the pool's device pages (path_choice)
+        "device_budget_bytes": HIGH,
     }
     strategy = zero_runtime.ZeroInfinityStrategy(config, logdir=run)
     with strategy.scope():
@@ -144,7 +147,7 @@ def test_lowering_device_budget_moves_more_pages_and_raising_it_back_fewer(tmp_p
         (LOW_FROM, "applied", 1),
         (HIGH_FROM, "applied", 2),
     ]
-    assert events[0][1]["changes"] == {"device_budget_bytes": {"old": None, "new": LOW}}
+    assert events[0][1]["changes"] == {"device_budget_bytes": {"old": HIGH, "new": LOW}}
     assert events[1][1]["changes"] == {"device_budget_bytes": {"old": LOW, "new": HIGH}}
 
     pcol = {c: i for i, c in enumerate(metadata.PAGE_COLUMNS)}

@@ -39,11 +39,6 @@ def block_engine_reasons(layers: list, config: ZeroConfig) -> tuple[str, ...]:
       the units path would read every NVMe shard synchronously at its use);
     - row-paged embedding tables (an ``Embedding`` at or above
       ``embedding_row_paging_threshold`` elements, ``embedding.row_paging_applies``);
-    - the optimizer update during backward (host or NVMe optimizer states,
-      ``gradient_accumulation_steps == 1``: each block's gradient shard goes to the host
-      as soon as it is reduced, :mod:`zero_runtime.optim.backward_update`; the units
-      path does it too, for originals read by one use, but the block engine's is the
-      one the chain tests of memory, persistence and the plan are built on);
     - gathered parameters in the pool's device tier, so that an int
       ``device_budget_bytes`` bounds them (the units path's gathered views are TF tensors
       outside the pool);
@@ -53,6 +48,13 @@ def block_engine_reasons(layers: list, config: ZeroConfig) -> tuple[str, ...]:
     ``persistence_threshold`` and ``max_reuse_distance`` are permissions (a parameter
     *may* stay gathered), not bounds: the units path, which gathers a unit's small
     parameters in the unit's one all-gather and gathers again for backward, honours them.
+
+    Host or NVMe optimizer states are no reason: the units path updates during backward
+    too (:meth:`~zero_runtime.stage3.units_path.UnitsPath.forward_backward`, ``update``:
+    an original read by one use as soon as that use's gradient shard is reduced, the
+    others after the backward). A test about the block engine itself (its pool, plan or
+    persistence) keeps a chain there with an int ``device_budget_bytes`` that never
+    binds.
 
     Args:
         layers: the chain's layers (``engine._chain_or_none``), built.
@@ -67,10 +69,6 @@ def block_engine_reasons(layers: list, config: ZeroConfig) -> tuple[str, ...]:
     paged = [layer.name for layer in layers if row_paging_applies(layer, config)]
     if paged:
         reasons.append(f"row-paged embedding tables {paged}")
-    if config.offload_optimizer != "none" and config.gradient_accumulation_steps == 1:
-        reasons.append(
-            f"offload_optimizer={config.offload_optimizer!r} (the update during backward)"
-        )
     if config.device_budget_bytes is not None:
         reasons.append(
             f"device_budget_bytes={config.device_budget_bytes!r} (gathered parameters "
