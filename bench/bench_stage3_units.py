@@ -1,12 +1,13 @@
-"""Stage-3 step time: the block path (a chain) and the units path (the same layers with a
-residual connection), each against MirroredStrategy, measured side by side (issue #15;
-the baseline for issue #16).
+"""Stage-3 step time of a chain and of the same layers with a residual connection, each
+against MirroredStrategy, measured side by side (issue #15; the baseline for issue #16).
 
 One process, 2 replicas (logical CPU devices). Two models of about 2.1M float32
 parameters, the model of ``bench_step_time.py`` (embedding 2000 x 64, three Dense 768, a
 LayerNormalization, a Dense 10 head):
 
-- ``chain``: that Sequential; stage 3 runs it block by block (zero_runtime/stage3/engine.py);
+- ``chain``: that Sequential; stage 3 runs it by units too, its config needing nothing
+  only the block engine does (zero_runtime/stage3/path_choice.py; the results'
+  ``stage3_path`` says which path each configuration took);
 - ``residual``: the same layers, functional, with ``h + Dense(h)`` around the third Dense
   768; not a chain, so stage 3 runs it by units (zero_runtime/stage3/gather.py).
 
