@@ -414,7 +414,12 @@ class MultiWorkerZeroInfinityStrategy(
             if why is None:
                 raise
             raise TimeoutError(why) from None
-        comm.guard_strategy_collectives(self, lambda: self.config.collective_timeout_seconds)
+        comm.guard_strategy_collectives(
+            self,
+            lambda: self.config.collective_timeout_seconds,
+            # a new variable's initial-value broadcast is a start-up wait
+            lambda: cluster_guard.startup_timeout_seconds(self.config.collective_timeout_seconds),
+        )
         cluster_guard.register_exit_barrier(wait, cluster.rank)
         install_failure_hook(cluster, config.collective_timeout_seconds)
         description = "device (GPU)" if on_gpu else "device (CPU stand-in)"

@@ -49,8 +49,6 @@ from tensorflow.python.eager import context, execute
 from tensorflow.python.framework import errors
 from tensorflow.python.ops import resource_variable_ops
 
-from zero_runtime import cluster_guard
-
 
 class WatchdogState(enum.Enum):
     """Lifecycle: IDLE (no thread yet) -> WATCHING (thread running) -> FIRED (a deadline
@@ -451,7 +449,11 @@ def one_deadline(token) -> Iterator[None]:
         span.close()
 
 
-def guard_strategy_collectives(strategy: tf.distribute.Strategy, seconds: Callable[[], float]):
+def guard_strategy_collectives(
+    strategy: tf.distribute.Strategy,
+    seconds: Callable[[], float],
+    startup_seconds: Callable[[], float] | None = None,
+):
     """Put the collectives ``strategy`` issues itself under :data:`WATCHDOG` deadlines.
 
     For a ``MultiWorkerMirroredStrategy`` built without ``CommunicationOptions.timeout_seconds``
@@ -463,13 +465,16 @@ def guard_strategy_collectives(strategy: tf.distribute.Strategy, seconds: Callab
     ``CollectiveReplicaLauncher`` per device, whose ``all_reduce`` and ``_all_gather``
     are wrapped here: traced, under :func:`guard` (the launcher's ordering token orders the
     callbacks); eager, under :meth:`CollectiveWatchdog.deadline`. A multi-worker
-    strategy's broadcast of each new variable's initial value is held to the deadline
-    too (:func:`_wrap_initial_values`).
+    strategy's broadcast of each new variable's initial value is held to
+    ``startup_seconds`` (:func:`_wrap_initial_values`).
 
     Args:
         strategy: a ``tf.distribute`` strategy with collective cross-device ops.
         seconds: returns the deadline, seconds, when a collective is built (e.g. the
             active config's ``collective_timeout_seconds``).
+        startup_seconds: returns the deadline, seconds, of a new variable's initial-value
+            broadcast on a multi-worker strategy (the start-up bound,
+            ``cluster_guard.startup_timeout_seconds``); None (default): not guarded.
 
     Raises:
         RuntimeError: the strategy has no collective launchers (a TensorFlow version whose
@@ -490,8 +495,8 @@ def guard_strategy_collectives(strategy: tf.distribute.Strategy, seconds: Callab
         )
     for launcher in launchers:
         _wrap_launcher(launcher, seconds)
-    if getattr(strategy.extended, "_num_workers", 1) > 1:
-        _wrap_initial_values(strategy.extended, seconds)
+    if startup_seconds is not None and getattr(strategy.extended, "_num_workers", 1) > 1:
+        _wrap_initial_values(strategy.extended, startup_seconds)
 
 
 def _wrap_initial_values(extended: Any, seconds: Callable[[], float]) -> None:
@@ -501,9 +506,9 @@ def _wrap_initial_values(extended: Any, seconds: Callable[[], float]) -> None:
 
     Seen in CI on 2 loaded cores: both workers of a fresh 2-worker job blocked in that
     broadcast of their first variable (same group and instance key) for 20 minutes; with
-    the deadline the job ends with the watchdog's error after the start-up bound,
-    ``cluster_guard.startup_timeout_seconds(collective_timeout_seconds)`` (the workers
-    reach their variables as they finish building: a start-up wait, not a step's).
+    the deadline the job ends with the watchdog's error after ``seconds()``, the start-up
+    bound (the workers reach their variables as they finish building: a start-up wait,
+    not a step's).
     """
     if getattr(extended, "_zero_runtime_guarded_init", False):  # already wrapped: once only
         return
@@ -520,9 +525,6 @@ def _wrap_initial_values(extended: Any, seconds: Callable[[], float]) -> None:
             limit = seconds()
             if not tf.executing_eagerly() or limit <= 0:
                 return make()
-            # A start-up wait (the workers reach their first variables as they finish
-            # building): the start-up bound, not a step collective's.
-            limit = cluster_guard.startup_timeout_seconds(limit)
             with WATCHDOG.deadline(limit, what):
                 return make()
 

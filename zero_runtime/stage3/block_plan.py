@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
+from typing import Any
 
 import keras
 
@@ -20,9 +20,6 @@ from zero_runtime.memory import PageCounters, TierUsage
 from zero_runtime.sharded_variable import ShardedVariable
 from zero_runtime.stage3.chain import _replace_variable
 from zero_runtime.stage3.embedding import RowPagedEmbedding, row_paging_applies
-
-if TYPE_CHECKING:
-    from zero_runtime.stage3.engine import Stage3Engine
 
 FWD, BWD = "fwd", "bwd"
 
@@ -69,7 +66,7 @@ class Block:
 
 
 def shard_blocks(
-    engine: Stage3Engine, layers: list, remote: bool
+    engine: Any, layers: list, remote: bool
 ) -> tuple[tuple[Block, ...], dict[int, RowPagedEmbedding]]:
     """Replace the chain ``layers``' trainable weights by sharded variables, one
     :class:`Block` per layer, in place.

@@ -6,15 +6,12 @@ split of the engine into modules with one job each).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from zero_runtime.stage3.engine import Stage3Engine
 
-
-def placement_rows(engine: Stage3Engine, optimizer_tier: str) -> list[dict]:
+def placement_rows(engine: Any, optimizer_tier: str) -> list[dict]:
     """One placement row per sharded variable of ``engine`` (``memory_hierarchy/
     placement``), one per row-paged table (:meth:`RowPagedEmbedding.placement_row`) and
     one per frozen weight.
