@@ -48,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
             persistence_threshold=300,  # biases persistent, kernels sharded
             max_reuse_distance=10**9,  # keep every block gathered from forward to backward
             collective_timeout_seconds=30,
+            # An int budget that never binds keeps this chain on the block engine, whose
+            # gathered blocks live in the pool's device tier (the budget the tab tunes);
+            # any_models.BLOCK_ENGINE_BUDGET. Host-Adam chains run by units otherwise.
+            device_budget_bytes=1 << 30,
         )
     else:
         config = zero_runtime.ZeroConfig(stage=1, offload_optimizer="cpu")
