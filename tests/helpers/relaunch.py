@@ -32,13 +32,12 @@ def launch_job(
     start-up broadcast stall (the module doc). ``reset``: called before the relaunch
     (e.g. empty the job's output directories). Returns the last launch's status; ``out``
     holds every attempt's output, the relaunch announced by a line."""
-    for attempt in (1, 2):
-        text = io.StringIO()
-        status = launch.launch(nproc, list(args), out=text)
-        out.write(text.getvalue())
-        if status == 0 or STARTUP_STALL not in text.getvalue() or attempt == 2:
-            return status
-        out.write("\n[test] start-up broadcast stall (TensorFlow): relaunching once\n")
-        if reset is not None:
-            reset()
-    return status
+    text = io.StringIO()
+    status = launch.launch(nproc, list(args), out=text)
+    out.write(text.getvalue())
+    if status == 0 or STARTUP_STALL not in text.getvalue():
+        return status
+    out.write("\n[test] start-up broadcast stall (TensorFlow): relaunching once\n")
+    if reset is not None:
+        reset()
+    return launch.launch(nproc, list(args), out=out)

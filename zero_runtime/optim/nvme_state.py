@@ -319,11 +319,11 @@ class NvmeOptimizerState(StateTransactions):
                 if k + 1 < len(work):
                     self.pool.prefetch(self._ids(replica, work[k + 1][0]))  # read-ahead
                 ids = self._ids(replica, j)
+                lo, hi = self.subgroup_range(j)
                 arrays = [self.pool.acquire(tid, writable=True) for tid in ids]
                 try:
                     if j not in txn.undo:  # first change in this step: journal the old values
                         self._journal(txn, replica, j, arrays, pending)
-                    lo, _ = self.subgroup_range(j)
                     for s, e in parts:
                         slots = {
                             name: a[s - lo : e - lo] for name, a in zip(self.slot_names, arrays)
@@ -336,7 +336,6 @@ class NvmeOptimizerState(StateTransactions):
                 # Write-behind once the step has changed the whole sub-group: the stage-3
                 # update in backward changes it block by block, and writing (then reading
                 # again) it after each block moved it once per block.
-                lo, hi = self.subgroup_range(j)
                 txn.covered[j] = txn.covered.get(j, 0) + sum(e - s for s, e in parts)
                 if txn.covered[j] >= hi - lo:
                     txn.resident.discard(j)
@@ -352,12 +351,8 @@ class NvmeOptimizerState(StateTransactions):
         """Write the sub-groups the step changed only in part (``txn.resident``) to NVMe:
         the step's end. Raises the first write's error (``PagingError``)."""
         rest, txn.resident = sorted(txn.resident), set()
-        futures = [
-            self._writer.submit(self.pool.evict, self._ids(replica, j), "nvme") for j in rest
-        ]
-        concurrent.futures.wait(futures)
-        for f in futures:
-            f.result()
+        if rest:  # one call: all their page writes in flight at once
+            self.pool.evict([tid for j in rest for tid in self._ids(replica, j)], "nvme")
 
     # -- accounting ---------------------------------------------------------------------
     def mark_updated(self, replica: int) -> None:
