@@ -125,6 +125,8 @@ class UnitRunner:
         self._replica_id = replica_id
         self._steps: dict[int, _StepState] = {}
         self._outside: dict[int, Unit] = {}  # id(variable) -> its one-variable unit
+        # The read schedule (stage3/schedule.py; UnitsPath sets it): NVMe prefetch.
+        self.schedule = None
         for unit in units:
             if unit.hooked:
                 hook = functools.partial(self.hooked_call, unit)
@@ -453,8 +455,10 @@ class UnitRunner:
         e = unit.shard_elements
         shard = _device_shards(unit.variables, replica)
         if shard is None:  # pool pages (host, NVMe): one host read
+            # NVMe: the read first prefetches the next reads' pages (stage3/schedule.py).
+            prefetch = self.schedule.read(replica, unit.variables) if self.schedule else None
             shard = host_function(
-                functools.partial(_read_shards, unit.variables, replica),
+                functools.partial(_read_shards, unit.variables, replica, prefetch),
                 [dep],
                 tf.float32,
                 stateful=False,  # ordered by ``dep`` only (see block_step._host_call)
@@ -514,9 +518,13 @@ def _device_shards(variables: tuple, replica: int) -> tf.Tensor | None:
     return reads[0] if len(reads) == 1 else tf.concat(reads, axis=0)
 
 
-def _read_shards(variables: tuple, replica: int, *_) -> np.ndarray:
+def _read_shards(variables: tuple, replica: int, prefetch=None, *_) -> np.ndarray:
     """Host side of a gather: the replica's shards of ``variables``, concatenated (each
-    copied once, into its slice of the result)."""
+    copied once, into its slice of the result). ``prefetch``: None, or the read's
+    :class:`~zero_runtime.stage3.schedule.PassReads` hook, run first (queues the next
+    reads' pages, NVMe -> host)."""
+    if prefetch is not None:
+        prefetch()
     out = np.empty(sum(v.shard_elements for v in variables), np.float32)
     off = 0
     for v in variables:

@@ -35,8 +35,6 @@ def block_engine_reasons(layers: list, config: ZeroConfig) -> tuple[str, ...]:
 
     The block engine alone has:
 
-    - NVMe parameter prefetch along the recorded access order (``offload_param='nvme'``;
-      the units path would read every NVMe shard synchronously at its use);
     - row-paged embedding tables (an ``Embedding`` at or above
       ``embedding_row_paging_threshold`` elements, ``embedding.row_paging_applies``);
     - gathered parameters in the pool's device tier, so that an int
@@ -49,7 +47,9 @@ def block_engine_reasons(layers: list, config: ZeroConfig) -> tuple[str, ...]:
     *may* stay gathered), not bounds: the units path, which gathers a unit's small
     parameters in the unit's one all-gather and gathers again for backward, honours them.
 
-    Host or NVMe optimizer states are no reason: the units path updates during backward
+    NVMe parameters are no reason since session 13: the units path prefetches them along
+    each traced pass's recorded reads (:mod:`zero_runtime.stage3.schedule`). Host or NVMe
+    optimizer states are none either: the units path updates during backward
     too (:meth:`~zero_runtime.stage3.units_path.UnitsPath.forward_backward`, ``update``:
     an original read by one use as soon as that use's gradient shard is reduced, the
     others after the backward). A test about the block engine itself (its pool, plan or
@@ -64,8 +64,6 @@ def block_engine_reasons(layers: list, config: ZeroConfig) -> tuple[str, ...]:
         One sentence per reason (empty: run by units).
     """
     reasons = []
-    if config.offload_param == "nvme":
-        reasons.append("offload_param='nvme' (NVMe parameter prefetch along the access order)")
     paged = [layer.name for layer in layers if row_paging_applies(layer, config)]
     if paged:
         reasons.append(f"row-paged embedding tables {paged}")

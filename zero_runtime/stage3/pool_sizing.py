@@ -4,8 +4,8 @@
 the device tier holds every gathered buffer + slack (+ the shards when
 ``offload_param='none'``), the host tier the shards (packed in the flat space on
 host/NVMe, :mod:`zero_runtime.memory.flat_store`) or, with NVMe, a window of the two
-largest blocks; a row-paged table counts its row cache and row states
-(:func:`~zero_runtime.stage3.embedding.row_paging_budget`). Given budgets
+largest blocks (the four largest units on the units path); a row-paged table counts its
+row cache and row states (:func:`~zero_runtime.stage3.embedding.row_paging_budget`). Given budgets
 (``device_budget_bytes``, ``host_budget_bytes``) are used as they are.
 """
 
@@ -116,7 +116,11 @@ def size_pool(
             # prefetched next) + slack. prefetch_bucket_size is not added: a deeper
             # prefetch competes for this window (the pool evicts LRU host pages to
             # NVMe) instead of growing the default host reservation.
-            window = sorted(window_pages)[-2:]
+            # On the units path (``row_paging`` False; row paging is the block
+            # engine's) the four largest units': the unit read, the previous one until
+            # its update in backward, and room for the prefetch of the next ones
+            # (stage3/schedule.py: half of what the two leave).
+            window = sorted(window_pages)[-2 if row_paging else -4 :]
             host = (sum(window) + SLACK_PAGES + row_states["host"]) * page
         else:
             # The shards + room for gathered buffers the pool moves down under device

@@ -391,8 +391,11 @@ class _Tile:
                 rows = tf.reshape(device.read_value(), [kernel.rows, *kernel.shape[1:]])
             piece = tf.reshape(_slice(rows, plan.kernel_axis, start, size), [-1])
         else:  # pool pages (host, NVMe): the host cuts the slice
+            schedule = self.runner.schedule  # NVMe: prefetch the next reads (schedule.py)
+            prefetch = schedule.read(self.replica, (kernel,)) if schedule else None
+            read = (kernel, self.replica, plan.kernel_axis, start, size, prefetch)
             piece = host_function(
-                functools.partial(_read_tile, kernel, self.replica, plan.kernel_axis, start, size),
+                functools.partial(_read_tile, *read),
                 deps,
                 tf.float32,
                 stateful=False,  # ordered by ``dep`` only (see block_step._host_call)
@@ -454,8 +457,13 @@ class _TileGeometry:
         return self.rows * math.prod(self.shape[1:])
 
 
-def _read_tile(kernel, replica: int, axis: int, start: int, size: int, *_) -> np.ndarray:
-    """Host side of a tile's gather: the column slice of this replica's kernel shard."""
+def _read_tile(
+    kernel, replica: int, axis: int, start: int, size: int, prefetch=None, *_
+) -> np.ndarray:
+    """Host side of a tile's gather: the column slice of this replica's kernel shard.
+    ``prefetch``: None, or the read's schedule hook, run first (as ``gather._read_shards``)."""
+    if prefetch is not None:
+        prefetch()
     shard = kernel.read_shard(replica).reshape(kernel.rows, *kernel.shape[1:])
     index = [slice(None)] * shard.ndim
     index[axis] = slice(start, start + size)

@@ -19,6 +19,7 @@ from zero_runtime.comm.buckets import replica_barrier
 from zero_runtime.sharded_variable import ShardedVariable
 from zero_runtime.stage3 import tiling
 from zero_runtime.stage3.gather import Unit, UnitRunner
+from zero_runtime.stage3.schedule import ReadSchedule
 
 
 class UnitsPath:
@@ -71,6 +72,11 @@ class UnitsPath:
             units.append(Unit(s.index, s.layer, variables, call, tiles))
         self.tile_plans = {id(u.tiles.plan.kernel): u.tiles.plan for u in units if u.tiles}
         self.runner = UnitRunner(tuple(units), engine.group, engine.num_shards, replica_id)
+        # NVMe shards: each traced pass's reads recorded, each read prefetching the next.
+        self.schedule = ReadSchedule(
+            engine.pool, engine.tier, lambda: engine.config, engine.local_replicas
+        )
+        self.runner.schedule = self.schedule
         # The model's own call, taken after the hooks (a model owning weights is a unit).
         self._own_call = model.__dict__.get("call") or type(model).call.__get__(model)
 
@@ -96,6 +102,7 @@ class UnitsPath:
             queued.
         """
         replica, anchors = self.runner.begin(tf.nest.flatten(x)[0], backward=True, update=update)
+        self.schedule.begin(replica)
         try:
             done = self.runner.done_anchor(replica)
             with tf.GradientTape() as tape:
@@ -119,6 +126,7 @@ class UnitsPath:
             replica_barrier()
         finally:
             self.runner.end(replica)
+            self.schedule.end(replica)
         return y_pred, loss, {id(v): g for v, g in zip(self.runner.variables, shards)}
 
     def _backward_with_updates(self, tape, loss, replica: int, anchors: list, update):
@@ -149,10 +157,12 @@ class UnitsPath:
         if self.runner.in_step():  # inside forward_backward
             return self._model_call(x, training)
         replica, _ = self.runner.begin(tf.nest.flatten(x)[0], backward=False)
+        self.schedule.begin(replica)
         try:
             return self._model_call(x, training)
         finally:
             self.runner.end(replica)
+            self.schedule.end(replica)
 
     def _model_call(self, x, training: bool):
         """The model's own call (its units hooked), with ``training`` if it takes it."""
