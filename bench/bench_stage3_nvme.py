@@ -157,6 +157,12 @@ def main() -> None:
         "fio_bytes_per_second": {"before": disk_before, "after": disk_after},
         "median_step_seconds": medians,
         "stage3_bytes_per_step": {"n2h": n2h, "h2n": h2n},
+        # Median per timed step of every page counter (both pools: prefetch hits and
+        # misses, stall and I/O seconds; memory/counters.py): what the step waited for.
+        "stage3_page_counters_median": {
+            k: statistics.median(float(p.get(k, 0.0)) for p in moved)
+            for k in sorted({k for p in moved for k in p})
+        },
         "bounds_seconds": {
             "io_bound_serial": serial,
             "io_bound_overlapped": overlapped,

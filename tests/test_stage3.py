@@ -4,12 +4,12 @@ Parity: stage 3 x offload_param none / cpu / nvme with optimizer states on the h
 offload_param cpu / none with device optimizer states, nvme + NVMe optimizer states (the
 units path; NVMe parameters prefetched along the recorded reads, stage3/schedule.py), and
 host parameters and states, and NVMe parameters and states, on the block engine (kept
-there by a device budget that never binds), against MirroredStrategy with Keras's own Adam given dense gradients
-(tests/helpers/reference_optimizers.py), on a GPT-style keras.Sequential (embedding,
-causal self-attention + MLP block with layer norms, final layer norm, dense head), 20
-steps, bound 1e-5 relative. Memory (the block engine): the pool's measured device-tier
-peak in each step is at most the two largest blocks' gathered parameters plus the
-persistent ones, per replica.
+there by a device budget that never binds), against MirroredStrategy with Keras's own
+Adam given dense gradients (tests/helpers/reference_optimizers.py), on a GPT-style
+keras.Sequential (embedding, causal self-attention + MLP block with layer norms, final
+layer norm, dense head), 20 steps, bound 1e-5 relative. Memory (the block engine): the
+pool's measured device-tier peak in each step is at most the two largest blocks'
+gathered parameters plus the persistent ones, per replica.
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ class Stage3Engine(BlockSteps):
 
     A ``keras.Sequential`` or a functional chain (no BatchNormalization, dropout or shared
     weights) whose config needs the block engine
-    (:func:`~zero_runtime.stage3.path_choice.block_engine_reasons`: NVMe parameters,
+    (:func:`~zero_runtime.stage3.path_choice.block_engine_reasons`:
     row-paged tables, an int device budget, a tight
     ``max_live_parameters``) runs block by block (below); any other model runs by units:
     the model's own call with every layer that owns weights hooked (:attr:`runner`,
