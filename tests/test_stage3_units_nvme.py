@@ -10,7 +10,9 @@ their own recorded order). The pool's own counters show who paged in: from step 
 most NVMe page-ins were issued by the prefetch thread (an ``acquire`` that finds its page
 on the host or on its way there counts a hit; one that reads it itself, a miss), and with
 ``prefetch_bucket_size`` 0 every page-in is an acquire's own miss. The tiled case runs
-the wide kernels as column tiles (``tile_size``): each tile's read prefetches too.
+the wide kernels as column tiles (``tile_size``): each tile's read prefetches too. How
+far ahead a read asks (the bucket, half the host share, the previous read held) is
+checked on a recorded pass with a stand-in pool.
 """
 
 from __future__ import annotations
@@ -135,3 +137,36 @@ def test_without_prefetch_every_page_in_is_an_acquire_miss(tmp_path):
     misses = sum(s["prefetch_misses"] for s in steps)
     print(f"no prefetch, steps 2-{STEPS}: n2h {n2h:.0f} pages, acquire misses {misses:.0f}")
     assert n2h >= 10 * (STEPS - 1) and misses >= n2h
+
+
+class _Pool:
+    """Records ``prefetch`` calls (the only pool method a recorded pass calls)."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, ...]] = []
+
+    def prefetch(self, ids) -> None:
+        self.requests.append(tuple(ids))
+
+
+def test_a_read_prefetches_the_next_reads_within_the_bucket_and_half_the_window():
+    """Reads of 3 chunks each (1 shared with the next read, as packed units share a
+    boundary chunk), 10 000 elements each; a 12-page share of the host tier."""
+    from zero_runtime.stage3.schedule import PassReads
+
+    pool, bucket = _Pool(), [50_000_000]
+    reads = PassReads(pool, lambda: bucket[0], window_pages=12)
+    hooks = [reads.add((f"c{2 * i}", f"c{2 * i + 1}", f"c{2 * i + 2}"), 10_000) for i in range(6)]
+    hooks[0]()  # read 0 holds c0-c2: (12 - 3) // 2 = 4 pages ahead: reads 1 and 2
+    assert pool.requests[-1] == ("c3", "c4", "c5", "c6")
+    # Read 2: reads 1 and 2 held (c2-c6): (12 - 5) // 2 = 3 pages, read 3's two new ones
+    # and read 4's first; read 1's pages named first (kept for its unit's update).
+    hooks[2]()
+    assert pool.requests[-1] == ("c2", "c3", "c4", "c7", "c8", "c9")
+    bucket[0] = 15_000  # a live change: one read's elements fit, not two
+    hooks[2]()
+    assert pool.requests[-1] == ("c2", "c3", "c4", "c7", "c8")
+    bucket[0] = 0  # prefetch off
+    hooks[3]()
+    hooks[5]()  # the last read: nothing after it
+    assert len(pool.requests) == 3
