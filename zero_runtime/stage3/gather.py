@@ -28,9 +28,11 @@ A sharded variable read outside its units' calls (a head that reads an embedding
 table) is gathered on that read as a one-variable use with the same backward
 (:meth:`UnitRunner.read_outside`).
 
-Every original has an *anchor* in the step: a float32 zero of its shard's shape
-``[shard_elements]`` that each use takes as an input and whose gradient the use's
-backward returns as the reduced shard of its gradient. ``tape.gradient(loss, anchors)``
+Every original has an *anchor* in the step: a float32 scalar zero that each use takes
+as an input and whose gradient the use's backward returns as the reduced shard of its
+gradient (float32 ``[shard_elements]``: graph mode does not check a custom gradient's
+shape against its input's, and a scalar costs no device memory where zeros of every
+shard's shape, all ready at the step's start, were live at once). ``tape.gradient(loss, anchors)``
 then runs every use's backward and TensorFlow's own gradient aggregation sums the uses of
 a tied weight (TF_NOTES section 5, the custom_gradient path).
 """
@@ -90,7 +92,7 @@ class Unit:
 class _StepState:
     """One replica's trace-time state during one traced forward (with or without tape).
 
-    ``anchors`` (``{id(v): float32 [shard_elements] zeros}``) is None in a forward-only
+    ``anchors`` (``{id(v): float32 scalar zero}``) is None in a forward-only
     pass (evaluate, predict): no backward.
     """
 
@@ -176,7 +178,8 @@ class UnitRunner:
         replica = self._replica_id()
         anchors = None
         if backward:
-            anchors = {id(v): tf.zeros([v.shard_elements], tf.float32) for v in self.variables}
+            # Scalars (the module docstring: no [shard_elements] zeros live at once).
+            anchors = {id(v): tf.zeros([], tf.float32) for v in self.variables}
         update = update if backward else None
         self._steps[replica] = _StepState(
             tf.reshape(token, [-1])[:1],
@@ -197,8 +200,10 @@ class UnitRunner:
         shards are updated during backward (a use whose originals are each read by it
         alone, outside control flow and tiles: its backward is their last read of the
         step) and the rest
-        (tied, used in a branch, tiled, or unused: their anchors' gradients, summed over
-        their uses, are updated after the whole backward)."""
+        (tied, used in a branch, a tiled unit's bias, or unused: their anchors'
+        gradients, summed over their uses, are updated after the whole backward). A tiled
+        kernel read by its tiled use alone is early: its first tile's backward, the last
+        to run, completes its gradient shard (:mod:`zero_runtime.stage3.tiling`)."""
         state = self._steps[replica]
         ids = {id(v) for vs in state.use_vars if self._early(state, vs) for v in vs}
         early = [v for v in self.variables if id(v) in ids]
@@ -207,6 +212,19 @@ class UnitRunner:
     def updated_in_backward(self, replica: int) -> set:
         """The ids of the originals whose update a traced backward queued."""
         return self._steps[replica].updated
+
+    def update_now(self, replica: int, variables: tuple, shard: tf.Tensor) -> tf.Tensor | None:
+        """In a use's backward: hand ``variables``' reduced gradient ``shard`` (float32
+        ``[sum(shard_elements)]``) to the update during backward when this use is their
+        only read of the step (:meth:`backward_split`), and return the update's token
+        (float32 scalar, the gradient of the step's done anchor); None otherwise (the
+        caller returns the shard as its anchors' gradient)."""
+        state = self._steps[replica]
+        if not self._early(state, variables):
+            return None
+        done = state.update.update(variables, shard, tf.zeros([]))
+        state.updated.update(id(v) for v in variables)
+        return done
 
     @staticmethod
     def _early(state: _StepState, variables) -> bool:
@@ -237,13 +255,21 @@ class UnitRunner:
             # flow (_use_in_branch): tiles run outside control flow only.
             state = self._steps[self._replica_id()]
             if not _inside_control_flow(state.graph):
-                state.shared.update(id(v) for v in unit.variables)  # tiles: not early
+                # The kernel is one use (updated during backward once its last tile's
+                # gradient is reduced, when no other use reads it); the other variables
+                # (the bias) get a gradient from every tile, summed after the backward.
+                kernel = unit.tiles.plan.kernel
+                state.shared.update(id(v) for v, _ in unit.tiles.plan.others)
+                if state.anchors is not None:
+                    state.uses[id(kernel)] = state.uses.get(id(kernel), 0) + 1
+                    state.use_vars.append((kernel,))
                 return unit.tiles(self, unit, args[0], kwargs)  # zero_runtime/stage3/tiling.py
         return self._use(unit, (args, kwargs), lambda a: unit.call(*a[0], **a[1]))
 
     def step_anchors(self) -> tuple[int, dict[int, tf.Tensor] | None]:
         """The current replica and its step's anchors (``{id(variable): float32
-        [shard_elements]}``, None in a forward-only pass); inside a step only."""
+        scalar}``, whose gradients are ``[shard_elements]``; None in a forward-only
+        pass); inside a step only."""
         replica = self._replica_id()
         return replica, self._steps[replica].anchors
 
@@ -365,9 +391,8 @@ class UnitRunner:
                 dxs = [None] * n_in
                 for k, g in zip(float_in, gs[len(views2) :]):
                     dxs[k] = g
-                if self._early(state, unit.variables):  # its last read: update it now
-                    done = state.update.update(unit.variables, shard, tf.zeros([]))
-                    state.updated.update(id(v) for v in unit.variables)
+                done = self.update_now(replica, unit.variables, shard)
+                if done is not None:  # its last read: updated now
                     return (*dxs, *([None] * n_anchor), *([None] * n_state), done)
                 pieces = tf.split(shard, [v.shard_elements for v in unit.variables])
                 return (*dxs, *pieces, *([None] * n_state), *([None] * len(done_in)))

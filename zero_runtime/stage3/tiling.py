@@ -259,14 +259,15 @@ class TiledCall:
         """
         replica, anchors = runner.step_anchors()
         plan = self.plan
-        kbuf, others = None, []
+        kbuf, others, done = None, [], None
         if anchors is not None:
             kbuf = anchors[id(plan.kernel)]  # passed through the tiles, whole
             others = [anchors[id(v)] for v, _ in plan.others]
+            done = runner.done_anchor(replica)  # the update during backward, or None
         tile = _Tile(self.plan, runner, unit, replica, kwargs)
         outs, h, carry = [], x, tf.zeros([1], tf.float32)
         for j in range(len(plan.bounds)):
-            y, h, carry, kbuf = tile.run(j, h, carry, kbuf, others)
+            y, h, carry, kbuf = tile.run(j, h, carry, kbuf, others, done if j == 0 else None)
             outs.append(y)
         return tf.concat(outs, axis=plan.output_axis)
 
@@ -281,7 +282,7 @@ class _Tile:
     replica: int
     kwargs: dict
 
-    def run(self, j: int, x: tf.Tensor, carry: tf.Tensor, kbuf, others: list):
+    def run(self, j: int, x: tf.Tensor, carry: tf.Tensor, kbuf, others: list, done=None):
         """Tile ``j``: returns ``(y_j, x_next, carry_next, kbuf_next)``.
 
         ``carry`` (float32 ``[1]``) orders the tiles: tile ``j``'s read waits for the
@@ -297,6 +298,15 @@ class _Tile:
         reduced column piece in place (``TensorStridedSliceUpdate`` reuses the buffer it
         alone holds), so the unit's gradient shard is never held twice (a split of the
         anchor would concatenate the pieces into a second copy).
+
+        ``done`` (tile 0 only; float32 scalar, the step's done anchor, None without an
+        update during backward): tile 0's backward runs last and completes the kernel's
+        gradient shard; when the runner's update during backward takes it
+        (:meth:`~zero_runtime.stage3.gather.UnitRunner.update_now`: the kernel read by
+        this use alone), the buffer goes to the host update there and then and the
+        anchor gets no gradient, so no tiled kernel's gradient shard waits on the device
+        for the step's end (issue #17: the device working set is then a tile plus
+        activations, whatever the model's size).
         """
         is_float = x.dtype.is_floating
         if kbuf is None:  # forward only
@@ -312,8 +322,10 @@ class _Tile:
         piece_shape = list(moved)  # (R, ..., n_j, ...): tile j's piece of the shard
         piece_shape[self.plan.kernel_axis] = size
 
+        done_in = [] if done is None else [done]
+
         @tf.custom_gradient
-        def use(inp, c, k, *_other_anchors):
+        def use(inp, c, k, *_other_anchors_and_done):
             y = self._call(inp, self._views(j, [_dep(inp), c]))
             outs = [y, _token(y), tf.identity(k)]
             if is_float:
@@ -338,7 +350,8 @@ class _Tile:
                 shard = self._reduce_scatter(j, gs[: len(views)])
                 sizes = [math.prod(piece_shape)] + [v.shard_elements for v, _ in self.plan.others]
                 reduced = tf.split(shard, sizes)
-                if d_kbuf is None:  # the first tile in backward: the buffer, made now
+                if d_kbuf is None or d_kbuf.shape.rank == 0:  # the first tile in backward
+                    # (the scalar anchor's zero gradient, or none): the buffer, made now
                     d_kbuf = tf.fill([math.prod(moved)], _token(dy)[0] * 0.0)
                 filled = tf.raw_ops.TensorStridedSliceUpdate(
                     input=tf.reshape(d_kbuf, moved),
@@ -357,11 +370,17 @@ class _Tile:
                 # the backward, which kept every tile's buffer alive (measured: +4 bytes
                 # per tiled parameter at the step's peak).
                 others_g = [tf.gather(tf.reshape(r, [1, -1]), 0) for r in reduced[1:]]
-                return (dx, d_c, tf.reshape(filled, [-1]), *others_g)
+                d_k = tf.reshape(filled, [-1])
+                if not done_in:
+                    return (dx, d_c, d_k, *others_g)
+                token = self.runner.update_now(self.replica, (kernel,), d_k)
+                if token is None:  # read by another use too: summed after the backward
+                    return (dx, d_c, d_k, *others_g, None)
+                return (dx, d_c, None, *others_g, token)
 
             return outs, grad
 
-        outs = use(x, carry, kbuf, *others)
+        outs = use(x, carry, kbuf, *others, *done_in)
         return outs[0], outs[3] if is_float else x, outs[1], outs[2]
 
     def _call(self, x: tf.Tensor, views: list) -> tf.Tensor:

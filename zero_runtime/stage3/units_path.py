@@ -118,6 +118,7 @@ class UnitsPath:
             shards = tape.gradient(
                 loss, anchors, unconnected_gradients=tf.UnconnectedGradients.ZERO
             )
+            shards = [_shard_shaped(g, v) for g, v in zip(shards, self.runner.variables)]
             # Every replica's forward and backward traced before any replica's update:
             # the units' collectives are raw (no merge_call), and without this barrier
             # replica 0's update host calls were traced before replica 1's loss, whose
@@ -140,7 +141,7 @@ class UnitsPath:
             [runner.done_anchor(replica), *(by_id[id(v)] for v in late)],
             unconnected_gradients=tf.UnconnectedGradients.ZERO,
         )
-        token, grads = gs[0], list(gs[1:])
+        token, grads = gs[0], [_shard_shaped(g, v) for g, v in zip(gs[1:], late)]
         # An early original whose use's backward was never traced (its output does not
         # reach the loss) gets a zero gradient, as Mirrored's optimizer would.
         done = runner.updated_in_backward(replica)
@@ -174,3 +175,12 @@ def _holds_other_units(spec, specs) -> bool:
     """True when ``spec``'s layer holds another unit's layer among its sublayers."""
     inner = {id(sub) for sub in spec.layer._flatten_layers(include_self=False)}  # noqa: SLF001
     return any(id(o.layer) in inner for o in specs if o is not spec)
+
+
+def _shard_shaped(grad: tf.Tensor, variable) -> tf.Tensor:
+    """An anchor's gradient as float32 ``[shard_elements]``: the reduced shard a use's
+    backward returned, or zeros where no use reached the loss (the anchor is a scalar, so
+    ``UnconnectedGradients.ZERO`` gives a scalar 0.0)."""
+    if grad.shape.rank == 1:
+        return grad
+    return tf.zeros([variable.shard_elements], tf.float32)
