@@ -17,6 +17,9 @@ bench_max_model measures it):
   (zero_runtime/stage3/gather.py), ``tile_size`` None (no tiling);
 - ``units_tiled``: the same, ``tile_size='auto'``, from the budget (64 MiB // 128 = 524288
   elements: from k = 6 on, the MLP kernels and the head tile).
+- ``units_tiled_ckpt``: the same with ``activation_checkpointing`` (each transformer
+  block keeps only its input and is recomputed in backward,
+  zero_runtime/stage3/checkpointing.py).
 
 Trials run interleaved (k-major, the three configurations in turn) so machine load falls
 on all alike; the figure compared is bytes of allocator peak per parameter. Writes
@@ -42,7 +45,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench_max_model import family_config, machine  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "units_peak.json"
-MODES = ("blocks", "units", "units_tiled")
+MODES = ("blocks", "units", "units_tiled", "units_tiled_ckpt")
 POOL_DEVICE_BYTES = 64 << 20
 MIB = 1 << 20
 
@@ -76,7 +79,8 @@ def run_trial(spec: dict) -> dict:
             "persistence_threshold": 0,
             "max_reuse_distance": 0,
             "collective_timeout_seconds": spec["timeout"],
-            "tile_size": "auto" if mode == "units_tiled" else None,
+            "tile_size": "auto" if mode.startswith("units_tiled") else None,
+            "activation_checkpointing": mode == "units_tiled_ckpt",
         }
     )
     with strategy.zero_init():

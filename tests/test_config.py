@@ -54,6 +54,7 @@ EXPECTED_DEFAULTS = {
     "offload_optimizer_ratio": 1.0,  # issue #21 item 4 (partial offload, Twin-Flow)
     "headroom_fraction": 0.1,  # issue #21 item 3 (device_budget_bytes="auto")
     "tile_size": None,  # issue #17 item 1 (memory-centric tiling; None: off, 'auto')
+    "activation_checkpointing": False,  # issue #17 (blocks recomputed in backward)
 }
 
 

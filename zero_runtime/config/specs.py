@@ -110,6 +110,7 @@ SPECS: Mapping[str, KeySpec] = MappingProxyType(
         "offload_optimizer_ratio": KeySpec("float", "", 0.0, 1.0),
         "headroom_fraction": KeySpec("float", "", 0.0, 0.9),
         "tile_size": KeySpec("int", "elements", 1, COUNT_MAX, nullable=True, auto=True),
+        "activation_checkpointing": KeySpec("bool", ""),
     }
 )
 

@@ -114,6 +114,16 @@ class ZeroConfig:
             ``device_budget_bytes // 128``; no tiling without one). DeepSpeed has no config
             key for it: its ``TiledLinear(in_splits, out_splits)`` replaces a module by
             hand.
+        activation_checkpointing: stage 3, units path: every outermost block of the model
+            (a layer, not a model, that holds layers owning weights: a transformer
+            block, a ``MultiHeadAttention``) keeps only its inputs from the forward and
+            recomputes its call in backward (zero_runtime/stage3/checkpointing.py;
+            Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost"; ZeRO-R,
+            Rajbhandari et al., SC20, section 6.1). Activations held then grow with the
+            number of blocks times their inputs, not with every intermediate; each unit
+            inside is gathered three times per step instead of two. bool. Default False.
+            DeepSpeed: ``activation_checkpointing`` configures
+            ``deepspeed.checkpointing.checkpoint``, which the model code calls per block.
 
     Raises:
         ZeroConfigError: on construction, for a value of the wrong type (bool is never an
@@ -147,6 +157,7 @@ class ZeroConfig:
     offload_optimizer_ratio: float = 1.0
     headroom_fraction: float = 0.1
     tile_size: int | None = None
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

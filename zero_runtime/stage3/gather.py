@@ -39,6 +39,7 @@ a tied weight (TF_NOTES section 5, the custom_gradient path).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -108,6 +109,11 @@ class _StepState:
     use_vars: list = dataclasses.field(default_factory=list)  # each such use's originals
     shared: set = dataclasses.field(default_factory=set)  # id(v) used in a branch or as tiles
     updated: set = dataclasses.field(default_factory=set)  # id(v) queued during backward
+    # Inside an activation-checkpointed block (zero_runtime/stage3/checkpointing.py):
+    # "normal" (default); "no_grad" (the block's forward: uses gather, call and drop, and
+    # are counted); "recompute" (the block's call again in its backward: uses with
+    # backward, not counted again, their state updates discarded).
+    mode: str = "normal"
 
 
 class UnitRunner:
@@ -129,6 +135,7 @@ class UnitRunner:
         self._outside: dict[int, Unit] = {}  # id(variable) -> its one-variable unit
         # The read schedule (stage3/schedule.py; UnitsPath sets it): NVMe prefetch.
         self.schedule = None
+        self.regions: list = []  # checkpointed blocks' layers (their call hooked too)
         for unit in units:
             if unit.hooked:
                 hook = functools.partial(self.hooked_call, unit)
@@ -149,9 +156,8 @@ class UnitRunner:
 
     def remove(self) -> None:
         """Take the hooks away (the layers run their own ``call`` again)."""
-        for unit in self.units:
-            if unit.hooked:
-                unit.layer.__dict__.pop("call", None)
+        for layer in [u.layer for u in self.units if u.hooked] + self.regions:
+            layer.__dict__.pop("call", None)
         for v in self.variables:
             v.__dict__.pop("_zero_outside_read", None)
 
@@ -189,6 +195,20 @@ class UnitRunner:
             done=None if update is None else tf.zeros([], tf.float32),
         )
         return replica, list((anchors or {}).values())
+
+    def step_state(self) -> _StepState:
+        """The current replica's step state (inside a step only)."""
+        return self._steps[self._replica_id()]
+
+    @contextlib.contextmanager
+    def mode(self, state: _StepState, mode: str):
+        """Run the block inside in ``mode`` (``"no_grad"`` or ``"recompute"``, see
+        :class:`_StepState`), then restore the previous mode."""
+        before, state.mode = state.mode, mode
+        try:
+            yield
+        finally:
+            state.mode = before
 
     def done_anchor(self, replica: int) -> tf.Tensor | None:
         """The replica's float32 scalar whose gradient is the token of every update
@@ -260,7 +280,7 @@ class UnitRunner:
                 # (the bias) get a gradient from every tile, summed after the backward.
                 kernel = unit.tiles.plan.kernel
                 state.shared.update(id(v) for v, _ in unit.tiles.plan.others)
-                if state.anchors is not None:
+                if state.anchors is not None and state.mode != "recompute":
                     state.uses[id(kernel)] = state.uses.get(id(kernel), 0) + 1
                     state.use_vars.append((kernel,))
                 return unit.tiles(self, unit, args[0], kwargs)  # zero_runtime/stage3/tiling.py
@@ -271,7 +291,8 @@ class UnitRunner:
         scalar}``, whose gradients are ``[shard_elements]``; None in a forward-only
         pass); inside a step only."""
         replica = self._replica_id()
-        return replica, self._steps[replica].anchors
+        state = self._steps[replica]
+        return replica, None if state.mode == "no_grad" else state.anchors
 
     def gather_variables(self, variables: tuple, replica: int, dep: tf.Tensor) -> list:
         """The views of ``variables`` on ``replica`` (one read, one all-gather), read
@@ -342,16 +363,19 @@ class UnitRunner:
             new_state = [scope.get_current_value(v) for v in state_vars]
             return out, new_state
 
-        if state.anchors is None:  # forward only: gather, call, assign state, drop
+        if state.anchors is not None and state.mode != "recompute":
+            for v in unit.variables:  # counted once per use: in the forward
+                state.uses[id(v)] = state.uses.get(id(v), 0) + 1
+            state.use_vars.append(unit.variables)
+        if state.anchors is None or state.mode == "no_grad":
+            # Forward only (evaluate, predict, a checkpointed block's forward): gather,
+            # call, assign state, drop.
             views = self._gather(unit, replica, dep, gather_dtype)
             out, new_state = call(inputs, views, state_vals)
             self._assign(state_vars, state_vals, new_state)
             return out
 
         anchors = [state.anchors[id(v)] for v in unit.variables]
-        for v in unit.variables:
-            state.uses[id(v)] = state.uses.get(id(v), 0) + 1
-        state.use_vars.append(unit.variables)
         done_in = [] if state.done is None else [state.done]
         n_in, n_anchor, n_state = len(inputs), len(anchors), len(state_vals)
         box = {}  # trace-time: the output structure and which state changed
@@ -405,7 +429,8 @@ class UnitRunner:
         out = tf.nest.pack_sequence_as(box["structure"], list(result[:n_out]))
         changed = box["changed"]
         updates = dict(zip(changed, result[n_out:]))
-        self._assign(state_vars, state_vals, [updates.get(k) for k in range(n_state)])
+        if state.mode != "recompute":  # a recomputed block's state updates: discarded
+            self._assign(state_vars, state_vals, [updates.get(k) for k in range(n_state)])
         return out
 
     def _use_in_branch(self, unit: Unit, structure, run, replica: int, state: _StepState):
@@ -417,6 +442,12 @@ class UnitRunner:
         (no recompute: the views live until the backward), and the views' gradient, summed
         over the branches by TensorFlow, is reduce-scattered in the step's graph too.
         """
+        if state.mode != "normal":
+            raise NotImplementedError(
+                f"stage 3: {_name(unit)} is used inside a tf.cond / tf.while_loop within an "
+                "activation-checkpointed block: its gathered views would not reach the "
+                "block's recompute. Set activation_checkpointing=False"
+            )
         state.shared.update(id(v) for v in unit.variables)  # gathered once: not early
         views = state.branch_views.get(id(unit))
         if views is None:
@@ -509,6 +540,13 @@ class UnitRunner:
             # summed in float32, as under MirroredStrategy).
             views.append(view if dtype is None else tf.cast(view, tf.float32))
         return views
+
+
+def _name(unit: Unit) -> str:
+    """A unit's name in messages: its layer's, or the variable read outside a layer."""
+    if unit.layer is not None:
+        return f"layer {unit.layer.name!r}"
+    return f"a read of {unit.variables[0].path!r}"
 
 
 def compute_dtype() -> str | None:

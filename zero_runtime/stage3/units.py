@@ -74,7 +74,7 @@ def _check_unit(layer: keras.layers.Layer, own: list) -> None:
                 f"{v.dtype} (train it at stage 1 or 2, or build the layer in float32)"
             )
     for sub in layer._flatten_layers(include_self=True):  # noqa: SLF001
-        if _draws_random(sub):
+        if draws_random(sub):
             raise NotImplementedError(
                 f"stage 3: layer {layer.name!r} owns weights and draws random numbers in its "
                 f"call ({sub.name!r}): the forward recomputed in backward would draw "
@@ -88,7 +88,7 @@ def _check_unit(layer: keras.layers.Layer, own: list) -> None:
 _RNN_DROPOUT_RATES = ("dropout", "recurrent_dropout")
 
 
-def _draws_random(layer: keras.layers.Layer) -> bool:
+def draws_random(layer: keras.layers.Layer) -> bool:
     """True when ``layer``'s own call may draw random numbers: a ``Dropout`` of rate > 0,
     or any other layer owning a seed generator, except a recurrent cell (``LSTMCell``,
     ``GRUCell``, ``SimpleRNNCell``) whose ``dropout`` and ``recurrent_dropout`` are 0."""

@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from zero_runtime.comm.buckets import replica_barrier
 from zero_runtime.sharded_variable import ShardedVariable
-from zero_runtime.stage3 import tiling
+from zero_runtime.stage3 import checkpointing, tiling
 from zero_runtime.stage3.gather import Unit, UnitRunner
 from zero_runtime.stage3.schedule import ReadSchedule
 
@@ -39,6 +39,8 @@ class UnitsPath:
         runner: the :class:`~zero_runtime.stage3.gather.UnitRunner` (the hooks).
         tile_plans: ``{id(kernel): TilePlan}`` of the units that run as tiles
             (:mod:`zero_runtime.stage3.tiling`).
+        blocks: the :class:`~zero_runtime.stage3.checkpointing.CheckpointedBlock` hooks
+            (empty unless ``activation_checkpointing``).
     """
 
     def __init__(self, engine, model: keras.Model, specs, remote: bool, replace, replica_id):
@@ -77,6 +79,12 @@ class UnitsPath:
             engine.pool, engine.tier, lambda: engine.config, engine.local_replicas
         )
         self.runner.schedule = self.schedule
+        # Activation checkpointing (zero_runtime/stage3/checkpointing.py): each block keeps
+        # only its inputs and is recomputed in backward.
+        self.blocks: list = []
+        if config.activation_checkpointing:
+            layers = checkpointing.plan_blocks(model, [u.layer for u in units])
+            self.blocks = [checkpointing.CheckpointedBlock(b, self.runner) for b in layers]
         # The model's own call, taken after the hooks (a model owning weights is a unit).
         self._own_call = model.__dict__.get("call") or type(model).call.__get__(model)
 
