@@ -13,7 +13,8 @@ Each step trains on a global batch of ``--batch`` sequences of 32 tokens with Ad
 Sides:
 
 - ``stage3``: ``ZeroInfinityStrategy({"stage": 3, "offload_param": "nvme",
-  "offload_optimizer": "cpu", ...})``; the model is built inside ``strategy.zero_init()``
+  "offload_optimizer": "cpu", ...})`` (``--offload-optimizer nvme``: states on NVMe);
+  the model is built inside ``strategy.zero_init()``
   (partitioned construction: variables deferred, never replicated) and
   ``strategy.shard_model`` initializes each one straight into its NVMe shards, one
   variable at a time (``zero_runtime/stage3/construction.py``). ``offload_optimizer``
@@ -58,11 +59,16 @@ pool gets a fraction of the budget (``--pool-device-fraction``, default 0.25) an
 rest is headroom for those tensors; the allocator cap is what enforces the total. (The
 engine does not yet account the tensors outside its pool.)
 
-Host budget (stage 3): the host optimizer states (``optimizer.zero_state.store.nbytes``,
-numpy buffers outside the pool, 8 bytes/parameter for Adam) are subtracted from the host
-budget and the rest is the pool's ``host_budget_bytes`` (parameter pages beyond it live
-only on NVMe); the measured pool host-tier peak plus the optimizer states must be <= the
-host budget; the process peak RSS is reported too. A trial that times out
+Host budget (stage 3): with ``offload_optimizer='cpu'`` (default) the host optimizer
+states (``optimizer.zero_state.store.nbytes``, numpy buffers outside the pool, 8
+bytes/parameter for Adam) are subtracted from the host budget and the rest is the pool's
+``host_budget_bytes`` (parameter pages beyond it live only on NVMe). With
+``--offload-optimizer nvme`` the pool gets half the host budget and the NVMe store's own
+host allowance (streamed window, step journal) follows the same ``host_budget_bytes``;
+its figure is ``store.peak_nbytes``, the peak over the steps, which counts the step's undo
+journal (freed by the next commit, so ``nbytes`` read after the steps misses it). The
+measured pool host-tier peak plus the optimizer's host bytes must be <= the host budget;
+the process peak RSS is reported too. A trial that times out
 (``--trial-timeout``), is killed (host OOM) or raises does not fit.
 
 Search per side: k doubles the parameter count (next k with >= 2x parameters) until a
@@ -168,7 +174,7 @@ def run_trial(spec: dict) -> dict:
             {
                 "stage": 3,
                 "offload_param": "nvme",
-                "offload_optimizer": "cpu",
+                "offload_optimizer": spec.get("offload_optimizer", "cpu"),
                 "nvme_path": spec["nvme_path"],
                 "page_size_bytes": PAGE,
                 "device_budget_bytes": spec["pool_device_bytes"],
@@ -217,7 +223,11 @@ def run_trial(spec: dict) -> dict:
         out["pool_device_peak_bytes"] = max(engine.device_peaks)
         out["pool_host_peak_bytes"] = int(usage["host"].peak_bytes)
         out["pool_nvme_used_bytes"] = int(usage["nvme"].used_bytes)
-        out["optimizer_host_bytes"] = int(sharded.optimizer.zero_state.store.nbytes)
+        store = sharded.optimizer.zero_state.store
+        # The NVMe store's peak over the steps counts its step journal (freed by the
+        # next step's commit, so nbytes read now would miss it); the host store's
+        # buffers are fixed (nbytes).
+        out["optimizer_host_bytes"] = int(getattr(store, "peak_nbytes", store.nbytes))
         out["max_block_elements"] = max(b.elements for b in engine.blocks)
         out["blocks"] = len(engine.blocks)
         out["peak_live_elements"] = list(engine.peak_live)
@@ -246,6 +256,7 @@ def trial(side: str, k: int | None, args, deadline: float, cfg: dict | None = No
         "pool_device_bytes": int(args.device_mib * MIB * args.pool_device_fraction) // PAGE * PAGE,
         "host_bytes": args.host_mib * MIB,
         "pool_host_bytes": pool_host_bytes(cfg, args),
+        "offload_optimizer": args.offload_optimizer,
         "timeout": timeout,
     }
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2")
@@ -287,9 +298,15 @@ def trial(side: str, k: int | None, args, deadline: float, cfg: dict | None = No
 
 
 def pool_host_bytes(cfg: dict, args) -> int:
-    """Host budget given to the stage-3 pool: the host budget minus the host optimizer
-    states, which live outside the pool (Adam: 8 bytes/parameter, + ``OPT_MARGIN``
-    bytes for padding and tile scratch); at least 64 pages."""
+    """Host budget given to the stage-3 pool (the run's ``host_budget_bytes``).
+
+    ``--offload-optimizer cpu``: the host budget minus the host optimizer states, which
+    live outside the pool (Adam: 8 bytes/parameter, + ``OPT_MARGIN`` bytes for padding
+    and tile scratch). ``nvme``: half the host budget, since the NVMe optimizer store's
+    own host allowance (streamed window and step journal) follows the run's host budget
+    too (``zero_runtime/optim/partitioned.py``). At least 64 pages."""
+    if getattr(args, "offload_optimizer", "cpu") == "nvme":
+        return max(64 * PAGE, args.host_mib * MIB // 2 // PAGE * PAGE)
     rest = args.host_mib * MIB - 8 * gpt_params(cfg) - OPT_MARGIN
     return max(64 * PAGE, rest // PAGE * PAGE)
 
@@ -425,6 +442,12 @@ def main() -> None:
         help="also cap the stage-3 allocator at the budget (OOMs early: module docstring)",
     )
     ap.add_argument(
+        "--offload-optimizer",
+        choices=("cpu", "nvme"),
+        default="cpu",
+        help="stage 3's optimizer states: host Adam ('cpu') or NVMe, streamed ('nvme')",
+    )
+    ap.add_argument(
         "--pool-device-fraction",
         type=float,
         default=0.25,
@@ -482,7 +505,8 @@ def main() -> None:
         "global_batch": args.batch,
         "steps_per_trial": args.steps,
         "trial_timeout_seconds": args.trial_timeout,
-        "stage3_config": "stage 3, offload_param=nvme, offload_optimizer=cpu, built inside "
+        "stage3_config": "stage 3, offload_param=nvme, "
+        f"offload_optimizer={args.offload_optimizer}, built inside "
         "strategy.zero_init() (partitioned construction), 64 KiB pages, max_reuse_distance=0, "
         f"persistence_threshold=0, pool device_budget_bytes = {args.pool_device_fraction} x "
         "the device budget",

@@ -254,3 +254,75 @@ def test_a_journal_past_its_host_limit_goes_to_nvme_and_rolls_back_bitwise(tmp_p
     assert journal_ids() == []
     assert store.pool.usage()["host"].peak_bytes <= window_bytes(sub, 2, 2, page)
     store.close()
+
+
+def test_nvme_store_peak_counts_the_step_journal_freed_by_the_next_commit(tmp_path):
+    """Issue #17: with room for the journal on the host, a step's undo journal (the old
+    m and v of every sub-group it changed) is held in numpy until the step commits;
+    ``nbytes`` read after the commit no longer sees it, ``peak_nbytes`` does."""
+    page = 65536
+    sub = 2 * page // 4
+    layout = _layout(n=3 * 65_000, shards=2)
+    n = layout.shard_size
+    window = window_bytes(sub, 2, 2, page)
+    budget = window + 2 * (2 * 4 * n)  # the window + a whole journal per replica
+    store = NvmeOptimizerState(
+        layout,
+        ("m", "v"),
+        str(tmp_path),
+        sub_group_size=sub,
+        page_size_bytes=page,
+        host_budget_bytes=budget,
+    )
+    assert store.journal_host_limit == 2 * 4 * n
+    rng = np.random.default_rng(7)
+    param = rng.standard_normal(n, dtype=np.float32)
+    grad = rng.standard_normal(n, dtype=np.float32)
+    store.update(0, ((0, n),), param, grad, _adam_step, step=0)  # new sub-groups: no journal
+    assert store.journal_host_bytes == 0 and store.resolve(0, 1) == "commit"
+    store.reset_peak()
+    store.update(0, ((0, n),), param, grad, _adam_step, step=1)
+    assert store.journal_host_bytes == 2 * 4 * n  # old m and v of the whole shard
+    assert store.resolve(0, 2) == "commit"
+    assert store.journal_host_bytes == 0
+    scratch = 2 * 4 * store.tile
+    assert store.nbytes <= scratch + window  # the states went back to NVMe
+    # The step held its whole journal plus at least one sub-group's m and v (2 pages each).
+    assert store.peak_nbytes >= 2 * 4 * n + 2 * 2 * page + scratch
+    assert store.peak_nbytes <= budget + scratch
+    store.close()
+
+
+def test_partitioned_nvme_optimizer_follows_the_runs_host_budget(tmp_path, cpu_devices):
+    """offload_optimizer='nvme': the store's host allowance (its pool's host tier, the
+    journal's host room) is the run's ``host_budget_bytes``, not a share of the
+    available memory."""
+    import keras
+
+    import zero_runtime
+    from zero_runtime.optim import partitioned
+
+    budget = 4 << 20
+    strategy = zero_runtime.ZeroInfinityStrategy(
+        {
+            "stage": 2,
+            "offload_optimizer": "nvme",
+            "nvme_path": str(tmp_path),
+            "page_size_bytes": 65536,
+            "host_budget_bytes": budget,
+            "sub_group_size": 1000,
+        }
+    )
+    try:
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+            opt = partitioned.PARTITIONED_BY_NAME["adam"](learning_rate=0.01)
+            opt.build(model.trainable_variables)
+        store = opt.zero_state.store
+        assert isinstance(store, NvmeOptimizerState)
+        assert store.pool.usage()["host"].capacity_bytes == budget
+        n = opt.zero_state.layout.num_shards
+        window = window_bytes(store.sub_group_size, 2, n, 65536)
+        assert store.journal_host_limit == (budget - window) // n
+    finally:
+        strategy.close()

@@ -193,6 +193,7 @@ class NvmeOptimizerState(StateTransactions):
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zr-wb")
         self._replicas: dict[int, _Replica] = {}
         self._lock = threading.Lock()
+        self._peak_host = 0  # bytes: see peak_nbytes
         #: Called before the shard is read or overwritten from outside a step
         #: (:meth:`read_shard`, :meth:`write_shard`, :meth:`slot_values`): the optimizer
         #: resolves uncommitted steps there (its parameters too). None: a finished step
@@ -324,6 +325,7 @@ class NvmeOptimizerState(StateTransactions):
                 try:
                     if j not in txn.undo:  # first change in this step: journal the old values
                         self._journal(txn, replica, j, arrays, pending)
+                    self._note_host()  # the window and the journal are at their largest
                     for s, e in parts:
                         slots = {
                             name: a[s - lo : e - lo] for name, a in zip(self.slot_names, arrays)
@@ -413,9 +415,38 @@ class NvmeOptimizerState(StateTransactions):
 
     @property
     def nbytes(self) -> int:
-        """Host bytes held (pool host pages of optimizer states plus scratch)."""
+        """Host bytes held now (pool host pages of optimizer states plus scratch); the
+        step journals' host copies are not counted (:attr:`peak_nbytes` counts them)."""
         state, scratch = self.usage()["host"]
         return state + scratch
+
+    @property
+    def journal_host_bytes(self) -> int:
+        """Host bytes of the uncommitted steps' journal copies held in numpy (all local
+        replicas), outside the pool (``journal_host_limit`` per replica at most)."""
+        with self._lock:
+            txns = [rec.txn for rec in self._replicas.values() if rec.txn is not None]
+        return sum(t.host_bytes for t in txns)
+
+    @property
+    def peak_nbytes(self) -> int:
+        """The most host bytes held at once since construction or :meth:`reset_peak`:
+        pool host pages of optimizer states (the streamed window and journal tensors not
+        yet written behind) + scratch + the journals' host copies, sampled after each
+        sub-group is brought in and journalled during an update (when the window and
+        the journal are at their largest), and now. Bytes.
+
+        After a step the journal of the step before it has been freed (a step commits
+        the previous one), so :attr:`nbytes` read then under-counts what the step held;
+        this is the figure to compare with a host budget."""
+        return max(self._peak_host, self.nbytes + self.journal_host_bytes)
+
+    def reset_peak(self) -> None:
+        """Start :attr:`peak_nbytes` again from the bytes held now."""
+        self._peak_host = self.nbytes + self.journal_host_bytes
+
+    def _note_host(self) -> None:
+        self._peak_host = max(self._peak_host, self.nbytes + self.journal_host_bytes)
 
     def slot_values(self, slot: str) -> np.ndarray:
         """One slot's full (unpadded) flat buffer, in variable order, read from the pool.
