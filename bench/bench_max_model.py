@@ -63,12 +63,13 @@ Host budget (stage 3): with ``offload_optimizer='cpu'`` (default) the host optim
 states (``optimizer.zero_state.store.nbytes``, numpy buffers outside the pool, 8
 bytes/parameter for Adam) are subtracted from the host budget and the rest is the pool's
 ``host_budget_bytes`` (parameter pages beyond it live only on NVMe). With
-``--offload-optimizer nvme`` the pool gets half the host budget and the NVMe store's own
-host allowance (streamed window, step journal) follows the same ``host_budget_bytes``;
-its figure is ``store.peak_nbytes``, the peak over the steps, which counts the step's undo
-journal (freed by the next commit, so ``nbytes`` read after the steps misses it). The
-measured pool host-tier peak plus the optimizer's host bytes must be <= the host budget;
-the process peak RSS is reported too. A trial that times out
+``--offload-optimizer nvme`` the pool gets half the host budget (the NVMe store's own
+host allowance for its streamed window and step journal is not the run's budget yet: 25%
+of the available memory, ``nvme_state.WINDOW_SHARE``); the store's figure is
+``store.peak_nbytes``, the peak over the steps, which counts the step's undo journal
+(freed by the next commit, so ``nbytes`` read after the steps misses it). The measured
+pool host-tier peak plus the optimizer's host bytes must be <= the host budget; the
+process peak RSS is reported too. A trial that times out
 (``--trial-timeout``), is killed (host OOM) or raises does not fit.
 
 Search per side: k doubles the parameter count (next k with >= 2x parameters) until a
@@ -302,9 +303,9 @@ def pool_host_bytes(cfg: dict, args) -> int:
 
     ``--offload-optimizer cpu``: the host budget minus the host optimizer states, which
     live outside the pool (Adam: 8 bytes/parameter, + ``OPT_MARGIN`` bytes for padding
-    and tile scratch). ``nvme``: half the host budget, since the NVMe optimizer store's
-    own host allowance (streamed window and step journal) follows the run's host budget
-    too (``zero_runtime/optim/partitioned.py``). At least 64 pages."""
+    and tile scratch). ``nvme``: half the host budget; the other half is room for the
+    NVMe optimizer store's streamed window and step journal (measured and judged, not
+    enforced: the store's allowance is not the run's budget yet). At least 64 pages."""
     if getattr(args, "offload_optimizer", "cpu") == "nvme":
         return max(64 * PAGE, args.host_mib * MIB // 2 // PAGE * PAGE)
     rest = args.host_mib * MIB - 8 * gpt_params(cfg) - OPT_MARGIN

@@ -291,38 +291,3 @@ def test_nvme_store_peak_counts_the_step_journal_freed_by_the_next_commit(tmp_pa
     assert store.peak_nbytes >= 2 * 4 * n + 2 * 2 * page + scratch
     assert store.peak_nbytes <= budget + scratch
     store.close()
-
-
-def test_partitioned_nvme_optimizer_follows_the_runs_host_budget(tmp_path, cpu_devices):
-    """offload_optimizer='nvme': the store's host allowance (its pool's host tier, the
-    journal's host room) is the run's ``host_budget_bytes``, not a share of the
-    available memory."""
-    import keras
-
-    import zero_runtime
-    from zero_runtime.optim import partitioned
-
-    budget = 4 << 20
-    strategy = zero_runtime.ZeroInfinityStrategy(
-        {
-            "stage": 2,
-            "offload_optimizer": "nvme",
-            "nvme_path": str(tmp_path),
-            "page_size_bytes": 65536,
-            "host_budget_bytes": budget,
-            "sub_group_size": 1000,
-        }
-    )
-    try:
-        with strategy.scope():
-            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
-            opt = partitioned.PARTITIONED_BY_NAME["adam"](learning_rate=0.01)
-            opt.build(model.trainable_variables)
-        store = opt.zero_state.store
-        assert isinstance(store, NvmeOptimizerState)
-        assert store.pool.usage()["host"].capacity_bytes == budget
-        n = opt.zero_state.layout.num_shards
-        window = window_bytes(store.sub_group_size, 2, n, 65536)
-        assert store.journal_host_limit == (budget - window) // n
-    finally:
-        strategy.close()

@@ -267,9 +267,6 @@ class _PartitionedUpdate(FlatShardUpdate, ShardedUpdate, TransactionalUpdate):
                 nvme_path=str(config.nvme_path),
                 sub_group_size=config.sub_group_size,
                 page_size_bytes=config.page_size_bytes,
-                # The run's host budget bounds the streamed window and the journal (None:
-                # a share of the available memory, nvme_state.WINDOW_SHARE).
-                host_budget_bytes=config.host_budget_bytes,
                 nvme_budget_bytes=config.nvme_budget_bytes,
                 prefix=f"{type(self).__name__}{next(_OPTIMIZER_IDS)}",
             )
