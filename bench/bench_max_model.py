@@ -178,11 +178,11 @@ def run_trial(spec: dict) -> dict:
                 "offload_optimizer": spec.get("offload_optimizer", "cpu"),
                 "nvme_path": spec["nvme_path"],
                 "page_size_bytes": PAGE,
-                "device_budget_bytes": spec["pool_device_bytes"],
                 "host_budget_bytes": spec["pool_host_bytes"],
                 "persistence_threshold": 0,
                 "max_reuse_distance": 0,
                 "collective_timeout_seconds": spec["timeout"],
+                **engine_keys(spec),
             }
         )
         with strategy.zero_init():  # partitioned construction: nothing replicated
@@ -229,12 +229,50 @@ def run_trial(spec: dict) -> dict:
         # next step's commit, so nbytes read now would miss it); the host store's
         # buffers are fixed (nbytes).
         out["optimizer_host_bytes"] = int(getattr(store, "peak_nbytes", store.nbytes))
-        out["max_block_elements"] = max(b.elements for b in engine.blocks)
-        out["blocks"] = len(engine.blocks)
-        out["peak_live_elements"] = list(engine.peak_live)
+        if engine.runner is None:  # the block engine
+            out["max_block_elements"] = max(b.elements for b in engine.blocks)
+            out["blocks"] = len(engine.blocks)
+            out["peak_live_elements"] = list(engine.peak_live)
+        else:
+            out["max_block_elements"] = max_unit_gradient_elements(engine)
+            out["units"] = len(engine.runner.units)
+            out["tiled_layers"] = len(engine.tile_plans)
+            out["checkpointed_blocks"] = len(engine.units.blocks)
         sharded.close()
         strategy.close()
     return out
+
+
+def engine_keys(spec: dict) -> dict:
+    """The ZeroConfig keys that pick the stage-3 engine (``spec["engine"]``).
+
+    ``units`` (default): the units path (zero_runtime/stage3/units_path.py) with
+    memory-centric tiling (``tile_size`` = the pool's device share // 128, what
+    ``'auto'`` derives from that budget) and activation checkpointing; no int
+    ``device_budget_bytes`` (an int one keeps a chain on the block engine:
+    zero_runtime/stage3/path_choice.py). ``blocks``: the block engine, the pool's device
+    tier bounded by ``spec["pool_device_bytes"]``.
+    """
+    if spec.get("engine", "units") == "blocks":
+        return {"device_budget_bytes": spec["pool_device_bytes"]}
+    return {
+        "tile_size": max(1, spec["pool_device_bytes"] // 128),
+        "activation_checkpointing": True,
+    }
+
+
+def max_unit_gradient_elements(engine) -> int:
+    """Units path: the most gradient elements one use holds on a replica (float32): an
+    untiled unit's full gradient (before its reduce-scatter), or a tiled kernel's widest
+    tile's full gradient plus the kernel's reduced shard the tiles fill."""
+    most = 0
+    for unit in engine.runner.units:
+        if unit.tiles is not None:
+            plan = unit.tiles.plan
+            most = max(most, plan.tile_elements + plan.kernel.shard_elements)
+        else:
+            most = max(most, sum(math.prod(v.shape) for v in unit.variables))
+    return most
 
 
 # -- driver ------------------------------------------------------------------------------------
@@ -258,6 +296,7 @@ def trial(side: str, k: int | None, args, deadline: float, cfg: dict | None = No
         "host_bytes": args.host_mib * MIB,
         "pool_host_bytes": pool_host_bytes(cfg, args),
         "offload_optimizer": args.offload_optimizer,
+        "engine": args.engine,
         "timeout": timeout,
     }
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2")
@@ -449,6 +488,13 @@ def main() -> None:
         help="stage 3's optimizer states: host Adam ('cpu') or NVMe, streamed ('nvme')",
     )
     ap.add_argument(
+        "--engine",
+        choices=("units", "blocks"),
+        default="units",
+        help="stage 3's engine: the units path with tiles and activation checkpointing, "
+        "or the block engine (engine_keys)",
+    )
+    ap.add_argument(
         "--pool-device-fraction",
         type=float,
         default=0.25,
@@ -509,8 +555,13 @@ def main() -> None:
         "stage3_config": "stage 3, offload_param=nvme, "
         f"offload_optimizer={args.offload_optimizer}, built inside "
         "strategy.zero_init() (partitioned construction), 64 KiB pages, max_reuse_distance=0, "
-        f"persistence_threshold=0, pool device_budget_bytes = {args.pool_device_fraction} x "
-        "the device budget",
+        f"persistence_threshold=0, engine={args.engine}: "
+        + (
+            f"pool device_budget_bytes = {args.pool_device_fraction} x the device budget"
+            if args.engine == "blocks"
+            else f"tile_size = {args.pool_device_fraction} x the device budget // 128 "
+            "elements, activation_checkpointing=True"
+        ),
         "device_measure": "BFC CPU allocator peak in-use bytes during the trained steps "
         "(both logical CPU replicas; includes the pool's device-tier pages). Cap on "
         f"{'both sides' if args.cap_stage3 else 'mirrored'} from construction on: "
