@@ -117,7 +117,8 @@ def test_a_checkpointed_blocks_batchnorm_updates_once_per_step(cpu_devices):
         strategy = zero_runtime.ZeroInfinityStrategy({**CONFIG, "activation_checkpointing": ck})
         try:
             out[ck] = _fit_norm(strategy)
-            blocks = [b.layer.name for b in strategy.runtime.accounting.stage3_engines[0].units.blocks]
+            engine = strategy.runtime.accounting.stage3_engines[0]
+            blocks = [b.layer.name for b in engine.units.blocks]
         finally:
             strategy.close()
         assert blocks == (["nb0", "nb1"] if ck else [])
