@@ -24,6 +24,13 @@ Sides:
   ``host_budget_bytes`` = the host budget (default 4 GiB) minus the host optimizer
   states, ``max_reuse_distance=0`` (a block is released after each use),
   ``persistence_threshold=0`` (nothing stays gathered all step), 64 KiB pages.
+  ``--engine units`` (default since session 13): the GPT runs on the units path
+  (zero_runtime/stage3/units_path.py) with memory-centric tiling (``tile_size`` = the
+  pool's device share // 128 elements) and ``activation_checkpointing`` (each transformer
+  block keeps its input only and is recomputed in backward), each unit's gradient shard,
+  tiled kernels included, handed to the host optimizer during backward; no int
+  ``device_budget_bytes`` (it would keep the chain on the block engine).
+  ``--engine blocks``: the block engine, as measured before (131M parameters).
 - ``mirrored``: plain ``tf.distribute.MirroredStrategy`` over the same 2 logical CPU
   devices, Keras's Adam (dense gradients, as the parity references).
 
