@@ -347,8 +347,8 @@ class Placement:
             PoolOutOfMemoryError: naming the pages needed and held.
         """
         slots = self._tiers[tier].n_slots
-        if slots is None:
-            return
+        if slots is None or len(entry.pages) <= self._tiers[tier].free_count():
+            return  # unbounded, or enough free slots whatever is pinned: no scan
         pinned = sum(
             1
             for e in self._table.entries()
