@@ -24,13 +24,19 @@ Sides:
   ``host_budget_bytes`` = the host budget (default 4 GiB) minus the host optimizer
   states, ``max_reuse_distance=0`` (a block is released after each use),
   ``persistence_threshold=0`` (nothing stays gathered all step), 64 KiB pages.
-  ``--engine units`` (default since session 13): the GPT runs on the units path
+  ``--engine units``: the GPT runs on the units path
   (zero_runtime/stage3/units_path.py) with memory-centric tiling (``tile_size`` = the
   pool's device share // 128 elements) and ``activation_checkpointing`` (each transformer
   block keeps its input only and is recomputed in backward), each unit's gradient shard,
   tiled kernels included, handed to the host optimizer during backward; no int
   ``device_budget_bytes`` (it would keep the chain on the block engine).
-  ``--engine blocks``: the block engine, as measured before (131M parameters).
+  ``--engine blocks`` (default; bench/results/max_model.json: 131M parameters): the
+  block engine. Measured with ``--engine units --offload-optimizer nvme`` (session 13,
+  load 2-3 with a test run beside it): k = 12 (170.5M) did not finish its 2 steps in
+  1500 s; its device peak is not what stops it (bench_units_peak: 0.58 bytes per
+  parameter at k = 10 with tiles and checkpointing), its host work is (the NVMe
+  optimizer's sub-group updates and the pool's per-page bookkeeping at 64 KiB pages,
+  about 40k page-table entries), so the search records timeouts, not device limits.
 - ``mirrored``: plain ``tf.distribute.MirroredStrategy`` over the same 2 logical CPU
   devices, Keras's Adam (dense gradients, as the parity references).
 
@@ -253,14 +259,14 @@ def run_trial(spec: dict) -> dict:
 def engine_keys(spec: dict) -> dict:
     """The ZeroConfig keys that pick the stage-3 engine (``spec["engine"]``).
 
-    ``units`` (default): the units path (zero_runtime/stage3/units_path.py) with
+    ``units``: the units path (zero_runtime/stage3/units_path.py) with
     memory-centric tiling (``tile_size`` = the pool's device share // 128, what
     ``'auto'`` derives from that budget) and activation checkpointing; no int
     ``device_budget_bytes`` (an int one keeps a chain on the block engine:
     zero_runtime/stage3/path_choice.py). ``blocks``: the block engine, the pool's device
-    tier bounded by ``spec["pool_device_bytes"]``.
+    tier bounded by ``spec["pool_device_bytes"]`` (default).
     """
-    if spec.get("engine", "units") == "blocks":
+    if spec.get("engine", "blocks") == "blocks":
         return {"device_budget_bytes": spec["pool_device_bytes"]}
     return {
         "tile_size": max(1, spec["pool_device_bytes"] // 128),
@@ -497,7 +503,7 @@ def main() -> None:
     ap.add_argument(
         "--engine",
         choices=("units", "blocks"),
-        default="units",
+        default="blocks",
         help="stage 3's engine: the units path with tiles and activation checkpointing, "
         "or the block engine (engine_keys)",
     )
