@@ -247,6 +247,15 @@ class UnitRunner:
         return done
 
     @staticmethod
+    def _count_use(state: _StepState, variables: tuple) -> None:
+        """Count one use of ``variables`` in a training step's forward (not again in a
+        checkpointed block's recompute); :meth:`backward_split` reads the counts."""
+        if state.anchors is not None and state.mode != "recompute":
+            for v in variables:
+                state.uses[id(v)] = state.uses.get(id(v), 0) + 1
+            state.use_vars.append(variables)
+
+    @staticmethod
     def _early(state: _StepState, variables) -> bool:
         return state.update is not None and all(
             state.uses.get(id(v)) == 1 and id(v) not in state.shared for v in variables
@@ -280,9 +289,7 @@ class UnitRunner:
                 # (the bias) get a gradient from every tile, summed after the backward.
                 kernel = unit.tiles.plan.kernel
                 state.shared.update(id(v) for v, _ in unit.tiles.plan.others)
-                if state.anchors is not None and state.mode != "recompute":
-                    state.uses[id(kernel)] = state.uses.get(id(kernel), 0) + 1
-                    state.use_vars.append((kernel,))
+                self._count_use(state, (kernel,))
                 return unit.tiles(self, unit, args[0], kwargs)  # zero_runtime/stage3/tiling.py
         return self._use(unit, (args, kwargs), lambda a: unit.call(*a[0], **a[1]))
 
@@ -363,10 +370,7 @@ class UnitRunner:
             new_state = [scope.get_current_value(v) for v in state_vars]
             return out, new_state
 
-        if state.anchors is not None and state.mode != "recompute":
-            for v in unit.variables:  # counted once per use: in the forward
-                state.uses[id(v)] = state.uses.get(id(v), 0) + 1
-            state.use_vars.append(unit.variables)
+        self._count_use(state, unit.variables)
         if state.anchors is None or state.mode == "no_grad":
             # Forward only (evaluate, predict, a checkpointed block's forward): gather,
             # call, assign state, drop.
