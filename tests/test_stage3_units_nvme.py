@@ -118,11 +118,14 @@ def test_nvme_parameters_run_by_units_and_prefetch(tile_size, reference, tmp_pat
         f"{misses:.0f}, hits {hits:.0f}"
     )
     assert n2h >= 10 * (STEPS - 1)  # the parameters do not fit the host tier: paged in
-    # Measured (2 loaded cores): untiled 22 of 168 page-ins were an acquire's own (and
-    # 158 of 158 without prefetch); tiled 156 of 428 (401 of 401): a tiled unit is
-    # updated after the whole backward, and those updates page their shards in again
-    # themselves, after the last read (nothing left to prefetch along).
-    assert misses <= 0.5 * n2h
+    # Which page-ins the prefetch thread wins is a race with the step's own reads, so the
+    # bound is loose; without prefetch every page-in is an acquire's own (the test
+    # below). Measured: untiled 22 of 168 page-ins were an acquire's own on an idle
+    # machine, 107 of 187 in a CI run of the whole suite (2 cores, loaded); tiled 156 of
+    # 428 (401 of 401 without prefetch): a tiled unit is updated after the whole
+    # backward, and those updates page their shards in again themselves, after the last
+    # read (nothing left to prefetch along).
+    assert misses <= 0.8 * n2h
 
 
 def test_without_prefetch_every_page_in_is_an_acquire_miss(tmp_path):
