@@ -78,6 +78,29 @@ def disk_rates(directory: str, size: int, depth: int) -> dict[str, float]:
     }
 
 
+def nvme_config(directory: str) -> dict:
+    """The stage-3 config with parameters and optimizer states on NVMe files under
+    ``directory``, default budgets."""
+    return {
+        "stage": 3,
+        "offload_param": "nvme",
+        "offload_optimizer": "nvme",
+        "nvme_path": directory,
+    }
+
+
+def io_bounds(
+    n2h_bytes: float, h2n_bytes: float, read_bw: float, write_bw: float
+) -> tuple[float, float]:
+    """Seconds the disk needs for one step's page I/O: ``(serial, overlapped)``.
+
+    ``serial`` = n2h_bytes / read_bw + h2n_bytes / write_bw (one direction at a time);
+    ``overlapped`` = the larger of the two terms. Bytes and bytes/s (fio's rates).
+    """
+    read, write = n2h_bytes / read_bw, h2n_bytes / write_bw
+    return read + write, max(read, write)
+
+
 def capture_pages(strategy) -> list[dict[str, float]]:
     """Every step's summed page counters, appended as the runtime closes the step."""
     accounting = strategy.runtime.accounting
@@ -108,14 +131,7 @@ def main() -> None:
         disk_before = disk_rates(nvme, args.fio_size, depth)
         mirrored = tf.distribute.MirroredStrategy(list(bst.DEVICES.devices))
         models = {"mirrored": bst.build_trained(mirrored, lambda: DenseGradAdam(1e-3), ds)}
-        strategy = zero_runtime.ZeroInfinityStrategy(
-            {
-                "stage": 3,
-                "offload_param": "nvme",
-                "offload_optimizer": "nvme",
-                "nvme_path": nvme,
-            }
-        )
+        strategy = zero_runtime.ZeroInfinityStrategy(nvme_config(nvme))
         models["stage3_nvme"] = bst.build_trained(
             strategy, lambda: keras.optimizers.get("adam"), ds
         )
@@ -137,8 +153,7 @@ def main() -> None:
     n2h = statistics.median(p.get("n2h_bytes", 0.0) for p in moved)
     h2n = statistics.median(p.get("h2n_bytes", 0.0) for p in moved)
     medians = {k: statistics.median(t) for k, t in times.items()}
-    serial = n2h / read_bw + h2n / write_bw
-    overlapped = max(n2h / read_bw, h2n / write_bw)
+    serial, overlapped = io_bounds(n2h, h2n, read_bw, write_bw)
     both = max(medians["mirrored"], serial)
     step = medians["stage3_nvme"]
     note = (
