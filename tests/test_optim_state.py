@@ -9,6 +9,7 @@ import psutil
 import pytest
 
 from zero_runtime.memory import PageState
+from zero_runtime.memory.access import PageAccess
 from zero_runtime.optim import kernels
 from zero_runtime.optim.host_state import HostOptimizerState
 from zero_runtime.optim.layout import FlatLayout
@@ -133,6 +134,52 @@ def test_nvme_partial_updates_move_each_subgroup_once_per_step(tmp_path):
     np.testing.assert_array_equal(param, ref)
     np.testing.assert_array_equal(store.read_shard(0, "m"), m)
     assert store.updates(0) == 2
+    store.close()
+
+
+def test_a_multi_page_subgroup_is_copied_once_per_step_across_partial_updates(
+    tmp_path, monkeypatch
+):
+    """A sub-group of several pages is handed out as one host array copied from its
+    pages. Updated block by block (the stage-3 update in backward), it stays acquired
+    between the blocks (``NvmeOptimizerState._hold``): its pages are copied in once and
+    back once per step (2 write-backs, m and v; one per block and slot before, 6), pinned
+    meanwhile; the states equal one whole-array Adam step's, and a rollback in the middle
+    of a step puts them back bitwise and unpins them."""
+    writes = []
+    real = PageAccess.write_back
+    monkeypatch.setattr(PageAccess, "write_back", lambda a, e: (writes.append(1), real(a, e)))
+    layout = _layout(n=3 * 20_000)  # a shard of 30 000 elements: 2 pages per slot
+    n = layout.shard_size
+    store = NvmeOptimizerState(
+        layout, ("m", "v"), str(tmp_path), sub_group_size=n, page_size_bytes=65536
+    )
+    rng = np.random.default_rng(2)
+    param = rng.standard_normal(n, dtype=np.float32)
+    ref, m, v = param.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)
+    tids = [store.tensor_id(0, 0, x) for x in ("m", "v")]
+    for step in range(2):
+        grad = rng.standard_normal(n, dtype=np.float32)
+        writes.clear()
+        for lo in (20_000, 10_000, 0):  # blocks in backward order
+            store.update(0, ((lo, lo + 10_000),), param, grad, _adam_step, count=False, step=step)
+            if lo:  # held between blocks
+                assert all(store.pool.describe(t).pinned for t in tids)
+        store.mark_updated(0)
+        assert len(writes) == 2, writes
+        _whole_adam(ref, grad, m, v)
+        store.step_boundary(step)
+        assert not any(store.pool.describe(t).pinned for t in tids)
+    np.testing.assert_array_equal(param, ref)
+    np.testing.assert_array_equal(store.read_shard(0, "m"), m)
+    np.testing.assert_array_equal(store.read_shard(0, "v"), v)
+    store.resolve(0, 2)  # step 1 committed (if not already)
+    grad = rng.standard_normal(n, dtype=np.float32)
+    store.update(0, ((20_000, n),), param.copy(), grad, _adam_step, count=False, step=2)
+    assert store.rollback(0)  # mid-step, the sub-group held
+    assert not any(store.pool.describe(t).pinned for t in tids)
+    np.testing.assert_array_equal(store.read_shard(0, "m"), m)
+    np.testing.assert_array_equal(store.read_shard(0, "v"), v)
     store.close()
 
 
@@ -283,7 +330,7 @@ def test_nvme_store_peak_counts_the_step_journal_freed_by_the_next_commit(tmp_pa
     store.reset_peak()
     store.update(0, ((0, n),), param, grad, _adam_step, step=1)
     assert store.journal_host_bytes == 2 * 4 * n  # old m and v of the whole shard
-    assert store.resolve(0, 2) == "commit"
+    store.resolve(0, 2)  # step 1 committed (if not already)
     assert store.journal_host_bytes == 0
     scratch = 2 * 4 * store.tile
     assert store.nbytes <= scratch + window  # the states went back to NVMe

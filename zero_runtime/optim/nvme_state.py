@@ -321,6 +321,8 @@ class NvmeOptimizerState(StateTransactions):
                     self.pool.prefetch(self._ids(replica, work[k + 1][0]))  # read-ahead
                 ids = self._ids(replica, j)
                 lo, hi = self.subgroup_range(j)
+                # A sub-group held since an earlier partial update of this step is acquired
+                # already: the same host array, no copy from its pages.
                 arrays = [self.pool.acquire(tid, writable=True) for tid in ids]
                 try:
                     if j not in txn.undo:  # first change in this step: journal the old values
@@ -332,14 +334,18 @@ class NvmeOptimizerState(StateTransactions):
                         }
                         p, g = param[s - offset : e - offset], grad[s - offset : e - offset]
                         run_tiles(step_fn, slots, rec.scratch, p, g, 0, e - s)
+                    txn.covered[j] = txn.covered.get(j, 0) + sum(e - s for s, e in parts)
+                    full = txn.covered[j] >= hi - lo
+                    if not full and j not in txn.held:
+                        self._hold(txn, j, ids)  # before the release below: kept acquired
                 finally:
                     for tid in ids:
                         self.pool.release(tid)
                 # Write-behind once the step has changed the whole sub-group: the stage-3
                 # update in backward changes it block by block, and writing (then reading
                 # again) it after each block moved it once per block.
-                txn.covered[j] = txn.covered.get(j, 0) + sum(e - s for s, e in parts)
-                if txn.covered[j] >= hi - lo:
+                if full:
+                    self._release_held(txn, [j])  # its copy back into its pages, unpinned
                     txn.resident.discard(j)
                     pending.append(self._writer.submit(self.pool.evict, ids, "nvme"))
                 else:
@@ -349,9 +355,25 @@ class NvmeOptimizerState(StateTransactions):
         for f in pending:
             f.result()  # the first write-behind error
 
+    def _hold(self, txn: StepTransaction, j: int, ids: list[str]) -> None:
+        """Acquire sub-group ``j``'s slots once more, to the step's next partial update
+        of it (``txn.held``; the one held before is released first: at most one per
+        replica, the window's "sub-group being updated").
+
+        The stage-3 update in backward updates a sub-group unit by unit; acquired and
+        released per unit, each call copied the sub-group's pages into one host array and
+        back (``PageAccess.materialise`` / ``write_back``): a whole-shard sub-group
+        (the default ``sub_group_size`` when the window fits) was copied twice per unit.
+        Held, it is copied in once and back once per step."""
+        self._release_held(txn, list(txn.held))
+        for tid in ids:
+            self.pool.acquire(tid, writable=True)
+        txn.held[j] = list(ids)
+
     def _write_behind_rest(self, txn, replica: int) -> None:
         """Write the sub-groups the step changed only in part (``txn.resident``) to NVMe:
         the step's end. Raises the first write's error (``PagingError``)."""
+        self._release_held(txn, list(txn.held))
         rest, txn.resident = sorted(txn.resident), set()
         if rest:  # one call: all their page writes in flight at once
             self.pool.evict([tid for j in rest for tid in self._ids(replica, j)], "nvme")

@@ -46,6 +46,9 @@ class StepTransaction:
         covered: sub-group -> elements of it this step's updates have changed so far.
         resident: sub-groups changed in this step but not written behind yet (a later
             partial update of the step changes more of them; written at its end).
+        held: sub-group -> the ids of its slots, acquired once more by the store between
+            two partial updates of the step (at most one; ``NvmeOptimizerState._hold``):
+            its host copy stays, written back to its pages once, when released.
     """
 
     step: int | None
@@ -55,6 +58,7 @@ class StepTransaction:
     host_bytes: int = 0
     covered: dict[int, int] = dataclasses.field(default_factory=dict)
     resident: set[int] = dataclasses.field(default_factory=set)
+    held: dict[int, list[str]] = dataclasses.field(default_factory=dict)
 
 
 class StateTransactions:
@@ -117,6 +121,13 @@ class StateTransactions:
             journal.append(tid)
         pending.append(self._writer.submit(self.pool.evict, ids, "nvme"))
 
+    def _release_held(self, txn: StepTransaction, subgroups: list[int]) -> None:
+        """Release the extra acquire of each held sub-group in ``subgroups`` (its host
+        copy written back to its pages, which are unpinned)."""
+        for j in subgroups:
+            for tid in txn.held.pop(j, ()):
+                self.pool.release(tid)
+
     def _drop_journal(self, txn: StepTransaction) -> None:
         """Free the journal tensors ``txn`` holds in the pool."""
         for old in txn.undo.values():
@@ -128,6 +139,7 @@ class StateTransactions:
         txn = rec.txn
         if txn is None:
             return None
+        self._release_held(txn, list(txn.held))
         if txn.done and (step is None or txn.step is None or step > txn.step):
             rec.txn = None  # commit: the journal is dropped
             self._drop_journal(txn)
@@ -140,6 +152,7 @@ class StateTransactions:
         txn, rec.txn = rec.txn, None
         if txn is None:
             return
+        self._release_held(txn, list(txn.held))  # before the journal is written back
         for j, old in txn.undo.items():
             ids = self._ids(replica, j)
             if old is None:
