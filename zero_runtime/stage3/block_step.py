@@ -23,7 +23,7 @@ from zero_runtime.lifecycle import host_function
 from zero_runtime.memory import PoolOutOfMemoryError
 from zero_runtime.sharded_variable import ShardState
 from zero_runtime.stage3.block_plan import BWD, FWD, Block
-from zero_runtime.stage3.gather import reduce_scatter_variables
+from zero_runtime.stage3.unit_comm import reduce_scatter_variables
 
 
 class BlockSteps:

@@ -20,9 +20,11 @@ class is patched; :meth:`UnitRunner.remove` takes it away). Per use, on each rep
   section 5.3; reduce-scatter is linear) as the gradients of its anchor (below).
 
 A use inside a ``tf.cond`` / ``tf.while_loop`` branch or loop body gathers in the step's
-own graph instead, before the control flow, once per step (:meth:`UnitRunner._use_in_branch`),
-and reduce-scatters the views' gradient there after it: no collective runs inside control
-flow, so replicas whose predicates differ still run the same collectives.
+own graph instead, before the control flow, once per step
+(:func:`~zero_runtime.stage3.branch_use.use_in_branch`), and reduce-scatters the views'
+gradient there after it: no collective runs inside control flow, so replicas whose
+predicates differ still run the same collectives. The collectives themselves (read,
+all-gather, views; reduce-scatter) are :mod:`zero_runtime.stage3.unit_comm`'s.
 
 A sharded variable read outside its units' calls (a head that reads an embedding layer's
 table) is gathered on that read as a one-variable use with the same backward
@@ -44,7 +46,6 @@ import dataclasses
 import functools
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 # Keras 3 exports no getter of the active autocast scope (the compute dtype a layer's
@@ -52,9 +53,9 @@ import tensorflow as tf
 from keras.src.backend.common.variables import AutocastScope, get_autocast_scope
 from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
 
-from zero_runtime import comm
-from zero_runtime.lifecycle import host_function
 from zero_runtime.sharded_variable import ShardedVariable
+from zero_runtime.stage3.branch_use import use_in_branch
+from zero_runtime.stage3.unit_comm import gather_views, reduce_scatter_variables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,9 +163,7 @@ class UnitRunner:
             v.__dict__.pop("_zero_outside_read", None)
 
     # -- step state --------------------------------------------------------------------
-    def begin(
-        self, token: tf.Tensor, backward: bool, update=None
-    ) -> tuple[int, list[tf.Tensor]]:
+    def begin(self, token: tf.Tensor, backward: bool, update=None) -> tuple[int, list[tf.Tensor]]:
         """Start a traced forward on this replica.
 
         Args:
@@ -281,7 +280,7 @@ class UnitRunner:
         self._refuse_nested(unit.layer.name)
         if unit.tiles is not None and unit.tiles.applies(args, kwargs):
             # Inside tf.cond / tf.while_loop the unit is gathered whole before the control
-            # flow (_use_in_branch): tiles run outside control flow only.
+            # flow (branch_use.use_in_branch): tiles run outside control flow only.
             state = self._steps[self._replica_id()]
             if not _inside_control_flow(state.graph):
                 # The kernel is one use (updated during backward once its last tile's
@@ -304,7 +303,7 @@ class UnitRunner:
     def gather_variables(self, variables: tuple, replica: int, dep: tf.Tensor) -> list:
         """The views of ``variables`` on ``replica`` (one read, one all-gather), read
         after ``dep``; no backward (the caller reduce-scatters their gradients)."""
-        return self._gather(Unit(-1, None, tuple(variables), None), replica, dep)
+        return self.gather(Unit(-1, None, tuple(variables), None), replica, dep)
 
     def read_outside(self, variable: ShardedVariable):
         """The value of ``variable`` read outside its units' calls, inside a step: a
@@ -339,7 +338,7 @@ class UnitRunner:
         replica = self._replica_id()
         state = self._steps[replica]
         if _inside_control_flow(state.graph):
-            return self._use_in_branch(unit, structure, run, replica, state)
+            return use_in_branch(self, unit, structure, run, replica, state)
         flat = tf.nest.flatten(structure)
         pos = [i for i, a in enumerate(flat) if tf.is_tensor(a)]
         inputs = [flat[i] for i in pos]
@@ -374,9 +373,9 @@ class UnitRunner:
         if state.anchors is None or state.mode == "no_grad":
             # Forward only (evaluate, predict, a checkpointed block's forward): gather,
             # call, assign state, drop.
-            views = self._gather(unit, replica, dep, gather_dtype)
+            views = self.gather(unit, replica, dep, gather_dtype)
             out, new_state = call(inputs, views, state_vals)
-            self._assign(state_vars, state_vals, new_state)
+            self.assign_state(state_vars, state_vals, new_state)
             return out
 
         anchors = [state.anchors[id(v)] for v in unit.variables]
@@ -388,7 +387,7 @@ class UnitRunner:
         def use(*xs):
             tensors = list(xs[:n_in])
             given = list(xs[n_in + n_anchor : n_in + n_anchor + n_state])
-            views = self._gather(unit, replica, dep, gather_dtype)
+            views = self.gather(unit, replica, dep, gather_dtype)
             out, new_state = call(tensors, views, given)
             changed = [k for k, (a, b) in enumerate(zip(given, new_state)) if a is not b]
             box["structure"], box["changed"] = out, changed
@@ -399,7 +398,7 @@ class UnitRunner:
                 dys = [
                     tf.zeros_like(o) if d is None else d for o, d in zip(outs, dys[: box["n_out"]])
                 ]
-                views2 = self._gather(unit, replica, tf.reshape(dys[0], [-1])[:1], gather_dtype)
+                views2 = self.gather(unit, replica, tf.reshape(dys[0], [-1])[:1], gather_dtype)
                 float_in = [k for k, t in enumerate(tensors) if t.dtype.is_floating]
                 with tf.GradientTape() as tape:
                     tape.watch(views2)
@@ -434,123 +433,26 @@ class UnitRunner:
         changed = box["changed"]
         updates = dict(zip(changed, result[n_out:]))
         if state.mode != "recompute":  # a recomputed block's state updates: discarded
-            self._assign(state_vars, state_vals, [updates.get(k) for k in range(n_state)])
+            self.assign_state(state_vars, state_vals, [updates.get(k) for k in range(n_state)])
         return out
 
-    def _use_in_branch(self, unit: Unit, structure, run, replica: int, state: _StepState):
-        """A use inside a ``tf.cond`` / ``tf.while_loop`` branch.
-
-        The unit is gathered in the step's own graph, outside the branch (once per step,
-        whichever branches use it), so every replica runs the same collectives whatever
-        its predicate; the branch captures the views and differentiates through them
-        (no recompute: the views live until the backward), and the views' gradient, summed
-        over the branches by TensorFlow, is reduce-scattered in the step's graph too.
-        """
-        if state.mode != "normal":
-            raise NotImplementedError(
-                f"stage 3: {_name(unit)} is used inside a tf.cond / tf.while_loop within an "
-                "activation-checkpointed block: its gathered views would not reach the "
-                "block's recompute. Set activation_checkpointing=False"
-            )
-        state.shared.update(id(v) for v in unit.variables)  # gathered once: not early
-        views = state.branch_views.get(id(unit))
-        if views is None:
-            with state.graph.as_default():
-                views = self._gathered_views(unit, replica, state)
-            state.branch_views[id(unit)] = views
-        if run is None:  # an outside read: the value itself
-            return views[0]
-        flat = tf.nest.flatten(structure)
-        layer = unit.layer
-        state_vars = list(layer.non_trainable_variables)
-        state_vals = [tf.convert_to_tensor(v.value) for v in state_vars]
-        mapping = list(zip(unit.variables, views)) + list(zip(state_vars, state_vals))
-        with keras.StatelessScope(state_mapping=mapping) as scope:
-            out = run(tf.nest.pack_sequence_as(structure, flat))
-        self._assign(state_vars, state_vals, [scope.get_current_value(v) for v in state_vars])
-        return out
-
-    def _gathered_views(self, unit: Unit, replica: int, state: _StepState) -> list[tf.Tensor]:
-        """The unit's views, gathered in the current graph; with a backward, their
-        gradients are reduce-scattered into the gradients of the unit's anchors."""
-        if state.anchors is None:
-            return self._gather(unit, replica, state.token)
-        anchors = [state.anchors[id(v)] for v in unit.variables]
-
-        @tf.custom_gradient
-        def gathered(*_anchors):
-            views = self._gather(unit, replica, state.token)
-
-            def grad(*dviews):
-                dviews = [
-                    tf.zeros_like(v) if d is None else tf.convert_to_tensor(d)
-                    for v, d in zip(views, dviews)
-                ]
-                shard = reduce_scatter_variables(unit.variables, dviews, self.group, raw=True)
-                return tf.split(shard, [v.shard_elements for v in unit.variables])
-
-            return views, grad
-
-        return list(gathered(*anchors))
+    def gather(
+        self, unit: Unit, replica: int, dep: tf.Tensor, dtype: str | None = None
+    ) -> list[tf.Tensor]:
+        """The unit's views on this replica, read after ``dep``: one read of its shards,
+        one all-gather (:func:`~zero_runtime.stage3.unit_comm.gather_views`; ``dtype``
+        None gathers float32, a 16-bit dtype name half the bytes). One float32 tensor
+        per original, of its logical shape."""
+        return gather_views(
+            unit.variables, replica, dep, self.group, self.num_shards, self.schedule, dtype
+        )
 
     @staticmethod
-    def _assign(state_vars: list, old: list, new: list) -> None:
+    def assign_state(state_vars: list, old: list, new: list) -> None:
         """Assign the state updates the use made (once per forward use, as Keras)."""
         for v, a, b in zip(state_vars, old, new):
             if b is not None and b is not a:
                 v.assign(b)
-
-    # -- collectives ---------------------------------------------------------------------
-    def _gather(
-        self, unit: Unit, replica: int, dep: tf.Tensor, dtype: str | None = None
-    ) -> list[tf.Tensor]:
-        """The unit's views on this replica: one host read of its shards, one all-gather.
-
-        ``dtype``: None (default) gathers float32; a 16-bit float dtype name
-        (``"bfloat16"``, ``"float16"``) casts the replica's shard first, so the all-gather
-        moves half the bytes (the float32 shards stay the master weights).
-
-        Returns one float32 tensor per original, of its logical shape.
-        """
-        e = unit.shard_elements
-        shard = _device_shards(unit.variables, replica)
-        if shard is None:  # pool pages (host, NVMe): one host read
-            # NVMe: the read first prefetches the next reads' pages (stage3/schedule.py).
-            prefetch = self.schedule.read(replica, unit.variables) if self.schedule else None
-            shard = host_function(
-                functools.partial(_read_shards, unit.variables, replica, prefetch),
-                [dep],
-                tf.float32,
-                stateful=False,  # ordered by ``dep`` only (see block_step._host_call)
-                name="zero3_unit_shards",
-            )
-        shard.set_shape([e])
-        if dtype is not None:
-            shard = tf.cast(shard, dtype)
-        full = comm.all_gather_flat(shard, self.group)  # (N * E,)
-        rows = tf.reshape(full, [self.num_shards, e])  # (N, E)
-        views, off = [], 0
-        for v in unit.variables:
-            piece = rows[:, off : off + v.shard_elements]  # (N, R * prod(rest))
-            off += v.shard_elements
-            moved = tf.reshape(piece, [v.padded_rows, *v._moved_shape[1:]])  # noqa: SLF001
-            moved = moved[: v._moved_shape[0]]  # noqa: SLF001  (D, *rest)
-            if v.shard_dim:
-                moved = tf.experimental.numpy.moveaxis(moved, 0, v.shard_dim)
-            view = tf.reshape(moved, v.shape)
-            # Float32 views of 16-bit gathered values (exact): the layer's autocast gives
-            # the compute dtype back bitwise, and the views' gradients are float32 where
-            # Keras's are (a tied weight's uses and an embedding's repeated rows are
-            # summed in float32, as under MirroredStrategy).
-            views.append(view if dtype is None else tf.cast(view, tf.float32))
-        return views
-
-
-def _name(unit: Unit) -> str:
-    """A unit's name in messages: its layer's, or the variable read outside a layer."""
-    if unit.layer is not None:
-        return f"layer {unit.layer.name!r}"
-    return f"a read of {unit.variables[0].path!r}"
 
 
 def compute_dtype() -> str | None:
@@ -571,75 +473,3 @@ def _inside_control_flow(step_graph) -> bool:
             return True
         graph = getattr(graph, "outer_graph", None)
     return False
-
-
-def _device_shards(variables: tuple, replica: int) -> tf.Tensor | None:
-    """The replica's shards of ``variables`` read from their device variables and
-    concatenated, float32 ``[sum(shard_elements)]`` (no host call; automatic control
-    dependencies order each read after the previous step's assign of that variable), or
-    None when a shard lives in pool pages (``ShardedVariable.device_shard``)."""
-    shards = [v.device_shard(replica) for v in variables]
-    if not shards or any(s is None for s in shards):
-        return None
-    reads = [s.read_value() for s in shards]
-    return reads[0] if len(reads) == 1 else tf.concat(reads, axis=0)
-
-
-def _read_shards(variables: tuple, replica: int, prefetch=None, *_) -> np.ndarray:
-    """Host side of a gather: the replica's shards of ``variables``, concatenated (each
-    copied once, into its slice of the result). ``prefetch``: None, or the read's
-    :class:`~zero_runtime.stage3.schedule.PassReads` hook, run first (queues the next
-    reads' pages, NVMe -> host)."""
-    if prefetch is not None:
-        prefetch()
-    out = np.empty(sum(v.shard_elements for v in variables), np.float32)
-    off = 0
-    for v in variables:
-        v.read_shard_into(replica, out[off : off + v.shard_elements])
-        off += v.shard_elements
-    return out
-
-
-def reduce_scatter_variables(variables, grads: list, group, raw: bool = False) -> tf.Tensor:
-    """Reduce-scatter the full gradients of ``variables`` in one collective.
-
-    Each gradient is laid out like its variable's shards (``shard_dim`` moved to axis 0,
-    rows padded to ``N * R``), the N row blocks of all variables are concatenated, and
-    one reduce-scatter leaves this replica the sum over replicas of its own block.
-
-    Args:
-        variables: ShardedVariables.
-        grads: their full gradients (logical shapes).
-        group: the :class:`~zero_runtime.comm.CollectiveGroup`.
-        raw: with the group's ``'all_reduce'`` implementation, all-reduce through the
-            group's raw ``CollectiveReduceV2`` (ordered by the replica's token like the
-            all-gathers) rather than the strategy's ``merge_call``. Default False (the
-            block path's choice).
-
-    Returns:
-        float32 ``[E]``, ``E = sum(v.shard_elements)``: the replica's reduced shard of
-        each variable, concatenated in order.
-    """
-    n = variables[0].num_shards
-    cols = []
-    for g, v in zip(grads, variables):
-        g = tf.cast(g, tf.float32)
-        if v.shape:
-            g = tf.experimental.numpy.moveaxis(g, v.shard_dim, 0) if v.shard_dim else g
-            g = tf.reshape(g, [v._moved_shape[0], -1])  # noqa: SLF001  (D, prod(rest))
-        else:
-            g = tf.reshape(g, [1, 1])
-        pad = v.padded_rows - v._moved_shape[0]  # noqa: SLF001
-        if pad:
-            g = tf.pad(g, [[0, pad], [0, 0]])
-        cols.append(tf.reshape(g, [n, v.shard_elements]))  # (N, R * prod(rest))
-    flat = tf.reshape(tf.concat(cols, axis=1), [-1])  # (N * E,)
-    if raw and group.reduce_scatter_impl == "all_reduce":
-        total = comm.all_reduce_sum_flat(flat, group)  # (N * E,)
-        shard = comm.shard_of(total, int(flat.shape[0]) // n)  # (E,)
-    else:
-        shard = comm.reduce_scatter_sum_flat(flat, group)  # (E,)
-    if group.reduce_scatter_impl == "all_reduce":
-        # A copy (see Stage3Engine._reduce_scatter): the slice would alias the whole sum.
-        shard = tf.gather(tf.reshape(shard, [1, -1]), 0)
-    return shard

@@ -70,7 +70,7 @@ import tensorflow as tf
 
 from zero_runtime import comm
 from zero_runtime.lifecycle import host_function
-from zero_runtime.stage3.gather import reduce_scatter_variables
+from zero_runtime.stage3.unit_comm import reduce_scatter_variables
 
 #: Elementwise activations (keras.activations names): column tiles apply them exactly.
 ELEMENTWISE_ACTIVATIONS = frozenset(
