@@ -59,10 +59,9 @@ import numpy as np
 import tensorflow as tf
 from keras.src.backend.common.stateless_scope import get_stateless_scope, in_stateless_scope
 from keras.src.backend.tensorflow.core import Variable as _KerasTFVariable
-from tensorflow.python.ops import resource_variable_ops
 
 from zero_runtime.lifecycle import host_function
-from zero_runtime.memory import FlatRange, FlatShardSpace, PagedBufferPool
+from zero_runtime.memory import FlatShardSpace, PagedBufferPool, ShardStorage
 
 #: Tier of a shard's pages for each ``offload_param`` value.
 PARAM_TIER = {"none": "device", "cpu": "host", "nvme": "nvme"}
@@ -92,141 +91,27 @@ class ShardStateError(RuntimeError):
 
 @dataclasses.dataclass
 class _ReplicaShard:
-    """One replica's record: its state and the pool tensors it owns (one owner)."""
+    """One replica's record: its state, its shard's name and its gathered buffer's pool
+    tensor (one owner; the shard's storage is :class:`~zero_runtime.memory.ShardStorage`)."""
 
     shard_id: str
     gathered_id: str
     state: ShardState = ShardState.SHARDED
-    variable: tf.Variable | None = None  # the device-tier shard, float32 [shard_elements]
 
 
-class ShardedVariable(_KerasTFVariable):
-    """A Keras variable stored as per-replica shards in a paged pool (ZeRO stage 3).
+class _KerasProtocol(_KerasTFVariable):
+    """The Keras-variable protocol of a variable stored as shards, with no TensorFlow
+    variable behind it (:class:`ShardedVariable` and stage 3's row-paged tables).
 
-    Args:
-        value: the initial logical value, array-like of ``shape`` (float32).
-        pool: the :class:`~zero_runtime.memory.PagedBufferPool` holding the pages.
-        num_shards: N, the number of replicas (int >= 1).
-        tier: 'device', 'host' or 'nvme': where the shards' pages are placed.
-        name: the variable's name (no '/'); ``path`` is set to ``path`` if given.
-        path: the Keras path of the variable this one replaces (for saving/reading).
-        shard_dim: the axis split across replicas (default 0; negative counts from the
-            end). A scalar variable is treated as shape ``(1,)``.
-        persistent: True for a parameter below ``persistence_threshold``: it is still
-            stored as shards, but once gathered in a step it stays gathered until the
-            optimizer updates it (DeepSpeed's persistent parameters).
-        trainable: Keras's flag (default True).
-        local_replicas: the replica ids whose shards this process holds (default: all
-            ``range(num_shards)``, one process). Under ``MultiWorkerMirroredStrategy`` a
-            worker holds only its own replicas' shards (ids ``rank * local + i``).
-        gather_remote: with ``local_replicas`` a subset, the collective that assembles
-            every replica's shard outside a step: ``{replica: float32 [shard_elements]}``
-            of the local replicas -> float32 ``[num_shards, shard_elements]`` (every
-            worker calls it; :func:`zero_runtime.comm.gather_local_shards`).
-        devices: with ``tier='device'``, the local replicas' devices (replica ``r``'s is
-            ``devices[r % len(devices)]``): each local shard is then a float32
-            ``[shard_elements]`` resource variable on its replica's device and the pool
-            holds a reservation of its pages. Default None: the shards are pool pages on
-            ``tier`` (also 'device': pages as TensorFlow tensors, read by host calls).
-        space: a :class:`~zero_runtime.memory.FlatShardSpace` on ``tier`` ('host' or
-            'nvme') over ``local_replicas``: each shard is then a range of the replica's
-            flat space (packed with other variables' shards, page-sized chunks) instead
-            of its own pool tensor of whole pages. Default None.
-        autocast: Keras's flag (default True): under a mixed-precision policy a layer's
-            read is cast to its compute dtype. The variable this one replaces gives it
-            (normalization layers keep theirs in float32: ``autocast=False``).
-
-    Raises:
-        ValueError: a non-float32 value, ``num_shards`` < 1, a bad ``shard_dim``,
-            ``local_replicas`` out of range / a subset without ``gather_remote``, or a
-            ``space`` on another tier / over other replicas, or with device ``devices``.
+    Reads (``value``: ``numpy()``, a layer's call, ``get_weights``, saving) gather on
+    demand; assignments (initialization, ``assign``, ``set_weights``, loading) scatter
+    into the shards; there is no resource ``handle``. A subclass provides
+    ``gather_on_demand()`` (the logical value, float32 ``shape``), ``_write_logical(value)``
+    (scatter a float32 value of ``shape``), ``local_replicas``, ``num_shards`` and
+    ``_logical_shape``. Keras calls these as methods of the variable, so they are a base
+    class, not a collaborator.
     """
 
-    def __init__(
-        self,
-        value,
-        *,
-        pool: PagedBufferPool,
-        num_shards: int,
-        tier: str,
-        name: str,
-        path: str | None = None,
-        shard_dim: int = 0,
-        persistent: bool = False,
-        trainable: bool = True,
-        local_replicas: Sequence[int] | None = None,
-        gather_remote: Callable[[dict[int, np.ndarray]], np.ndarray] | None = None,
-        devices: Sequence[str] | None = None,
-        space: FlatShardSpace | None = None,
-        autocast: bool = True,
-    ) -> None:
-        value = np.asarray(value)
-        if value.dtype != np.float32:
-            raise ValueError(
-                f"ShardedVariable {name!r}: only float32 is supported, got {value.dtype}"
-            )
-        if num_shards < 1:
-            raise ValueError(f"num_shards must be >= 1, got {num_shards}")
-        shape = tuple(int(d) for d in value.shape)
-        ndim = max(1, len(shape))
-        if not -ndim <= shard_dim < ndim:
-            raise ValueError(f"shard_dim={shard_dim} out of range for shape {shape}")
-        self.pool = pool
-        self.num_shards = int(num_shards)
-        local = tuple(range(self.num_shards) if local_replicas is None else local_replicas)
-        if not local or any(not 0 <= r < self.num_shards for r in local):
-            raise ValueError(f"local_replicas {local} not in [0, {self.num_shards})")
-        if len(local) < self.num_shards and gather_remote is None:
-            raise ValueError("local_replicas is a subset: gather_remote is required")
-        self.local_replicas = local
-        self._gather_remote = gather_remote
-        self.tier = tier
-        self.shard_dim = shard_dim % ndim
-        self.persistent = bool(persistent)
-        self._logical_shape = shape
-        moved = _moved_shape(shape, self.shard_dim)  # (D, *rest)
-        self.rows = -(-moved[0] // self.num_shards)  # R = ceil(D / N)
-        self.row_elements = math.prod(moved[1:])
-        self.shard_elements = self.rows * self.row_elements  # [R * prod(rest)]
-        self._moved_shape = moved
-        self._lock = threading.Lock()
-        uid = f"{(path or name).replace('/', '.')}#{id(self):x}"
-        self._replicas = [
-            _ReplicaShard(f"p/{uid}/r{r}", f"g/{uid}/r{r}") for r in range(self.num_shards)
-        ]
-        self.space = space
-        self._range: FlatRange | None = None
-        if space is not None:
-            if space.tier != tier or set(space.replicas) != set(local):
-                raise ValueError(
-                    f"ShardedVariable {name!r}: space {space!r} is not on tier {tier!r} over "
-                    f"local replicas {local}"
-                )
-            # One range, the same on every replica (allocates the chunks it enters).
-            self._range = space.reserve(self.shard_elements)
-        for r in self.local_replicas:  # a worker allocates only its own replicas' shards
-            rec = self._replicas[r]
-            if space is not None:
-                continue
-            if tier == "device" and devices:
-                pool.reserve(rec.shard_id, (self.shard_elements,), np.float32, "param")
-                rec.variable = _device_variable(
-                    self.shard_elements, devices[r % len(devices)], f"{name}_shard_r{r}"
-                )
-            else:
-                pool.allocate(rec.shard_id, (self.shard_elements,), np.float32, "param", tier)
-        super().__init__(
-            initializer=lambda shape, dtype=None: value,
-            shape=shape,
-            dtype="float32",
-            trainable=trainable,
-            name=name,
-            autocast=autocast,
-        )
-        if path is not None:
-            self._path = path
-
-    # -- Keras variable interface --------------------------------------------------------
     def _initialize(self, value) -> None:
         if callable(value):
             value = value()
@@ -291,6 +176,127 @@ class ShardedVariable(_KerasTFVariable):
             "loops at stage 3')"
         )
 
+
+class ShardedVariable(_KerasProtocol):
+    """A Keras variable stored as per-replica shards in a paged pool (ZeRO stage 3).
+
+    Args:
+        value: the initial logical value, array-like of ``shape`` (float32).
+        pool: the :class:`~zero_runtime.memory.PagedBufferPool` holding the pages.
+        num_shards: N, the number of replicas (int >= 1).
+        tier: 'device', 'host' or 'nvme': where the shards' pages are placed.
+        name: the variable's name (no '/'); ``path`` is set to ``path`` if given.
+        path: the Keras path of the variable this one replaces (for saving/reading).
+        shard_dim: the axis split across replicas (default 0; negative counts from the
+            end). A scalar variable is treated as shape ``(1,)``.
+        persistent: True for a parameter below ``persistence_threshold``: it is still
+            stored as shards, but once gathered in a step it stays gathered until the
+            optimizer updates it (DeepSpeed's persistent parameters).
+        trainable: Keras's flag (default True).
+        local_replicas: the replica ids whose shards this process holds (default: all
+            ``range(num_shards)``, one process). Under ``MultiWorkerMirroredStrategy`` a
+            worker holds only its own replicas' shards (ids ``rank * local + i``).
+        gather_remote: with ``local_replicas`` a subset, the collective that assembles
+            every replica's shard outside a step: ``{replica: float32 [shard_elements]}``
+            of the local replicas -> float32 ``[num_shards, shard_elements]`` (every
+            worker calls it; :func:`zero_runtime.comm.gather_local_shards`).
+        devices: with ``tier='device'``, the local replicas' devices (replica ``r``'s is
+            ``devices[r % len(devices)]``): each local shard is then a float32
+            ``[shard_elements]`` resource variable on its replica's device and the pool
+            holds a reservation of its pages. Default None: the shards are pool pages on
+            ``tier`` (also 'device': pages as TensorFlow tensors, read by host calls).
+        space: a :class:`~zero_runtime.memory.FlatShardSpace` on ``tier`` ('host' or
+            'nvme') over ``local_replicas``: each shard is then a range of the replica's
+            flat space (packed with other variables' shards, page-sized chunks) instead
+            of its own pool tensor of whole pages. Default None.
+        autocast: Keras's flag (default True): under a mixed-precision policy a layer's
+            read is cast to its compute dtype. The variable this one replaces gives it
+            (normalization layers keep theirs in float32: ``autocast=False``).
+
+    Raises:
+        ValueError: a non-float32 value, ``num_shards`` < 1, a bad ``shard_dim``,
+            ``local_replicas`` out of range / a subset without ``gather_remote``, or a
+            ``space`` on another tier / over other replicas, or with device ``devices``.
+    """
+
+    #: Where the local replicas' shards live (pool pages, a flat space's range, device
+    #: variables). None in a subclass that stores its shards itself (stage 3's row-paged
+    #: tables), whose ``device_shard`` is then None.
+    _storage: ShardStorage | None = None
+
+    def __init__(
+        self,
+        value,
+        *,
+        pool: PagedBufferPool,
+        num_shards: int,
+        tier: str,
+        name: str,
+        path: str | None = None,
+        shard_dim: int = 0,
+        persistent: bool = False,
+        trainable: bool = True,
+        local_replicas: Sequence[int] | None = None,
+        gather_remote: Callable[[dict[int, np.ndarray]], np.ndarray] | None = None,
+        devices: Sequence[str] | None = None,
+        space: FlatShardSpace | None = None,
+        autocast: bool = True,
+    ) -> None:
+        value = np.asarray(value)
+        if value.dtype != np.float32:
+            raise ValueError(
+                f"ShardedVariable {name!r}: only float32 is supported, got {value.dtype}"
+            )
+        if num_shards < 1:
+            raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+        shape = tuple(int(d) for d in value.shape)
+        ndim = max(1, len(shape))
+        if not -ndim <= shard_dim < ndim:
+            raise ValueError(f"shard_dim={shard_dim} out of range for shape {shape}")
+        self.pool = pool
+        self.num_shards = int(num_shards)
+        local = tuple(range(self.num_shards) if local_replicas is None else local_replicas)
+        if not local or any(not 0 <= r < self.num_shards for r in local):
+            raise ValueError(f"local_replicas {local} not in [0, {self.num_shards})")
+        if len(local) < self.num_shards and gather_remote is None:
+            raise ValueError("local_replicas is a subset: gather_remote is required")
+        self.local_replicas = local
+        self._gather_remote = gather_remote
+        self.tier = tier
+        self.shard_dim = shard_dim % ndim
+        self.persistent = bool(persistent)
+        self._logical_shape = shape
+        moved = _moved_shape(shape, self.shard_dim)  # (D, *rest)
+        self.rows = -(-moved[0] // self.num_shards)  # R = ceil(D / N)
+        self.row_elements = math.prod(moved[1:])
+        self.shard_elements = self.rows * self.row_elements  # [R * prod(rest)]
+        self._moved_shape = moved
+        self._lock = threading.Lock()
+        uid = f"{(path or name).replace('/', '.')}#{id(self):x}"
+        self._replicas = [
+            _ReplicaShard(f"p/{uid}/r{r}", f"g/{uid}/r{r}") for r in range(self.num_shards)
+        ]
+        self.space = space
+        if space is not None and (space.tier != tier or set(space.replicas) != set(local)):
+            raise ValueError(
+                f"ShardedVariable {name!r}: space {space!r} is not on tier {tier!r} over "
+                f"local replicas {local}"
+            )
+        ids = [rec.shard_id for rec in self._replicas]
+        self._storage = ShardStorage(
+            pool, tier, self.shard_elements, ids, local, name, devices, space
+        )
+        super().__init__(
+            initializer=lambda shape, dtype=None: value,
+            shape=shape,
+            dtype="float32",
+            trainable=trainable,
+            name=name,
+            autocast=autocast,
+        )
+        if path is not None:
+            self._path = path
+
     # -- geometry ------------------------------------------------------------------------
     @property
     def padded_rows(self) -> int:
@@ -310,9 +316,7 @@ class ShardedVariable(_KerasTFVariable):
         """The pool tensor ids holding ``replica``'s shard, in order: the chunks of the
         flat space its range overlaps (shared with other variables; empty for an empty
         shard), or its own tensor (a device shard's reservation) without a space."""
-        if self.space is not None:
-            return self.space.page_ids(replica, self._range)
-        return (self._replicas[replica].shard_id,)
+        return self._storage.page_ids(replica)
 
     def shards_from_logical(self, value: np.ndarray) -> np.ndarray:
         """Split a logical value into shards: float32 ``[N, shard_elements]``."""
@@ -338,41 +342,20 @@ class ShardedVariable(_KerasTFVariable):
         """``replica``'s shard as a resource variable on its device, float32
         ``[shard_elements]`` (tier 'device' with ``devices`` given), else None. A step
         reads it for the all-gather and the optimizer assigns it, inside the graph."""
-        return self._replicas[replica].variable
+        return None if self._storage is None else self._storage.device_variable(replica)
 
     def read_shard(self, replica: int) -> np.ndarray:
         """A copy of ``replica``'s shard, float32 ``[shard_elements]`` (pages it in)."""
-        rec = self._replicas[replica]
-        if rec.variable is not None:
-            return np.array(rec.variable.numpy(), np.float32, copy=True)
-        if self.space is not None:
-            return self.space.read(replica, self._range)
-        sid = rec.shard_id
-        if self.tier == "device":
-            out = self.pool.acquire(sid, "device")
-            try:
-                return np.array(out.numpy(), np.float32)
-            finally:
-                self.pool.release(sid)
-        out = self.pool.acquire(sid, "host")
-        try:
-            return np.array(out, np.float32, copy=True)
-        finally:
-            self.pool.release(sid)
+        return self._storage.read(replica)
 
     def read_shard_into(self, replica: int, out: np.ndarray) -> None:
         """Copy ``replica``'s shard into ``out`` (float32 ``[shard_elements]``, e.g. a slice
         of a unit's concatenated shards): one copy, from its pages (paged in to the host)
         or its device variable."""
-        rec = self._replicas[replica]
-        if rec.variable is not None or self.tier == "device":
+        if self.tier == "device":  # one copy through read_shard (a subclass's, too)
             out[:] = self.read_shard(replica)
             return
-        if self.space is not None:
-            self.space.read_into(replica, self._range, out)
-            return
-        out[:] = self.pool.acquire(rec.shard_id, "host")
-        self.pool.release(rec.shard_id)
+        self._storage.read_into(replica, out)
 
     def update_shard_in_place(self, replica: int, fn: Callable[[np.ndarray], None]) -> None:
         """Run ``fn`` on ``replica``'s shard where it lives on the host (SHARDED or RELEASED
@@ -387,22 +370,14 @@ class ShardedVariable(_KerasTFVariable):
             ValueError: a shard that is not in host-tier pages (``tier`` 'host').
         """
         rec = self._replicas[replica]
-        if self.tier != "host" or rec.variable is not None:
+        if self.tier != "host" or self.device_shard(replica) is not None:
             raise ValueError(
                 f"update_shard_in_place: {getattr(self, '_path', '?')!r} is on tier "
                 f"{self.tier!r}; in place is for host-tier shards (use write_shard)"
             )
         with self._lock:
             self._expect(rec, (ShardState.SHARDED, ShardState.RELEASED), "update_shard_in_place")
-            if self.space is not None:
-                self.space.update_in_place(replica, self._range, fn)
-                rec.state = ShardState.SHARDED
-                return
-            view = self.pool.acquire(rec.shard_id, "host", writable=True)
-            try:
-                fn(view)
-            finally:
-                self.pool.release(rec.shard_id)
+            self._storage.update_in_place(replica, fn)
             rec.state = ShardState.SHARDED
 
     def write_shard(self, replica: int, shard: np.ndarray) -> None:
@@ -502,12 +477,7 @@ class ShardedVariable(_KerasTFVariable):
         for rec in self._replicas:
             if rec.state is ShardState.GATHERED:
                 self.pool.free(rec.gathered_id)
-            if self.space is None and rec.shard_id in self.pool.tensor_ids():
-                self.pool.free(rec.shard_id)
-            rec.variable = None
-        if self.space is not None and self._range is not None:
-            self.space.release(self._range)
-            self._range = None
+        self._storage.free()
 
     # -- helpers -------------------------------------------------------------------------
     def _write_logical(self, value: np.ndarray) -> None:
@@ -520,20 +490,14 @@ class ShardedVariable(_KerasTFVariable):
 
     def _store(self, replica: int, shard: np.ndarray) -> None:
         """Write one replica's shard where it lives (its device variable, its range of the
-        flat space, or its pages)."""
-        rec = self._replicas[replica]
+        flat space, or its pages: :meth:`~zero_runtime.memory.ShardStorage.write`)."""
         flat = np.asarray(shard, np.float32).reshape(-1)
-        if rec.variable is not None:
-            if flat.shape != (self.shard_elements,):
-                raise ValueError(
-                    f"shard of {getattr(self, '_path', '?')!r} has {flat.size} elements, "
-                    f"expected {self.shard_elements}"
-                )
-            rec.variable.assign(flat)
-        elif self.space is not None:
-            self.space.write(replica, self._range, flat)
-        else:
-            self.pool.write(rec.shard_id, flat)
+        if self.device_shard(replica) is not None and flat.shape != (self.shard_elements,):
+            raise ValueError(
+                f"shard of {getattr(self, '_path', '?')!r} has {flat.size} elements, "
+                f"expected {self.shard_elements}"
+            )
+        self._storage.write(replica, flat)
 
     def _expect(self, rec: _ReplicaShard, allowed: tuple[ShardState, ...], what: str) -> None:
         if rec.state not in allowed:
@@ -547,16 +511,6 @@ class ShardedVariable(_KerasTFVariable):
             f"<ShardedVariable path={getattr(self, '_path', '?')} shape={self._logical_shape} "
             f"shards={self.num_shards}x{self.shard_elements} tier={self.tier}"
             f"{' persistent' if self.persistent else ''}>"
-        )
-
-
-def _device_variable(elements: int, device: str, name: str) -> tf.Variable:
-    """A zero float32 ``[elements]`` resource variable on ``device``, made outside any
-    trace and outside the strategy's variable creator (a plain per-replica variable, as
-    ``zero_runtime.optim.device_state``'s)."""
-    with tf.init_scope(), tf.device(device):
-        return resource_variable_ops.ResourceVariable(
-            tf.zeros([elements], tf.float32), trainable=False, name=name.replace(":", "_")
         )
 
 

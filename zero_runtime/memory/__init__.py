@@ -20,7 +20,8 @@ scheduler), :mod:`.prefetch` (the prefetch queue and thread), :mod:`.access` (by
 and out of pages), :mod:`.tiers` (slots and storage), :mod:`.policy` (victim ranking),
 :mod:`.reports` (placement, usage, OOM snapshots), :mod:`.counters`, :mod:`.errors`,
 :mod:`.trace` (the access trace: a ring of the last steps' operations),
-:mod:`.flat_store` (many small shards packed into page-sized chunks);
+:mod:`.flat_store` (many small shards packed into page-sized chunks),
+:mod:`.shard_storage` (where one variable's shards live: pages, a range, device variables);
 :mod:`.core` wires them and holds every operation's policy path, and :mod:`.pool` is the
 façade over it. :mod:`.simulate` replays a recorded trace through the same core over the
 slot-only tiers of :mod:`.sim_tiers` (what-if, ``docs/tuning.md``). See
@@ -48,6 +49,7 @@ from zero_runtime.memory.pool import (
     PageInfo,
     TensorInfo,
 )
+from zero_runtime.memory.shard_storage import ShardStorage
 from zero_runtime.memory.tiers import DeviceTier
 
 __all__ = [
@@ -70,6 +72,7 @@ __all__ = [
     "PagingError",
     "PoolClosedError",
     "PoolOutOfMemoryError",
+    "ShardStorage",
     "TensorInfo",
     "TierUsage",
 ]

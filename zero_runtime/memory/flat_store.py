@@ -187,7 +187,7 @@ class FlatShardSpace:
     def release(self, rng: FlatRange) -> None:
         """Give ``rng`` back: chunks no other live range overlaps are freed on every
         replica. Releasing a range twice or a range not reserved corrupts the counts:
-        the owner (a ShardedVariable) releases its range once.
+        the owner (a ShardedVariable's ShardStorage) releases its range once.
 
         Raises:
             ValueError: a closed space, or a range beyond the bump pointer.

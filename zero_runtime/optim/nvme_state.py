@@ -20,6 +20,9 @@ whose counter advanced commits (the journal is dropped), any other rolls back. T
 holds at most one slot set of the sub-groups the step updated (float32) until the step
 commits, right after the optimizer's ``iterations`` increments: on the host while it fits
 beside the window, the rest through the pool on NVMe (:mod:`.state_journal`).
+
+The window is sized once (:func:`stream_window`); checkpoints read and overwrite the
+states between steps through :mod:`.nvme_access`.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import numpy as np
 import psutil
 
 from zero_runtime.memory import PagedBufferPool
-from zero_runtime.optim import kernels
+from zero_runtime.optim import kernels, nvme_access
 from zero_runtime.optim.host_state import StepFn, run_tiles
 from zero_runtime.optim.layout import FlatLayout
 from zero_runtime.optim.state_journal import StateTransactions, StepTransaction
@@ -86,6 +89,78 @@ def bounded_subgroup(
     page_elements = page_size // 4
     pages = allowed_bytes // window_bytes(page_elements, n_slots, n_shards, page_size)
     return min(requested, max(1, pages) * page_elements)
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamWindow:
+    """How the NVMe store streams its states through the host (:func:`stream_window`).
+
+    Attributes:
+        sub_group_size: elements per sub-group (``<=`` the requested size).
+        journal_host_limit: host bytes one replica's step journal may hold in numpy (what
+            the window leaves of the allowance, split evenly over the replicas; >= 0).
+        pool_host_bytes: the pool's host tier, bytes: the budget given, else the window.
+    """
+
+    sub_group_size: int
+    journal_host_limit: int
+    pool_host_bytes: int
+
+
+def stream_window(
+    layout: FlatLayout,
+    n_slots: int,
+    sub_group_size: int,
+    page_size_bytes: int,
+    host_budget_bytes: int | None,
+) -> StreamWindow:
+    """The streamed window of :class:`NvmeOptimizerState` (its arguments of the same names).
+
+    The allowance is ``host_budget_bytes``, or without one :data:`WINDOW_SHARE` of the
+    host's available memory now; the sub-group is ``sub_group_size`` capped at the shard
+    size, reduced (:func:`bounded_subgroup`) when its window (:func:`window_bytes`) would
+    not fit the allowance, which is logged once (warning). The step journal's host copies
+    may take what the window leaves; further sub-groups are journalled through the pool,
+    on NVMe (state_journal.py).
+
+    Args:
+        layout: the flat layout (its ``shard_size`` elements, ``num_shards`` replicas).
+        n_slots: state buffers per element.
+        sub_group_size: the requested elements per sub-group (>= 1).
+        page_size_bytes: the pool's page size, bytes.
+        host_budget_bytes: the pool's host tier, bytes, or None.
+
+    Returns:
+        The :class:`StreamWindow` (sub-group elements, journal and pool bytes).
+    """
+    requested = min(sub_group_size, layout.shard_size)
+    allowed = (
+        host_budget_bytes
+        if host_budget_bytes is not None
+        else int(psutil.virtual_memory().available * WINDOW_SHARE)
+    )
+    sub_group = bounded_subgroup(requested, n_slots, layout.num_shards, page_size_bytes, allowed)
+    if sub_group < requested:
+        logger.warning(
+            "sub_group_size=%d: 4 sub-groups of %d state buffer(s) for %d replica(s) "
+            "would take %d host bytes, more than the %d allowed (%s); the NVMe "
+            "optimizer streams sub-groups of %d elements instead",
+            sub_group_size,
+            max(1, n_slots),
+            layout.num_shards,
+            window_bytes(requested, n_slots, layout.num_shards, page_size_bytes),
+            allowed,
+            "host_budget_bytes"
+            if host_budget_bytes is not None
+            else f"{WINDOW_SHARE:.0%} of the available host memory",
+            sub_group,
+        )
+    window = window_bytes(sub_group, n_slots, layout.num_shards, page_size_bytes)
+    return StreamWindow(
+        sub_group_size=sub_group,
+        journal_host_limit=max(0, allowed - window) // layout.num_shards,
+        pool_host_bytes=window if host_budget_bytes is None else host_budget_bytes,
+    )
 
 
 @dataclasses.dataclass
@@ -142,50 +217,15 @@ class NvmeOptimizerState(StateTransactions):
             raise ValueError(f"sub_group_size must be >= 1, got {sub_group_size}")
         self.layout = layout
         self.slot_names = tuple(slot_names)
-        requested = min(sub_group_size, layout.shard_size)
-        allowed = (
-            host_budget_bytes
-            if host_budget_bytes is not None
-            else int(psutil.virtual_memory().available * WINDOW_SHARE)
+        window = stream_window(
+            layout, len(self.slot_names), sub_group_size, page_size_bytes, host_budget_bytes
         )
-        self.sub_group_size = bounded_subgroup(
-            requested, len(slot_names), layout.num_shards, page_size_bytes, allowed
-        )
-        if self.sub_group_size < requested:
-            logger.warning(
-                "sub_group_size=%d: 4 sub-groups of %d state buffer(s) for %d replica(s) "
-                "would take %d host bytes, more than the %d allowed (%s); the NVMe "
-                "optimizer streams sub-groups of %d elements instead",
-                sub_group_size,
-                max(1, len(slot_names)),
-                layout.num_shards,
-                window_bytes(requested, len(slot_names), layout.num_shards, page_size_bytes),
-                allowed,
-                "host_budget_bytes"
-                if host_budget_bytes is not None
-                else f"{WINDOW_SHARE:.0%} of the available host memory",
-                self.sub_group_size,
-            )
-        # The step journal's host copies may take what the window leaves of the allowance;
-        # further sub-groups are journalled through the pool, on NVMe (state_journal.py).
-        self.journal_host_limit = (
-            max(
-                0,
-                allowed
-                - window_bytes(
-                    self.sub_group_size, len(slot_names), layout.num_shards, page_size_bytes
-                ),
-            )
-            // layout.num_shards
-        )
+        self.sub_group_size = window.sub_group_size
+        self.journal_host_limit = window.journal_host_limit
         self.prefix = prefix
         self.tile = max(1, min(tile, self.sub_group_size))
-        if host_budget_bytes is None:
-            host_budget_bytes = window_bytes(
-                self.sub_group_size, len(self.slot_names), layout.num_shards, page_size_bytes
-            )
         self.pool = PagedBufferPool(
-            host_budget_bytes=host_budget_bytes,
+            host_budget_bytes=window.pool_host_bytes,
             page_size_bytes=page_size_bytes,
             nvme_path=nvme_path,
             nvme_budget_bytes=nvme_budget_bytes,
@@ -470,80 +510,21 @@ class NvmeOptimizerState(StateTransactions):
     def _note_host(self) -> None:
         self._peak_host = max(self._peak_host, self.nbytes + self.journal_host_bytes)
 
+    # -- outside a step: checkpoints, a slot's values (nvme_access.py) ------------------
     def slot_values(self, slot: str) -> np.ndarray:
-        """One slot's full (unpadded) flat buffer, in variable order, read from the pool.
-
-        Sub-groups never updated (only inactive variables) read as zeros.
-
-        Raises:
-            KeyError: unknown slot.
-        """
-        if slot not in self.slot_names:
-            raise KeyError(slot)
-        self._access()
-        shards = []
-        for r in range(self.layout.num_shards):
-            allocated = self._record(r).allocated
-            parts = []
-            for j in range(self.num_subgroups):
-                if j in allocated:
-                    parts.append(self.pool.read(self.tensor_id(r, j, slot)))
-                else:  # never updated (inactive variables only): zero state
-                    s, e = self.subgroup_range(j)
-                    parts.append(np.zeros(e - s, np.float32))
-            shards.append(np.concatenate(parts))
-        return self.layout.unshard(shards)
+        """One slot's full (unpadded) flat buffer, float32 ``[layout.total]``, in variable
+        order (:func:`.nvme_access.slot_values`; raises ``KeyError`` for an unknown slot)."""
+        return nvme_access.slot_values(self, slot)
 
     def read_shard(self, replica: int, slot: str) -> np.ndarray:
-        """A copy of one slot of ``replica``'s shard, float32 ``[layout.shard_size]``,
-        read from the pool where its pages are (``PagedBufferPool.read``: no page moves).
-
-        Sub-groups never updated read as zeros and are not allocated by the read.
-
-        Raises:
-            ValueError: ``replica`` outside ``[0, layout.num_shards)``.
-            KeyError: unknown slot name.
-            zero_runtime.memory.PagingError: an NVMe read failed.
-        """
-        if slot not in self.slot_names:
-            raise KeyError(f"unknown optimizer slot {slot!r}; slots: {self.slot_names}")
-        self._access()
-        allocated = self._record(replica).allocated
-        out = np.zeros(self.layout.shard_size, np.float32)
-        for j in sorted(allocated):
-            s, e = self.subgroup_range(j)
-            out[s:e] = self.pool.read(self.tensor_id(replica, j, slot))
-        return out
+        """A copy of one slot of ``replica``'s shard, float32 ``[layout.shard_size]``
+        (:func:`.nvme_access.read_shard`, which lists the errors)."""
+        return nvme_access.read_shard(self, replica, slot)
 
     def write_shard(self, replica: int, slot: str, values: np.ndarray) -> None:
-        """Overwrite one slot of ``replica``'s shard, sub-group by sub-group.
-
-        Every sub-group is allocated if needed, written, and moved to NVMe (as at the end
-        of :meth:`update`), so the host holds no more pages afterwards than before.
-
-        Args:
-            replica: the global replica id.
-            slot: the slot name.
-            values: float32 ``[layout.shard_size]``.
-
-        Raises:
-            ValueError: ``replica`` out of range or ``values`` of the wrong shape.
-            KeyError: unknown slot name.
-            zero_runtime.memory.PagingError: an NVMe write failed (``NvmeFullError``).
-        """
-        from zero_runtime.optim.host_state import _checked_shard
-
-        values = _checked_shard(values, self.layout.shard_size, slot)
-        if slot not in self.slot_names:
-            raise KeyError(f"unknown optimizer slot {slot!r}; slots: {self.slot_names}")
-        self._access()
-        rec = self._record(replica)
-        for j in range(self.num_subgroups):
-            self._ensure_allocated(rec, replica, j)
-            s, e = self.subgroup_range(j)
-            tid = self.tensor_id(replica, j, slot)
-            self.pool.write(tid, values[s:e])
-            self.pool.evict([tid], "nvme")
+        """Overwrite one slot of ``replica``'s shard with float32 ``[layout.shard_size]``
+        ``values`` (:func:`.nvme_access.write_shard`, which lists the errors)."""
+        nvme_access.write_shard(self, replica, slot, values)
 
     def step_boundary(self, step: int):
         """Close the pool's step; returns its ``PageCounters``."""
