@@ -80,9 +80,10 @@ Host budget (stage 3): with ``offload_optimizer='cpu'`` (default) the host optim
 states (``optimizer.zero_state.store.nbytes``, numpy buffers outside the pool, 8
 bytes/parameter for Adam) are subtracted from the host budget and the rest is the pool's
 ``host_budget_bytes`` (parameter pages beyond it live only on NVMe). With
-``--offload-optimizer nvme`` the pool gets half the host budget (the NVMe store's own
-host allowance for its streamed window and step journal is not the run's budget yet: 25%
-of the available memory, ``nvme_state.WINDOW_SHARE``); the store's figure is
+``--offload-optimizer nvme`` the pool gets half the host budget and the NVMe store the
+other half for its streamed window and step journal (``optimizer_host_budget_bytes``;
+before that key the store took 25% of the available memory and k = 14, 270M, failed
+the host rule with 4.43 GB); the store's figure is
 ``store.peak_nbytes``, the peak over the steps, which counts the step's undo journal
 (freed by the next commit, so ``nbytes`` read after the steps misses it). The measured
 pool host-tier peak plus the optimizer's host bytes must be <= the host budget; the
@@ -199,6 +200,9 @@ def run_trial(spec: dict) -> dict:
                 "persistence_threshold": 0,
                 "max_reuse_distance": 0,
                 "collective_timeout_seconds": spec["timeout"],
+                # NVMe optimizer: the store's window and journal within the rest of the
+                # host budget (None: a quarter of the available memory).
+                "optimizer_host_budget_bytes": spec.get("optimizer_host_bytes"),
                 **engine_keys(spec),
             }
         )
@@ -315,6 +319,11 @@ def trial(side: str, k: int | None, args, deadline: float, cfg: dict | None = No
         * page_bytes(args),
         "host_bytes": args.host_mib * MIB,
         "pool_host_bytes": pool_host_bytes(cfg, args),
+        "optimizer_host_bytes": (
+            args.host_mib * MIB - pool_host_bytes(cfg, args)
+            if args.offload_optimizer == "nvme"
+            else None
+        ),
         "offload_optimizer": args.offload_optimizer,
         "engine": args.engine,
         "timeout": timeout,
@@ -362,9 +371,9 @@ def pool_host_bytes(cfg: dict, args) -> int:
 
     ``--offload-optimizer cpu``: the host budget minus the host optimizer states, which
     live outside the pool (Adam: 8 bytes/parameter, + ``OPT_MARGIN`` bytes for padding
-    and tile scratch). ``nvme``: half the host budget; the other half is room for the
-    NVMe optimizer store's streamed window and step journal (measured and judged, not
-    enforced: the store's allowance is not the run's budget yet). At least 64 pages."""
+    and tile scratch). ``nvme``: half the host budget; the other half is the NVMe
+    optimizer store's allowance for its streamed window and step journal (ZeroConfig
+    ``optimizer_host_budget_bytes``; its sub-groups shrink to fit). At least 64 pages."""
     page = page_bytes(args)
     if getattr(args, "offload_optimizer", "cpu") == "nvme":
         return max(64 * page, args.host_mib * MIB // 2 // page * page)

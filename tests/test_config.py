@@ -55,6 +55,7 @@ EXPECTED_DEFAULTS = {
     "headroom_fraction": 0.1,  # issue #21 item 3 (device_budget_bytes="auto")
     "tile_size": None,  # issue #17 item 1 (memory-centric tiling; None: off, 'auto')
     "activation_checkpointing": False,  # issue #17 (blocks recomputed in backward)
+    "optimizer_host_budget_bytes": None,  # issue #17 (the NVMe optimizer store's host bytes)
 }
 
 

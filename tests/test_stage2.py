@@ -359,3 +359,44 @@ def test_stage2_telemetry_counts_gradient_shard(tmp_path):
         tensor_util.make_ndarray(acc.Tensors(metadata.TAG_RUN_INFO)[-1].tensor_proto).item()
     )
     assert info["reduce_scatter_impl"] == "all_to_all"  # the implementation stage 2 ran
+
+
+def test_optimizer_host_budget_bounds_the_nvme_store_and_changes_no_result(tmp_path):
+    """``optimizer_host_budget_bytes`` is the NVMe optimizer store's host allowance: a
+    Dense(256)'s Adam shards (32 896 elements per replica, 3 pages of 64 KiB per slot)
+    under the window of one-page sub-groups stream in 3 sub-groups, the store's host peak
+    (window + journal copies) stays within the allowance, and the losses equal those with
+    the default allowance (the update is elementwise) bitwise."""
+    from zero_runtime.optim.nvme_state import window_bytes
+
+    page = 65536
+    budget = window_bytes(page // 4, 2, 2, page)  # 4 one-page sub-groups x 2 slots x 2
+    rng = np.random.RandomState(2)
+    x = rng.standard_normal((48, 256)).astype("float32")
+    y = rng.standard_normal((48, 256)).astype("float32")
+    runs = {}
+    for allowance in (None, budget):
+        strategy = zero_runtime.ZeroInfinityStrategy(
+            {
+                "stage": 2,
+                "offload_optimizer": "nvme",
+                "nvme_path": str(tmp_path / f"nvme{allowance}"),
+                "page_size_bytes": page,
+                "optimizer_host_budget_bytes": allowance,
+            }
+        )
+        (tmp_path / f"nvme{allowance}").mkdir()
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((256,)), keras.layers.Dense(256)])
+            model.compile(optimizer="adam", loss="mse")
+        hist = model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+        store = model.optimizer.zero_state.store
+        runs[allowance] = (hist.history["loss"], store.sub_group_size, store.peak_nbytes)
+        scratch = sum(a.nbytes for rec in store._replicas.values() for a in rec.scratch or ())  # noqa: SLF001
+        strategy.close()
+    (free_losses, free_group, _), (losses, group, peak) = runs[None], runs[budget]
+    print(f"sub-groups {free_group} -> {group} elements, store host peak {peak} B")
+    assert free_group == 32_896 and group == page // 4
+    assert 0 < peak <= budget + scratch
+    assert losses == free_losses

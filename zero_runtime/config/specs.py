@@ -111,6 +111,7 @@ SPECS: Mapping[str, KeySpec] = MappingProxyType(
         "headroom_fraction": KeySpec("float", "", 0.0, 0.9),
         "tile_size": KeySpec("int", "elements", 1, COUNT_MAX, nullable=True, auto=True),
         "activation_checkpointing": KeySpec("bool", ""),
+        "optimizer_host_budget_bytes": KeySpec("int", "bytes", 1, None, nullable=True),
     }
 )
 

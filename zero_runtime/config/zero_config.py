@@ -124,6 +124,14 @@ class ZeroConfig:
             inside is gathered three times per step instead of two. bool. Default False.
             DeepSpeed: ``activation_checkpointing`` configures
             ``deepspeed.checkpointing.checkpoint``, which the model code calls per block.
+        optimizer_host_budget_bytes: with ``offload_optimizer='nvme'``, the host bytes the
+            NVMe optimizer-state store may hold: its streamed window (4 sub-groups of
+            every state buffer of every local replica; ``sub_group_size`` is reduced to
+            fit) and the step journal's host copies (the rest journalled through NVMe).
+            Apart from ``host_budget_bytes`` (the parameter pool's host tier at stage 3).
+            int >= page_size_bytes, or None (default): a quarter of the host's available
+            memory when the optimizer is built. DeepSpeed bounds the same window by
+            ``offload_optimizer.buffer_count`` and ``sub_group_size``.
 
     Raises:
         ZeroConfigError: on construction, for a value of the wrong type (bool is never an
@@ -158,6 +166,7 @@ class ZeroConfig:
     headroom_fraction: float = 0.1
     tile_size: int | None = None
     activation_checkpointing: bool = False
+    optimizer_host_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -195,7 +204,12 @@ class ZeroConfig:
                     value=None,
                     accepted="a non-empty string path when an offload is 'nvme'",
                 )
-        for key in ("device_budget_bytes", "host_budget_bytes", "nvme_budget_bytes"):
+        for key in (
+            "device_budget_bytes",
+            "host_budget_bytes",
+            "nvme_budget_bytes",
+            "optimizer_host_budget_bytes",
+        ):
             budget = getattr(self, key)
             if budget is not None and budget != "auto" and budget < self.page_size_bytes:
                 raise ZeroConfigError(

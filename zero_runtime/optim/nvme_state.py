@@ -99,7 +99,8 @@ class StreamWindow:
         sub_group_size: elements per sub-group (``<=`` the requested size).
         journal_host_limit: host bytes one replica's step journal may hold in numpy (what
             the window leaves of the allowance, split evenly over the replicas; >= 0).
-        pool_host_bytes: the pool's host tier, bytes: the budget given, else the window.
+        pool_host_bytes: the pool's host tier, bytes: the window (the journal's host
+            copies take the rest of the allowance).
     """
 
     sub_group_size: int
@@ -128,7 +129,7 @@ def stream_window(
         n_slots: state buffers per element.
         sub_group_size: the requested elements per sub-group (>= 1).
         page_size_bytes: the pool's page size, bytes.
-        host_budget_bytes: the pool's host tier, bytes, or None.
+        host_budget_bytes: the store's host allowance, bytes, or None.
 
     Returns:
         The :class:`StreamWindow` (sub-group elements, journal and pool bytes).
@@ -159,7 +160,9 @@ def stream_window(
     return StreamWindow(
         sub_group_size=sub_group,
         journal_host_limit=max(0, allowed - window) // layout.num_shards,
-        pool_host_bytes=window if host_budget_bytes is None else host_budget_bytes,
+        # The pool holds the window; the journal's host copies take the rest of the
+        # allowance (the pool sized to the whole allowance would let both fill it).
+        pool_host_bytes=window,
     )
 
 
@@ -182,8 +185,10 @@ class NvmeOptimizerState(StateTransactions):
         nvme_path: an existing writable directory for the pool's slab file.
         sub_group_size: elements per sub-group (int >= 1; DeepSpeed's ``sub_group_size``).
         page_size_bytes: pool page size, bytes (power of two >= 64 KiB).
-        host_budget_bytes: the pool's host tier, bytes, or None (default) for room for
-            ``4`` sub-groups of every slot for every local replica (:func:`window_bytes`).
+        host_budget_bytes: the host bytes the store may hold (ZeroConfig
+            ``optimizer_host_budget_bytes``): its pool's host tier, the window of ``4``
+            sub-groups of every slot for every local replica (:func:`window_bytes`), and
+            the step journal's host copies in what the window leaves; or None (default).
             The sub-group is reduced (:func:`bounded_subgroup`) when those would not fit
             this budget, or, without one, :data:`WINDOW_SHARE` of the available host
             memory: so the host holds a bounded window of the states at any

@@ -267,6 +267,7 @@ class _PartitionedUpdate(FlatShardUpdate, ShardedUpdate, TransactionalUpdate):
                 nvme_path=str(config.nvme_path),
                 sub_group_size=config.sub_group_size,
                 page_size_bytes=config.page_size_bytes,
+                host_budget_bytes=config.optimizer_host_budget_bytes,
                 nvme_budget_bytes=config.nvme_budget_bytes,
                 prefix=f"{type(self).__name__}{next(_OPTIMIZER_IDS)}",
             )
