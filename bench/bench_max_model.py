@@ -30,8 +30,14 @@ Sides:
   block keeps its input only and is recomputed in backward), each unit's gradient shard,
   tiled kernels included, handed to the host optimizer during backward; no int
   ``device_budget_bytes`` (it would keep the chain on the block engine).
-  ``--engine blocks`` (default; bench/results/max_model.json: 131M parameters): the
-  block engine. Measured with ``--engine units --offload-optimizer nvme`` (session 13,
+  ``--engine blocks`` (default; the max_model.json of 2026-11-30: 131M parameters): the
+  block engine. ``bench/results/max_model.json`` (2026-12-04) is the units engine's,
+  ``--engine units --offload-optimizer nvme --pool-device-fraction 1.0 --stage3-start-k
+  12`` (1 MiB pages, tile_size 2M elements): k = 13 (216.7M) fits, step 18.1 s after a
+  188 s trace, device step peak 100 MB, RSS 10.0 GB; k = 14 and 16 (270M, 404M) trained
+  (28 s, 36 s per step) but failed the host rule (4.4 / 6.2 GB: the store's allowance was
+  still 25% of the available memory; ``optimizer_host_budget_bytes`` since). Measured
+  with ``--engine units --offload-optimizer nvme`` (session 13,
   load 2-3 with a test run beside it): k = 12 (170.5M) did not finish its 2 steps in
   1500 s; its device peak is not what stops it (bench_units_peak: 0.58 bytes per
   parameter at k = 10 with tiles and checkpointing), its host work is (the NVMe
