@@ -36,7 +36,13 @@ Sides:
   12`` (1 MiB pages, tile_size 2M elements): k = 13 (216.7M) fits, step 18.1 s after a
   188 s trace, device step peak 100 MB, RSS 10.0 GB; k = 14 and 16 (270M, 404M) trained
   (28 s, 36 s per step) but failed the host rule (4.4 / 6.2 GB: the store's allowance was
-  still 25% of the available memory; ``optimizer_host_budget_bytes`` since). Measured
+  still 25% of the available memory; ``optimizer_host_budget_bytes`` since). Then k = 22
+  (1,048,315,392 parameters, d_model 1408, 44 blocks), ``--stage3-start-k 22``, alone on
+  the machine: with tiles of 2M elements it trained its 2 steps (560 s wall with
+  construction and trace) but its device step peak was 270,940,160 B, 0.9% over the
+  268,435,456 B budget (does not fit); with tiles of 1M (``--pool-device-fraction 0.5``)
+  the host killed it at 24 GB RSS (20 GB anonymous + the pools' 4.2 GB mmaps) after
+  1048 s: more tiles, a larger traced graph. Neither run wrote a results file. Measured
   with ``--engine units --offload-optimizer nvme`` (session 13,
   load 2-3 with a test run beside it): k = 12 (170.5M) did not finish its 2 steps in
   1500 s; its device peak is not what stops it (bench_units_peak: 0.58 bytes per
