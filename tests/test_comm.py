@@ -327,8 +327,10 @@ def test_watchdog_aborts_once_when_a_deadline_passes():
 
 def test_watchdog_drops_stale_traced_deadlines_instead_of_aborting():
     """A traced collective whose step failed never disarms: its deadline is dropped when a
-    later collective on the same ordering token is armed, or when it falls due while no
-    tf.function runs; it aborts only while one runs."""
+    later collective on the same ordering token is armed, when it falls due while no
+    tf.function runs, or when it falls due after a collective armed later (on another
+    token: another test's model) completed; it aborts only while a function runs and no
+    later collective completes."""
     calls: list[str] = []
     running = [False]
     dog = comm.CollectiveWatchdog(abort=calls.append, executing=lambda: running[0])
@@ -342,6 +344,12 @@ def test_watchdog_drops_stale_traced_deadlines_instead_of_aborting():
         time.sleep(0.05)
     assert dog.stale_dropped == 1 and dog.armed == 0 and calls == []
     running[0] = True
+    dog.arm("k5", 0.2, "a failed step's, due while another step runs", scope=3, traced=True)
+    dog.arm("k6", 5.0, "the other step's", scope=4, traced=True)
+    dog.disarm("k6")  # armed after k5, completed: collectives progress past k5
+    while dog.stale_dropped == 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert dog.stale_dropped == 2 and dog.armed == 0 and calls == []
     dog.arm("k4", 0.2, "stalled", scope=2, traced=True)
     while not calls and time.monotonic() < deadline:
         time.sleep(0.05)

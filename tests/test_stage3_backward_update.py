@@ -17,16 +17,14 @@ step's end.
 from __future__ import annotations
 
 import functools
-import json
 import os
-import subprocess
-import sys
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 from helpers import any_models as am
+from helpers.jobs import run_json_jobs
 
 import zero_runtime
 from demo.model import GPTConfig, build_gpt
@@ -139,20 +137,19 @@ def test_supported_only_where_every_shard_is_not_needed_first(tmp_path, cpu_devi
         backward_update.BackwardShardUpdate(zero_runtime.optim.Adam(1e-3), 0)
 
 
-def _peak(mode: str, tmp_path) -> dict:
-    out = tmp_path / f"{mode}.json"
-    proc = subprocess.run(
-        [sys.executable, JOB, str(out), mode], capture_output=True, text=True, timeout=300
+def _peaks(modes: tuple[str, ...], tmp_path) -> list[dict]:
+    """Each mode's record, the jobs run side by side in fresh processes."""
+    return run_json_jobs(
+        [([JOB, str(tmp_path / f"{m}.json"), m], tmp_path / f"{m}.json") for m in modes],
+        timeout=300,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
 
 
 def test_gradient_shards_are_freed_during_backward(tmp_path):
     """The step's allocator peak with the update in backward is lower than with the
     end-of-step update by at least the gradient shards' bytes (4 x parameters, both
     replicas), with identical losses."""
-    bwd, end = _peak("backward", tmp_path), _peak("end", tmp_path)
+    bwd, end = _peaks(("backward", "end"), tmp_path)
     print(f"step peak: update in backward {bwd['peak']} B, at the step's end {end['peak']} B")
     assert bwd["update_in_backward"] is True and end["update_in_backward"] is False
     assert bwd["params"] == end["params"] == 2_449_408

@@ -21,15 +21,13 @@ backward. Shown here:
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import keras
 import numpy as np
 import pytest
 from helpers import any_models as am
+from helpers.jobs import run_json_jobs
 from helpers.mirrored import Mirrored
 
 import zero_runtime
@@ -158,14 +156,10 @@ def test_checkpointing_lowers_a_deep_gpts_step_peak(tmp_path):
     vs 32.2 MB, 0.21), with the same loss to float32 rounding (the block input's
     gradient, summed over its residual and normalization paths inside the recompute's
     tape, rounds differently: measured 1.1e-7 relative)."""
-    rec = {}
-    for ck in (0, 1):
-        out = tmp_path / f"ck{ck}.json"
-        proc = subprocess.run(
-            [sys.executable, JOB, str(out), str(ck)], capture_output=True, text=True, timeout=600
-        )
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        rec[ck] = json.loads(out.read_text())
+    jobs = [
+        ([JOB, str(tmp_path / f"ck{ck}.json"), str(ck)], tmp_path / f"ck{ck}.json") for ck in (0, 1)
+    ]
+    rec = dict(enumerate(run_json_jobs(jobs)))
     print(rec)
     assert rec[1]["blocks"] == 17 and rec[0]["blocks"] == 0
     assert rec[1]["loss"] == pytest.approx(rec[0]["loss"], rel=1e-6)

@@ -29,12 +29,10 @@ per layer over the global batch ``B``.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
+from helpers.jobs import run_json_jobs
 
 JOB = os.path.join(os.path.dirname(__file__), "helpers", "units_peak_job.py")
 N = 2  # replicas (conftest.TEST_REPLICAS; the job configures its own two)
@@ -42,16 +40,17 @@ WIDTH, BATCH = 512, 8  # units_peak_job.WIDTH, BATCH
 UNITS_PER_STEP = 4  # gathered, its gradient, the flat gradient, the receive buffer
 
 
-def _peak(tmp_path, kind: str, depth: int) -> dict:
-    out = tmp_path / f"{kind}{depth}.json"
-    proc = subprocess.run(
-        [sys.executable, JOB, str(out), kind, str(depth), "cpu"],
-        capture_output=True,
-        text=True,
-        timeout=600,
+def _peaks(tmp_path, kind: str, depths: tuple[int, ...]) -> list[dict]:
+    """Each depth's record, the jobs run side by side in fresh processes."""
+    return run_json_jobs(
+        [
+            (
+                [JOB, str(tmp_path / f"{kind}{d}.json"), kind, str(d), "cpu"],
+                tmp_path / f"{kind}{d}.json",
+            )
+            for d in depths
+        ]
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
 
 
 def _activations(depth: int) -> int:
@@ -62,7 +61,7 @@ def _activations(depth: int) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["chain", "residual"])
 def test_a_units_step_peaks_at_a_few_units_whatever_the_depth(kind, tmp_path):
-    shallow, deep = _peak(tmp_path, kind, 8), _peak(tmp_path, kind, 24)
+    shallow, deep = _peaks(tmp_path, kind, (8, 24))
     unit = deep["unit_bytes"]
     print(
         f"{kind}: step peak 8 layers {shallow['peak']} B ({shallow['peak'] / (N * unit):.2f} "

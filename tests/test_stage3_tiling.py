@@ -22,15 +22,13 @@ forward and backward (ZeRO-Infinity, SC21, section 5.1.3). Shown here:
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import keras
 import numpy as np
 import pytest
 from helpers import any_models as am
+from helpers.jobs import run_json_jobs
 from helpers.mirrored import Mirrored
 
 import zero_runtime
@@ -205,13 +203,15 @@ def test_tiled_layers_inside_a_model_train_like_mirrored(cpu_devices):
     assert worst <= 1e-5
 
 
-def _peak(tile_size: int, tmp_path) -> dict:
-    out = tmp_path / f"tile{tile_size}.json"
-    proc = subprocess.run(
-        [sys.executable, JOB, str(out), str(tile_size)], capture_output=True, text=True, timeout=300
+def _peaks(tile_sizes: tuple[int, ...], tmp_path) -> list[dict]:
+    """Each tile size's record, the jobs run side by side in fresh processes."""
+    return run_json_jobs(
+        [
+            ([JOB, str(tmp_path / f"tile{t}.json"), str(t)], tmp_path / f"tile{t}.json")
+            for t in tile_sizes
+        ],
+        timeout=300,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
 
 
 @pytest.mark.slow
@@ -224,7 +224,7 @@ def test_a_tiled_layers_device_peak_is_bounded_by_its_tiles(tmp_path):
     the kernel's bytes over both replicas: the tiles' reduced pieces, their
     concatenation, the update's concatenation; 3 allowed) plus the tile allowance, and
     below 0.7 of the untiled step's (5 times the kernel)."""
-    untiled, tiled = _peak(0, tmp_path), _peak(262_144, tmp_path)
+    untiled, tiled = _peaks((0, 262_144), tmp_path)
     kernel = 4 * tiled["kernel_elements"]
     tile = 4 * tiled["tile_elements"]
     print(f"untiled {untiled}\ntiled {tiled}")

@@ -74,6 +74,7 @@ class _Deadline:
     lane: object = None  # the replica's device (interval listeners' lane), or None
     postpone: bool = False  # a step's deadline: restarted while no tf.function executes
     builds: int = 0  # traced_builds when a step's deadline was armed
+    seq: int = 0  # arm order (CollectiveWatchdog.armed_total when armed)
 
 
 class CollectiveWatchdog:
@@ -82,9 +83,13 @@ class CollectiveWatchdog:
     A traced collective's disarm never runs when its step fails first (TensorFlow cancels
     the step's pending ops), so a traced deadline is dropped, not enforced, when it is
     stale: when a later collective on the same ordering token is armed (the token runs
-    one at a time, so the earlier one has ended), or when it falls due while no thread
-    of the process is running a ``tf.function`` (no step, so no collective of a step, is
-    pending).
+    one at a time, so the earlier one has ended); when it falls due while no thread of
+    the process is running a ``tf.function`` (no step, so no collective of a step, is
+    pending); or when it falls due after a traced collective armed later than it has
+    completed (the process's collectives make progress past it: a stalled collective
+    blocks its peers, so nothing armed after it completes). Without the last rule a
+    failed step's deadline aborted the collectives of whatever step ran when it fell due
+    (CI of 2026-12-04: 144 tests of one pytest process failed after one such abort).
 
     Args:
         abort: called with the message when a deadline passes (default: abort this
@@ -117,6 +122,7 @@ class CollectiveWatchdog:
         self.deadlines_started = 0
         self.stale_dropped = 0
         self.traced_builds = 0
+        self._done_seq = 0  # the largest seq of a traced deadline disarmed so far
         self._outside_steps = 0  # step_deadline blocks open (guard builds unguarded then)
         self._listeners: list[Callable[[], Callable[[object, float, float], None] | None]] = []
 
@@ -179,6 +185,7 @@ class CollectiveWatchdog:
                 scope if lane is None else lane,
                 postpone,
                 self.traced_builds,
+                self.deadlines_started + 1,
             )
             self.deadlines_started += 1
             if self._thread is None:
@@ -193,6 +200,8 @@ class CollectiveWatchdog:
         """End the deadline of collective ``key`` (it completed); unknown keys are ignored."""
         with self._cond:
             done = self._deadlines.pop(key, None)
+            if done is not None and done.traced:
+                self._done_seq = max(self._done_seq, done.seq)
             refs = list(self._listeners) if done is not None and done.traced else ()
         if refs:
             end = time.time()
@@ -284,7 +293,7 @@ class CollectiveWatchdog:
                         first, due=time.monotonic() + first.seconds
                     )
                     continue
-                if first.traced and not self._executing():
+                if first.traced and (self._done_seq > first.seq or not self._executing()):
                     del self._deadlines[key]  # its step failed before the disarm
                     self.stale_dropped += 1
                     continue
