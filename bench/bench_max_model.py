@@ -102,6 +102,22 @@ pool host-tier peak plus the optimizer's host bytes must be <= the host budget; 
 process peak RSS is reported too. A trial that times out
 (``--trial-timeout``), is killed (host OOM) or raises does not fit.
 
+Host memory beyond the budgets: each trial also records the process's RSS after
+construction and after each step (``rss_bytes``, psutil) and its peak (``max_rss_bytes``).
+The host rule above counts only what the runtime budgets (its pool and optimizer store);
+the rest of the RSS (TensorFlow and Keras, the traced step's graphs, the host update's
+temporaries) is reported, not judged. Measured 2026-12-04 (units engine, NVMe parameters
+and optimizer, batch 2): k = 6 (21.5M) RSS 0.70 GB after construction, 1.91 GB after the
+first (tracing) step, peak 2.35 GB, pool + store 0.44 GB; k = 8 (50.7M) 0.80 / 2.65 /
+3.69 GB, pool + store 1.0 GB, the peak in the second step while the NVMe store journals a
+sub-group.
+
+I/O lower bound (``largest_stage3_io``): the largest stage-3 run's last step against the
+time its disk bytes need at fio's bandwidth at the pool's queue depth (``io_lower_bound``;
+bytes from ``/proc/self/io``, per step: ``disk_bytes_per_step``). k = 4 (6.5M, parameters
+in the host window): 51.7 MB read and 51.7 MB written per step (the Adam moments), 0.47 s
+per step, 4.6x the bound's 0.10 s.
+
 Search per side: k doubles the parameter count (next k with >= 2x parameters) until a
 trial fails, then bisects k (parameters are monotone in k) between the last fit and the
 first failure. Trials stop when the total time (``--total-minutes``) would be exceeded.
@@ -158,6 +174,56 @@ def gpt_params(cfg: dict) -> int:
 
 
 # -- one trial (runs in its own subprocess) --------------------------------------------------
+def _rss() -> int:
+    """This process's resident set size now, bytes (psutil)."""
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def _disk_io() -> tuple[int, int]:
+    """``(read_bytes, write_bytes)`` this process has made the storage layer fetch and
+    send so far (``/proc/self/io``; the pools' O_DIRECT page I/O is all of it during a
+    step); ``(0, 0)`` where the file does not exist."""
+    try:
+        with open("/proc/self/io") as f:
+            fields = dict(line.split(": ") for line in f.read().splitlines())
+    except OSError:
+        return 0, 0
+    return int(fields["read_bytes"]), int(fields["write_bytes"])
+
+
+def io_lower_bound(rec: dict) -> dict | None:
+    """The largest stage-3 run's last step against the time its disk bytes need.
+
+    Bytes: the step's ``/proc/self/io`` read and write deltas (``rec["disk_bytes_per_step"]``).
+    Bandwidth: fio's at the pool's queue depth, ``bench/results/paging.json``
+    (``fio.at_pool_depth``, measured on this machine by ``bench/bench_paging.py``).
+    Bound = read / read bandwidth + write / write bandwidth (one disk serves both; seconds).
+    Returns None when the record or the fio figures are missing."""
+    disk = rec.get("disk_bytes_per_step")
+    paging = ROOT / "bench" / "results" / "paging.json"
+    if not disk or not disk["read"] or not paging.exists():
+        return None
+    fio = json.loads(paging.read_text())["fio"]["at_pool_depth"]
+    read, write = disk["read"][-1], disk["write"][-1]
+    bound = read / fio["read_bytes_per_second"] + write / fio["write_bytes_per_second"]
+    step = rec["step_seconds"][-1]
+    return {
+        "k": rec["k"],
+        "params": rec["params"],
+        "step_seconds": step,
+        "disk_read_bytes": read,
+        "disk_write_bytes": write,
+        "fio_bytes_per_second": fio,
+        "fio_date": json.loads(paging.read_text()).get("date"),
+        "bound_seconds": bound,
+        "step_over_bound": step / bound if bound else None,
+        "goal": 2.0,
+        "goal_met": bool(bound) and step / bound <= 2.0,
+    }
+
+
 def run_trial(spec: dict) -> dict:
     """Train ``spec["steps"]`` steps of the model ``spec["cfg"]`` on side ``spec["side"]``.
 
@@ -226,20 +292,30 @@ def run_trial(spec: dict) -> dict:
         trained = sharded
     out["params"] = int(sum(math.prod(w.shape) for w in model.trainable_weights))
     out["construct_seconds"] = time.perf_counter() - t0
+    rss = out["rss_bytes"] = {"after_construction": _rss(), "after_step": []}
+    disk: dict[str, list[int]] = {"read": [], "write": []}
     out["construct_peak_bytes"] = tf.config.experimental.get_memory_info("CPU:0")["peak"]
     tf.config.experimental.reset_memory_stats("CPU:0")
     out["before_step_bytes"] = tf.config.experimental.get_memory_info("CPU:0")["current"]
     times: list[float] = []
     marks = {}
     cb = keras.callbacks.LambdaCallback(
-        on_train_batch_begin=lambda b, logs: marks.__setitem__("t", time.perf_counter()),
-        on_train_batch_end=lambda b, logs: times.append(time.perf_counter() - marks["t"]),
+        on_train_batch_begin=lambda b, logs: (
+            marks.__setitem__("io", _disk_io()),
+            marks.__setitem__("t", time.perf_counter()),
+        ),
+        on_train_batch_end=lambda b, logs: (
+            times.append(time.perf_counter() - marks["t"]),
+            rss["after_step"].append(_rss()),
+            [disk[d].append(n - m) for d, n, m in zip(disk, _disk_io(), marks["io"])],
+        ),
     )
     hist = trained.fit(ds, epochs=1, verbose=0, callbacks=[cb])
     info = tf.config.experimental.get_memory_info("CPU:0")
     out["step_peak_bytes"] = int(info["peak"])
     out["after_step_bytes"] = int(info["current"])
     out["step_seconds"] = times
+    out["disk_bytes_per_step"] = disk
     out["loss"] = float(hist.history["loss"][-1])
     out["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if side == "mirrored":
@@ -638,6 +714,7 @@ def main() -> None:
             for s, t in first_fail.items()
         },
         "model_states_device_ratio": ratio,
+        "largest_stage3_io": io_lower_bound(best["stage3"]) if best["stage3"] else None,
         "total_seconds": round(time.perf_counter() - start, 1),
         "trials": trials,
     }
