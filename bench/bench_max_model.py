@@ -112,6 +112,23 @@ first (tracing) step, peak 2.35 GB, pool + store 0.44 GB; k = 8 (50.7M) 0.80 / 2
 3.69 GB, pool + store 1.0 GB, the peak in the second step while the NVMe store journals a
 sub-group.
 
+``bench/results/max_model.json`` of 2026-12-04 16:07 (``--engine units --offload-optimizer
+nvme --pool-device-fraction 1.0 --stage3-start-k 22 --batch 2 --total-minutes 21
+--trial-timeout 1500``, the machine otherwise idle): k = 22, 1,048,315,392 parameters
+(356 units, 88 tiled kernels) trains its 2 steps: device step peak 213.7 MB (budget 268.4
+MB), pool host peak 2.15 GB + NVMe store peak 2.08 GB (the host rule's 4 GiB, with
+``OPT_MARGIN`` left for the store's tile scratch), steps 406 s (tracing) and 95.9 s, loss
+6.45; 378x Mirrored's 2.77M. Its RSS: 1.31 GB after construction, 13.1 GB after each
+step, 18.4 GB at its peak: 9 to 14 GB more than the runtime's budgeted 4.2 GB (the host
+rule does not count it). Per step the disk read 20.7 GB (the parameters three times:
+forward, recompute, backward; the Adam moments once) and wrote 29.1 GB: the parameters
+and moments once (12.6 GB), the moments' undo journal (8.4 GB, past the store's host
+allowance it is written to NVMe) and ~8.1 GB, about twice the parameters, which is what
+rewriting clean pages costs: the pool keeps no copy of a page it read from NVMe (the
+NVMe slot is released at page-in), so every eviction of a parameter page read in the
+forward or the recompute writes it again. k = 28 (2.16B) started with 616 s left of the
+run and timed out.
+
 I/O lower bound (``largest_stage3_io``): the largest stage-3 run's last step against the
 time its disk bytes need at fio's bandwidth at the pool's queue depth (``io_lower_bound``;
 bytes from ``/proc/self/io``, per step: ``disk_bytes_per_step``). k = 4 (6.5M, parameters
