@@ -130,10 +130,14 @@ forward or the recompute writes it again. k = 28 (2.16B) started with 616 s left
 run and timed out.
 
 I/O lower bound (``largest_stage3_io``): the largest stage-3 run's last step against the
-time its disk bytes need at fio's bandwidth at the pool's queue depth (``io_lower_bound``;
-bytes from ``/proc/self/io``, per step: ``disk_bytes_per_step``). k = 4 (6.5M, parameters
-in the host window): 51.7 MB read and 51.7 MB written per step (the Adam moments), 0.47 s
-per step, 4.6x the bound's 0.10 s.
+time its disk bytes need at fio's bandwidth at the pool's queue depth and page size,
+measured on the NVMe directory in the same run before and after the stage-3 search
+(``disk_rates``, ``io_lower_bound``; bytes from ``/proc/self/io``, per step:
+``disk_bytes_per_step``). The fio figures of this virtual disk vary about 2x between
+runs (bench_paging, 2026-12-02 at load 8-12: 0.82 / 1.35 GB/s read / write at 4 MiB;
+2026-12-04 idle: 1.75 / 2.36 GB/s), so the bound is only fair against fio of the same run. k = 4 (6.5M, parameters in
+the host window): 51.7 MB read and 51.7 MB written per step (the Adam moments), 0.47 s
+per step, 4.6x the bound's 0.10 s at the 2026-12-02 figures.
 
 Search per side: k doubles the parameter count (next k with >= 2x parameters) until a
 trial fails, then bisects k (parameters are monotone in k) between the last fit and the
@@ -210,21 +214,44 @@ def _disk_io() -> tuple[int, int]:
     return int(fields["read_bytes"]), int(fields["write_bytes"])
 
 
-def io_lower_bound(rec: dict) -> dict | None:
+def disk_rates(directory: str, args) -> dict[str, float]:
+    """fio's write and read bytes/s on ``directory`` at the stage-3 pool's queue depth
+    (``min(io_threads, queue_depth)`` of ``PoolConfig``'s defaults) and block size (its
+    page, ``page_bytes(args)``), O_DIRECT, 256 MiB per job, libaio and psync
+    (``bench_paging.run_fio``); ``read`` / ``write`` the better engine of each."""
+    import dataclasses
+
+    import bench_paging as bp
+
+    from zero_runtime.memory.pool import PoolConfig
+
+    fields = {f.name: f.default for f in dataclasses.fields(PoolConfig)}
+    depth = min(int(fields["io_threads"]), int(fields["queue_depth"]))
+    runs: dict[str, float] = {"depth": depth, "block_bytes": page_bytes(args)}
+    for engine in ("libaio", "psync"):
+        write, read = bp.run_fio(
+            os.path.join(directory, "fio.bin"), 256 * MIB, depth, engine, page_bytes(args)
+        )
+        runs[f"{engine}_write"], runs[f"{engine}_read"] = write, read
+    runs["write"] = max(runs["libaio_write"], runs["psync_write"])
+    runs["read"] = max(runs["libaio_read"], runs["psync_read"])
+    return runs
+
+
+def io_lower_bound(rec: dict, fio: list[dict]) -> dict | None:
     """The largest stage-3 run's last step against the time its disk bytes need.
 
     Bytes: the step's ``/proc/self/io`` read and write deltas (``rec["disk_bytes_per_step"]``).
-    Bandwidth: fio's at the pool's queue depth, ``bench/results/paging.json``
-    (``fio.at_pool_depth``, measured on this machine by ``bench/bench_paging.py``).
-    Bound = read / read bandwidth + write / write bandwidth (one disk serves both; seconds).
-    Returns None when the record or the fio figures are missing."""
+    Bandwidth: fio's (:func:`disk_rates`), measured in the same run before and after the
+    stage-3 search, the mean of the two. Bound = read / read bandwidth + write / write
+    bandwidth (one disk serves both; seconds). Returns None when the record has no bytes
+    or no fio figures were taken."""
     disk = rec.get("disk_bytes_per_step")
-    paging = ROOT / "bench" / "results" / "paging.json"
-    if not disk or not disk["read"] or not paging.exists():
+    if not disk or not disk["read"] or not fio:
         return None
-    fio = json.loads(paging.read_text())["fio"]["at_pool_depth"]
+    used = {d: sum(f[d] for f in fio) / len(fio) for d in ("read", "write")}
     read, write = disk["read"][-1], disk["write"][-1]
-    bound = read / fio["read_bytes_per_second"] + write / fio["write_bytes_per_second"]
+    bound = read / used["read"] + write / used["write"]
     step = rec["step_seconds"][-1]
     return {
         "k": rec["k"],
@@ -232,8 +259,7 @@ def io_lower_bound(rec: dict) -> dict | None:
         "step_seconds": step,
         "disk_read_bytes": read,
         "disk_write_bytes": write,
-        "fio_bytes_per_second": fio,
-        "fio_date": json.loads(paging.read_text()).get("date"),
+        "fio_bytes_per_second": {"before_after": fio, "used": used},
         "bound_seconds": bound,
         "step_over_bound": step / bound if bound else None,
         "goal": 2.0,
@@ -679,7 +705,9 @@ def main() -> None:
             trials.append(mir_rec)
         if s3_rec["fits"] and mir_rec["fits"]:
             ratio = {"k": k_ratio, "params": s3_rec["params"], **states_ratio(s3_rec, mir_rec)}
+    fio = [disk_rates(args.nvme_path, args)]
     k_s3 = search("stage3", args, end, trials, args.stage3_start_k or k_ratio or args.start_k)
+    fio.append(disk_rates(args.nvme_path, args))
     best = {
         side: max((t for t in trials if t["side"] == side and t["fits"]), key=lambda t: t["k"])
         if any(t["side"] == side and t["fits"] for t in trials)
@@ -731,7 +759,7 @@ def main() -> None:
             for s, t in first_fail.items()
         },
         "model_states_device_ratio": ratio,
-        "largest_stage3_io": io_lower_bound(best["stage3"]) if best["stage3"] else None,
+        "largest_stage3_io": io_lower_bound(best["stage3"], fio) if best["stage3"] else None,
         "total_seconds": round(time.perf_counter() - start, 1),
         "trials": trials,
     }

@@ -135,9 +135,12 @@ def fio_available() -> str:
     return subprocess.run(["fio", "--version"], capture_output=True, text=True).stdout.strip()
 
 
-def run_fio(path: str, size: int, depth: int, engine: str) -> tuple[float, float]:
+def run_fio(
+    path: str, size: int, depth: int, engine: str, block: int = PAGE
+) -> tuple[float, float]:
     """One fio run of two jobs, as the pool's round trip: a sequential write of ``size``
-    bytes to a new, preallocated ``path`` in page-sized blocks, then (``stonewall``) a
+    bytes to a new, preallocated ``path`` in blocks of ``block`` bytes (default the pool's
+    default page, 4 MiB), then (``stonewall``) a
     sequential read of it, both O_DIRECT with ``depth`` I/Os in flight; returns (write,
     read) bytes/s.
 
@@ -161,7 +164,7 @@ def run_fio(path: str, size: int, depth: int, engine: str) -> tuple[float, float
     cmd = [
         "fio",
         f"--filename={path}",
-        f"--bs={PAGE}",
+        f"--bs={block}",
         "--direct=1",
         "--fallocate=native",
         "--output-format=json",
