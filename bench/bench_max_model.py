@@ -135,9 +135,10 @@ measured on the NVMe directory in the same run before and after the stage-3 sear
 (``disk_rates``, ``io_lower_bound``; bytes from ``/proc/self/io``, per step:
 ``disk_bytes_per_step``). The fio figures of this virtual disk vary about 2x between
 runs (bench_paging, 2026-12-02 at load 8-12: 0.82 / 1.35 GB/s read / write at 4 MiB;
-2026-12-04 idle: 1.75 / 2.36 GB/s), so the bound is only fair against fio of the same run. k = 4 (6.5M, parameters in
-the host window): 51.7 MB read and 51.7 MB written per step (the Adam moments), 0.47 s
-per step, 4.6x the bound's 0.10 s at the 2026-12-02 figures.
+2026-12-04 idle: 1.75 / 2.36 GB/s), so the bound is only fair against fio of the same
+run. k = 4 (6.5M, parameters in the host window): 51.7 MB read and 51.7 MB written per
+step (the Adam moments), 0.47 s per step, 4.6x the bound's 0.10 s at the 2026-12-02
+figures.
 
 Search per side: k doubles the parameter count (next k with >= 2x parameters) until a
 trial fails, then bisects k (parameters are monotone in k) between the last fit and the
