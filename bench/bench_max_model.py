@@ -112,9 +112,12 @@ first (tracing) step, peak 2.35 GB, pool + store 0.44 GB; k = 8 (50.7M) 0.80 / 2
 3.69 GB, pool + store 1.0 GB, the peak in the second step while the NVMe store journals a
 sub-group.
 
-``bench/results/max_model.json`` of 2026-12-04 16:07 (``--engine units --offload-optimizer
-nvme --pool-device-fraction 1.0 --stage3-start-k 22 --batch 2 --total-minutes 21
---trial-timeout 1500``, the machine otherwise idle): k = 22, 1,048,315,392 parameters
+``bench/results/max_model.json`` of 2026-12-04 16:54 (``--engine units --offload-optimizer
+nvme --pool-device-fraction 1.0 --stage3-start-k 22 --batch 2 --total-minutes 14
+--trial-timeout 1500``, the machine otherwise idle; the same figures within 5% as a run
+at 16:07): step 101.1 s = 4.8x its I/O lower bound with fio measured in the run (2.30 /
+2.46 GB/s read / write at depth 4, 1 MiB blocks; 21.3 GB read, 29.6 GB written). The
+16:07 run: k = 22, 1,048,315,392 parameters
 (356 units, 88 tiled kernels) trains its 2 steps: device step peak 213.7 MB (budget 268.4
 MB), pool host peak 2.15 GB + NVMe store peak 2.08 GB (the host rule's 4 GiB, with
 ``OPT_MARGIN`` left for the store's tile scratch), steps 406 s (tracing) and 95.9 s, loss
