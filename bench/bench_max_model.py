@@ -208,38 +208,26 @@ def _rss() -> int:
 
 def _disk_io() -> tuple[int, int]:
     """``(read_bytes, write_bytes)`` this process has made the storage layer fetch and
-    send so far (``/proc/self/io``; the pools' O_DIRECT page I/O is all of it during a
-    step); ``(0, 0)`` where the file does not exist."""
-    try:
-        with open("/proc/self/io") as f:
-            fields = dict(line.split(": ") for line in f.read().splitlines())
-    except OSError:
-        return 0, 0
-    return int(fields["read_bytes"]), int(fields["write_bytes"])
+    send so far (psutil's ``io_counters``, ``/proc/self/io`` on Linux; the pools' O_DIRECT
+    page I/O is all of it during a step)."""
+    import psutil
+
+    io = psutil.Process().io_counters()
+    return int(io.read_bytes), int(io.write_bytes)
 
 
 def disk_rates(directory: str, args) -> dict[str, float]:
-    """fio's write and read bytes/s on ``directory`` at the stage-3 pool's queue depth
-    (``min(io_threads, queue_depth)`` of ``PoolConfig``'s defaults) and block size (its
-    page, ``page_bytes(args)``), O_DIRECT, 256 MiB per job, libaio and psync
-    (``bench_paging.run_fio``); ``read`` / ``write`` the better engine of each."""
-    import dataclasses
-
+    """fio's write and read bytes/s on ``directory`` at the stage-3 pool's queue depth and
+    block size (its page, ``page_bytes(args)``), 256 MiB per job
+    (``bench_paging.disk_rates``), with the depth and block recorded."""
     import bench_paging as bp
 
-    from zero_runtime.memory.pool import PoolConfig
-
-    fields = {f.name: f.default for f in dataclasses.fields(PoolConfig)}
-    depth = min(int(fields["io_threads"]), int(fields["queue_depth"]))
-    runs: dict[str, float] = {"depth": depth, "block_bytes": page_bytes(args)}
-    for engine in ("libaio", "psync"):
-        write, read = bp.run_fio(
-            os.path.join(directory, "fio.bin"), 256 * MIB, depth, engine, page_bytes(args)
-        )
-        runs[f"{engine}_write"], runs[f"{engine}_read"] = write, read
-    runs["write"] = max(runs["libaio_write"], runs["psync_write"])
-    runs["read"] = max(runs["libaio_read"], runs["psync_read"])
-    return runs
+    depth, block = bp.pool_io_depth(), page_bytes(args)
+    return {
+        "depth": depth,
+        "block_bytes": block,
+        **bp.disk_rates(directory, 256 * MIB, depth, block),
+    }
 
 
 def io_lower_bound(rec: dict, fio: list[dict]) -> dict | None:

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import datetime
 import json
 import logging
@@ -70,6 +71,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from zero_runtime.memory import PagedBufferPool  # noqa: E402
 from zero_runtime.memory import io as memory_io  # noqa: E402
 from zero_runtime.memory.checksum import ALGORITHM, HARDWARE, page_checksum  # noqa: E402
+from zero_runtime.memory.pool import PoolConfig  # noqa: E402
 
 MIB = 1 << 20
 PAGE = 4 * MIB  # bytes per page (the pool's default)
@@ -179,6 +181,26 @@ def run_fio(
     jobs = {job["jobname"]: job for job in json.loads(out[out.index("{") :])["jobs"]}
     os.unlink(path)
     return float(jobs["write"]["write"]["bw_bytes"]), float(jobs["read"]["read"]["bw_bytes"])
+
+
+def pool_io_depth() -> int:
+    """Page I/Os the pool keeps in flight: ``min(io_threads, queue_depth)`` at defaults."""
+    fields = {f.name: f.default for f in dataclasses.fields(PoolConfig)}
+    return min(int(fields["io_threads"]), int(fields["queue_depth"]))
+
+
+def disk_rates(directory: str, size: int, depth: int, block: int = PAGE) -> dict[str, float]:
+    """fio write and read bytes/s at ``depth`` in blocks of ``block`` bytes (:func:`run_fio`,
+    libaio and psync; ``read`` / ``write`` the better engine of each)."""
+    runs = {}
+    for engine in ("libaio", "psync"):
+        write, read = run_fio(os.path.join(directory, "fio.bin"), size, depth, engine, block)
+        runs[f"{engine}_write"], runs[f"{engine}_read"] = write, read
+    return {
+        **runs,
+        "write": max(runs["libaio_write"], runs["psync_write"]),
+        "read": max(runs["libaio_read"], runs["psync_read"]),
+    }
 
 
 def fio_round(directory: str, size: int, depths: list[int]) -> dict[str, float]:

@@ -36,7 +36,6 @@ Usage: ``.venv/bin/python bench/bench_stage3_nvme.py [--rounds R] [--steps N] [-
 from __future__ import annotations
 
 # isort: skip_file  (bench_step_time sets the environment before TensorFlow is imported)
-import dataclasses
 import json
 import os
 import statistics
@@ -51,31 +50,9 @@ import tensorflow as tf  # noqa: E402
 from helpers.reference_optimizers import DenseGradAdam  # noqa: E402  (bst put tests/ on the path)
 
 import zero_runtime  # noqa: E402
-from zero_runtime.memory.pool import PoolConfig  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "stage3_nvme.json"
 GOAL = 1.5  # issue #16: stage 3 with NVMe <= 1.5x the I/O lower bound of its bytes
-
-
-def pool_io_depth() -> int:
-    """Page I/Os the pool keeps in flight: ``min(io_threads, queue_depth)`` at defaults."""
-    fields = {f.name: f.default for f in dataclasses.fields(PoolConfig)}
-    return min(int(fields["io_threads"]), int(fields["queue_depth"]))
-
-
-def disk_rates(directory: str, size: int, depth: int) -> dict[str, float]:
-    """fio write and read bytes/s at ``depth`` (libaio and psync; the better of each)."""
-    import bench_paging as bp  # after bench_step_time has set the environment
-
-    runs = {}
-    for engine in ("libaio", "psync"):
-        write, read = bp.run_fio(os.path.join(directory, "fio.bin"), size, depth, engine)
-        runs[f"{engine}_write"], runs[f"{engine}_read"] = write, read
-    return {
-        **runs,
-        "write": max(runs["libaio_write"], runs["psync_write"]),
-        "read": max(runs["libaio_read"], runs["psync_read"]),
-    }
 
 
 def nvme_config(directory: str) -> dict:
@@ -125,10 +102,10 @@ def main() -> None:
 
     bp.fio_available()
     load_before = os.getloadavg()
-    depth = pool_io_depth()
+    depth = bp.pool_io_depth()
     ds = bst._data(args.steps, args.batch)  # noqa: SLF001
     with tempfile.TemporaryDirectory(prefix="stage3_nvme_", dir=os.getcwd()) as nvme:
-        disk_before = disk_rates(nvme, args.fio_size, depth)
+        disk_before = bp.disk_rates(nvme, args.fio_size, depth)
         mirrored = tf.distribute.MirroredStrategy(list(bst.DEVICES.devices))
         models = {"mirrored": bst.build_trained(mirrored, lambda: DenseGradAdam(1e-3), ds)}
         strategy = zero_runtime.ZeroInfinityStrategy(nvme_config(nvme))
@@ -147,7 +124,7 @@ def main() -> None:
                 if key == "stage3_nvme":
                     moved += pages[1:]  # the timed steps (time_steps drops the first)
         strategy.close()
-        disk_after = disk_rates(nvme, args.fio_size, depth)
+        disk_after = bp.disk_rates(nvme, args.fio_size, depth)
     read_bw = statistics.median([disk_before["read"], disk_after["read"]])
     write_bw = statistics.median([disk_before["write"], disk_after["write"]])
     n2h = statistics.median(p.get("n2h_bytes", 0.0) for p in moved)

@@ -50,7 +50,7 @@ holds (field meanings also in the file's ``breakdown_note``):
 - ``bound_seconds``, lower bounds of those bytes at this machine's bandwidths, measured
   in the same run before and after the steps (the median of the two): memcpy (bytes
   copied per second by ``np.copyto`` of 64 MiB, ``bench_host_adam.copy_bandwidth`` / 2)
-  and fio (``bench_stage3_nvme.disk_rates``: O_DIRECT, page-sized blocks, at the pool's
+  and fio (``bench_paging.disk_rates``: O_DIRECT, page-sized blocks, at the pool's
   queue depth). gather = (N-1) * all_gather_bytes / memcpy, reduce_scatter = (N-1)/N *
   reduce_scatter_bytes / memcpy, all_reduce = 2(N-1)/N * all_reduce_bytes / memcpy (the
   bytes each replica receives in a ring; nccl-tests ``PERFORMANCE.md`` bus bandwidth;
@@ -490,15 +490,14 @@ def main() -> None:
     ap.add_argument("--fio-size", type=int, default=256 << 20, help="bytes per fio job")
     args = ap.parse_args()
     import bench_paging as bp
-    import bench_stage3_nvme as b3n
 
     bp.fio_available()
     load_before = os.getloadavg()
     ds = _data(args.steps, args.batch)
     ds3 = _data(args.stage3_steps, args.batch)
     with tempfile.TemporaryDirectory(prefix="step_time_nvme_", dir=os.getcwd()) as nvme:
-        depth = b3n.pool_io_depth()
-        fio = [b3n.disk_rates(nvme, args.fio_size, depth)]
+        depth = bp.pool_io_depth()
+        fio = [bp.disk_rates(nvme, args.fio_size, depth)]
         memcpy = [memcpy_rate()]
         mirrored = tf.distribute.MirroredStrategy(list(DEVICES.devices))
         models = {"mirrored": build_trained(mirrored, lambda: DenseGradAdam(1e-3), ds)}
@@ -548,7 +547,7 @@ def main() -> None:
         }
         for strategy in strategies.values():
             strategy.close()
-        fio.append(b3n.disk_rates(nvme, args.fio_size, depth))
+        fio.append(bp.disk_rates(nvme, args.fio_size, depth))
         memcpy.append(memcpy_rate())
     medians = {name: statistics.median(t) for name, t in times.items()}
     base = medians["mirrored"]

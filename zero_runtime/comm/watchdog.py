@@ -74,7 +74,7 @@ class _Deadline:
     lane: object = None  # the replica's device (interval listeners' lane), or None
     postpone: bool = False  # a step's deadline: restarted while no tf.function executes
     builds: int = 0  # traced_builds when a step's deadline was armed
-    seq: int = 0  # arm order (CollectiveWatchdog.armed_total when armed)
+    seq: int = 0  # arm order (CollectiveWatchdog.deadlines_started once armed)
 
 
 class CollectiveWatchdog:
