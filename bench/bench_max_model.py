@@ -98,7 +98,9 @@ before that key the store took 25% of the available memory and k = 14, 270M, fai
 the host rule with 4.43 GB); the store's figure is
 ``store.peak_nbytes``, the peak over the steps, which counts the step's undo journal
 (freed by the next commit, so ``nbytes`` read after the steps misses it). The measured
-pool host-tier peak plus the optimizer's host bytes must be <= the host budget; the
+pool host-tier peak plus the optimizer's host bytes plus the peak of the gradient copies
+queued for the update in backward (``queued_gradient_peak_bytes``, bounded since session
+16 by ``backward_update.MAX_QUEUED_BYTES`` per replica) must be <= the host budget; the
 process peak RSS is reported too. A trial that times out
 (``--trial-timeout``), is killed (host OOM) or raises does not fit.
 
@@ -173,6 +175,9 @@ MIB = 1 << 20
 VOCAB, SEQ = 256, 32
 PAGE = 64 * 1024
 OPT_MARGIN = 64 * MIB
+# Host bytes of gradient copies the update in backward may queue, both replicas
+# (zero_runtime.optim.backward_update.MAX_QUEUED_BYTES each).
+QUEUE_BYTES = 2 * 64 * MIB
 
 
 def family_config(k: int) -> dict:
@@ -276,6 +281,7 @@ def run_trial(spec: dict) -> dict:
 
     import zero_runtime
     from demo.model import GPTConfig, build_gpt
+    from zero_runtime.optim import backward_update
 
     cfg = GPTConfig(**spec["cfg"])
     side = spec["side"]
@@ -373,6 +379,8 @@ def run_trial(spec: dict) -> dict:
         # next step's commit, so nbytes read now would miss it); the host store's
         # buffers are fixed (nbytes).
         out["optimizer_host_bytes"] = int(getattr(store, "peak_nbytes", store.nbytes))
+        # Gradient copies queued for the host update in backward (bounded per replica).
+        out["queued_gradient_peak_bytes"] = backward_update.peak_queued_bytes(sharded.optimizer)
         if engine.runner is None:  # the block engine
             out["max_block_elements"] = max(b.elements for b in engine.blocks)
             out["blocks"] = len(engine.blocks)
@@ -443,9 +451,10 @@ def trial(side: str, k: int | None, args, deadline: float, cfg: dict | None = No
         "host_bytes": args.host_mib * MIB,
         "pool_host_bytes": pool_host_bytes(cfg, args),
         # The store's peak counts its tile scratch beside the allowance: OPT_MARGIN for it
-        # (k=22 at batch 2 was 1 MiB over the host budget without).
+        # (k=22 at batch 2 was 1 MiB over the host budget without); the update queues'
+        # gradient copies take QUEUE_BYTES.
         "optimizer_host_bytes": (
-            args.host_mib * MIB - pool_host_bytes(cfg, args) - OPT_MARGIN
+            args.host_mib * MIB - pool_host_bytes(cfg, args) - OPT_MARGIN - QUEUE_BYTES
             if args.offload_optimizer == "nvme"
             else None
         ),
@@ -528,9 +537,15 @@ def judge(rec: dict, args) -> tuple[bool, str]:
     if peak > budget:
         return False, f"device: step peak {peak} > budget {budget} bytes"
     if rec["side"] == "stage3":
-        host = rec["pool_host_peak_bytes"] + rec["optimizer_host_bytes"]
+        host = (
+            rec["pool_host_peak_bytes"]
+            + rec["optimizer_host_bytes"]
+            + rec.get("queued_gradient_peak_bytes", 0)
+        )
         if host > args.host_mib * MIB:
-            return False, f"host: pool host peak + optimizer states {host} > budget"
+            return False, (
+                f"host: pool host peak + optimizer states + queued gradients {host} > budget"
+            )
     return True, "ok"
 
 

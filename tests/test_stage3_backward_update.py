@@ -52,8 +52,10 @@ def _optimizer(kind: str, **extra):
     return zero_runtime.optim.SGD(learning_rate=schedule, momentum=0.9, **extra)
 
 
-def _train(offload: str, kind: str, end_of_step: bool, tmp_path):
-    """(losses, weights, update_in_backward, store updates of replica 0, iterations)."""
+def _train(offload: str, kind: str, end_of_step: bool, tmp_path, peak: bool = False):
+    """(losses, weights, update_in_backward, store updates of replica 0, iterations).
+    ``peak``: also check the update queues' peak of queued gradient bytes, the largest
+    block's shard per replica (a queue that admits one block at a time)."""
     tmp_path.mkdir()
     strategy = zero_runtime.ZeroInfinityStrategy(
         {
@@ -89,6 +91,9 @@ def _train(offload: str, kind: str, end_of_step: bool, tmp_path):
         sharded.optimizer.zero_state.store.updates(0),
         int(sharded.optimizer.iterations.numpy()),
     )
+    if peak:
+        largest = sharded.engine.max_block_shard_elements
+        assert backward_update.peak_queued_bytes(sharded.optimizer) == 2 * 4 * largest
     sharded.close()
     strategy.close()
     return result
@@ -312,5 +317,48 @@ def test_units_path_updates_in_backward_like_the_end_of_step_update(cpu_devices)
     assert in_bwd is True and ref_in_bwd is False
     assert iters == ref_iters > 0
     assert losses == ref_losses and losses[-1] != losses[0]
+    for w, r in zip(weights, ref_weights):
+        np.testing.assert_array_equal(w, r)
+
+
+def test_update_queue_waits_for_room_before_copying_a_gradient():
+    """A replica's queue admits gradient copies up to its byte limit; the next host call
+    waits until an update ends and gives its bytes back; a block larger than the limit
+    goes alone once the queue is empty."""
+    import threading
+
+    queue = backward_update._UpdateQueue(0, limit=100)
+    release = threading.Event()
+    try:
+        queue.admit(80)
+        queue.submit(release.wait, nbytes=80)
+        admitted = threading.Event()
+        waiter = threading.Thread(target=lambda: (queue.admit(30), admitted.set()))
+        waiter.start()
+        assert not admitted.wait(0.3)  # 80 + 30 > 100: waits for the first update
+        assert queue.queued_bytes == 80
+        release.set()
+        assert admitted.wait(10)
+        waiter.join()
+        assert queue.queued_bytes == 30 and queue.peak_bytes == 80
+        queue.done(30)
+        queue.admit(500)  # larger than the limit, admitted alone on an empty queue
+        assert queue.queued_bytes == 500 and queue.peak_bytes == 500
+        queue.done(500)
+        assert queue.wait() is None and queue.queued_bytes == 0
+    finally:
+        release.set()
+        queue.shutdown()
+
+
+def test_bounded_update_queue_gives_the_same_weights(tmp_path, cpu_devices, monkeypatch):
+    """With the queue bounded to one block at a time (the host calls wait for every
+    update), the update in backward still equals the end-of-step update bitwise, and the
+    queued gradient bytes peak at the largest block's shard per replica."""
+    monkeypatch.setattr(backward_update, "MAX_QUEUED_BYTES", 1)
+    losses, weights, in_bwd, _, iters = _train("nvme", "adam", False, tmp_path / "a", peak=True)
+    ref_losses, ref_weights, _, _, ref_iters = _train("nvme", "adam", True, tmp_path / "b")
+    assert in_bwd is True and iters == ref_iters == STEPS
+    assert losses == ref_losses
     for w, r in zip(weights, ref_weights):
         np.testing.assert_array_equal(w, r)

@@ -12,8 +12,12 @@ gradient offload): a host call copies it (the device buffer is freed when the ca
 returns) and queues the block's update on the replica's update thread, which steps the
 optimizer block after block while backward goes on (the overlap of the optimizer step
 with backward, ZeRO-Infinity, Rajbhandari et al., SC21, section 6.2). The device never
-waits for the host optimizer, so a slow host update queues host copies, not device
-buffers.
+holds a gradient for the host optimizer: a slow host update queues host copies, not
+device buffers. The queued copies are bounded: past :data:`MAX_QUEUED_BYTES` per replica
+the host call waits for the update thread before copying (backpressure, as DeepSpeed's
+fixed set of offload buffers bounds its own), so the host holds at most that many bytes
+of queued gradients plus the one block being admitted, whatever the model's size
+(unbounded, a 1B-parameter model at NVMe speed queued most of its 4 GB gradient).
 
 The result is exactly the end-of-step update's: an element-wise optimizer (Adam, AdamW,
 SGD) updates each element from its own gradient and states with the step's scalars
@@ -66,6 +70,11 @@ from zero_runtime.lifecycle import (
     resources_of,
 )
 from zero_runtime.optim.device_state import DeviceOptimizerState
+
+MAX_QUEUED_BYTES = 64 << 20
+"""Host bytes of gradient copies one replica's update queue may hold before the next
+block's host call waits (bytes; a block larger than this is admitted alone, once the queue
+is empty). Four 16 MB MLP shards of a d_model-1408 model at 2 replicas."""
 
 
 def supported(optimizer: Any) -> bool:
@@ -164,10 +173,15 @@ class BackwardShardUpdate:
     def _host_enqueue(
         self, variables: tuple, grad: np.ndarray, _after, step, *scalars
     ) -> np.float32:
-        grad = np.array(grad, np.float32, copy=True)  # the input may alias the device buffer
-        _queue(self.optimizer, self.replica).submit(
-            self._host_update, variables, grad, int(step), scalars
-        )
+        queue = _queue(self.optimizer, self.replica)
+        nbytes = 4 * int(np.size(grad))
+        queue.admit(nbytes)  # waits while the queued copies exceed MAX_QUEUED_BYTES
+        try:
+            grad = np.array(grad, np.float32, copy=True)  # the input may alias the device buffer
+        except BaseException:
+            queue.done(nbytes)
+            raise
+        queue.submit(self._host_update, variables, grad, int(step), scalars, nbytes=nbytes)
         return np.float32(0.0)
 
     def _host_update(self, variables: tuple, grad: np.ndarray, step: int, scalars: tuple) -> None:
@@ -237,9 +251,12 @@ def close(optimizer: Any) -> int:
 
 
 class _UpdateQueue:
-    """One replica's update thread and the futures of its current step's updates."""
+    """One replica's update thread, the futures of its current step's updates and the
+    host bytes of the gradient copies they hold (``queued_bytes``, ``peak_bytes``:
+    bounded by ``limit``, default :data:`MAX_QUEUED_BYTES` read at construction, through
+    :meth:`admit`)."""
 
-    def __init__(self, replica: int) -> None:
+    def __init__(self, replica: int, limit: int | None = None) -> None:
         # One thread: a replica's block updates run one after the other (the store
         # updates a replica's shard one range at a time).
         self.executor = concurrent.futures.ThreadPoolExecutor(
@@ -247,10 +264,43 @@ class _UpdateQueue:
         )
         self.pending: list[concurrent.futures.Future] = []
         self.lock = threading.Lock()
+        self.limit = MAX_QUEUED_BYTES if limit is None else limit
+        self.queued_bytes = 0
+        self.peak_bytes = 0
+        self._room = threading.Condition(threading.Lock())
 
-    def submit(self, fn, *args) -> None:
+    def admit(self, nbytes: int) -> None:
+        """Reserve ``nbytes`` of queued gradient copies, first waiting until they fit
+        ``limit`` beside those queued (or none are: a larger block goes alone)."""
+        with self._room:
+            self._room.wait_for(
+                lambda: self.queued_bytes == 0 or self.queued_bytes + nbytes <= self.limit
+            )
+            self.queued_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.queued_bytes)
+
+    def done(self, nbytes: int) -> None:
+        """Give back ``nbytes`` reserved by :meth:`admit` (its update ended or failed)."""
+        with self._room:
+            self.queued_bytes -= nbytes
+            self._room.notify_all()
+
+    def submit(self, fn, *args, nbytes: int = 0) -> None:
+        """Queue ``fn(*args)`` on the thread; ``nbytes`` admitted bytes are given back
+        when it ends (its arguments are dropped then, so is the gradient copy)."""
+
+        def run() -> None:
+            try:
+                fn(*args)
+            finally:
+                self.done(nbytes)
+
         with self.lock:
-            self.pending.append(self.executor.submit(fn, *args))
+            try:
+                self.pending.append(self.executor.submit(run))
+            except BaseException:
+                self.done(nbytes)
+                raise
 
     def wait(self) -> BaseException | None:
         """Wait for the queued updates; forget them; return the first error (or None)."""
@@ -301,6 +351,13 @@ class _UpdateThreads:
                 self._queues[replica] = _UpdateQueue(replica)
             return self._queues[replica]
 
+    def peak_queued_bytes(self) -> int:
+        """The most host bytes of gradient copies the replicas' queues held at once,
+        summed over the replicas (each bounded by :data:`MAX_QUEUED_BYTES`, or by its
+        largest block when larger)."""
+        with self._lock:
+            return sum(q.peak_bytes for q in self._queues.values())
+
     def settle(self) -> int:
         """Wait for the queued updates of every replica, dropping their errors."""
         with self._lock:
@@ -336,6 +393,14 @@ def _queue(optimizer: Any, replica: int) -> _UpdateQueue:
             if owner is not None:
                 owner.adopt(threads, ClosePhase.UPDATES, threads.name)
     return threads.queue(replica)
+
+
+def peak_queued_bytes(optimizer: Any) -> int:
+    """Host bytes of queued gradient copies at their most, summed over ``optimizer``'s
+    replicas, since its first update in backward (0 when it never updated so)."""
+    with _QUEUES_LOCK:
+        threads = _QUEUES.get(optimizer)
+    return 0 if threads is None else threads.peak_queued_bytes()
 
 
 def _contiguous_runs(variables: tuple, offset: dict) -> list[list]:
