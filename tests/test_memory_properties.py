@@ -168,6 +168,7 @@ class PoolMachine(RuleBasedStateMachine):
         for name, value in vars(counters).items():
             assert value >= 0, name
             self.totals[name] += value
+        self.pool._p.table.audit()  # noqa: SLF001 - the kept figures equal a scan
         usage = self.pool.usage()
         resident_bytes = collections.Counter()
         for tid in self.model:

@@ -180,6 +180,7 @@ class PoolCore:
         PageAccess.check_acquire(entry, tier, writable)
         self.placement.check_fits(entry, tier)
         PageAccess.count_acquire(entry, tier)
+        self.table.note_pins(entry)
         try:
             self.placement.bring(entry, tier)
             result = (
@@ -187,6 +188,7 @@ class PoolCore:
             )
         except BaseException:
             PageAccess.drop_acquire(entry)
+            self.table.note_pins(entry)
             raise
         entry.acquisitions += 1  # serves the prefetch requests queued before it
         self.policy.advance(entry.tensor_id)
@@ -209,11 +211,13 @@ class PoolCore:
         ):
             self.access.write_back(entry)
         PageAccess.drop_acquire(entry)
+        self.table.note_pins(entry)
         self.cond.notify_all()
 
     def pin(self, entry: TensorEntry) -> None:
         """Keep ``entry``'s pages from being evicted until a matching :meth:`unpin`."""
         entry.pin_count += 1
+        self.table.note_pins(entry)
 
     def unpin(self, entry: TensorEntry) -> None:
         """Undo one :meth:`pin`.
@@ -224,6 +228,7 @@ class PoolCore:
         if entry.pin_count == 0:
             raise ValueError(f"tensor {entry.tensor_id!r} is not pinned")
         entry.pin_count -= 1
+        self.table.note_pins(entry)
         self.cond.notify_all()
 
     def figures(self) -> dict[str, dict[str, int]]:

@@ -351,8 +351,8 @@ class Placement:
             return  # unbounded, or enough free slots whatever is pinned: no scan
         pinned = sum(
             1
-            for e in self._table.entries()
-            if e.pinned and e is not entry
+            for e in self._table.pinned_entries()
+            if e is not entry
             for p in e.pages
             if tier in HOLDS[p.state]
         )

@@ -92,10 +92,9 @@ def usage(table: PageTable, tiers: Mapping[str, SlotTier], page_size: int) -> di
     """Each tier's use, ``{"device"|"host"|"nvme": TierUsage}`` (bytes, whole pages);
     pages in flight count on both tiers they hold."""
     by_kind = {name: dict.fromkeys(KINDS, 0) for name in TIER_ORDER}
-    for entry in table.entries():
-        for page in entry.pages:
-            for name in HOLDS[page.state]:
-                by_kind[name][entry.kind] += page_size
+    for name in TIER_ORDER:
+        for kind, pages in table.pages_by_kind(name).items():
+            by_kind[name][kind] += pages * page_size
     return {
         name: TierUsage(
             used_bytes=tier.used * page_size,

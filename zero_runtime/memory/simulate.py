@@ -186,6 +186,7 @@ def _restore(core: PoolCore, start: Mapping[str, Any], page_size: int) -> dict[s
         entry.pin_count = int(pins)
         entry.acquire_count = int(acquires)
         entry.acquired_tier = acquired_tier
+        core.table.note_pins(entry)
         itemsize[tid] = int(size) or 1
     core.table.resume_tick(int(start["tick"]))
     core.policy.resume(start["order"], int(start["cursor"]))
