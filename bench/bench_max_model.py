@@ -134,6 +134,11 @@ NVMe slot is released at page-in), so every eviction of a parameter page read in
 forward or the recompute writes it again. k = 28 (2.16B) started with 616 s left of the
 run and timed out.
 
+Re-run 2026-12-04 19:19 (same command) with the bounded update queue, whose peak the
+host rule now counts: k = 22 fits (host 2.15 + 1.95 + 0.13 GB), step 114.1 s = 4.46x its
+I/O bound (24.8 GB read, 33.2 GB written: the store's allowance is 128 MiB smaller, so
+more journal goes to NVMe), RSS 12.9 GB between steps, 18.1 GB at peak.
+
 I/O lower bound (``largest_stage3_io``): the largest stage-3 run's last step against the
 time its disk bytes need at fio's bandwidth at the pool's queue depth and page size,
 measured on the NVMe directory in the same run before and after the stage-3 search
