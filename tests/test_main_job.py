@@ -34,6 +34,9 @@ REPO = Path(__file__).resolve().parent.parent
 STEPS = 8
 SCREENSHOT = REPO / "docs" / "screenshot_demo.png"  # the README's first picture
 DEVICE = 36 << 20  # bytes: demo.compare's default device (the allocator's cap)
+#: bytes: how far below the cap the BFC allocator may refuse a request (free bytes split
+#: into chunks too small for it); 1 MiB, about 3% of DEVICE.
+BFC_FRAGMENTATION_SLACK = 1 << 20
 POOL = 12 << 20  # bytes: its default ZeRO-Infinity pool budget
 ARGS: list[str] = []  # the README's model and batch
 
@@ -80,16 +83,21 @@ def _vectors(acc: EventAccumulator, tag: str) -> list[np.ndarray]:
 
 def test_mirrored_run_runs_out_and_advises_zero(main_job):
     """Stage 0 runs out of the device in its first steps: TensorFlow's allocator refuses a
-    request at the cap (its in-step peak plus the request is past it); the post-mortem
-    advises ZeRO stages (each with a verdict), and the log ends with one summary line and
-    the allocator's figure, not a traceback."""
+    request at the cap (its in-step peak plus the request reaches it, up to fragmentation);
+    the post-mortem advises ZeRO stages (each with a verdict), and the log ends with one
+    summary line and the allocator's figure, not a traceback."""
     logdir, proc = main_job
     report = json.loads((logdir / "mirrored_oom" / oom.OOM_FILENAME).read_text())
     assert report["step"] in (0, 1)
     failed = report["failed_request"]
     assert failed["tier"] == "device" and failed["error_type"] == "ResourceExhaustedError"
     peak = report["readings"]["framework_device_peak_bytes"]
-    assert failed["bytes"] > 0 and peak + failed["bytes"] > DEVICE, (peak, failed["bytes"])
+    # The BFC allocator refuses when no free chunk holds the request: its in-step peak plus
+    # the request reaches the cap up to the free bytes fragmentation strands (CI measured a
+    # refusal 12 KiB short of the cap). A refusal further below the cap is not "at the cap".
+    assert failed["bytes"] > 0, failed
+    assert peak + failed["bytes"] > DEVICE - BFC_FRAGMENTATION_SLACK, (peak, failed["bytes"])
+    assert peak <= DEVICE, peak
     assert report["config"]["stage"] == 0
     assert report["config"]["device_budget_bytes"] == DEVICE
     # ZeRO is advised; a change is labelled "fits" only when the replay verifies it

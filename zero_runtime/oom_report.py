@@ -100,7 +100,8 @@ CHECKED_SOURCES = {
     "framework buffers alive at that moment and nothing freed before it",
     "allocator_peak": "TensorFlow's allocator: its in-step peak (high-water mark) when it "
     "refused the failed request (on the CPU stand-in, the BFC allocator the logical devices "
-    "share); the request came on top of it",
+    "share); the request came on top of it (the allocator may refuse a little short of its "
+    "cap when its free bytes are split into chunks too small for the request)",
     "pool": "the paged pool's pages on the tier (what the budget bounds at stage 3)",
     "accounting": "the runtime's accounting of its holders",
 }
