@@ -41,6 +41,7 @@ from zero_runtime.comm import REDUCE_SCATTER_IMPLS
 from zero_runtime.config import ZeroConfig
 from zero_runtime.devices import DeviceInfo, local_devices
 from zero_runtime.lifecycle import ClosePhase, Resources
+from zero_runtime.memory.host_malloc import tune_host_malloc
 from zero_runtime.optim.partitioned import PARTITIONED_BY_NAME
 from zero_runtime.runtime import ZeroRuntime, headroom
 
@@ -156,6 +157,8 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
                 f"reduce_scatter_impl must be one of {REDUCE_SCATTER_IMPLS} or None, "
                 f"got {reduce_scatter_impl!r}"
             )
+        if config.offload_param != "none" or config.offload_optimizer != "none":
+            tune_host_malloc()  # a host or NVMe tier: keep its staging buffers mapped
         self._initial_config = config
         self.reduce_scatter_impl = reduce_scatter_impl
         self._collective_key_base = next(_COLLECTIVE_KEY_BASES)

@@ -167,7 +167,11 @@ class ShardedUpdate:
         Keras's decoupled weight decay ``v - v * wd * lr`` is applied first to the
         variables it applies to (``_use_weight_decay``). Used by the end-of-step update
         (every variable) and the update in backward (one block's, backward_update.py)."""
-        param = np.concatenate([v.read_shard(replica) for v in variables])
+        param = np.empty(sum(v.shard_elements for v in variables), np.float32)
+        off = 0
+        for v in variables:  # each shard copied once, into its slice (no concatenate)
+            v.read_shard_into(replica, param[off : off + v.shard_elements])
+            off += v.shard_elements
         journals = self._zero.journals
         if journals is not None:  # the step writes these shards: keep their old values
             journals.record_params(replica, tuple(variables), param.copy())

@@ -30,6 +30,7 @@ from zero_runtime import control, oom
 from zero_runtime.comm.watchdog import WATCHDOG
 from zero_runtime.config import TUNABLE_KEYS, ZeroConfig, validate_tunable_update
 from zero_runtime.devices import DeviceInfo
+from zero_runtime.memory import host_malloc
 from zero_runtime.memory.trace import TRACE_DIR, TraceWriter
 from zero_runtime.runtime import accounting
 from zero_runtime.runtime.accounting import Accounting
@@ -260,6 +261,10 @@ class ZeroRuntime(RuntimeReports):
         if self.state is not RuntimeState.OPEN:
             return
         step = end.step
+        if self._last_step < 0 and (
+            self.config.offload_param != "none" or self.config.offload_optimizer != "none"
+        ):  # the first step's dataset reset malloc's settings (memory/host_malloc.py)
+            host_malloc.tune_host_malloc(reapply=True)
         self._last_step = step
         self._write_run_info(only_if_changed=True)  # e.g. a reduce-scatter fell back
         trace = self.collector.profiler.stop()  # the sampled window ends with this step
