@@ -19,12 +19,16 @@ why).
 # isort: skip_file  (the environment must be set before TensorFlow is imported)
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import shutil
 import sys
+import tempfile
 
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ["ZERO_RUNTIME_PROFILE_EVERY"] = "0"  # this job runs the profiler itself
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -34,6 +38,7 @@ import tensorflow as tf  # noqa: E402
 
 import zero_runtime  # noqa: E402
 from zero_runtime.devices import local_devices  # noqa: E402
+from zero_runtime.telemetry.alloc_trace import allocation_peaks  # noqa: E402
 from zero_runtime.telemetry.collector import TelemetryCollector  # noqa: E402
 
 WIDTH, BATCH, OUT = 512, 8, 8
@@ -73,11 +78,22 @@ def main(out_path: str, kind: str, depth: int, offload: str) -> None:
     model.fit(x[: 2 * BATCH], y[: 2 * BATCH], batch_size=BATCH, verbose=0, shuffle=False)
     tf.config.experimental.reset_memory_stats("CPU:0")
     start = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    hist = model.fit(x[2 * BATCH :], y[2 * BATCH :], batch_size=BATCH, verbose=0)
+    trace_dir = tempfile.mkdtemp(prefix="units_peak_trace_")
+    tf.profiler.experimental.start(trace_dir)
+    try:
+        hist = model.fit(x[2 * BATCH :], y[2 * BATCH :], batch_size=BATCH, verbose=0)
+    finally:
+        tf.profiler.experimental.stop()
     peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] - start
+    traced = allocation_peaks(trace_dir)
+    shutil.rmtree(trace_dir, ignore_errors=True)
+    cpu = max(traced.values(), key=lambda p: p.requested_peak_bytes)
     engine = strategy.runtime.accounting.stage3_engines[0]
     record = {
         "peak": int(peak),
+        "requested_peak": cpu.requested_peak_bytes,
+        "traced_allocated_peak": cpu.allocated_peak_bytes,
+        "live_at_peak": [dataclasses.asdict(t) for t in cpu.live_at_peak[:8]],
         "start": int(start),
         "unit_bytes": 4 * (WIDTH * WIDTH + WIDTH),
         "units": len(engine.units.runner.units),

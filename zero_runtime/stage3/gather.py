@@ -110,6 +110,8 @@ class _StepState:
     use_vars: list = dataclasses.field(default_factory=list)  # each such use's originals
     shared: set = dataclasses.field(default_factory=set)  # id(v) used in a branch or as tiles
     updated: set = dataclasses.field(default_factory=set)  # id(v) queued during backward
+    # The reduced shard of the use whose backward was traced last (UnitRunner._backward_dep).
+    last_reduced: tf.Tensor | None = None
     # Inside an activation-checkpointed block (zero_runtime/stage3/checkpointing.py):
     # "normal" (default); "no_grad" (the block's forward: uses gather, call and drop, and
     # are counted); "recompute" (the block's call again in its backward: uses with
@@ -398,7 +400,7 @@ class UnitRunner:
                 dys = [
                     tf.zeros_like(o) if d is None else d for o, d in zip(outs, dys[: box["n_out"]])
                 ]
-                views2 = self.gather(unit, replica, tf.reshape(dys[0], [-1])[:1], gather_dtype)
+                views2 = self.gather(unit, replica, self._backward_dep(state, dys[0]), gather_dtype)
                 float_in = [k for k, t in enumerate(tensors) if t.dtype.is_floating]
                 with tf.GradientTape() as tape:
                     tape.watch(views2)
@@ -412,12 +414,16 @@ class UnitRunner:
                     unconnected_gradients=tf.UnconnectedGradients.ZERO,
                 )
                 gs = [tf.convert_to_tensor(g) for g in gs]  # IndexedSlices -> dense
-                shard = reduce_scatter_variables(
-                    unit.variables, gs[: len(views2)], self.group, raw=True
-                )
                 dxs = [None] * n_in
                 for k, g in zip(float_in, gs[len(views2) :]):
                     dxs[k] = g
+                # The input gradients first: they are the last readers of the views, so
+                # the views are freed before the flat gradient is laid out.
+                with tf.control_dependencies([d for d in dxs if d is not None]):
+                    shard = reduce_scatter_variables(
+                        unit.variables, gs[: len(views2)], self.group, raw=True
+                    )
+                state.last_reduced = shard
                 done = self.update_now(replica, unit.variables, shard)
                 if done is not None:  # its last read: updated now
                     return (*dxs, *([None] * n_anchor), *([None] * n_state), done)
@@ -446,6 +452,20 @@ class UnitRunner:
         return gather_views(
             unit.variables, replica, dep, self.group, self.num_shards, self.schedule, dtype
         )
+
+    @staticmethod
+    def _backward_dep(state: _StepState, dy: tf.Tensor) -> tf.Tensor:
+        """What a use's backward gather waits for: its output gradient ``dy`` and the
+        reduce-scatter of the use whose backward was traced before it (in the same
+        graph), so a replica holds one unit's gathered parameters or one unit's gradient
+        and its flat copy at a time, not the next unit's gather beside the last one's
+        reduction (the backward's working set: two units, issue #16)."""
+        dep = tf.reshape(dy, [-1])[:1]
+        prev = state.last_reduced
+        if prev is None or prev.graph is not dep.graph:
+            return dep
+        with tf.control_dependencies([prev]):
+            return tf.identity(dep)
 
     @staticmethod
     def assign_state(state_vars: list, old: list, new: list) -> None:
