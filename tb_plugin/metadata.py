@@ -73,6 +73,8 @@ PAGE_COLUMNS = (
     "prefetch_misses",
     "stall_seconds",
     "io_seconds",
+    "h2n_clean_pages",  # host -> NVMe with no write: the page's NVMe copy was current
+    "h2n_clean_bytes",
 )
 
 # Columns of the per-step timing vector (seconds, except the ratio in [0, 1]).
@@ -88,8 +90,12 @@ TIMING_COLUMNS = (
 )
 
 # Widths an older writer used for a vector tag: such a vector is read with the columns
-# added since as NaN (not measured). TIMING_COLUMNS had 6 before io_seconds and traced.
-LEGACY_WIDTHS: dict[str, tuple[int, ...]] = {"memory_hierarchy/timing": (6,)}
+# added since as NaN (not measured). TIMING_COLUMNS had 6 before io_seconds and traced;
+# PAGE_COLUMNS 13 before the clean evictions (h2n_clean_*).
+LEGACY_WIDTHS: dict[str, tuple[int, ...]] = {
+    "memory_hierarchy/timing": (6,),
+    "memory_hierarchy/pages": (13,),
+}
 
 # Columns of the per-step collective vector: bytes each collective kind's input buffers
 # hold per optimizer step (summed over the local replicas), then calls per kind.

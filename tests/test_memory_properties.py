@@ -8,7 +8,8 @@ file in a temporary directory. After every step, once the pool is idle:
 - no tier's use or peak ever exceeds its capacity, and per-kind bytes sum to the use;
 - the counters add up to the moves made: for each tier, the pages (and payload bytes) on
   it equal those allocated there, minus those freed from it, plus moves in, minus moves
-  out as counted by ``step_boundary``;
+  out as counted by ``step_boundary`` (a clean eviction, ``h2n_clean``, is a move with no
+  write); the NVMe tier's slots also hold the copies of the clean pages on the host;
 - prefetch hits plus misses equal the pages acquired.
 """
 
@@ -24,13 +25,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from zero_runtime.memory import PagedBufferPool, PoolOutOfMemoryError
+from zero_runtime.memory.page_table import PageState
 
 PS = 64 << 10
 CAPACITY_PAGES = {"device": 2, "host": 3, "nvme": 10}
 DTYPES = (np.uint8, np.int16, np.float32, np.float64)
 TIERS = ("device", "host", "nvme")
-MOVES_IN = {"device": ("h2d",), "host": ("d2h", "n2h"), "nvme": ("h2n",)}
-MOVES_OUT = {"device": ("d2h",), "host": ("h2d", "h2n"), "nvme": ("n2h",)}
+MOVES_IN = {"device": ("h2d",), "host": ("d2h", "n2h"), "nvme": ("h2n", "h2n_clean")}
+MOVES_OUT = {"device": ("d2h",), "host": ("h2d", "h2n", "h2n_clean"), "nvme": ("n2h",)}
 
 
 def payloads(nbytes: int) -> list[int]:
@@ -171,9 +173,13 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool._p.table.audit()  # noqa: SLF001 - the kept figures equal a scan
         usage = self.pool.usage()
         resident_bytes = collections.Counter()
+        clean_copies = 0  # NVMe slots of pages on the host whose NVMe copy is current
         for tid in self.model:
             for tier, payload in self._by_tier(tid):
                 resident_bytes[tier] += payload
+            clean_copies += sum(
+                p.state is PageState.ON_HOST_CLEAN for p in self.pool.describe(tid).pages
+            )
         for tier in TIERS:
             u = usage[tier]
             cap = CAPACITY_PAGES[tier] * PS
@@ -182,11 +188,14 @@ class PoolMachine(RuleBasedStateMachine):
             assert sum(u.bytes_by_kind.values()) == u.used_bytes
             moved_in = sum(self.totals[f"{d}_pages"] for d in MOVES_IN[tier])
             moved_out = sum(self.totals[f"{d}_pages"] for d in MOVES_OUT[tier])
-            assert u.pages == self.ledger_pages[tier] + moved_in - moved_out, tier
+            copies = clean_copies if tier == "nvme" else 0
+            assert u.pages == self.ledger_pages[tier] + moved_in - moved_out + copies, tier
             bytes_in = sum(self.totals[f"{d}_bytes"] for d in MOVES_IN[tier])
             bytes_out = sum(self.totals[f"{d}_bytes"] for d in MOVES_OUT[tier])
             assert resident_bytes[tier] == self.ledger_bytes[tier] + bytes_in - bytes_out, tier
-        downward = self.totals["d2h_pages"] + self.totals["h2n_pages"]
+        downward = (
+            self.totals["d2h_pages"] + self.totals["h2n_pages"] + self.totals["h2n_clean_pages"]
+        )
         assert self.totals["evictions"] <= downward
         assert self.totals["prefetch_hits"] + self.totals["prefetch_misses"] == self.pages_acquired
         if self.totals["h2n_pages"] or self.totals["n2h_pages"]:

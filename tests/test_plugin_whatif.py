@@ -47,7 +47,13 @@ def test_a_lower_budget_is_predicted_before_it_is_applied(plugin_client, logdir)
     body = answer.get_json()
     assert body["available"] is True and body["reason"] is None
     assert body["replay_exact"] is True
-    assert body["recorded"]["moves_per_step"] == {"d2h": 0, "h2d": 0, "h2n": 0, "n2h": 0}
+    assert body["recorded"]["moves_per_step"] == {
+        "d2h": 0,
+        "h2d": 0,
+        "h2n": 0,
+        "n2h": 0,
+        "h2n_clean": 0,
+    }
     steady = body["predicted"]["steady"]
     assert steady["moves_per_step"]["h2d"] > 0 and steady["moves_per_step"]["d2h"] > 0
     assert steady["peak_bytes"]["device"] <= LOW < body["recorded"]["peak_bytes"]["device"]

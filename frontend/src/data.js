@@ -111,6 +111,8 @@ export const DIRECTIONS = [
   { key: 'd2h', label: 'device→host' },
   { key: 'h2n', label: 'host→nvme' },
   { key: 'n2h', label: 'nvme→host' },
+  // A clean page evicted to NVMe: its NVMe copy was current, so nothing is written.
+  { key: 'h2n_clean', label: 'host→nvme clean (no write)' },
 ];
 
 export const STEP_TIME_PARTS = [

@@ -10,6 +10,7 @@ const MOVE_ROWS = [
   ['h2d', 'page moves per step, host \u2192 device'],
   ['h2n', 'page moves per step, host \u2192 NVMe'],
   ['n2h', 'page moves per step, NVMe \u2192 host'],
+  ['h2n_clean', 'page moves per step, host \u2192 NVMe clean (no write)'],
 ];
 
 function num(value, digits = 1) {

@@ -64,9 +64,13 @@ SCOPE = (
 )
 
 
-_RUN_PAGE_FIELDS = [
-    ("", f) for f in ("d2h_pages", "h2d_pages", "h2n_pages", "n2h_pages", "prefetch_misses")
-] + [("", "stall_seconds")]
+#: Directions of page moves (``zero_runtime.memory.counters.DIRECTIONS``; ``h2n_clean``:
+#: a clean page evicted to NVMe with no write, absent from runs written before it).
+_DIRECTIONS = ("d2h", "h2d", "h2n", "n2h", "h2n_clean")
+_RUN_PAGE_FIELDS = [("", f"{d}_pages") for d in _DIRECTIONS] + [
+    ("", "prefetch_misses"),
+    ("", "stall_seconds"),
+]
 
 
 def run_recorded(
@@ -77,7 +81,8 @@ def run_recorded(
     job, the optimizer-state store's included), to set beside the pool's ``recorded``.
 
     Returns:
-        ``{"moves_per_step": {"d2h"|"h2d"|"h2n"|"n2h": pages per step (mean)},
+        ``{"moves_per_step": {"d2h"|"h2d"|"h2n"|"n2h"|"h2n_clean": pages per step (mean;
+        None: not measured)},
         "prefetch_misses": pages per step, "stall_seconds": seconds per step,
         "nvme_used_bytes": NVMe used at the last of those steps (bytes) or None,
         "steps": how many of ``steps`` the run's series holds}``, or None when it holds
@@ -96,9 +101,9 @@ def run_recorded(
     )
     nvme = nvme[np.isin(t_steps, steps), 0]
     return {
-        "moves_per_step": dict(zip(("d2h", "h2d", "h2n", "n2h"), means[:4], strict=True)),
-        "prefetch_misses": means[4],
-        "stall_seconds": means[5],
+        "moves_per_step": dict(zip(_DIRECTIONS, means[:5], strict=True)),
+        "prefetch_misses": means[5],
+        "stall_seconds": means[6],
         "nvme_used_bytes": float(nvme[-1]) if len(nvme) and np.isfinite(nvme[-1]) else None,
         "steps": len(rows),
     }

@@ -108,8 +108,9 @@ def pages(run: str, step: int) -> dict[str, float] | None:
     """The memory_hierarchy/pages vector of ``run`` at ``step``; None: not written.
 
     Only the stand-in run moves pages: h2d ``step % 4`` pages of 1 MiB, d2h ``step % 3``,
-    h2n 1 page every 5th step, n2h none; prefetch hits ``3 * (step % 4)`` of
-    ``3 * (step % 4) + 1`` prefetches; 2 ms of stall per miss.
+    h2n 1 page every 5th step, n2h none, 2 clean pages evicted to NVMe (no write) every
+    7th step; prefetch hits ``3 * (step % 4)`` of ``3 * (step % 4) + 1`` prefetches; 2 ms
+    of stall per miss.
     """
     if run != RUN_STANDIN:
         return None
@@ -129,6 +130,8 @@ def pages(run: str, step: int) -> dict[str, float] | None:
         "prefetch_misses": float(misses),
         "stall_seconds": 0.002 * misses,
         "io_seconds": 0.001 * (h2d + d2h + h2n),
+        "h2n_clean_pages": 2.0 if step % 7 == 0 else 0.0,
+        "h2n_clean_bytes": 2.0 * MIB if step % 7 == 0 else 0.0,
     }
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from zero_runtime.memory.page_table import PageState, PageTable, TensorEntry
+from zero_runtime.memory.page_table import HOST_STATES, PageState, PageTable, TensorEntry
 from zero_runtime.memory.tiers import DeviceTier, HostTier
 from zero_runtime.memory.transitions import TierTransitions
 
@@ -55,7 +55,8 @@ class PageAccess:
             chunk = data[page.index * ps : page.index * ps + page.payload]
             if page.state is S.ON_DEVICE:
                 self._device.put(page.slots["device"], chunk)
-            elif page.state is S.ON_HOST:
+            elif page.state in HOST_STATES:
+                self._moves.dirty(page)  # a clean page's NVMe copy is stale from here
                 self._host.view(page.slots["host"])[: page.payload] = chunk
             else:
                 self._moves.write_nvme(page, chunk)
@@ -68,7 +69,7 @@ class PageAccess:
             chunk = out[page.index * ps : page.index * ps + page.payload]
             if page.state is S.ON_DEVICE:
                 self._device.copy_out(page.slots["device"], chunk)
-            elif page.state is S.ON_HOST:
+            elif page.state in HOST_STATES:
                 chunk[:] = self._host.view(page.slots["host"])[: page.payload]
             else:
                 self._moves.read_nvme(page, chunk)

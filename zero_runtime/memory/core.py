@@ -190,6 +190,9 @@ class PoolCore:
             PageAccess.drop_acquire(entry)
             self.table.note_pins(entry)
             raise
+        if writable:  # the array may be written: clean pages' NVMe copies go stale
+            for page in entry.pages:
+                self.moves.dirty(page)
         entry.acquisitions += 1  # serves the prefetch requests queued before it
         self.policy.advance(entry.tensor_id)
         self.touch(entry)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 # Directions of page moves, in PAGE_COLUMNS order.
-DIRECTIONS = ("d2h", "h2d", "h2n", "n2h")
+DIRECTIONS = ("d2h", "h2d", "h2n", "n2h", "h2n_clean")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +33,10 @@ class PageCounters:
         stall_seconds: wall time ``acquire`` spent waiting for pages (seconds).
         io_seconds: time the I/O threads spent in pread/pwrite and CRC-32C, summed over
             threads, so it can exceed wall time (seconds).
+        h2n_clean_pages: pages moved host -> NVMe with no write, because their NVMe copy
+            was current (a clean page, read from NVMe and not written since: its host copy
+            is dropped). Not in ``h2n_pages``, which counts writes (count).
+        h2n_clean_bytes: payload bytes of those pages: writes saved (bytes).
     """
 
     d2h_pages: int = 0
@@ -48,6 +52,8 @@ class PageCounters:
     prefetch_misses: int = 0
     stall_seconds: float = 0.0
     io_seconds: float = 0.0
+    h2n_clean_pages: int = 0
+    h2n_clean_bytes: int = 0
 
     def as_row(self) -> tuple[float, ...]:
         """Return the values in ``PAGE_COLUMNS`` order (floats, for the summary vector)."""

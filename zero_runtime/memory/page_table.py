@@ -40,6 +40,10 @@ class PageState(enum.Enum):
     - ``UNPLACED``: record created by ``allocate`` but no slot yet; counts nowhere.
     - ``ON_DEVICE``: in a device slot; counts toward the device tier.
     - ``ON_HOST``: in a host slot; counts toward the host tier.
+    - ``ON_HOST_CLEAN``: in a host slot *and* still in the NVMe slot it was read from,
+      whose bytes and CRC-32C are current (a clean page, in an OS's terms). It counts
+      toward both tiers. Evicting it to NVMe drops the host copy with no write
+      (``h2n_clean``); a write to it first drops the NVMe copy (-> ``ON_HOST``, dirty).
     - ``ON_NVME``: in an NVMe slot with a recorded CRC-32C; counts toward the NVMe tier.
     - ``IN_FLIGHT_OUT``: being written host -> NVMe; holds its host slot (the source) and
       its NVMe slot (the destination), so it counts toward both until the write ends.
@@ -55,6 +59,7 @@ class PageState(enum.Enum):
     UNPLACED = "unplaced"
     ON_DEVICE = "on_device"
     ON_HOST = "on_host"
+    ON_HOST_CLEAN = "on_host_clean"
     ON_NVME = "on_nvme"
     IN_FLIGHT_OUT = "in_flight_out"
     IN_FLIGHT_IN = "in_flight_in"
@@ -68,6 +73,7 @@ HOLDS: dict[PageState, frozenset[str]] = {
     S.UNPLACED: frozenset(),
     S.ON_DEVICE: frozenset({"device"}),
     S.ON_HOST: frozenset({"host"}),
+    S.ON_HOST_CLEAN: frozenset({"host", "nvme"}),
     S.ON_NVME: frozenset({"nvme"}),
     S.IN_FLIGHT_OUT: frozenset({"host", "nvme"}),
     S.IN_FLIGHT_IN: frozenset({"nvme", "host"}),
@@ -77,6 +83,8 @@ HOLDS: dict[PageState, frozenset[str]] = {
 # The settled state of each tier.
 RESIDENT = {"device": S.ON_DEVICE, "host": S.ON_HOST, "nvme": S.ON_NVME}
 IN_FLIGHT = frozenset({S.IN_FLIGHT_OUT, S.IN_FLIGHT_IN})
+# The settled states of a page on the host: dirty, or clean (its NVMe copy current).
+HOST_STATES = frozenset({S.ON_HOST, S.ON_HOST_CLEAN})
 
 # Legal transitions: (from, to) -> direction counted as a move, or None.
 LEGAL: dict[tuple[PageState, PageState], str | None] = {
@@ -91,6 +99,11 @@ LEGAL: dict[tuple[PageState, PageState], str | None] = {
     (S.IN_FLIGHT_OUT, S.ON_HOST): None,  # the write failed; the page stays on host
     (S.ON_NVME, S.IN_FLIGHT_IN): None,
     (S.IN_FLIGHT_IN, S.ON_HOST): "n2h",
+    (S.IN_FLIGHT_IN, S.ON_HOST_CLEAN): "n2h",  # read; the NVMe copy is kept
+    (S.ON_HOST_CLEAN, S.ON_NVME): "h2n_clean",  # evicted clean: the host copy dropped
+    (S.ON_HOST_CLEAN, S.ON_HOST): None,  # about to be written: the NVMe copy dropped
+    (S.ON_HOST_CLEAN, S.ON_DEVICE): "h2d",  # both lower copies dropped
+    (S.ON_HOST_CLEAN, S.FREED): None,
     (S.IN_FLIGHT_IN, S.ON_NVME): None,  # the read failed; the page stays on NVMe
     (S.ON_DEVICE, S.FREED): None,
     (S.ON_HOST, S.FREED): None,
@@ -137,7 +150,7 @@ class PageRecord:
         """The tier the page is in (the source tier while in flight); ``None`` if none."""
         if self.state in (S.ON_DEVICE,):
             return "device"
-        if self.state in (S.ON_HOST, S.IN_FLIGHT_OUT):
+        if self.state in (S.ON_HOST, S.ON_HOST_CLEAN, S.IN_FLIGHT_OUT):
             return "host"
         if self.state in (S.ON_NVME, S.IN_FLIGHT_IN):
             return "nvme"
@@ -346,7 +359,8 @@ class PageTable:
                 state holds no new tier.
 
         Returns:
-            The move direction counted ('d2h', 'h2d', 'h2n', 'n2h') or ``None``.
+            The move direction counted ('d2h', 'h2d', 'h2n', 'n2h', 'h2n_clean') or
+            ``None``.
 
         Raises:
             PageStateError: ``(page.state, to)`` is not a legal transition, or

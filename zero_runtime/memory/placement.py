@@ -158,6 +158,11 @@ class Placement:
                     if p.state in IN_FLIGHT:
                         continue
                     dst = _next_hop(p, target)
+                    if p.state is S.ON_HOST_CLEAN and dst == "nvme":
+                        self._moves.drop_clean(p, evicting=False)  # no write, no new slot
+                        acted = True
+                        last_progress = time.monotonic()
+                        continue
                     tier = self._tiers[dst]
                     if tier.has_free():
                         self._moves.hop(p, dst, tier.take(), jobs, evicting=False)
@@ -218,13 +223,12 @@ class Placement:
             as :meth:`settle` (blocking).
         """
         start = time.perf_counter()
-        state = RESIDENT[tier]
         hits = sum(
             1
             for p in entry.pages
-            if p.state is state or (tier == "host" and p.state is S.IN_FLIGHT_IN)
+            if _resident(p, tier) or (tier == "host" and p.state is S.IN_FLIGHT_IN)
         )
-        waited = any(p.state is not state for p in entry.pages)
+        waited = not all(_resident(p, tier) for p in entry.pages)
         self.settle(entry.pages, tier, {entry.tensor_id}, advisory=False)
         self._counters.add("prefetch_hits", hits)
         self._counters.add("prefetch_misses", len(entry.pages) - hits)
@@ -294,11 +298,10 @@ class Placement:
         return None
 
     def _coming_free(self, tier: str) -> int:
-        """Slots of ``tier`` that jobs in flight will free when they finish."""
+        """Slots of ``tier`` that jobs in flight will free when they finish: a write's
+        host slot. (A read keeps its NVMe slot: the page arrives clean.)"""
         if tier == "host":
             return self._table.count(S.IN_FLIGHT_OUT)
-        if tier == "nvme":
-            return self._table.count(S.IN_FLIGHT_IN)
         return 0
 
     def _make_room(
@@ -314,11 +317,17 @@ class Placement:
         for name in TIER_ORDER:
             need = len(lacking[name]) - self._coming_free(name)
             lower = self.below(name)
+            if name == "nvme" and need > 0:
+                # The lowest tier: room only from clean pages' copies (they turn dirty).
+                acted = self._moves.reclaim_nvme(need) > 0 or acted
             if need <= 0 or lower is None:
                 continue
             for victim in self.victims(name, need, exclude, limit):
                 lower_tier = self._tiers[lower]
-                if lower_tier.has_free():
+                if victim.state is S.ON_HOST_CLEAN and lower == "nvme":
+                    self._moves.drop_clean(victim, evicting=True)  # no write
+                    acted = True
+                elif lower_tier.has_free():
                     self._moves.hop(victim, lower, lower_tier.take(), jobs, evicting=True)
                     acted = True
                 else:
@@ -328,14 +337,14 @@ class Placement:
     def victims(
         self, tier: str, n: int, exclude: set[str], limit: float | None
     ) -> list[PageRecord]:
-        """The ``n`` pages of other, unpinned tensors to evict first from ``tier``."""
-        state = RESIDENT[tier]
+        """The ``n`` pages of other, unpinned tensors to evict first from ``tier`` (a
+        clean page on the host is one: its eviction writes nothing)."""
         candidates = (
             p
             for e in self._table.entries()
             if not e.pinned and e.tensor_id not in exclude
             for p in e.pages
-            if p.state is state
+            if _resident(p, tier)
         )
         return self._policy.choose(candidates, n, limit)
 
@@ -392,12 +401,17 @@ class Placement:
         return PoolOutOfMemoryError(self._snapshot(request, ",".join(tensor_ids), target, reason))
 
 
+def _resident(page: PageRecord, tier: str) -> bool:
+    """True when ``page`` is settled on ``tier`` (on the host: dirty or clean)."""
+    return page.state is RESIDENT[tier] or (tier == "host" and page.state is S.ON_HOST_CLEAN)
+
+
 def _placed(page: PageRecord, target: str, down_only: bool) -> bool:
-    if page.state is RESIDENT[target]:
+    if _resident(page, target):
         return True
     return (
         down_only
-        and page.state in (S.ON_DEVICE, S.ON_HOST, S.ON_NVME)
+        and page.state in (S.ON_DEVICE, S.ON_HOST, S.ON_HOST_CLEAN, S.ON_NVME)
         and LEVEL[page.tier] > LEVEL[target]
     )
 

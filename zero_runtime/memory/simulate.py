@@ -45,6 +45,7 @@ from zero_runtime.memory.core import PoolCore
 from zero_runtime.memory.counters import DIRECTIONS, PageCounters
 from zero_runtime.memory.errors import PoolOutOfMemoryError
 from zero_runtime.memory.page_table import RESIDENT, PageRecord, TensorEntry
+from zero_runtime.memory.page_table import PageState as S
 from zero_runtime.memory.sim_tiers import SimCondition, SimDevice, SimHost, SimIo, SimNvme
 from zero_runtime.memory.tiers import SlotTier
 from zero_runtime.memory.trace import (
@@ -178,7 +179,12 @@ def _restore(core: PoolCore, start: Mapping[str, Any], page_size: int) -> dict[s
         core.table.add(entry)
         for page, letter, tick in zip(entry.pages, letters, ticks):
             tier = LETTER_TIER.get(letter)
-            if tier is not None:
+            if letter == "c":  # clean: on NVMe, then read in (the NVMe copy kept)
+                core.table.transition(page, S.ON_NVME, core.tiers["nvme"].take())
+                core.table.transition(page, S.IN_FLIGHT_IN, core.tiers["host"].take())
+                core.table.transition(page, S.ON_HOST_CLEAN)
+                page.checksum = 0
+            elif tier is not None:
                 core.table.transition(page, RESIDENT[tier], core.tiers[tier].take())
                 if tier == "nvme":
                     page.checksum = 0
@@ -188,6 +194,7 @@ def _restore(core: PoolCore, start: Mapping[str, Any], page_size: int) -> dict[s
         entry.acquired_tier = acquired_tier
         core.table.note_pins(entry)
         itemsize[tid] = int(size) or 1
+    core.counters.reset()  # restoring a clean page counted a read-in
     core.table.resume_tick(int(start["tick"]))
     core.policy.resume(start["order"], int(start["cursor"]))
     for tier in core.tiers.values():

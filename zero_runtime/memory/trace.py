@@ -67,16 +67,18 @@ FORMAT_VERSION = 1
 _STEP_FILE = re.compile(r"^step_(\d+)\.json$")
 
 #: Per-page tier letters of a snapshot. A page in flight is recorded where it is going
-#: (its I/O completes on its own): IN_FLIGHT_OUT as 'n', IN_FLIGHT_IN as 'h'.
+#: (its I/O completes on its own): IN_FLIGHT_OUT as 'n', IN_FLIGHT_IN as 'c' (a page read
+#: in is clean). 'c': on the host with a current NVMe copy (ON_HOST_CLEAN).
 TIER_LETTER = {
     PageState.UNPLACED: "u",
     PageState.ON_DEVICE: "d",
     PageState.ON_HOST: "h",
+    PageState.ON_HOST_CLEAN: "c",
     PageState.ON_NVME: "n",
     PageState.IN_FLIGHT_OUT: "n",
-    PageState.IN_FLIGHT_IN: "h",
+    PageState.IN_FLIGHT_IN: "c",
 }
-LETTER_TIER = {"d": "device", "h": "host", "n": "nvme", "u": None}
+LETTER_TIER = {"d": "device", "h": "host", "c": "host", "n": "nvme", "u": None}
 # Event codes whose arguments start with one tensor id / a tuple of ids.
 _ONE_ID = frozenset("AFQRWDNU")
 _IDS = frozenset("PXEO")

@@ -10,11 +10,14 @@ method                   page state                      bytes
 =======================  ==============================  ===============================
 ``place``                UNPLACED -> ON_<tier>           zero-filled in the new slot
 ``device_to_host``       ON_DEVICE -> ON_HOST            synchronous copy (d2h)
-``host_to_device``       ON_HOST -> ON_DEVICE            synchronous copy (h2d)
+``host_to_device``       ON_HOST[_CLEAN] -> ON_DEVICE    synchronous copy (h2d)
 ``start_page_out``       ON_HOST -> IN_FLIGHT_OUT        write job queued (:mod:`.io`)
 ``finish_page_out``      IN_FLIGHT_OUT -> ON_NVME/HOST   the write ended (ok / failed)
 ``start_page_in``        ON_NVME -> IN_FLIGHT_IN         read job queued
-``finish_page_in``       IN_FLIGHT_IN -> ON_HOST/NVME    the read ended (ok / failed)
+``finish_page_in``       IN_FLIGHT_IN -> ON_HOST_CLEAN   the read ended ok (the NVMe
+                         or -> ON_NVME                   copy is kept) / failed
+``drop_clean``           ON_HOST_CLEAN -> ON_NVME        none: the NVMe copy is current
+``dirty``                ON_HOST_CLEAN -> ON_HOST        none: the NVMe copy is dropped
 ``free``                 any settled -> FREED            slots returned
 =======================  ==============================  ===============================
 
@@ -44,7 +47,14 @@ from zero_runtime.memory.errors import (
     PagingError,
 )
 from zero_runtime.memory.io import IoJob, IoScheduler, aligned_buffer, round_up
-from zero_runtime.memory.page_table import RESIDENT, PageRecord, PageState, PageTable, TensorEntry
+from zero_runtime.memory.page_table import (
+    HOST_STATES,
+    RESIDENT,
+    PageRecord,
+    PageState,
+    PageTable,
+    TensorEntry,
+)
 from zero_runtime.memory.tiers import DeviceTier, HostTier, NvmeTier, SlotTier
 
 logger = logging.getLogger(__name__)
@@ -136,7 +146,7 @@ class TierTransitions:
                 self.place(page, dst, slot)
             elif state is S.ON_DEVICE and dst == "host":
                 self.device_to_host(page, slot, evicting)
-            elif state is S.ON_HOST and dst == "device":
+            elif state in HOST_STATES and dst == "device":
                 self.host_to_device(page, slot)
             elif state is S.ON_HOST and dst == "nvme":
                 self.start_page_out(page, slot, jobs, evicting)
@@ -174,10 +184,40 @@ class TierTransitions:
             self._counters.add("evictions")
 
     def host_to_device(self, page: PageRecord, slot: int) -> None:
-        """ON_HOST -> ON_DEVICE (a synchronous copy)."""
-        self._expect(page, S.ON_HOST, "host -> device")
+        """ON_HOST or ON_HOST_CLEAN -> ON_DEVICE (a synchronous copy; a clean page's
+        NVMe copy is dropped with its host slot)."""
+        if page.state is not S.ON_HOST_CLEAN:
+            self._expect(page, S.ON_HOST, "host -> device")
         self._device.put(slot, self._host.view(page.slots["host"])[: page.payload])
         self._table.transition(page, S.ON_DEVICE, slot)
+
+    def drop_clean(self, page: PageRecord, evicting: bool) -> None:
+        """ON_HOST_CLEAN -> ON_NVME: the page's NVMe copy is current, so its host slot is
+        returned with no write (counted as ``h2n_clean``, and as an eviction if so)."""
+        self._expect(page, S.ON_HOST_CLEAN, "clean eviction")
+        self._table.transition(page, S.ON_NVME)
+        if evicting:
+            self._counters.add("evictions")
+
+    def dirty(self, page: PageRecord) -> None:
+        """Before a write to a page on the host: a clean page's NVMe copy stops being
+        current, so its NVMe slot is returned (ON_HOST_CLEAN -> ON_HOST); any other state
+        is left as it is."""
+        if page.state is S.ON_HOST_CLEAN:
+            self._table.transition(page, S.ON_HOST)
+
+    def reclaim_nvme(self, n: int) -> int:
+        """Return up to ``n`` NVMe slots held by clean pages' copies (those pages become
+        dirty: their host copy stays and is written again when evicted). For an NVMe tier
+        whose budget is full of such copies. Returns the slots freed. O(pages)."""
+        freed = 0
+        for page in self._table.pages():
+            if freed >= n:
+                break
+            if page.state is S.ON_HOST_CLEAN:
+                self.dirty(page)
+                freed += 1
+        return freed
 
     def start_page_out(
         self, page: PageRecord, slot: int, jobs: list[IoJob], evicting: bool
@@ -208,8 +248,9 @@ class TierTransitions:
             job.error = self.write_error(page, job.offset, job.error)
 
     def finish_page_in(self, job: IoJob) -> None:
-        """IN_FLIGHT_IN -> ON_HOST (read, CRC checked) or back to ON_NVME (an I/O error
-        or a checksum mismatch, set as ``job.error``)."""
+        """IN_FLIGHT_IN -> ON_HOST_CLEAN (read, CRC checked; the NVMe copy is kept, so an
+        eviction before the next write costs no write) or back to ON_NVME (an I/O error or
+        a checksum mismatch, set as ``job.error``)."""
         page = job.page
         self._expect(page, S.IN_FLIGHT_IN, "end of page-in")
         if job.error is None and job.crc != page.checksum:
@@ -229,7 +270,7 @@ class TierTransitions:
             err.__cause__ = job.error
             job.error = err
         if job.error is None:
-            self._table.transition(page, S.ON_HOST)
+            self._table.transition(page, S.ON_HOST_CLEAN)
             self._table.touch(page)
         else:
             self._table.transition(page, S.ON_NVME)  # the page stays where it was

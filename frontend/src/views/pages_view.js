@@ -8,7 +8,13 @@ import { Chart } from './chart.js';
 import { el, renderNote, renderSummary } from './run_panel.js';
 
 const HEIGHT = 180; // px
-const DIRECTION_COLORS = { h2d: '#1a73e8', d2h: '#e8710a', h2n: '#12a05c', n2h: '#9334e6' };
+const DIRECTION_COLORS = {
+  h2d: '#1a73e8',
+  d2h: '#e8710a',
+  h2n: '#12a05c',
+  n2h: '#9334e6',
+  h2n_clean: '#80868b',
+};
 
 /** The summary items of the last step (see renderSummary). */
 export function pageSummaryItems(series) {

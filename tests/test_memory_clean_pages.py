@@ -1,0 +1,124 @@
+"""Clean pages: a page read in from NVMe keeps its NVMe copy until it is written, so its
+eviction writes nothing (``PageState.ON_HOST_CLEAN``, counted as ``h2n_clean``).
+
+Real slab files in tmp_path; the writes are read from the I/O threads' own counters
+(``h2n_pages``/``h2n_bytes`` count jobs that ran) and the slab's bytes are checked by
+reading the tensors back through the CRC-checked path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from zero_runtime.memory import PagedBufferPool, PageState
+
+PS = 64 << 10
+F32_PER_PAGE = PS // 4
+
+
+def make_pool(tmp_path, host: int, nvme: int | None) -> PagedBufferPool:
+    d = tmp_path / "nvme"
+    d.mkdir(exist_ok=True)
+    return PagedBufferPool(
+        page_size_bytes=PS,
+        host_budget_bytes=host * PS,
+        nvme_path=str(d),
+        nvme_budget_bytes=None if nvme is None else nvme * PS,
+    )
+
+
+def states(pool: PagedBufferPool, tid: str) -> list[PageState]:
+    return [p.state for p in pool.describe(tid).pages]
+
+
+def values(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+
+
+def test_a_page_read_and_evicted_again_is_not_rewritten(tmp_path):
+    data = values(3 * F32_PER_PAGE, 0)
+    with make_pool(tmp_path, host=4, nvme=8) as pool:
+        pool.allocate("w", data.shape, np.float32, kind="param")
+        pool.write("w", data)
+        pool.evict("w", "nvme")
+        first = pool.step_boundary(0)
+        assert (first.h2n_pages, first.h2n_bytes, first.h2n_clean_pages) == (3, data.nbytes, 0)
+
+        got = pool.acquire("w")  # read in: clean, the NVMe copy kept
+        assert np.array_equal(got, data)
+        pool.release("w")
+        assert states(pool, "w") == [PageState.ON_HOST_CLEAN] * 3
+        assert pool.usage()["nvme"].pages == 3 and pool.usage()["host"].pages == 3
+        pool.evict("w", "nvme")
+        second = pool.step_boundary(1)
+        assert (second.n2h_pages, second.n2h_bytes) == (3, data.nbytes)
+        assert (second.h2n_pages, second.h2n_bytes) == (0, 0)  # no write
+        assert (second.h2n_clean_pages, second.h2n_clean_bytes) == (3, data.nbytes)
+        assert states(pool, "w") == [PageState.ON_NVME] * 3
+        assert pool.usage()["host"].pages == 0
+        assert np.array_equal(pool.read("w"), data)  # the kept copy, CRC-checked
+
+
+@pytest.mark.parametrize("how", ["write", "writable acquire"])
+def test_a_written_page_is_dirty_and_written_at_its_eviction(tmp_path, how):
+    data = values(2 * F32_PER_PAGE, 1)
+    new = values(2 * F32_PER_PAGE, 2)
+    with make_pool(tmp_path, host=4, nvme=8) as pool:
+        pool.allocate("w", data.shape, np.float32, kind="optimizer")
+        pool.write("w", data)
+        pool.evict("w", "nvme")
+        pool.acquire("w")
+        pool.release("w")
+        assert states(pool, "w") == [PageState.ON_HOST_CLEAN] * 2
+        pool.step_boundary(0)
+        if how == "write":
+            pool.write("w", new)
+        else:
+            got = pool.acquire("w", writable=True)
+            got[:] = new
+            pool.release("w")
+        # Dirty: the stale NVMe copies were given back to the NVMe tier.
+        assert states(pool, "w") == [PageState.ON_HOST] * 2
+        assert pool.usage()["nvme"].pages == 0
+        pool.evict("w", "nvme")
+        c = pool.step_boundary(1)
+        assert (c.h2n_pages, c.h2n_clean_pages) == (2, 0)
+        assert np.array_equal(pool.read("w"), new)
+
+
+def test_clean_victims_make_room_without_writes(tmp_path):
+    # Host of 2 pages: reading a, then b, then a again evicts clean pages only.
+    a, b = values(2 * F32_PER_PAGE, 3), values(2 * F32_PER_PAGE, 4)
+    with make_pool(tmp_path, host=2, nvme=8) as pool:
+        for tid, d in (("a", a), ("b", b)):
+            pool.allocate(tid, d.shape, np.float32, kind="param")
+            pool.write(tid, d)
+            pool.evict(tid, "nvme")
+        pool.step_boundary(0)
+        for tid, d in (("a", a), ("b", b), ("a", a)):
+            assert np.array_equal(pool.acquire(tid), d)
+            pool.release(tid)
+        c = pool.step_boundary(1)
+        assert c.n2h_pages == 6
+        assert (c.h2n_pages, c.h2n_clean_pages, c.evictions) == (0, 4, 4)
+
+
+def test_a_full_nvme_tier_takes_back_clean_copies_for_dirty_pages(tmp_path):
+    # NVMe of 2 pages, both held by clean copies of "a"; paging "b" out needs one of
+    # them: that copy is dropped (a turns dirty), and a is rewritten when it goes down.
+    a, b = values(F32_PER_PAGE, 5), values(F32_PER_PAGE, 6)
+    with make_pool(tmp_path, host=3, nvme=2) as pool:
+        pool.allocate("a", (2 * F32_PER_PAGE,), np.float32)
+        pool.write("a", np.concatenate([a, b]))
+        pool.evict("a", "nvme")
+        pool.acquire("a")
+        pool.release("a")
+        assert pool.usage()["nvme"].pages == 2  # clean copies fill the tier
+        pool.allocate("b", (F32_PER_PAGE,), np.float32)
+        pool.write("b", b)
+        pool.evict("b", "nvme")
+        assert states(pool, "b") == [PageState.ON_NVME]
+        assert sorted(s.name for s in states(pool, "a")) == ["ON_HOST", "ON_HOST_CLEAN"]
+        assert np.array_equal(pool.read("a"), np.concatenate([a, b]))
+        assert np.array_equal(pool.read("b"), b)
