@@ -339,12 +339,13 @@ class Placement:
     ) -> list[PageRecord]:
         """The ``n`` pages of other, unpinned tensors to evict first from ``tier`` (a
         clean page on the host is one: its eviction writes nothing)."""
+        states = _RESIDENT_STATES[tier]  # a tuple: identity tests in C, no Enum hash
         candidates = (
             p
             for e in self._table.entries()
             if not e.pinned and e.tensor_id not in exclude
             for p in e.pages
-            if _resident(p, tier)
+            if p.state in states
         )
         return self._policy.choose(candidates, n, limit)
 
@@ -399,6 +400,14 @@ class Placement:
         tensor_ids = list(dict.fromkeys(p.tensor_id for p in pages))
         request = len(pages) * self._page_size
         return PoolOutOfMemoryError(self._snapshot(request, ",".join(tensor_ids), target, reason))
+
+
+#: The settled states of each tier (on the host: dirty or clean).
+_RESIDENT_STATES = {
+    "device": (S.ON_DEVICE,),
+    "host": (S.ON_HOST, S.ON_HOST_CLEAN),
+    "nvme": (S.ON_NVME,),
+}
 
 
 def _resident(page: PageRecord, tier: str) -> bool:
