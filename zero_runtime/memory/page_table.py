@@ -83,8 +83,14 @@ HOLDS: dict[PageState, frozenset[str]] = {
 # The settled state of each tier.
 RESIDENT = {"device": S.ON_DEVICE, "host": S.ON_HOST, "nvme": S.ON_NVME}
 IN_FLIGHT = frozenset({S.IN_FLIGHT_OUT, S.IN_FLIGHT_IN})
-# The settled states of a page on the host: dirty, or clean (its NVMe copy current).
-HOST_STATES = frozenset({S.ON_HOST, S.ON_HOST_CLEAN})
+# The settled states of each tier (tuples: membership by identity, no Enum hashing, on
+# the victim scan's hot path); on the host a page is dirty or clean (NVMe copy current).
+RESIDENT_STATES: dict[str, tuple[PageState, ...]] = {
+    "device": (S.ON_DEVICE,),
+    "host": (S.ON_HOST, S.ON_HOST_CLEAN),
+    "nvme": (S.ON_NVME,),
+}
+HOST_STATES = RESIDENT_STATES["host"]
 
 # Legal transitions: (from, to) -> direction counted as a move, or None.
 LEGAL: dict[tuple[PageState, PageState], str | None] = {

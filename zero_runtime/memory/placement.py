@@ -27,7 +27,7 @@ from zero_runtime.memory.page_table import (
     HOLDS,
     IN_FLIGHT,
     LEVEL,
-    RESIDENT,
+    RESIDENT_STATES,
     TIER_ORDER,
     PageRecord,
     PageState,
@@ -339,7 +339,7 @@ class Placement:
     ) -> list[PageRecord]:
         """The ``n`` pages of other, unpinned tensors to evict first from ``tier`` (a
         clean page on the host is one: its eviction writes nothing)."""
-        states = _RESIDENT_STATES[tier]  # a tuple: identity tests in C, no Enum hash
+        states = RESIDENT_STATES[tier]
         candidates = (
             p
             for e in self._table.entries()
@@ -402,17 +402,9 @@ class Placement:
         return PoolOutOfMemoryError(self._snapshot(request, ",".join(tensor_ids), target, reason))
 
 
-#: The settled states of each tier (on the host: dirty or clean).
-_RESIDENT_STATES = {
-    "device": (S.ON_DEVICE,),
-    "host": (S.ON_HOST, S.ON_HOST_CLEAN),
-    "nvme": (S.ON_NVME,),
-}
-
-
 def _resident(page: PageRecord, tier: str) -> bool:
     """True when ``page`` is settled on ``tier`` (on the host: dirty or clean)."""
-    return page.state is RESIDENT[tier] or (tier == "host" and page.state is S.ON_HOST_CLEAN)
+    return page.state in RESIDENT_STATES[tier]
 
 
 def _placed(page: PageRecord, target: str, down_only: bool) -> bool:

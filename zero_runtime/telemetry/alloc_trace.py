@@ -19,8 +19,9 @@ in :mod:`zero_runtime.telemetry.profile`.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import os
+
+from zero_runtime.telemetry.profile import newest_xplane, read_xspace
 
 _ALLOC, _FREE = "MemoryAllocation", "MemoryDeallocation"
 
@@ -79,11 +80,7 @@ def _stat_value(stat, names: dict) -> object:
 
 def _events(path: str) -> list[tuple[int, bool, dict]]:
     """``(time ps, is_allocation, stats)`` of every allocator event in the trace, sorted."""
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
-
-    space = xplane_pb2.XSpace()
-    with open(path, "rb") as f:
-        space.ParseFromString(f.read())
+    space = read_xspace(path)
     out = []
     for plane in space.planes:
         stat_names = {k: m.name for k, m in plane.stat_metadata.items()}
@@ -106,7 +103,8 @@ def allocation_peaks(path: str) -> dict[str, AllocationPeak]:
 
     Args:
         path: a ``.xplane.pb`` written by ``tf.profiler.experimental.stop()``, or a
-            directory searched recursively for the newest one.
+            directory searched recursively for the newest one
+            (:func:`~zero_runtime.telemetry.profile.newest_xplane`).
 
     Returns:
         allocator name -> :class:`AllocationPeak` (empty when the trace has no allocator
@@ -115,12 +113,10 @@ def allocation_peaks(path: str) -> dict[str, AllocationPeak]:
     Raises:
         FileNotFoundError: ``path`` is a directory with no ``.xplane.pb`` under it, or a
             file that does not exist.
+        google.protobuf.message.DecodeError: the file is not an XSpace proto.
     """
     if os.path.isdir(path):
-        files = sorted(glob.glob(os.path.join(path, "**", "*.xplane.pb"), recursive=True))
-        if not files:
-            raise FileNotFoundError(f"no .xplane.pb under {path}")
-        path = max(files, key=os.path.getmtime)
+        path = newest_xplane(path)
     state: dict[str, dict] = {}
     for _, is_alloc, st in _events(path):
         name = str(st.get("allocator_name", ""))

@@ -89,8 +89,21 @@ class TraceIntervals:
     path: str
 
 
-def parse_xplane(path: str) -> TraceIntervals:
-    """Parse an XSpace ``.xplane.pb`` file into comm and compute op intervals.
+def newest_xplane(directory: str) -> str:
+    """The newest ``.xplane.pb`` under ``directory`` (searched recursively; the profiler
+    names each run's directory by its start time, so the last in sorted order).
+
+    Raises:
+        FileNotFoundError: none was written there.
+    """
+    files = sorted(glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True))
+    if not files:
+        raise FileNotFoundError(f"no .xplane.pb written under {directory}")
+    return files[-1]
+
+
+def read_xspace(path: str):
+    """The ``XSpace`` proto of one ``.xplane.pb`` file.
 
     Raises:
         OSError: the file cannot be read.
@@ -101,6 +114,16 @@ def parse_xplane(path: str) -> TraceIntervals:
     space = xplane_pb2.XSpace()
     with open(path, "rb") as f:
         space.ParseFromString(f.read())
+    return space
+
+
+def parse_xplane(path: str) -> TraceIntervals:
+    """Parse an XSpace ``.xplane.pb`` file into comm and compute op intervals.
+
+    Raises:
+        as :func:`read_xspace`.
+    """
+    space = read_xspace(path)
     comm: list[Interval] = []
     compute: list[Interval] = []
     comm_ops: dict[str, int] = {}
@@ -189,10 +212,7 @@ class ProfileSampler:
         try:
             with quiet_native_info():
                 tf.profiler.experimental.stop()
-            files = sorted(glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True))
-            if not files:
-                raise FileNotFoundError(f"no .xplane.pb written under {directory}")
-            trace = parse_xplane(files[-1])
+            trace = parse_xplane(newest_xplane(directory))
         except Exception as exc:  # noqa: BLE001 - telemetry must not break training
             log.warning("telemetry: cannot read the profiler trace: %s", exc)
             self.failures += 1
