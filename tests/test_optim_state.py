@@ -260,10 +260,13 @@ def test_a_billion_element_layout_streams_a_window_of_a_quarter_of_free_memory(t
         store.close()
 
 
-def test_a_journal_past_its_host_limit_goes_to_nvme_and_rolls_back_bitwise(tmp_path):
+def test_past_its_host_journal_a_step_writes_a_new_generation_and_rolls_back_bitwise(tmp_path):
     """A host budget of exactly the window leaves the step journal no host room: each
-    sub-group's old values are journalled as pool tensors written behind to NVMe; a
-    rollback reads them back bitwise, and a commit or a rollback frees them."""
+    sub-group the step changes is copied to a new generation (shadow paging) and the
+    previous one stays on NVMe, untouched, as the undo record. The step writes each
+    state page once (no journal writes: the old copies leave the host clean); a rollback
+    frees the new generation and reads back the old values bitwise; a commit frees the
+    old generation."""
     page = 65536
     sub = 2 * page // 4
     layout = _layout(n=3 * 65_000, shards=2)
@@ -280,25 +283,38 @@ def test_a_journal_past_its_host_limit_goes_to_nvme_and_rolls_back_bitwise(tmp_p
     rng = np.random.default_rng(5)
     param = rng.standard_normal(n, dtype=np.float32)
 
-    def journal_ids() -> list[str]:
-        return [t for t in store.pool.tensor_ids() if "/journal/" in t]
+    def ids() -> set[str]:
+        return set(store.pool.tensor_ids())
 
+    gen0 = {store.tensor_id(0, j, s, generation=0) for j in range(3) for s in ("m", "v")}
+    gen1 = {store.tensor_id(0, j, s, generation=1) for j in range(3) for s in ("m", "v")}
+    assert store.tensor_id(0, 2, "v") == "opt/r0/g2/v" and "opt/r0/g2.1/v" in gen1
     store.update(0, ((0, n),), param, rng.standard_normal(n, dtype=np.float32), _adam_step, step=0)
-    assert journal_ids() == []  # new sub-groups: nothing to journal, a rollback frees them
+    assert ids() == gen0  # new sub-groups: nothing to keep, a rollback frees them
     assert store.resolve(0, 1) == "commit"
     before = {slot: store.read_shard(0, slot) for slot in ("m", "v")}
+    store.step_boundary(0)
     store.update(0, ((0, n),), param, rng.standard_normal(n, dtype=np.float32), _adam_step, step=1)
-    ids = journal_ids()
-    assert len(ids) == 2 * 3
-    assert all(p.tier == "nvme" for t in ids for p in store.pool.describe(t).pages)
+    moved = store.step_boundary(1)
+    # 3 sub-groups x 2 slots x 2 pages, each read once and written once; the old copies
+    # left the host without a write.
+    assert (moved.n2h_pages, moved.h2n_pages, moved.h2n_clean_pages) == (12, 12, 12)
+    assert ids() == gen0 | gen1
+    assert all(p.tier == "nvme" for t in gen0 | gen1 for p in store.pool.describe(t).pages)
+    assert store.tensor_id(0, 0, "m") in gen1
     assert not np.array_equal(store.pool.read(store.tensor_id(0, 0, "m")), before["m"][:sub])
     assert store.rollback(0)
+    assert ids() == gen0 and store.tensor_id(0, 0, "m") in gen0
     for slot in ("m", "v"):
         np.testing.assert_array_equal(store.read_shard(0, slot), before[slot])
-    assert journal_ids() == []
     store.update(0, ((0, n),), param, rng.standard_normal(n, dtype=np.float32), _adam_step, step=1)
-    assert len(journal_ids()) == 6 and store.resolve(0, 2) == "commit"
-    assert journal_ids() == []
+    after = {slot: store.read_shard(0, slot) for slot in ("m", "v")}  # resolves: commit
+    assert ids() == gen1 and store.uncommitted(0) is None
+    store.update(0, ((0, n),), param, rng.standard_normal(n, dtype=np.float32), _adam_step, step=2)
+    assert ids() == gen0 | gen1 and store.tensor_id(0, 1, "v") in gen0  # back to generation 0
+    assert store.rollback(0)
+    for slot in ("m", "v"):
+        np.testing.assert_array_equal(store.read_shard(0, slot), after[slot])
     assert store.pool.usage()["host"].peak_bytes <= window_bytes(sub, 2, 2, page)
     store.close()
 

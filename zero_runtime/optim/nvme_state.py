@@ -19,7 +19,8 @@ The optimizer decides (:meth:`NvmeOptimizerState.resolve`) from its step counter
 whose counter advanced commits (the journal is dropped), any other rolls back. The journal
 holds at most one slot set of the sub-groups the step updated (float32) until the step
 commits, right after the optimizer's ``iterations`` increments: on the host while it fits
-beside the window, the rest through the pool on NVMe (:mod:`.state_journal`).
+beside the window; past that a changed sub-group is copied to its other generation and
+the previous one stays on NVMe until the commit (shadow paging, :mod:`.state_journal`).
 
 The window is sized once (:func:`stream_window`); checkpoints read and overwrite the
 states between steps through :mod:`.nvme_access`.
@@ -45,8 +46,8 @@ from zero_runtime.optim.state_journal import StateTransactions, StepTransaction
 logger = logging.getLogger(__name__)
 
 #: Sub-groups whose pages the host tier holds at once per replica: the one being
-#: updated, its journal copy (when the journal is in the pool), the one read ahead and the
-#: one being written behind.
+#: updated, its previous generation while it is copied (past the host journal), the one
+#: read ahead and the one being written behind.
 _LIVE_SUBGROUPS = 4
 
 #: Without a host budget, the share of the host's available memory
@@ -55,10 +56,10 @@ WINDOW_SHARE = 0.25
 
 
 def window_bytes(sub_group: int, n_slots: int, n_shards: int, page_size: int) -> int:
-    """Host bytes of the streamed window: 4 sub-groups (the one being updated, its journal
-    copy, the one read ahead, the one written behind) of every slot (at least 1) of every
-    replica, each
-    ``sub_group`` float32 elements in whole pages of ``page_size`` bytes."""
+    """Host bytes of the streamed window: 4 sub-groups (the one being updated, its previous
+    generation while copied, the one read ahead, the one written behind) of every slot
+    (at least 1) of every replica, each ``sub_group`` float32 elements in whole pages of
+    ``page_size`` bytes."""
     pages = -(-sub_group * 4 // page_size)
     return _LIVE_SUBGROUPS * max(1, n_slots) * n_shards * pages * page_size
 
@@ -121,8 +122,8 @@ def stream_window(
     host's available memory now; the sub-group is ``sub_group_size`` capped at the shard
     size, reduced (:func:`bounded_subgroup`) when its window (:func:`window_bytes`) would
     not fit the allowance, which is logged once (warning). The step journal's host copies
-    may take what the window leaves; further sub-groups are journalled through the pool,
-    on NVMe (state_journal.py).
+    may take what the window leaves; further sub-groups keep their previous generation
+    on NVMe instead (state_journal.py).
 
     Args:
         layout: the flat layout (its ``shard_size`` elements, ``num_shards`` replicas).
@@ -171,6 +172,8 @@ class _Replica:
     """Bookkeeping of one replica's streamed shard (one record per replica)."""
 
     allocated: set[int] = dataclasses.field(default_factory=set)
+    #: sub-group -> its current generation (0 or 1; absent: 0), see ``tensor_id``.
+    generation: dict[int, int] = dataclasses.field(default_factory=dict)
     scratch: tuple[np.ndarray, np.ndarray] | None = None
     updates: int = 0
     txn: StepTransaction | None = None
@@ -256,9 +259,17 @@ class NvmeOptimizerState(StateTransactions):
         start = j * self.sub_group_size
         return start, min(self.layout.shard_size, start + self.sub_group_size)
 
-    def tensor_id(self, replica: int, j: int, slot: str) -> str:
-        """The pool tensor id of one slot of one sub-group."""
-        return f"{self.prefix}/r{replica}/g{j}/{slot}"
+    def tensor_id(self, replica: int, j: int, slot: str, generation: int | None = None) -> str:
+        """The pool tensor id of one slot of one sub-group: of its current generation
+        (default; the committed one outside a step), or of ``generation`` (0 or 1).
+
+        A step that changes a sub-group past its host journal writes a new generation
+        and keeps the previous one on NVMe until it commits (shadow paging:
+        :meth:`StateTransactions._shadow`); ids: ``"{prefix}/r{replica}/g{j}/{slot}"``
+        (generation 0) and ``"{prefix}/r{replica}/g{j}.1/{slot}"`` (generation 1)."""
+        if generation is None:
+            generation = self._record(replica).generation.get(j, 0)
+        return f"{self.prefix}/r{replica}/g{j}{'.1' if generation else ''}/{slot}"
 
     def _ids(self, replica: int, j: int) -> list[str]:
         return [self.tensor_id(replica, j, s) for s in self.slot_names]
@@ -364,14 +375,16 @@ class NvmeOptimizerState(StateTransactions):
             for k, (j, parts) in enumerate(work):
                 if k + 1 < len(work):
                     self.pool.prefetch(self._ids(replica, work[k + 1][0]))  # read-ahead
-                ids = self._ids(replica, j)
                 lo, hi = self.subgroup_range(j)
+                if j not in txn.undo and not self._fits_host_journal(txn, hi - lo):
+                    self._shadow(rec, txn, replica, j)  # a new generation, the old one kept
+                ids = self._ids(replica, j)
                 # A sub-group held since an earlier partial update of this step is acquired
                 # already: the same host array, no copy from its pages.
                 arrays = [self.pool.acquire(tid, writable=True) for tid in ids]
                 try:
                     if j not in txn.undo:  # first change in this step: journal the old values
-                        self._journal(txn, replica, j, arrays, pending)
+                        self._journal(txn, j, arrays)
                     self._note_host()  # the window and the journal are at their largest
                     for s, e in parts:
                         slots = {

@@ -6,12 +6,15 @@ undo journal; a sub-group the step allocates is noted as new. The optimizer
 (:mod:`zero_runtime.optim.transaction`) commits the step once its counter moved, or rolls
 it back: every journalled sub-group is written back, every new one freed.
 
-Where the journal lives: numpy copies in host memory while a step's copies fit in
-``journal_host_limit`` bytes (per replica); past that, each further sub-group's copy is
-a tensor of the store's pool (``"{prefix}/journal/r{replica}/g{j}/{slot}"``, kind
-``'optimizer'``), written behind to NVMe like the states, so a step over a billion-element
-shard keeps only the streamed window in host memory (at the cost of one more page write
-per journalled sub-group). Committing frees the journal; rolling back reads it back.
+Where the old values live: numpy copies in host memory while a step's copies fit in
+``journal_host_limit`` bytes (per replica); past that, shadow paging: the sub-group is
+copied into its other *generation* (pool tensors ``"{prefix}/r{replica}/g{j}.1/{slot}"``
+and ``".../g{j}/{slot}"`` alternate), which the step updates and writes behind, and the
+previous generation stays on NVMe untouched (its pages were only read: clean, they leave
+the host with no write). So a step over a billion-element shard keeps only the streamed
+window in host memory and writes each state page once. Committing frees the host copies
+and the previous generations; rolling back writes the copies back and frees the new
+generations.
 """
 
 from __future__ import annotations
@@ -39,9 +42,9 @@ class StepTransaction:
         done: every update of the step finished.
         counted: the step was counted in ``updates`` (undone by a rollback).
         undo: sub-group -> its slots' values before the step, slot order: float32 copies
-            in host memory, or the ids of the pool tensors holding them (past
-            ``journal_host_limit``), or None for a sub-group the step allocated (a
-            rollback frees it).
+            in host memory, or the ids of its previous generation's pool tensors (past
+            ``journal_host_limit``: :meth:`StateTransactions._shadow`), or None for a
+            sub-group the step allocated (a rollback frees it).
         host_bytes: bytes of the host copies in ``undo``.
         covered: sub-group -> elements of it this step's updates have changed so far.
         resident: sub-groups changed in this step but not written behind yet (a later
@@ -64,8 +67,8 @@ class StepTransaction:
 class StateTransactions:
     """Commit/rollback of a store's steps, per replica (the store provides ``pool``,
     ``prefix``, ``slot_names``, ``_writer`` (the write-behind executor),
-    ``_record(replica)`` with a ``txn`` attribute, ``_ids(replica, j)``, ``_lock``,
-    ``_replicas``)."""
+    ``_record(replica)`` with ``txn`` and ``generation`` attributes, ``_ids(replica, j)``
+    (the current generation's ids), ``_lock``, ``_replicas``)."""
 
     pool: Any
     prefix: str
@@ -92,34 +95,55 @@ class StateTransactions:
         rec.txn = StepTransaction(step)
         return rec.txn
 
-    def _journal(
-        self,
-        txn: StepTransaction,
-        replica: int,
-        j: int,
-        arrays: list[np.ndarray],
-        pending: list[concurrent.futures.Future],
-    ) -> None:
-        """Journal sub-group ``j``'s old values (``arrays``, one per slot): host copies
-        while they fit ``journal_host_limit``, else pool tensors whose write-behind to
-        NVMe is appended to ``pending``."""
-        nbytes = sum(a.nbytes for a in arrays)
-        if txn.host_bytes + nbytes <= self.journal_host_limit:
-            txn.undo[j] = [np.array(a, np.float32, copy=True) for a in arrays]
-            txn.host_bytes += nbytes
-            return
-        ids = [f"{self.prefix}/journal/r{replica}/g{j}/{slot}" for slot in self.slot_names]
-        journal: list[str] = []
-        txn.undo[j] = journal  # a slot is listed once its copy is complete
-        for tid, values in zip(ids, arrays):
-            self.pool.allocate(tid, values.shape, np.float32, kind="optimizer", tier="host")
-            try:
-                self.pool.write(tid, values)
-            except BaseException:
+    def _fits_host_journal(self, txn: StepTransaction, elements: int) -> bool:
+        """Whether the old values of a sub-group of ``elements`` elements (every slot) fit
+        the step's host journal (``journal_host_limit``) beside what it holds."""
+        return txn.host_bytes + 4 * elements * len(self.slot_names) <= self.journal_host_limit
+
+    def _journal(self, txn: StepTransaction, j: int, arrays: list[np.ndarray]) -> None:
+        """Journal sub-group ``j``'s old values (``arrays``, one per slot) as host copies
+        (the caller checked they fit: :meth:`_fits_host_journal`)."""
+        txn.undo[j] = [np.array(a, np.float32, copy=True) for a in arrays]
+        txn.host_bytes += sum(a.nbytes for a in arrays)
+
+    def _shadow(self, rec: Any, txn: StepTransaction, replica: int, j: int) -> None:
+        """Start a new generation of sub-group ``j`` and keep the previous one as its
+        undo record (shadow paging; Lorie, "Physical integrity in a large segmented
+        database", ACM TODS 2(1), 1977).
+
+        Each slot's values are copied into a new pool tensor (the other generation's id,
+        :meth:`~zero_runtime.optim.nvme_state.NvmeOptimizerState.tensor_id`), which the
+        step then updates and writes behind. The previous generation is only read: its
+        pages keep their NVMe copy (clean), so dropping them from the host writes
+        nothing, and the copy on NVMe is what a rollback returns to. Compared with an
+        undo journal in the pool this saves one page write per journalled page (and the
+        host room of the journal's copy while it waits for its write); it costs NVMe
+        room for both generations until the step commits, as the journal did.
+
+        Raises:
+            zero_runtime.memory.PagingError: reading the old values failed (nothing is
+                changed: the new tensors made so far are freed).
+            zero_runtime.memory.PoolOutOfMemoryError: no host room for the copy (same).
+        """
+        old = self._ids(replica, j)
+        rec.generation[j] = 1 - rec.generation.get(j, 0)
+        made: list[str] = []
+        try:
+            for tid, new in zip(old, self._ids(replica, j)):
+                values = self.pool.acquire(tid)  # read-only: the pages stay clean
+                try:
+                    self.pool.allocate(new, values.shape, np.float32, kind="optimizer", tier="host")
+                    made.append(new)
+                    self.pool.write(new, values)
+                finally:
+                    self.pool.release(tid)
+        except BaseException:
+            for tid in made:
                 self.pool.free(tid)
-                raise
-            journal.append(tid)
-        pending.append(self._writer.submit(self.pool.evict, ids, "nvme"))
+            rec.generation[j] = 1 - rec.generation[j]
+            raise
+        txn.undo[j] = old
+        self.pool.evict(old, "nvme")  # clean: their host slots return with no write
 
     def _release_held(self, txn: StepTransaction, subgroups: list[int]) -> None:
         """Release the extra acquire of each held sub-group in ``subgroups`` (its host
@@ -128,8 +152,8 @@ class StateTransactions:
             for tid in txn.held.pop(j, ()):
                 self.pool.release(tid)
 
-    def _drop_journal(self, txn: StepTransaction) -> None:
-        """Free the journal tensors ``txn`` holds in the pool."""
+    def _drop_previous(self, txn: StepTransaction) -> None:
+        """Commit: free the previous generations ``txn`` kept (their NVMe slots)."""
         for old in txn.undo.values():
             for tid in old or ():
                 if isinstance(tid, str):
@@ -141,8 +165,8 @@ class StateTransactions:
             return None
         self._release_held(txn, list(txn.held))
         if txn.done and (step is None or txn.step is None or step > txn.step):
-            rec.txn = None  # commit: the journal is dropped
-            self._drop_journal(txn)
+            rec.txn = None  # commit: the journal and previous generations are dropped
+            self._drop_previous(txn)
             return "commit"
         self._rollback(rec, replica)
         return "rollback"
@@ -162,12 +186,16 @@ class StateTransactions:
                     except KeyError:  # its allocation failed part-way
                         pass
                 rec.allocated.discard(j)
+            elif isinstance(old[0], str):  # a shadow: back to the previous generation
+                for tid in ids:
+                    try:
+                        self.pool.free(tid)
+                    except KeyError:
+                        pass
+                rec.generation[j] = 1 - rec.generation.get(j, 0)
             else:
                 for tid, values in zip(ids, old):
-                    if isinstance(values, str):  # journalled in the pool
-                        values = self.pool.read(values)
                     self.pool.write(tid, values)
-        self._drop_journal(txn)
         if txn.counted:
             rec.updates -= 1
 
