@@ -122,3 +122,46 @@ def test_a_full_nvme_tier_takes_back_clean_copies_for_dirty_pages(tmp_path):
         assert sorted(s.name for s in states(pool, "a")) == ["ON_HOST", "ON_HOST_CLEAN"]
         assert np.array_equal(pool.read("a"), np.concatenate([a, b]))
         assert np.array_equal(pool.read("b"), b)
+
+
+def test_page_views_read_in_place_and_a_writable_view_dirties_the_page(tmp_path):
+    """``acquire_pages``: each page's own host memory, no copy. Read-only views leave
+    the pages clean (evicted with no write); writes through writable views are in the
+    pool with no release-time copy, and the stale NVMe copies are dropped (evicting
+    writes them)."""
+    pool = make_pool(tmp_path, host=4, nvme=None)
+    n = 2 * F32_PER_PAGE + 100  # 3 pages, the last one short
+    data = values(n, 3)
+    pool.allocate("t", (n,), np.float32, kind="optimizer", tier="host")
+    pool.write("t", data)
+    pool.evict(["t"], "nvme")
+    pool.step_boundary(0)
+    views = pool.acquire_pages("t")
+    assert [len(v) for v in views] == [F32_PER_PAGE, F32_PER_PAGE, 100]
+    np.testing.assert_array_equal(np.concatenate(views), data)
+    assert not views[0].flags.writeable
+    with pytest.raises(ValueError, match="acquire_pages"):
+        pool.acquire("t")  # an array copy beside the views would overwrite them
+    pool.release("t")
+    pool.evict(["t"], "nvme")
+    c = pool.step_boundary(1)
+    assert (c.n2h_pages, c.h2n_pages, c.h2n_clean_pages) == (3, 0, 3)
+    views = pool.acquire_pages("t", writable=True)
+    assert states(pool, "t") == [PageState.ON_HOST] * 3  # NVMe copies dropped: stale
+    views[1][:5] = -1.0
+    views[2][-1] = 7.0
+    expected = data.copy()
+    expected[F32_PER_PAGE : F32_PER_PAGE + 5] = -1.0
+    expected[-1] = 7.0
+    np.testing.assert_array_equal(pool.read("t"), expected)  # in the pages already
+    pool.release("t")
+    pool.evict(["t"], "nvme")
+    c = pool.step_boundary(2)
+    assert (c.h2n_pages, c.h2n_clean_pages) == (3, 0)
+    np.testing.assert_array_equal(pool.read("t"), expected)
+    array = pool.acquire("t")
+    with pytest.raises(ValueError, match="acquired by acquire"):
+        pool.acquire_pages("t")
+    np.testing.assert_array_equal(array, expected)
+    pool.release("t")
+    pool.close()

@@ -76,11 +76,14 @@ class PageAccess:
         return out.view(entry.dtype).reshape(entry.shape)
 
     @staticmethod
-    def check_acquire(entry: TensorEntry, tier: str, writable: bool) -> None:
-        """Refuse ``writable`` on the device, and a tensor acquired on the other tier.
+    def check_acquire(
+        entry: TensorEntry, tier: str, writable: bool, as_pages: bool = False
+    ) -> None:
+        """Refuse ``writable`` on the device, a tensor acquired on the other tier, and an
+        acquire as page views of a tensor acquired as one array (or the reverse).
 
         Raises:
-            ValueError: naming the tensor and tiers.
+            ValueError: naming the tensor and tiers (or the two kinds of acquire).
         """
         if writable and tier == "device":
             raise ValueError("acquire(writable=True) is for tier='host'; use write()")
@@ -89,12 +92,34 @@ class PageAccess:
                 f"tensor {entry.tensor_id!r} is acquired on {entry.acquired_tier!r}; release "
                 f"it before acquiring on {tier!r}"
             )
+        if entry.acquire_count and entry.as_pages != as_pages:
+            held, asked = ("acquire", "acquire_pages")
+            if entry.as_pages:
+                held, asked = asked, held
+            raise ValueError(
+                f"tensor {entry.tensor_id!r} is acquired by {held}(); release it before "
+                f"{asked}() (an array copy and page views of one tensor would overwrite "
+                "each other)"
+            )
 
     @staticmethod
-    def count_acquire(entry: TensorEntry, tier: str) -> None:
+    def count_acquire(entry: TensorEntry, tier: str, as_pages: bool = False) -> None:
         """Count one acquire of ``entry`` on ``tier`` (pins its pages until released)."""
         entry.acquire_count += 1
         entry.acquired_tier = tier
+        entry.as_pages = as_pages
+
+    def page_views(self, entry: TensorEntry, writable: bool) -> list[np.ndarray]:
+        """Host views of an acquired tensor's pages, in page order: 1-D arrays of its
+        dtype, page ``i`` holding flat elements ``[i * E, i * E + len(view))`` with
+        ``E = page_size // itemsize`` (the last one shorter). No copy, nothing to write
+        back: writes through a writable view are in the page."""
+        views = []
+        for page in entry.pages:
+            view = self._host.view(page.slots["host"])[: page.payload].view(entry.dtype)
+            view.flags.writeable = writable
+            views.append(view)
+        return views
 
     def materialise(self, entry: TensorEntry, tier: str, writable: bool) -> np.ndarray | tf.Tensor:
         """The acquired tensor: a device tensor, or a host array (a view of a one-page
@@ -158,4 +183,5 @@ class PageAccess:
         if entry.acquire_count == 0:
             entry.acquired_tier = None
             entry.acquired = None
+            entry.as_pages = False
             entry.writable = False

@@ -168,24 +168,31 @@ class PoolCore:
         for page in entry.pages:
             self.table.touch(page)
 
-    def acquire(self, entry: TensorEntry, tier: str, writable: bool) -> object:
+    def acquire(
+        self, entry: TensorEntry, tier: str, writable: bool, as_pages: bool = False
+    ) -> object:
         """Bring ``entry``'s pages to ``tier`` and pin them (counted as prefetch hits or
         misses, waits as stall); the policy advances past the tensor. Returns the
-        materialised tensor (None in a simulation).
+        materialised tensor, or with ``as_pages`` its pages' host views (None in a
+        simulation).
 
         Raises:
-            ValueError: ``writable`` on the device, or acquired on the other tier.
+            ValueError: ``writable`` on the device, acquired on the other tier, or
+                acquired the other way (array / page views).
             PoolOutOfMemoryError: the tensor cannot be placed on ``tier``.
         """
-        PageAccess.check_acquire(entry, tier, writable)
+        PageAccess.check_acquire(entry, tier, writable, as_pages)
         self.placement.check_fits(entry, tier)
-        PageAccess.count_acquire(entry, tier)
+        PageAccess.count_acquire(entry, tier, as_pages)
         self.table.note_pins(entry)
         try:
             self.placement.bring(entry, tier)
-            result = (
-                self.access.materialise(entry, tier, writable) if self.access is not None else None
-            )
+            if self.access is None:
+                result = None
+            elif as_pages:
+                result = self.access.page_views(entry, writable)
+            else:
+                result = self.access.materialise(entry, tier, writable)
         except BaseException:
             PageAccess.drop_acquire(entry)
             self.table.note_pins(entry)

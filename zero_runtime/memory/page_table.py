@@ -181,6 +181,8 @@ class TensorEntry:
             PrefetchRequest`).
         acquired_tier: the tier it is acquired on while ``acquire_count > 0``.
         acquired: the array handed out by ``acquire(tier='host')`` while acquired.
+        as_pages: acquired by ``acquire_pages`` (page views, nothing to write back), not
+            by ``acquire``; the two are not mixed while ``acquire_count > 0``.
         writable: whether that array may be written (and is written back on release).
         external: a reservation (:meth:`PagedBufferPool.reserve`): its pages are counted
             on their tier and pinned there, but its bytes are held outside the pool.
@@ -197,6 +199,7 @@ class TensorEntry:
     acquisitions: int = 0
     acquired_tier: str | None = None
     acquired: np.ndarray | None = None
+    as_pages: bool = False
     writable: bool = False
     external: bool = False
 

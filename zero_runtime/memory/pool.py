@@ -513,6 +513,41 @@ class PagedBufferPool(PoolHints, PoolViews):
             self._trace("Q", tensor_id, tier)
             return result
 
+    def acquire_pages(self, tensor_id: str, writable: bool = False) -> list[np.ndarray]:
+        """Bring a tensor's pages to the host, pin them, and return a view of each page.
+
+        :meth:`acquire` on the host hands out one array: for a multi-page tensor a copy
+        of its pages, made at the acquire and (``writable``) copied back at the release.
+        A caller that can work page by page (the NVMe optimizer-state store's
+        sub-groups) takes the pages' own memory instead: no copy either way. Waits,
+        prefetch hits and misses, pins and the trace are as for ``acquire(tensor_id,
+        'host', writable)``; release with :meth:`release`.
+
+        Args:
+            tensor_id: an allocated tensor.
+            writable: the views may be written (what is written is in the pool at once;
+                the pages' NVMe copies are dropped as stale now). Otherwise read-only.
+
+        Returns:
+            One 1-D array of the tensor's dtype per page, in page order: page ``i`` holds
+            flat elements ``[i * E, i * E + len(view))``, ``E = page_size_bytes //
+            itemsize`` (the last page's view is shorter when the tensor ends inside it).
+            Valid until the matching :meth:`release`.
+
+        Raises:
+            KeyError: unknown tensor.
+            ValueError: acquired on the device, or acquired by :meth:`acquire` (an array
+                copy and page views of one tensor would overwrite each other).
+            PoolOutOfMemoryError: the tensor cannot be placed on the host.
+            NvmeFullError: the disk filled up while evicting to make room.
+            PageChecksumError: a page read from NVMe is corrupt (it stays on NVMe).
+        """
+        with self._p.cond:
+            entry = self._bytes_entry(tensor_id, "acquire")
+            result = self._p.acquire(entry, "host", writable, as_pages=True)
+            self._trace("Q", tensor_id, "host")
+            return result
+
     def release(self, tensor_id: str) -> None:
         """Undo one :meth:`acquire`; at the last one, write back a writable copy and unpin.
 

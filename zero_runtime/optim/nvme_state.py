@@ -368,50 +368,59 @@ class NvmeOptimizerState(StateTransactions):
                 for s, e in parts:
                     run_tiles(step_fn, {}, rec.scratch, param, grad, s - offset, e - offset)
             return
-        pending: list[concurrent.futures.Future] = []
         if work:
             self.pool.prefetch(self._ids(replica, work[0][0]))
-        try:
-            for k, (j, parts) in enumerate(work):
-                if k + 1 < len(work):
-                    self.pool.prefetch(self._ids(replica, work[k + 1][0]))  # read-ahead
-                lo, hi = self.subgroup_range(j)
-                if j not in txn.undo and not self._fits_host_journal(txn, hi - lo):
-                    self._shadow(rec, txn, replica, j)  # a new generation, the old one kept
-                ids = self._ids(replica, j)
-                # A sub-group held since an earlier partial update of this step is acquired
-                # already: the same host array, no copy from its pages.
-                arrays = [self.pool.acquire(tid, writable=True) for tid in ids]
-                try:
-                    if j not in txn.undo:  # first change in this step: journal the old values
-                        self._journal(txn, j, arrays)
-                    self._note_host()  # the window and the journal are at their largest
-                    for s, e in parts:
+        for k, (j, parts) in enumerate(work):
+            if k + 1 < len(work):
+                self.pool.prefetch(self._ids(replica, work[k + 1][0]))  # read-ahead
+            lo, hi = self.subgroup_range(j)
+            if j not in txn.undo and not self._fits_host_journal(txn, hi - lo):
+                self._shadow(rec, txn, replica, j)  # a new generation, the old one kept
+            ids = self._ids(replica, j)
+            # Each slot as its pages' own memory (no copy in, none back); a sub-group
+            # held since an earlier partial update of this step is resident already.
+            pages = [self.pool.acquire_pages(tid, writable=True) for tid in ids]
+            try:
+                if j not in txn.undo:  # first change in this step: journal the old values
+                    self._journal(txn, j, [np.concatenate(v) for v in pages])
+                self._note_host()  # the window and the journal are at their largest
+                for s, e in parts:
+                    for a, b, page, at in self._page_spans(s - lo, e - lo):
                         slots = {
-                            name: a[s - lo : e - lo] for name, a in zip(self.slot_names, arrays)
+                            name: v[page][at : at + b - a]
+                            for name, v in zip(self.slot_names, pages)
                         }
-                        p, g = param[s - offset : e - offset], grad[s - offset : e - offset]
-                        run_tiles(step_fn, slots, rec.scratch, p, g, 0, e - s)
-                    txn.covered[j] = txn.covered.get(j, 0) + sum(e - s for s, e in parts)
-                    full = txn.covered[j] >= hi - lo
-                    if not full and j not in txn.held:
-                        self._hold(txn, j, ids)  # before the release below: kept acquired
-                finally:
-                    for tid in ids:
-                        self.pool.release(tid)
-                # Write-behind once the step has changed the whole sub-group: the stage-3
-                # update in backward changes it block by block, and writing (then reading
-                # again) it after each block moved it once per block.
-                if full:
-                    self._release_held(txn, [j])  # its copy back into its pages, unpinned
-                    txn.resident.discard(j)
-                    pending.append(self._writer.submit(self.pool.evict, ids, "nvme"))
-                else:
-                    txn.resident.add(j)  # on host until the step's end (or the pool evicts it)
-        finally:
-            concurrent.futures.wait(pending)  # all of them, before a rollback touches pages
-        for f in pending:
-            f.result()  # the first write-behind error
+                        p = param[lo + a - offset : lo + b - offset]
+                        g = grad[lo + a - offset : lo + b - offset]
+                        run_tiles(step_fn, slots, rec.scratch, p, g, 0, b - a)
+                txn.covered[j] = txn.covered.get(j, 0) + sum(e - s for s, e in parts)
+                full = txn.covered[j] >= hi - lo
+                if not full and j not in txn.held:
+                    self._hold(txn, j, ids)  # before the release below: kept acquired
+            finally:
+                for tid in ids:
+                    self.pool.release(tid)
+            # Write-behind once the step has changed the whole sub-group: the stage-3
+            # update in backward changes it block by block, and writing (then reading
+            # again) it after each block moved it once per block.
+            if full:
+                self._release_held(txn, [j])  # unpinned
+                txn.resident.discard(j)
+                # Waited for at the step's end (or before a rollback), not here: the
+                # next block's update overlaps this write.
+                txn.writes.append(self._writer.submit(self.pool.evict, ids, "nvme"))
+            else:
+                txn.resident.add(j)  # on host until the step's end (or the pool evicts it)
+
+    def _page_spans(self, a: int, b: int) -> list[tuple[int, int, int, int]]:
+        """Split sub-group-local elements ``[a, b)`` at page boundaries: ``(start, end,
+        page index, start within the page)`` per piece (float32, ``page_size // 4``
+        elements a page)."""
+        per = self.pool.page_size // 4
+        return [
+            (max(a, k * per), min(b, (k + 1) * per), k, max(a, k * per) - k * per)
+            for k in range(a // per, (b - 1) // per + 1)
+        ]
 
     def _hold(self, txn: StepTransaction, j: int, ids: list[str]) -> None:
         """Acquire sub-group ``j``'s slots once more, to the step's next partial update
@@ -425,16 +434,18 @@ class NvmeOptimizerState(StateTransactions):
         Held, it is copied in once and back once per step."""
         self._release_held(txn, list(txn.held))
         for tid in ids:
-            self.pool.acquire(tid, writable=True)
+            self.pool.acquire_pages(tid, writable=True)
         txn.held[j] = list(ids)
 
     def _write_behind_rest(self, txn, replica: int) -> None:
-        """Write the sub-groups the step changed only in part (``txn.resident``) to NVMe:
-        the step's end. Raises the first write's error (``PagingError``)."""
+        """Write the sub-groups the step changed only in part (``txn.resident``) to NVMe
+        and wait for the step's write-behinds: the step's end. Raises the first write's
+        error (``PagingError``)."""
         self._release_held(txn, list(txn.held))
         rest, txn.resident = sorted(txn.resident), set()
         if rest:  # one call: all their page writes in flight at once
             self.pool.evict([tid for j in rest for tid in self._ids(replica, j)], "nvme")
+        self._wait_writes(txn, raise_error=True)
 
     # -- accounting ---------------------------------------------------------------------
     def mark_updated(self, replica: int) -> None:

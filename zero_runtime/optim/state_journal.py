@@ -49,6 +49,8 @@ class StepTransaction:
         covered: sub-group -> elements of it this step's updates have changed so far.
         resident: sub-groups changed in this step but not written behind yet (a later
             partial update of the step changes more of them; written at its end).
+        writes: the write-behinds of the sub-groups the step finished, in flight while
+            the next updates run; waited for at the step's end or before a rollback.
         held: sub-group -> the ids of its slots, acquired once more by the store between
             two partial updates of the step (at most one; ``NvmeOptimizerState._hold``):
             its host copy stays, written back to its pages once, when released.
@@ -62,13 +64,14 @@ class StepTransaction:
     covered: dict[int, int] = dataclasses.field(default_factory=dict)
     resident: set[int] = dataclasses.field(default_factory=set)
     held: dict[int, list[str]] = dataclasses.field(default_factory=dict)
+    writes: list[concurrent.futures.Future] = dataclasses.field(default_factory=list)
 
 
 class StateTransactions:
     """Commit/rollback of a store's steps, per replica (the store provides ``pool``,
     ``prefix``, ``slot_names``, ``_writer`` (the write-behind executor),
     ``_record(replica)`` with ``txn`` and ``generation`` attributes, ``_ids(replica, j)``
-    (the current generation's ids), ``_lock``, ``_replicas``)."""
+    (the current generation's ids), ``subgroup_range(j)``, ``_lock``, ``_replicas``)."""
 
     pool: Any
     prefix: str
@@ -126,15 +129,22 @@ class StateTransactions:
             zero_runtime.memory.PoolOutOfMemoryError: no host room for the copy (same).
         """
         old = self._ids(replica, j)
+        lo, hi = self.subgroup_range(j)
+        shape = (hi - lo,)
         rec.generation[j] = 1 - rec.generation.get(j, 0)
         made: list[str] = []
         try:
             for tid, new in zip(old, self._ids(replica, j)):
-                values = self.pool.acquire(tid)  # read-only: the pages stay clean
+                source = self.pool.acquire_pages(tid)  # read-only: the pages stay clean
                 try:
-                    self.pool.allocate(new, values.shape, np.float32, kind="optimizer", tier="host")
+                    self.pool.allocate(new, shape, np.float32, kind="optimizer", tier="host")
                     made.append(new)
-                    self.pool.write(new, values)
+                    target = self.pool.acquire_pages(new, writable=True)
+                    try:
+                        for out, page in zip(target, source):  # page to page: one copy
+                            out[...] = page
+                    finally:
+                        self.pool.release(new)
                 finally:
                     self.pool.release(tid)
         except BaseException:
@@ -144,6 +154,16 @@ class StateTransactions:
             raise
         txn.undo[j] = old
         self.pool.evict(old, "nvme")  # clean: their host slots return with no write
+
+    @staticmethod
+    def _wait_writes(txn: StepTransaction, raise_error: bool) -> None:
+        """Wait for the step's write-behinds; with ``raise_error``, raise the first one's
+        error (``PagingError``)."""
+        writes, txn.writes = txn.writes, []
+        concurrent.futures.wait(writes)
+        if raise_error:
+            for f in writes:
+                f.result()
 
     def _release_held(self, txn: StepTransaction, subgroups: list[int]) -> None:
         """Release the extra acquire of each held sub-group in ``subgroups`` (its host
@@ -176,6 +196,7 @@ class StateTransactions:
         txn, rec.txn = rec.txn, None
         if txn is None:
             return
+        self._wait_writes(txn, raise_error=False)  # before any page is touched
         self._release_held(txn, list(txn.held))  # before the journal is written back
         for j, old in txn.undo.items():
             ids = self._ids(replica, j)

@@ -212,12 +212,14 @@ class ZeroRuntime(RuntimeReports):
 
     def _observe_store(self, store: Any) -> None:
         """Watch a store: its pool's NVMe I/O feeds the collector, and a
-        ``PoolOutOfMemoryError`` from its update writes the post-mortem before it
-        propagates (as a :class:`oom.TierOutOfMemoryError`)."""
+        ``PoolOutOfMemoryError`` from its update, or from the write-behinds the end of a
+        stage-3 update in backward waits for (``mark_updated``), writes the post-mortem
+        before it propagates (as a :class:`oom.TierOutOfMemoryError`)."""
         self.collector.watch_io(store)
-        update = getattr(store, "update", None)
-        if update is not None:
-            store.update = self._guard_pool_oom(update)
+        for name in ("update", "mark_updated"):
+            method = getattr(store, name, None)
+            if method is not None:
+                setattr(store, name, self._guard_pool_oom(method))
 
     def _guard_pool_oom(self, update: Any) -> Any:
         from zero_runtime.memory import PoolOutOfMemoryError
