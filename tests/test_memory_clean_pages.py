@@ -165,3 +165,43 @@ def test_page_views_read_in_place_and_a_writable_view_dirties_the_page(tmp_path)
     np.testing.assert_array_equal(array, expected)
     pool.release("t")
     pool.close()
+
+
+def test_fork_hands_a_clean_tensors_host_copy_over_and_keeps_its_nvme_copy(tmp_path):
+    """``fork``: the copy-on-write step of shadow paging. A tensor read in from NVMe
+    (clean) gives its host pages to the new tensor and keeps its NVMe copy: no page is
+    written and no room is made (the host holds exactly what it held). Writes to the new
+    tensor leave the source as it was. A source written on the host since its read (no
+    NVMe copy) or acquired is refused with nothing changed."""
+    pool = make_pool(tmp_path, host=4, nvme=None)
+    n = 2 * F32_PER_PAGE + 10
+    data = values(n, 4)
+    pool.allocate("old", (n,), np.float32, kind="optimizer", tier="host")
+    pool.write("old", data)
+    pool.evict(["old"], "nvme")
+    pool.step_boundary(0)
+    assert pool.fork("old", "new")  # on NVMe only: read in first, then handed over
+    c = pool.step_boundary(1)
+    assert (c.n2h_pages, c.h2n_pages, c.h2n_clean_pages) == (3, 0, 3)
+    assert states(pool, "old") == [PageState.ON_NVME] * 3
+    assert states(pool, "new") == [PageState.ON_HOST] * 3
+    assert pool.usage()["host"].used_bytes == 3 * PS
+    info = pool.describe("new")
+    assert (info.shape, info.dtype, info.kind) == ((n,), np.dtype(np.float32), "optimizer")
+    np.testing.assert_array_equal(pool.read("new"), data)
+    changed = data * 2
+    pool.write("new", changed)
+    np.testing.assert_array_equal(pool.read("old"), data)  # from its NVMe copy
+    np.testing.assert_array_equal(pool.read("new"), changed)
+    with pytest.raises(ValueError, match="already allocated"):
+        pool.fork("old", "new")
+    assert not pool.fork("new", "other")  # dirty: nothing on NVMe to keep
+    pool.acquire("old")
+    assert not pool.fork("old", "other")  # acquired
+    pool.release("old")
+    assert "other" not in pool.tensor_ids()
+    pool.evict(["new"], "nvme")
+    pool.step_boundary(2)
+    np.testing.assert_array_equal(pool.read("new"), changed)
+    np.testing.assert_array_equal(pool.read("old"), data)
+    pool.close()

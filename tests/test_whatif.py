@@ -307,3 +307,30 @@ def test_a_stage3_job_writes_its_trace_and_a_lower_budget_is_predicted(tmp_path)
         )
     assert predicted["peak_bytes"]["device"] <= LOW
     assert predicted["peak_bytes"]["device"] == measured["peak_bytes"]["device"]
+
+
+def test_a_fork_is_recorded_and_replayed_with_the_same_moves(tmp_path):
+    """``fork`` is traced (``K``: source id, new id; ids survive the JSON round trip)
+    and the replay makes the same page moves: the source's read from NVMe and its
+    clean hand-over, no write."""
+    nvme_dir = tmp_path / "nvme"
+    nvme_dir.mkdir()
+    with PagedBufferPool(
+        host_budget_bytes=4 * PAGE, page_size_bytes=PAGE, nvme_path=str(nvme_dir)
+    ) as pool:
+        pool.allocate("old", (PAGE // 2,), np.float32, kind="optimizer")  # 2 pages
+        pool.write("old", np.ones(PAGE // 2, np.float32))
+        pool.evict(["old"], "nvme")
+        pool.step_boundary(0)
+        pool.set_tracing(True)
+        pool.step_boundary(1)
+        assert pool.fork("old", "new")
+        pool.write("new", np.zeros(PAGE // 2, np.float32))
+        measured = pool.step_boundary(2)
+        steps = [StepTrace.from_json(json.loads(json.dumps(s.to_json()))) for s in pool.trace_steps]
+    [step] = [s for s in steps if s.step == 2]
+    assert step.events[0] == ("K", "old", "new")
+    [figures] = replay([step]).steps
+    assert (measured.n2h_pages, measured.h2n_pages, measured.h2n_clean_pages) == (2, 0, 2)
+    for field in ("n2h_pages", "h2n_pages", "h2n_clean_pages"):
+        assert figures.counters[field] == getattr(measured, field), field

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from zero_runtime.memory.access import PageAccess
 from zero_runtime.memory.counters import CounterAccumulator, PageCounters
 from zero_runtime.memory.errors import OomSnapshot
+from zero_runtime.memory.page_table import PageState as S
 from zero_runtime.memory.page_table import PageTable, TensorEntry
 from zero_runtime.memory.placement import WAIT_SLICE_SECONDS, Placement
 from zero_runtime.memory.policy import EvictionPolicy
@@ -139,6 +140,45 @@ class PoolCore:
             self.moves.free(entry)
             raise
         self.touch(entry)
+
+    def fork(self, source: TensorEntry, entry: TensorEntry) -> bool:
+        """Register ``entry`` (same pages as ``source``) holding ``source``'s bytes: the
+        host copies of ``source``'s pages, brought to the host first (a read of what is
+        on NVMe only, waited for as by an acquire), are handed over to ``entry``
+        (:meth:`TierTransitions.hand_over`) and ``source`` keeps its NVMe copies.
+
+        Returns:
+            True when forked; False, with nothing changed (``entry`` not registered),
+            when a page of ``source`` has no current NVMe copy (written on the host since
+            it was read: a fork would need a write) or ``source`` is acquired.
+
+        Raises:
+            ValueError: duplicate id, or the two differ in page count.
+            PoolOutOfMemoryError: ``source`` cannot be brought to the host.
+        """
+        if len(entry.pages) != len(source.pages):
+            raise ValueError(
+                f"fork {source.tensor_id!r} -> {entry.tensor_id!r}: {len(source.pages)} "
+                f"pages vs {len(entry.pages)}"
+            )
+        if source.acquire_count:
+            return False
+        self.placement.check_fits(source, "host")
+        PageAccess.count_acquire(source, "host")
+        self.table.note_pins(source)
+        try:
+            self.placement.bring(source, "host")
+        finally:
+            PageAccess.drop_acquire(source)
+            self.table.note_pins(source)
+        if any(p.state is not S.ON_HOST_CLEAN for p in source.pages):
+            return False
+        self.table.add(entry)
+        for page, new in zip(source.pages, entry.pages):
+            self.moves.hand_over(page, new)
+        self.touch(entry)
+        self.cond.notify_all()
+        return True
 
     def free(self, entry: TensorEntry) -> None:
         """Free ``entry``'s pages (waiting for its I/O in flight).

@@ -387,6 +387,40 @@ class PagedBufferPool(PoolHints, PoolViews):
             self._p.allocate(entry, tier)
             self._trace("A", tensor_id, entry.nbytes, entry.dtype.itemsize, kind, tier)
 
+    def fork(self, source_id: str, tensor_id: str) -> bool:
+        """Make ``tensor_id`` a new tensor with ``source_id``'s shape, dtype, kind and
+        bytes, on the host, while ``source_id`` keeps its bytes on NVMe: the copy-on-write
+        step of shadow paging, with no page write and no room to make.
+
+        ``source_id``'s pages are brought to the host (a read of the ones on NVMe only,
+        waited for as :meth:`acquire` waits); each page that still has its NVMe copy
+        (read from NVMe and not written since: a *clean* page, docs/paging.md) gives its
+        host slot to the new tensor's page (dirty: written when evicted) and keeps its NVMe
+        slot. Writes to the new tensor then never touch the source.
+
+        Args:
+            source_id: an allocated tensor, not acquired.
+            tensor_id: a new identifier.
+
+        Returns:
+            True when forked. False, with nothing changed, when ``source_id`` is acquired
+            or has a page written on the host since it was last on NVMe (it has no NVMe
+            copy to keep: allocate and copy instead).
+
+        Raises:
+            KeyError: unknown ``source_id``.
+            ValueError: ``tensor_id`` exists, or ``source_id`` is a reservation.
+            PoolOutOfMemoryError: ``source_id`` cannot be brought to the host.
+            PageChecksumError: a page read from NVMe is corrupt (it stays on NVMe).
+        """
+        with self._p.cond:
+            source = self._bytes_entry(source_id, "fork")
+            entry = _new_entry(tensor_id, source.shape, source.dtype, source.kind, self._page_size)
+            done = self._p.fork(source, entry)
+            if done:
+                self._trace("K", source_id, tensor_id)
+            return done
+
     def reserve(
         self, tensor_id: str, shape: Sequence[int], dtype: np.dtype | type | str, kind: str
     ) -> None:

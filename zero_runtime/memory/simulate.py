@@ -333,6 +333,10 @@ def _serve(
         core.allocate(_entry(tid, nbytes, kind, ps), tier)
     elif code == "F":
         core.free(get(args[0]))
+    elif code == "K":
+        source = get(args[0])
+        core.fork(source, _entry(args[1], source.nbytes, source.kind, ps))
+        itemsize[args[1]], sizes[args[1]] = itemsize.get(args[0], 1), source.nbytes
     elif code == "Q":
         core.acquire(get(args[0]), args[1], False)
     elif code == "R":

@@ -22,6 +22,7 @@ code  operation                                    arguments
 ====  ==========================================  =================================
 A     ``allocate``                                 tid, nbytes, itemsize, kind, tier
 F     ``free``                                     tid
+K     ``fork`` (when it returned True)             source tid, new tid
 Q     ``acquire`` (pins until release)             tid, tier
 R     ``release``                                  tid
 W     ``write`` (a use, no move)                   tid
@@ -82,6 +83,7 @@ LETTER_TIER = {"d": "device", "h": "host", "c": "host", "n": "nvme", "u": None}
 # Event codes whose arguments start with one tensor id / a tuple of ids.
 _ONE_ID = frozenset("AFQRWDNU")
 _IDS = frozenset("PXEO")
+_TWO_IDS = frozenset("K")
 
 
 def capture(
@@ -164,6 +166,8 @@ class StepTrace:
         for code, *args in self.events:
             if code in _ONE_ID:
                 args[0] = ix(args[0])
+            elif code in _TWO_IDS:
+                args[0], args[1] = ix(args[0]), ix(args[1])
             elif code in _IDS:
                 args[0] = [ix(t) for t in args[0]]
             events.append([code, *args])
@@ -199,6 +203,8 @@ class StepTrace:
             for code, *args in data["events"]:
                 if code in _ONE_ID:
                     args[0] = names[args[0]]
+                elif code in _TWO_IDS:
+                    args[0], args[1] = names[args[0]], names[args[1]]
                 elif code in _IDS:
                     args[0] = tuple(names[i] for i in args[0])
                 events.append((code, *args))

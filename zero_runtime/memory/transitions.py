@@ -199,6 +199,25 @@ class TierTransitions:
         if evicting:
             self._counters.add("evictions")
 
+    def hand_over(self, source: PageRecord, target: PageRecord) -> None:
+        """Fork one clean page: ``source`` keeps only its NVMe copy (ON_HOST_CLEAN ->
+        ON_NVME, counted as ``h2n_clean``: its host copy leaves with no write) and
+        ``target`` (UNPLACED) takes the host copy (-> ON_HOST, dirty: it has no NVMe
+        copy of its own). No I/O; the bytes are copied only when the host tier hands
+        ``target`` another slot than the one ``source`` gave back."""
+        self._expect(source, S.ON_HOST_CLEAN, "fork")
+        self._expect(target, S.UNPLACED, "fork")
+        old = source.slots["host"]
+        self._table.transition(source, S.ON_NVME)
+        slot = self._host.take()
+        try:
+            self._table.transition(target, S.ON_HOST, slot)
+        except BaseException:
+            self._host.release(slot)
+            raise
+        if slot != old:  # the bytes are still in the old slot: nothing ran in between
+            self._host.view(slot)[: target.payload] = self._host.view(old)[: target.payload]
+
     def dirty(self, page: PageRecord) -> None:
         """Before a write to a page on the host: a clean page's NVMe copy stops being
         current, so its NVMe slot is returned (ON_HOST_CLEAN -> ON_HOST); any other state

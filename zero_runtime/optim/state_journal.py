@@ -114,11 +114,14 @@ class StateTransactions:
         undo record (shadow paging; Lorie, "Physical integrity in a large segmented
         database", ACM TODS 2(1), 1977).
 
-        Each slot's values are copied into a new pool tensor (the other generation's id,
+        Each slot becomes a new pool tensor (the other generation's id,
         :meth:`~zero_runtime.optim.nvme_state.NvmeOptimizerState.tensor_id`), which the
-        step then updates and writes behind. The previous generation is only read: its
-        pages keep their NVMe copy (clean), so dropping them from the host writes
-        nothing, and the copy on NVMe is what a rollback returns to. Compared with an
+        step then updates and writes behind: ``PagedBufferPool.fork`` hands the old
+        pages' host copies to it and leaves the old generation its NVMe copies (no
+        write, no copy, no host room to make); a slot written on the host since it was
+        read (no NVMe copy to keep) is copied into a new tensor instead, and its old
+        pages leave the host with a write. The copy on NVMe is what a rollback returns
+        to. Compared with an
         undo journal in the pool this saves one page write per journalled page (and the
         host room of the journal's copy while it waits for its write); it costs NVMe
         room for both generations until the step commits, as the journal did.
@@ -135,6 +138,9 @@ class StateTransactions:
         made: list[str] = []
         try:
             for tid, new in zip(old, self._ids(replica, j)):
+                if self.pool.fork(tid, new):  # host copies handed over, NVMe copies kept
+                    made.append(new)
+                    continue
                 source = self.pool.acquire_pages(tid)  # read-only: the pages stay clean
                 try:
                     self.pool.allocate(new, shape, np.float32, kind="optimizer", tier="host")
