@@ -395,6 +395,12 @@ def run_trial(spec: dict) -> dict:
             out["units"] = len(engine.runner.units)
             out["tiled_layers"] = len(engine.tile_plans)
             out["checkpointed_blocks"] = len(engine.units.blocks)
+        # The runtime's own per-step figures (both pools, parameters and optimizer
+        # states, summed): page moves by direction, clean evictions, stalls, I/O time.
+        out["runtime_steps"] = [
+            {"step": r.step, "timing": dict(r.timing), "pages": dict(r.pages)}
+            for r in strategy.runtime.recorder.last()
+        ]
         sharded.close()
         strategy.close()
     return out
