@@ -269,8 +269,9 @@ def io_lower_bound(rec: dict, fio: list[dict]) -> dict | None:
     }
 
 
-def run_trial(spec: dict) -> dict:
-    """Train ``spec["steps"]`` steps of the model ``spec["cfg"]`` on side ``spec["side"]``.
+def run_trial(spec: dict, callbacks: tuple = ()) -> dict:
+    """Train ``spec["steps"]`` steps of the model ``spec["cfg"]`` on side ``spec["side"]``
+    (``callbacks``: more Keras callbacks for ``fit``, after the trial's own).
 
     Returns a dict of measurements (bytes, seconds). Raises whatever training raises.
     """
@@ -356,7 +357,7 @@ def run_trial(spec: dict) -> dict:
             [disk[d].append(n - m) for d, n, m in zip(disk, _disk_io(), marks["io"])],
         ),
     )
-    hist = trained.fit(ds, epochs=1, verbose=0, callbacks=[cb])
+    hist = trained.fit(ds, epochs=1, verbose=0, callbacks=[cb, *callbacks])
     info = tf.config.experimental.get_memory_info("CPU:0")
     out["step_peak_bytes"] = int(info["peak"])
     out["after_step_bytes"] = int(info["current"])
@@ -438,17 +439,11 @@ def max_unit_gradient_elements(engine) -> int:
     return most
 
 
-# -- driver ------------------------------------------------------------------------------------
-def trial(side: str, k: int | None, args, deadline: float, cfg: dict | None = None) -> dict:
-    """Run one trial in a subprocess; return its record with ``fits`` and ``reason``.
-
-    Its timeout is ``args.trial_timeout`` seconds, or less when ``deadline`` (a
-    ``time.perf_counter()`` value) comes first; a timeout means "does not fit".
-    """
-    timeout = max(1.0, min(args.trial_timeout, deadline - time.perf_counter()))
-    cfg = cfg or family_config(k)
-    nvme_dir = tempfile.mkdtemp(prefix="max_model_", dir=args.nvme_path)
-    spec = {
+def trial_spec(side: str, cfg: dict, args, nvme_dir: str, timeout: float) -> dict:
+    """The spec :func:`run_trial` takes: side, model config, batch, steps, the budgets
+    (bytes) derived from ``args`` (:func:`parser`), ``nvme_dir`` for the pools' files and
+    the collectives' ``timeout`` (seconds)."""
+    return {
         "side": side,
         "cfg": cfg,
         "batch": args.batch,
@@ -473,6 +468,19 @@ def trial(side: str, k: int | None, args, deadline: float, cfg: dict | None = No
         "engine": args.engine,
         "timeout": timeout,
     }
+
+
+# -- driver ------------------------------------------------------------------------------------
+def trial(side: str, k: int | None, args, deadline: float, cfg: dict | None = None) -> dict:
+    """Run one trial in a subprocess; return its record with ``fits`` and ``reason``.
+
+    Its timeout is ``args.trial_timeout`` seconds, or less when ``deadline`` (a
+    ``time.perf_counter()`` value) comes first; a timeout means "does not fit".
+    """
+    timeout = max(1.0, min(args.trial_timeout, deadline - time.perf_counter()))
+    cfg = cfg or family_config(k)
+    nvme_dir = tempfile.mkdtemp(prefix="max_model_", dir=args.nvme_path)
+    spec = trial_spec(side, cfg, args, nvme_dir, timeout)
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2")
     if side == "mirrored" or args.cap_stage3:  # stage 3: see the module docstring
         env["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(args.device_mib)
@@ -649,8 +657,8 @@ def states_ratio(s3: dict, mir: dict) -> dict:
     }
 
 
-def main() -> None:
-    """Search both sides, measure the states ratio, write the results file."""
+def parser() -> argparse.ArgumentParser:
+    """The command line of :func:`main` (also read by ``bench/profile_step.py``)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trial", help=argparse.SUPPRESS)
     ap.add_argument("--device-mib", type=int, default=256)
@@ -700,7 +708,12 @@ def main() -> None:
         help="share of the device budget given to the stage-3 pool; the rest is headroom "
         "for the step's tensors outside the pool (module docstring)",
     )
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    """Search both sides, measure the states ratio, write the results file."""
+    args = parser().parse_args()
     if args.trial:
         print("TRIAL " + json.dumps(run_trial(json.loads(args.trial))), flush=True)
         return

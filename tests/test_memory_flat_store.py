@@ -11,7 +11,7 @@ import pytest
 
 from tests import test_memory_pool
 from zero_runtime.memory import PagedBufferPool, PoolOutOfMemoryError
-from zero_runtime.memory.flat_store import ChunkState, FlatRange, FlatShardSpace
+from zero_runtime.memory.flat_store import ChunkState, FlatRange, FlatShardSpace, copy_columns
 
 PS = 64 << 10  # bytes per page
 C = PS // 4  # float32 elements per chunk
@@ -170,3 +170,40 @@ def test_bad_tier_and_replicas_are_refused(tmp_path):
             FlatShardSpace(pool, "host", (0, 0))
         with pytest.raises(ValueError, match="replicas must be distinct"):
             FlatShardSpace(pool, "host", ())
+
+
+@pytest.mark.parametrize("width, lo, hi", [(7, 2, 5), (C // 4 + 3, 0, 100), (3 * C, C - 2, C + 9)])
+def test_copy_columns_from_pieces_cut_anywhere_equals_numpy_slicing(width, lo, hi):
+    # A row-major matrix cut into pieces at arbitrary points (pages of a shard): the
+    # band copied piece by piece is the matrix's [:, lo:hi], every element once.
+    rows = 11
+    matrix = values(rows * width, 5).reshape(rows, width)
+    flat = matrix.reshape(-1)
+    rng = np.random.default_rng(width)
+    cuts = np.sort(rng.choice(np.arange(1, flat.size), size=9, replace=False))
+    out = np.full((rows, hi - lo), np.nan, np.float32)
+    first = 0
+    for piece in np.split(flat, cuts):
+        copy_columns(piece, first, width, lo, hi, out)
+        first += piece.size
+    np.testing.assert_array_equal(out, matrix[:, lo:hi])
+
+
+def test_read_columns_into_pages_in_the_band_of_a_range_across_chunks(tmp_path):
+    with make_pool(tmp_path, host_pages=8, nvme_pages=32) as pool:
+        space = FlatShardSpace(pool, "nvme", REPLICAS)
+        space.reserve(123)  # the range starts inside a chunk
+        width = 1000
+        rng = space.reserve(40 * width)  # 40,000 elements: 3 chunks of 16,384
+        data = {r: values(rng.length, 20 + r) for r in REPLICAS}
+        for r in REPLICAS:
+            space.write(r, rng, data[r])
+        pool.evict(pool.tensor_ids(), "nvme")
+        for r in REPLICAS:
+            out = np.empty((40, 250), np.float32)
+            space.read_columns_into(r, rng, width, 600, 850, out)
+            np.testing.assert_array_equal(out, data[r].reshape(40, width)[:, 600:850])
+        with pytest.raises(ValueError, match="width 999 must be >= 1 and divide"):
+            space.read_columns_into(0, rng, 999, 0, 1, np.empty(40, np.float32))
+        with pytest.raises(ValueError, match=r"columns \[900, 1001\) must lie within"):
+            space.read_columns_into(0, rng, width, 900, 1001, np.empty(4040, np.float32))

@@ -357,6 +357,35 @@ class ShardedVariable(_KerasProtocol):
             return
         self._storage.read_into(replica, out)
 
+    def read_shard_slice(self, replica: int, axis: int, start: int, size: int) -> np.ndarray:
+        """A copy of ``[start, start + size)`` along ``axis`` of ``replica``'s shard seen as
+        ``[rows, *shape[1:]]`` (``shard_dim`` 0): float32, flat, ``rows * size *
+        prod(the other axes)`` elements, in row-major order of the sliced block. A column
+        tile of a kernel (``zero_runtime/stage3/tiling.py``): only the tile's elements are
+        copied from the pages.
+
+        Raises:
+            ValueError: ``shard_dim`` is not 0, ``axis`` not in ``[1, ndim)``, or the
+                slice outside the axis.
+            zero_runtime.memory.PagingError: a page-in from NVMe failed.
+        """
+        shape = tuple(self.shape)
+        if self.shard_dim != 0 or not 1 <= axis < len(shape):
+            raise ValueError(
+                f"read_shard_slice: axis {axis} of {shape} (shard_dim {self.shard_dim}); "
+                "a slice of a shard needs shard_dim 0 and an axis in [1, ndim)"
+            )
+        if not 0 <= start <= start + size <= shape[axis]:
+            raise ValueError(f"read_shard_slice: [{start}, {start + size}) outside [0, "
+                             f"{shape[axis]}] on axis {axis} of {shape}")
+        inner = math.prod(shape[axis + 1 :])
+        outer = self.rows * math.prod(shape[1:axis])
+        out = np.empty(outer * size * inner, np.float32)
+        self._storage.read_columns_into(
+            replica, shape[axis] * inner, start * inner, (start + size) * inner, out
+        )
+        return out
+
     def update_shard_in_place(self, replica: int, fn: Callable[[np.ndarray], None]) -> None:
         """Run ``fn`` on ``replica``'s shard where it lives on the host (SHARDED or RELEASED
         -> SHARDED): ``fn`` gets a writable float32 ``[shard_elements]`` array (the page

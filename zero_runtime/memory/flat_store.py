@@ -237,6 +237,28 @@ class FlatShardSpace:
             finally:
                 self.pool.release(cid)
 
+    def read_columns_into(
+        self, replica: int, rng: FlatRange, width: int, lo: int, hi: int, out: np.ndarray
+    ) -> None:
+        """Copy columns ``[lo, hi)`` of ``replica``'s elements of ``rng``, seen as a
+        row-major float32 ``[rng.length // width, width]`` matrix, into ``out`` (float32
+        ``[rows, hi - lo]``, writable): from each chunk's page, the band only
+        (:func:`copy_columns`; a column tile of a kernel shard without a copy of the rest).
+
+        Raises:
+            ValueError: ``width`` does not divide ``rng.length``, ``[lo, hi)`` not within
+                ``[0, width]``, ``out`` of another shape; an unknown replica; a closed space.
+        """
+        rows = column_band_rows(rng.length, width, lo, hi, out)
+        self._check_access(replica, rng, rng.length)
+        for p in self._pieces(rng):
+            cid = self.chunk_id(p.index, replica)
+            view = self.pool.acquire(cid, "host")
+            try:
+                copy_columns(view[p.lo : p.hi], p.start, width, lo, hi, out.reshape(rows, -1))
+            finally:
+                self.pool.release(cid)
+
     def read(self, replica: int, rng: FlatRange) -> np.ndarray:
         """A copy of ``replica``'s elements of ``rng``, float32 ``[rng.length]``."""
         out = np.empty(rng.length, np.float32)
@@ -334,3 +356,42 @@ class FlatShardSpace:
             f"<FlatShardSpace tier={self.tier} replicas={self.replicas} "
             f"reserved={self._bump} chunks={self.allocated_chunks}x{self.chunk_elements}>"
         )
+
+
+def column_band_rows(length: int, width: int, lo: int, hi: int, out: np.ndarray) -> int:
+    """Rows of a ``[length // width, width]`` matrix whose columns ``[lo, hi)`` go to
+    ``out``; raises ValueError naming the bad argument."""
+    if width < 1 or length % width:
+        raise ValueError(f"width {width} must be >= 1 and divide the {length} elements")
+    if not 0 <= lo <= hi <= width:
+        raise ValueError(f"columns [{lo}, {hi}) must lie within [0, {width}]")
+    rows = length // width
+    if out.size != rows * (hi - lo):
+        raise ValueError(f"out has {out.size} elements; columns [{lo}, {hi}) of {rows} rows "
+                         f"need {rows * (hi - lo)}")
+    return rows
+
+
+def copy_columns(
+    values: np.ndarray, first: int, width: int, lo: int, hi: int, out: np.ndarray
+) -> None:
+    """Copy the part of a column band held by one piece of a row-major matrix.
+
+    The matrix has ``width`` columns; ``values`` (1-D) holds its flat elements
+    ``[first, first + values.size)`` (e.g. one page of a shard). Each of those elements
+    whose column ``index % width`` lies in ``[lo, hi)`` is written to
+    ``out[index // width, column - lo]``; ``out`` is ``[rows, hi - lo]``. Rows the piece
+    holds whole are copied as one strided block, the (at most two) rows it cuts one
+    segment each.
+    """
+    end = first + values.size
+    if end <= first or hi <= lo:
+        return
+    full_lo, full_hi = -(-first // width), end // width  # rows held whole: [full_lo, full_hi)
+    if full_lo < full_hi:
+        block = values[full_lo * width - first : full_hi * width - first]
+        out[full_lo:full_hi] = block.reshape(full_hi - full_lo, width)[:, lo:hi]
+    for r in sorted({first // width, (end - 1) // width} - set(range(full_lo, full_hi))):
+        a, b = max(first, r * width + lo), min(end, r * width + hi)
+        if a < b:
+            out[r, a - r * width - lo : b - r * width - lo] = values[a - first : b - first]

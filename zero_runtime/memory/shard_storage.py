@@ -25,7 +25,12 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
 
-from zero_runtime.memory.flat_store import FlatRange, FlatShardSpace
+from zero_runtime.memory.flat_store import (
+    FlatRange,
+    FlatShardSpace,
+    column_band_rows,
+    copy_columns,
+)
 from zero_runtime.memory.pool import PagedBufferPool
 
 
@@ -139,6 +144,35 @@ class ShardStorage:
         sid = self.shard_ids[replica]
         out[:] = self.pool.acquire(sid, "host")
         self.pool.release(sid)
+
+    def read_columns_into(
+        self, replica: int, width: int, lo: int, hi: int, out: np.ndarray
+    ) -> None:
+        """Copy columns ``[lo, hi)`` of ``replica``'s shard, seen as a row-major float32
+        ``[elements // width, width]`` matrix, into ``out`` (float32 ``[rows, hi - lo]``):
+        a column tile of a kernel shard (``zero_runtime/stage3/tiling.py``). From pool
+        pages only the band is copied (page by page, no copy of the whole shard first).
+
+        Raises:
+            ValueError: ``width`` does not divide the shard, bad columns or ``out`` shape.
+            zero_runtime.memory.PagingError: a page-in from NVMe failed.
+        """
+        rows = column_band_rows(self.elements, width, lo, hi, out)
+        if self.variables[replica] is not None or self.tier == "device":
+            out.reshape(rows, -1)[...] = self.read(replica).reshape(rows, width)[:, lo:hi]
+            return
+        if self.space is not None:
+            self.space.read_columns_into(replica, self.range, width, lo, hi, out)
+            return
+        sid = self.shard_ids[replica]
+        pages = self.pool.acquire_pages(sid)
+        try:
+            first = 0
+            for page in pages:
+                copy_columns(page, first, width, lo, hi, out.reshape(rows, -1))
+                first += page.size
+        finally:
+            self.pool.release(sid)
 
     def update_in_place(self, replica: int, fn: Callable[[np.ndarray], None]) -> None:
         """Run ``fn`` on ``replica``'s host-tier shard: ``fn`` gets a writable float32

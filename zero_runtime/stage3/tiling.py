@@ -483,10 +483,9 @@ def _read_tile(
     ``prefetch``: None, or the read's schedule hook, run first (as ``gather._read_shards``)."""
     if prefetch is not None:
         prefetch()
-    shard = kernel.read_shard(replica).reshape(kernel.rows, *kernel.shape[1:])
-    index = [slice(None)] * shard.ndim
-    index[axis] = slice(start, start + size)
-    return np.ascontiguousarray(shard[tuple(index)]).reshape(-1)
+    # Only the tile's columns are copied from the shard's pages (a copy of the whole
+    # shard per tile copied it once per tile: 4 times for a 4-tile kernel).
+    return kernel.read_shard_slice(replica, axis, start, size)
 
 
 def _slice(value: tf.Tensor, axis: int, start: int, size: int) -> tf.Tensor:

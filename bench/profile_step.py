@@ -1,0 +1,178 @@
+"""Per-thread timeline of one stage-3 trial of ``bench_max_model.py``: where a step's
+seconds go, thread by thread.
+
+Runs one trial in this process (``bench_max_model.run_trial``, the same spec as the
+benchmark's ``trial``: the same budgets and ZeroConfig) with the runtime's host-side
+functions wrapped (:data:`SPANS`) so each call records ``(thread, label, start, end)``
+(``time.perf_counter`` seconds), then reports, for one step (default the last), per
+thread the seconds each label covered (the union of its calls, nested labels counted on
+their own) against the step's wall time. The I/O threads' ``pread``/``pwrite`` spans give
+the disk's busy time; the update thread's ``store.update`` minus ``adam`` its waits.
+
+Usage (the 1B run of issue #17 takes about 13 minutes and 18 GB of RSS)::
+
+    .venv/bin/python bench/profile_step.py --k 22 --batch 2 --out /tmp/tl.json
+    .venv/bin/python bench/profile_step.py --report /tmp/tl.json [--step 1]
+
+The other options are ``bench_max_model.py``'s (defaults: ``--engine units
+--offload-optimizer nvme --pool-device-fraction 1.0``, the committed run's). Only
+a tool for finding the critical path; its figures are not results (the wrappers add
+about a microsecond per call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import importlib
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+#: ``(module, attribute path, label)``: the host functions whose calls are recorded.
+SPANS = (
+    ("zero_runtime.optim.backward_update", "BackwardShardUpdate._host_enqueue", "enqueue"),
+    ("zero_runtime.optim.backward_update", "_UpdateQueue.admit", "admit"),
+    ("zero_runtime.optim.backward_update", "BackwardShardUpdate._host_update", "host_update"),
+    ("zero_runtime.optim.backward_update", "BackwardShardUpdate._host_finish", "finish"),
+    ("zero_runtime.optim.shard_update", "ShardedUpdate._zero3_read_shards", "read_params"),
+    ("zero_runtime.optim.shard_update", "ShardedUpdate._zero3_write_shards", "write_params"),
+    ("zero_runtime.optim.nvme_state", "NvmeOptimizerState.update", "store.update"),
+    ("zero_runtime.optim.nvme_state", "NvmeOptimizerState.mark_updated", "store.mark"),
+    ("zero_runtime.optim.state_journal", "StateTransactions._shadow", "store.shadow"),
+    ("zero_runtime.optim.kernels", "adam_update", "adam"),
+    ("zero_runtime.memory.pool", "PagedBufferPool.acquire", "pool.acquire"),
+    ("zero_runtime.memory.pool", "PagedBufferPool.acquire_pages", "pool.acquire_pages"),
+    ("zero_runtime.memory.pool", "PagedBufferPool.prefetch", "pool.prefetch"),
+    ("zero_runtime.memory.pool", "PagedBufferPool.evict", "pool.evict"),
+    ("zero_runtime.memory.pool", "PagedBufferPool.fork", "pool.fork"),
+    ("zero_runtime.stage3.unit_comm", "_read_shards", "read_shards"),
+    ("zero_runtime.stage3.tiling", "_read_tile", "read_tile"),
+    ("zero_runtime.sharded_variable", "ShardedVariable.write_shard", "var.write_shard"),
+    ("zero_runtime.memory.io", "NvmeFile.pread_into", "pread"),
+    ("zero_runtime.memory.io", "NvmeFile.pwrite", "pwrite"),
+)
+
+
+class Recorder:
+    """Spans of the wrapped calls: ``(thread name, label, start, end)``, seconds."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[str, str, float, float]] = []
+        self.steps: list[tuple[float, float]] = []
+        self._lock = threading.Lock()
+
+    def wrap(self, fn, label: str):
+        """``fn`` recording a span per call under ``label``."""
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                end = time.perf_counter()
+                with self._lock:
+                    self.spans.append((threading.current_thread().name, label, start, end))
+
+        return timed
+
+    def install(self) -> None:
+        """Wrap every function of :data:`SPANS` (before the model's graph is traced)."""
+        for module, path, label in SPANS:
+            owner = importlib.import_module(module)
+            *parents, name = path.split(".")
+            for part in parents:
+                owner = getattr(owner, part)
+            setattr(owner, name, self.wrap(getattr(owner, name), label))
+
+    def callback(self):
+        """A Keras callback recording each training step's ``(start, end)``."""
+        import keras
+
+        marks: dict[str, float] = {}
+        return keras.callbacks.LambdaCallback(
+            on_train_batch_begin=lambda b, logs: marks.__setitem__("t", time.perf_counter()),
+            on_train_batch_end=lambda b, logs: self.steps.append(
+                (marks["t"], time.perf_counter())
+            ),
+        )
+
+
+def _union(intervals) -> float:
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total
+
+
+def report(data: dict, step: int) -> str:
+    """Per thread, per label: seconds covered within step ``step`` (clipped to it), and
+    each thread's busy seconds (any label); the step's wall seconds first."""
+    lo, hi = data["steps"][step]
+    per: dict = collections.defaultdict(lambda: collections.defaultdict(list))
+    for thread, label, s, e in data["spans"]:
+        s, e = max(s, lo), min(e, hi)
+        if e > s:
+            per[_thread_kind(thread)][label].append((s, e))
+    lines = [f"step {step}: {hi - lo:.2f} s wall"]
+    for thread in sorted(per):
+        labels = per[thread]
+        busy = _union([iv for ivs in labels.values() for iv in ivs])
+        lines.append(f"  {thread}: any {busy:.2f} s")
+        for label, ivs in sorted(labels.items(), key=lambda kv: -_union(kv[1])):
+            lines.append(f"    {label:20s} {_union(ivs):7.2f} s  {len(ivs):6d} calls")
+    return "\n".join(lines)
+
+
+def _thread_kind(name: str) -> str:
+    """Threads grouped by role: the pools' I/O threads and TensorFlow's executors each
+    merged (their numbering is not stable)."""
+    for prefix, kind in (("zr-io", "io threads"), ("zr-wb", "store write-behind")):
+        if name.startswith(prefix):
+            return kind
+    if name.startswith("zero3-update"):
+        return name.rsplit("_", 1)[0]
+    if name.startswith("ThreadPoolExecutor") or name.startswith("Dummy"):
+        return "tf executors"
+    return name
+
+
+def main() -> None:
+    """Run the trial and write the spans (``--out``), or report a file (``--report``)."""
+    import bench_max_model as bm
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], parents=[bm.parser()],
+                                 add_help=False, conflict_handler="resolve")
+    ap.add_argument("--k", type=int, default=22, help="family member (bench_max_model)")
+    ap.add_argument("--out", default="/tmp/profile_step.json")
+    ap.add_argument("--report", help="a file written by --out: print its report")
+    ap.add_argument("--step", type=int, default=-1, help="the step reported")
+    ap.set_defaults(engine="units", offload_optimizer="nvme", pool_device_fraction=1.0)
+    args = ap.parse_args()
+    if args.report:
+        print(report(json.loads(Path(args.report).read_text()), args.step))
+        return
+    os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+    os.makedirs(args.nvme_path, exist_ok=True)
+    rec = Recorder()
+    rec.install()
+    with tempfile.TemporaryDirectory(prefix="profile_", dir=args.nvme_path) as nvme_dir:
+        spec = bm.trial_spec("stage3", bm.family_config(args.k), args, nvme_dir, 3600.0)
+        out = bm.run_trial(spec, callbacks=(rec.callback(),))
+    data = {"trial": out, "steps": rec.steps, "spans": rec.spans}
+    Path(args.out).write_text(json.dumps(data))
+    print(report(data, args.step))
+
+
+if __name__ == "__main__":
+    main()
