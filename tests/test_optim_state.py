@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -134,6 +135,61 @@ def test_nvme_partial_updates_move_each_subgroup_once_per_step(tmp_path):
     np.testing.assert_array_equal(param, ref)
     np.testing.assert_array_equal(store.read_shard(0, "m"), m)
     assert store.updates(0) == 2
+    store.close()
+
+
+def _on_host(store, j, timeout=10.0):
+    """Wait until both slots of sub-group ``j`` (replica 0) are all on the host (read
+    from NVMe: clean)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = [store.pool.describe(store.tensor_id(0, j, x)) for x in ("m", "v")]
+        on_host = (PageState.ON_HOST, PageState.ON_HOST_CLEAN)
+        if all(p.state in on_host for i in info for p in i.pages):
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.mark.parametrize("noted", [True, False])
+def test_a_noted_next_call_has_its_subgroup_read_ahead_during_the_current_one(
+    noted, tmp_path
+):
+    """The stage-3 update in backward notes each block as its gradient is queued
+    (``expect``); while a call updates its own sub-groups the store reads the next noted
+    call's first sub-group ahead, so that call's read does not wait for the disk. Without
+    the note nothing beyond the call's own sub-groups is read. Results equal whole-array
+    Adam either way."""
+    per = 16384  # one 64 KiB page of float32 per sub-group and slot
+    layout = _layout(6 * per)  # a shard of 3 sub-groups per replica
+    store = NvmeOptimizerState(
+        layout, ("m", "v"), str(tmp_path), sub_group_size=per, page_size_bytes=65536
+    )
+    rng = np.random.default_rng(3)
+    n = layout.shard_size
+    param = rng.standard_normal(n, dtype=np.float32)
+    ref, m, v = param.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)
+    blocks = [(2 * per, 3 * per), (per, 2 * per), (0, per)]  # backward order
+    for step in range(2):
+        grad = rng.standard_normal(n, dtype=np.float32)
+        if noted:
+            for b in blocks:
+                store.expect(0, (b,))
+        for i, b in enumerate(blocks):
+            store.update(0, (b,), param, grad, _adam_step, count=False, step=step)
+            if step == 1 and i < 2:
+                # The next call's sub-group was on NVMe: this call read it ahead iff the
+                # next call was noted.
+                assert _on_host(store, 1 - i, timeout=10.0 if noted else 0.5) is noted
+        store.mark_updated(0)
+        _whole_adam(ref, grad, m, v)
+        c = store.step_boundary(step)
+        if step == 1:
+            assert c.n2h_pages == 6, c  # every state page read once either way
+    np.testing.assert_array_equal(param, ref)
+    np.testing.assert_array_equal(store.read_shard(0, "m"), m)
+    np.testing.assert_array_equal(store.read_shard(0, "v"), v)
+    assert not store._record(0).expected  # noqa: SLF001 (the step's notes are dropped)
     store.close()
 
 

@@ -181,6 +181,11 @@ class BackwardShardUpdate:
         except BaseException:
             queue.done(nbytes)
             raise
+        expect = getattr(self.optimizer.zero_state.store, "expect", None)
+        if expect is not None:  # the NVMe store reads this block's states ahead
+            for run in _contiguous_runs(variables, self._offset):
+                off = self._offset[id(run[0])]
+                expect(self.replica, ((off, off + sum(v.shard_elements for v in run)),))
         queue.submit(self._host_update, variables, grad, int(step), scalars, nbytes=nbytes)
         return np.float32(0.0)
 

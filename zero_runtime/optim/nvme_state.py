@@ -28,6 +28,7 @@ states between steps through :mod:`.nvme_access`.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -49,6 +50,10 @@ logger = logging.getLogger(__name__)
 #: updated, its previous generation while it is copied (past the host journal), the one
 #: read ahead and the one being written behind.
 _LIVE_SUBGROUPS = 4
+
+#: Sub-groups of later calls (:meth:`NvmeOptimizerState.expect`) read ahead while a
+#: call updates its own: the window's "sub-group read ahead".
+READ_AHEAD = 1
 
 #: Without a host budget, the share of the host's available memory
 #: (``psutil.virtual_memory().available``) the streamed window may take.
@@ -177,6 +182,8 @@ class _Replica:
     scratch: tuple[np.ndarray, np.ndarray] | None = None
     updates: int = 0
     txn: StepTransaction | None = None
+    #: Ranges of updates queued after the running one, in order (:meth:`expect`).
+    expected: collections.deque = dataclasses.field(default_factory=collections.deque)
 
 
 class NvmeOptimizerState(StateTransactions):
@@ -297,6 +304,47 @@ class NvmeOptimizerState(StateTransactions):
             raise
         rec.allocated.add(j)
 
+    # -- read-ahead across calls ---------------------------------------------------------
+    def expect(self, replica: int, ranges: Sequence[tuple[int, int]]) -> None:
+        """Note that an update of ``ranges`` (shard-local ``[start, end)``) is queued for
+        ``replica`` after those running or noted before: while the store updates the
+        current call's sub-groups it reads the next calls' first sub-groups ahead
+        (:data:`READ_AHEAD` of them), so a call's first read does not wait for the disk.
+        The stage-3 update in backward notes each block as its gradient is queued
+        (backward_update.py); a call whose ranges are not noted is read as it comes."""
+        rec = self._record(replica)
+        with self._lock:
+            rec.expected.append(tuple((int(s), int(e)) for s, e in ranges))
+
+    def _forget_expected(self, replica: int) -> None:
+        """Drop ``replica``'s notes of queued calls (its step ended or rolled back)."""
+        rec = self._record(replica)
+        with self._lock:
+            rec.expected.clear()
+
+    def _drop_expected(self, rec: _Replica, ranges) -> None:
+        """Drop this call's note from ``rec.expected`` (and any stale notes before it)."""
+        key = tuple((int(s), int(e)) for s, e in ranges)
+        with self._lock:
+            if key in rec.expected:
+                while rec.expected.popleft() != key:
+                    pass
+
+    def _upcoming(self, rec: _Replica, exclude: set[int]) -> list[int]:
+        """The allocated sub-groups the noted later calls will update first, beyond
+        ``exclude``, in order (at most :data:`READ_AHEAD`)."""
+        with self._lock:
+            later = list(rec.expected)
+        out: list[int] = []
+        for later_ranges in later:
+            for s, e in later_ranges:
+                for j in range(s // self.sub_group_size, -(-e // self.sub_group_size)):
+                    if j not in exclude and j not in out and j in rec.allocated:
+                        out.append(j)
+                        if len(out) >= READ_AHEAD:
+                            return out
+        return out
+
     # -- the update ---------------------------------------------------------------------
     def update(
         self,
@@ -368,11 +416,17 @@ class NvmeOptimizerState(StateTransactions):
                 for s, e in parts:
                     run_tiles(step_fn, {}, rec.scratch, param, grad, s - offset, e - offset)
             return
+        # This call's sub-groups, then the first ones of the calls queued after it (as
+        # noted by then: a block's gradient may arrive while this call runs): each is
+        # read ahead while the one before it is updated.
+        mine = {j for j, _ in work}
+        self._drop_expected(rec, ranges)
         if work:
             self.pool.prefetch(self._ids(replica, work[0][0]))
         for k, (j, parts) in enumerate(work):
-            if k + 1 < len(work):
-                self.pool.prefetch(self._ids(replica, work[k + 1][0]))  # read-ahead
+            ahead = [work[k + 1][0]] if k + 1 < len(work) else self._upcoming(rec, mine)
+            if ahead:
+                self.pool.prefetch([t for a in ahead for t in self._ids(replica, a)])
             lo, hi = self.subgroup_range(j)
             if j not in txn.undo and not self._fits_host_journal(txn, hi - lo):
                 self._shadow(rec, txn, replica, j)  # a new generation, the old one kept
@@ -442,6 +496,7 @@ class NvmeOptimizerState(StateTransactions):
         and wait for the step's write-behinds: the step's end. Raises the first write's
         error (``PagingError``)."""
         self._release_held(txn, list(txn.held))
+        self._forget_expected(replica)  # the step's calls are done
         rest, txn.resident = sorted(txn.resident), set()
         if rest:  # one call: all their page writes in flight at once
             self.pool.evict([tid for j in rest for tid in self._ids(replica, j)], "nvme")

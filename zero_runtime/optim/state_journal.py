@@ -70,7 +70,8 @@ class StepTransaction:
 class StateTransactions:
     """Commit/rollback of a store's steps, per replica (the store provides ``pool``,
     ``prefix``, ``slot_names``, ``_writer`` (the write-behind executor),
-    ``_record(replica)`` with ``txn`` and ``generation`` attributes, ``_ids(replica, j)``
+    ``_record(replica)`` with ``txn`` and ``generation`` attributes, ``_forget_expected``
+    (drops the notes of queued calls), ``_ids(replica, j)``
     (the current generation's ids), ``subgroup_range(j)``, ``_lock``, ``_replicas``)."""
 
     pool: Any
@@ -200,6 +201,7 @@ class StateTransactions:
     def _rollback(self, rec: Any, replica: int) -> None:
         """Put back every sub-group the transaction changed (free those it allocated)."""
         txn, rec.txn = rec.txn, None
+        self._forget_expected(replica)
         if txn is None:
             return
         self._wait_writes(txn, raise_error=False)  # before any page is touched
