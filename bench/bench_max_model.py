@@ -385,6 +385,11 @@ def run_trial(spec: dict, callbacks: tuple = ()) -> dict:
         # next step's commit, so nbytes read now would miss it); the host store's
         # buffers are fixed (nbytes).
         out["optimizer_host_bytes"] = int(getattr(store, "peak_nbytes", store.nbytes))
+        # The step transaction's parameter journal (NVMe states: old shard values kept
+        # on the host until the step commits), outside the pools' budgets and not in the
+        # host rule (judge): reported beside it.
+        journals = sharded.optimizer.zero_state.journals
+        out["param_journal_peak_bytes"] = journals.peak_host_bytes if journals else 0
         # Gradient copies queued for the host update in backward (bounded per replica).
         out["queued_gradient_peak_bytes"] = backward_update.peak_queued_bytes(sharded.optimizer)
         if engine.runner is None:  # the block engine

@@ -56,6 +56,8 @@ SPANS = (
     ("zero_runtime.stage3.unit_comm", "_read_shards", "read_shards"),
     ("zero_runtime.stage3.tiling", "_read_tile", "read_tile"),
     ("zero_runtime.sharded_variable", "ShardedVariable.write_shard", "var.write_shard"),
+    ("zero_runtime.sharded_variable", "ShardedVariable.read_shard_into", "var.read_shard"),
+    ("zero_runtime.optim.transaction", "StepJournals.record_params", "journal_params"),
     ("zero_runtime.memory.io", "NvmeFile.pread_into", "pread"),
     ("zero_runtime.memory.io", "NvmeFile.pwrite", "pwrite"),
 )
@@ -67,6 +69,8 @@ class Recorder:
     def __init__(self) -> None:
         self.spans: list[tuple[str, str, float, float]] = []
         self.steps: list[tuple[float, float]] = []
+        self.cpu: list[dict[str, float]] = []  # per step: CPU seconds by thread name
+        self.store_files: set[str] = set()  # the NVMe store pools' slab files
         self._lock = threading.Lock()
 
     def wrap(self, fn, label: str):
@@ -85,25 +89,76 @@ class Recorder:
         return timed
 
     def install(self) -> None:
-        """Wrap every function of :data:`SPANS` (before the model's graph is traced)."""
+        """Wrap every function of :data:`SPANS` (before the model's graph is traced); the
+        NVMe files' page I/O is labelled by pool (``.store``: the NVMe optimizer-state
+        store's, ``.params``: the others)."""
         for module, path, label in SPANS:
             owner = importlib.import_module(module)
             *parents, name = path.split(".")
             for part in parents:
                 owner = getattr(owner, part)
-            setattr(owner, name, self.wrap(getattr(owner, name), label))
+            fn = getattr(owner, name)
+            wrapped = self.wrap_io(fn, label) if label in ("pread", "pwrite") else None
+            setattr(owner, name, wrapped or self.wrap(fn, label))
+        from zero_runtime.optim.nvme_state import NvmeOptimizerState
+
+        init = NvmeOptimizerState.__init__
+
+        def store_init(store, *args, **kwargs):
+            init(store, *args, **kwargs)
+            self.store_files.add(store.pool.nvme_file)
+
+        NvmeOptimizerState.__init__ = store_init
+
+    def wrap_io(self, fn, label: str):
+        """``NvmeFile.pread_into``/``pwrite`` recording ``label.store`` or
+        ``label.params`` by the file's pool."""
+        store, params = self.wrap(fn, f"{label}.store"), self.wrap(fn, f"{label}.params")
+
+        @functools.wraps(fn)
+        def timed(file, *args, **kwargs):
+            return (store if file.path in self.store_files else params)(file, *args, **kwargs)
+
+        return timed
 
     def callback(self):
         """A Keras callback recording each training step's ``(start, end)``."""
         import keras
 
-        marks: dict[str, float] = {}
-        return keras.callbacks.LambdaCallback(
-            on_train_batch_begin=lambda b, logs: marks.__setitem__("t", time.perf_counter()),
-            on_train_batch_end=lambda b, logs: self.steps.append(
-                (marks["t"], time.perf_counter())
-            ),
-        )
+        marks: dict = {}
+
+        def begin(batch, logs) -> None:
+            marks["cpu"] = thread_cpu()
+            marks["t"] = time.perf_counter()
+
+        def end(batch, logs) -> None:
+            self.steps.append((marks["t"], time.perf_counter()))
+            after = thread_cpu()
+            used: dict[str, float] = collections.defaultdict(float)
+            for tid, (name, seconds) in after.items():
+                used[name] += seconds - marks["cpu"].get(tid, (name, 0.0))[1]
+            self.cpu.append(dict(used))
+
+        return keras.callbacks.LambdaCallback(on_train_batch_begin=begin, on_train_batch_end=end)
+
+
+def thread_cpu() -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) of every thread of this process so far, by thread id,
+    with the thread's name as the kernel knows it (``/proc/self/task/*/comm``: Python
+    threads' names, TensorFlow's own threads' names), numbers stripped so that a pool of
+    threads adds up under one name."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip().rstrip("0123456789_-")
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        out[int(tid)] = (name or "?", (int(fields[11]) + int(fields[12])) / tick)
+    return out
 
 
 def _union(intervals) -> float:
@@ -125,6 +180,12 @@ def report(data: dict, step: int) -> str:
         if e > s:
             per[_thread_kind(thread)][label].append((s, e))
     lines = [f"step {step}: {hi - lo:.2f} s wall"]
+    if data.get("cpu"):
+        cpu = data["cpu"][step]
+        lines.append(f"  CPU seconds by thread (all: {sum(cpu.values()):.1f}):")
+        for name, sec in sorted(cpu.items(), key=lambda kv: -kv[1]):
+            if sec >= 0.05:
+                lines.append(f"    {name:20s} {sec:7.2f}")
     for thread in sorted(per):
         labels = per[thread]
         busy = _union([iv for ivs in labels.values() for iv in ivs])
@@ -157,6 +218,12 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/profile_step.json")
     ap.add_argument("--report", help="a file written by --out: print its report")
     ap.add_argument("--step", type=int, default=-1, help="the step reported")
+    ap.add_argument(
+        "--switch-interval",
+        type=float,
+        default=0.0,
+        help="sys.setswitchinterval for the run, seconds (0: Python's default, 0.005)",
+    )
     ap.set_defaults(engine="units", offload_optimizer="nvme", pool_device_fraction=1.0)
     args = ap.parse_args()
     if args.report:
@@ -164,12 +231,14 @@ def main() -> None:
         return
     os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
     os.makedirs(args.nvme_path, exist_ok=True)
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     rec = Recorder()
     rec.install()
     with tempfile.TemporaryDirectory(prefix="profile_", dir=args.nvme_path) as nvme_dir:
         spec = bm.trial_spec("stage3", bm.family_config(args.k), args, nvme_dir, 3600.0)
         out = bm.run_trial(spec, callbacks=(rec.callback(),))
-    data = {"trial": out, "steps": rec.steps, "spans": rec.spans}
+    data = {"trial": out, "steps": rec.steps, "spans": rec.spans, "cpu": rec.cpu}
     Path(args.out).write_text(json.dumps(data))
     print(report(data, args.step))
 
