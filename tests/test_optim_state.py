@@ -414,3 +414,26 @@ def test_nvme_store_peak_counts_the_step_journal_freed_by_the_next_commit(tmp_pa
     assert store.peak_nbytes >= 2 * 4 * n + 2 * 2 * page + scratch
     assert store.peak_nbytes <= budget + scratch
     store.close()
+
+
+def test_step_journals_count_the_parameter_journal_held_on_the_host_and_its_peak():
+    """StepJournals.host_bytes is the float32 old shard values journalled now (every
+    replica), 0 once the step commits; peak_host_bytes keeps the most held at once."""
+    from zero_runtime.optim.transaction import StepJournals
+
+    outcomes = {0: "commit", 1: "commit"}
+    store = SimpleNamespace(resolve=lambda replica, step: outcomes[replica])
+    journals = StepJournals(SimpleNamespace(zero_state=SimpleNamespace(store=store)))
+    assert (journals.host_bytes, journals.peak_host_bytes) == (0, 0)
+    journals.record_params(0, (), np.zeros(1000, np.float32))
+    journals.record_params(1, (), np.zeros(250, np.float32))
+    journals.record_params(0, (), np.zeros(10, np.float32))
+    assert journals.host_bytes == 4 * (1000 + 250 + 10)
+    assert journals.pending(0) and journals.pending(1)
+    assert journals.resolve(0, 1) == "commit"
+    assert journals.host_bytes == 4 * 250  # replica 1's step is still open
+    assert journals.peak_host_bytes == 4 * 1260
+    journals.resolve(1, 1)
+    journals.record_params(0, (), np.zeros(5, np.float32))  # the next step, smaller
+    assert journals.host_bytes == 20
+    assert journals.peak_host_bytes == 4 * 1260
