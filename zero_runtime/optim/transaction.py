@@ -54,6 +54,7 @@ class StepJournals:
         self.optimizer = optimizer
         self._params: dict[int, list[tuple[tuple, np.ndarray]]] = {}
         self._lock = threading.Lock()
+        self._held = 0  # bytes of the journals' old values now: see host_bytes
         self._peak = 0  # bytes: see peak_host_bytes
 
     @property
@@ -61,14 +62,15 @@ class StepJournals:
         """Host bytes of the parameter journals held now (every local replica's old
         shard values, float32), outside the pools and their host budgets."""
         with self._lock:
-            return sum(old.nbytes for entries in self._params.values() for _, old in entries)
+            return self._held
 
     @property
     def peak_host_bytes(self) -> int:
         """The most :attr:`host_bytes` held at once since construction (bytes): at
         stage 3 with the update in backward, a whole step's parameter shards, 4 bytes
         per parameter (the step commits at its end)."""
-        return max(self._peak, self.host_bytes)
+        with self._lock:
+            return self._peak
 
     @property
     def store(self) -> Any:
@@ -103,14 +105,15 @@ class StepJournals:
         (``old``: their float32 values, concatenated; kept, not copied)."""
         with self._lock:
             self._params.setdefault(replica, []).append((tuple(variables), old))
-            held = sum(o.nbytes for entries in self._params.values() for _, o in entries)
-            self._peak = max(self._peak, held)
+            self._held += old.nbytes
+            self._peak = max(self._peak, self._held)
 
     def _follow(self, replica: int, outcome: str | None) -> None:
         if outcome == "continue":
             return
         with self._lock:
             entries = self._params.pop(replica, [])
+            self._held -= sum(old.nbytes for _, old in entries)
         if outcome == "commit":
             return
         # Rolled back, or no transaction left in the store (an update that raised rolled
