@@ -142,6 +142,116 @@ class Recorder:
         return keras.callbacks.LambdaCallback(on_train_batch_begin=begin, on_train_batch_end=end)
 
 
+class PySampler:
+    """Samples every Python thread's stack ``hz`` times a second, weighting each sample
+    by the CPU seconds its thread used since the previous one (``/proc/self/task/*/schedstat``),
+    so a thread blocked in a read or a lock counts nothing and the TensorFlow executor
+    threads running the runtime's ``py_function`` hosts are seen like any other.
+
+    Records ``(t, thread name, stack id, cpu seconds)``; ``stacks[id]`` is the stack, outermost
+    first, as ``"file:function"`` strings (the line left out so a function adds up).
+    """
+
+    def __init__(self, hz: float) -> None:
+        self.period = 1.0 / hz
+        self.samples: list[tuple[float, str, int, float]] = []
+        self.stacks: list[tuple[str, ...]] = []
+        self._ids: dict[tuple[str, ...], int] = {}
+        self._last: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="py-sampler", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        me = threading.get_ident()
+        while not self._stop.wait(self.period):
+            now = time.perf_counter()
+            threads = {t.ident: t for t in threading.enumerate()}
+            frames = sys._current_frames()  # noqa: SLF001
+            used_by: dict[int, float] = {}
+            # Every known thread's clock moves on each tick, in Python or not, so a
+            # TensorFlow thread's native op time is not charged to its next Python frame.
+            # Read from /proc by kernel thread id: a thread that has ended gives an
+            # OSError there (pthread_getcpuclockid on an ended thread's id crashed).
+            for ident, t in threads.items():
+                nid = getattr(t, "native_id", None)
+                if ident == me or nid is None:
+                    continue
+                try:
+                    with open(f"/proc/self/task/{nid}/schedstat") as f:
+                        cpu = int(f.read().split()[0]) / 1e9  # ns on a CPU
+                except (OSError, ValueError, IndexError):
+                    continue
+                used_by[ident] = cpu - self._last.get(ident, cpu)
+                self._last[ident] = cpu
+            for ident, frame in frames.items():
+                used = used_by.get(ident, 0.0)
+                if used <= 0:
+                    continue
+                stack = []
+                while frame is not None:
+                    code = frame.f_code
+                    stack.append(f"{Path(code.co_filename).name}:{code.co_name}")
+                    frame = frame.f_back
+                key = tuple(reversed(stack))
+                sid = self._ids.setdefault(key, len(self.stacks))
+                if sid == len(self.stacks):
+                    self.stacks.append(key)
+                self.samples.append((now, threads[ident].name, sid, used))
+
+
+def py_report(data: dict, step: int, top: int = 25) -> str:
+    """The sampled Python CPU seconds within step ``step``, by thread kind: per function,
+    self (the innermost frame) and inclusive (anywhere on the stack, once per sample)."""
+    if not data.get("py_samples"):
+        return ""
+    lo, hi = data["steps"][step]
+    stacks = data["py_stacks"]
+    self_s: dict = collections.defaultdict(collections.Counter)
+    incl: dict = collections.defaultdict(collections.Counter)
+    for t, name, sid, used in data["py_samples"]:
+        if not lo <= t <= hi:
+            continue
+        kind = _thread_kind(name)
+        stack = stacks[sid]
+        self_s[kind][stack[-1]] += used
+        for fn in set(stack):
+            incl[kind][fn] += used
+    lines = [f"  Python CPU seconds sampled (step {step}), by thread kind:"]
+    for kind in sorted(self_s, key=lambda k: -sum(self_s[k].values())):
+        lines.append(f"  {kind}: {sum(self_s[kind].values()):.2f} s")
+        lines.append("    self:")
+        for fn, sec in self_s[kind].most_common(top):
+            lines.append(f"      {sec:7.2f}  {fn}")
+        lines.append("    inclusive:")
+        for fn, sec in incl[kind].most_common(top):
+            lines.append(f"      {sec:7.2f}  {fn}")
+    return "\n".join(lines)
+
+
+def name_os_threads() -> None:
+    """Give every Python thread started from now on its Python name as its kernel name
+    (``prctl(PR_SET_NAME)``, 15 bytes). Without it a thread keeps the name of the thread
+    that started it: the pools' I/O threads, started from a TensorFlow executor thread,
+    show as ``tf_Compute`` in ``/proc/self/task/*/comm`` (:func:`thread_cpu`) and perf."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    bootstrap = threading.Thread._bootstrap_inner  # noqa: SLF001
+
+    def named(thread) -> None:
+        libc.prctl(15, thread.name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+        bootstrap(thread)
+
+    threading.Thread._bootstrap_inner = named  # noqa: SLF001
+
+
 def thread_cpu() -> dict[int, tuple[str, float]]:
     """CPU seconds (user + system) of every thread of this process so far, by thread id,
     with the thread's name as the kernel knows it (``/proc/self/task/*/comm``: Python
@@ -224,23 +334,39 @@ def main() -> None:
         default=0.0,
         help="sys.setswitchinterval for the run, seconds (0: Python's default, 0.005)",
     )
+    ap.add_argument(
+        "--py-sample-hz",
+        type=float,
+        default=0.0,
+        help="sample Python stacks this often, weighted by thread CPU (0: off; PySampler)",
+    )
     ap.set_defaults(engine="units", offload_optimizer="nvme", pool_device_fraction=1.0)
     args = ap.parse_args()
     if args.report:
-        print(report(json.loads(Path(args.report).read_text()), args.step))
+        data = json.loads(Path(args.report).read_text())
+        print(report(data, args.step))
+        print(py_report(data, args.step))
         return
     os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
     os.makedirs(args.nvme_path, exist_ok=True)
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
+    name_os_threads()
     rec = Recorder()
     rec.install()
+    sampler = PySampler(args.py_sample_hz) if args.py_sample_hz > 0 else None
+    if sampler is not None:
+        sampler.start()
     with tempfile.TemporaryDirectory(prefix="profile_", dir=args.nvme_path) as nvme_dir:
         spec = bm.trial_spec("stage3", bm.family_config(args.k), args, nvme_dir, 3600.0)
         out = bm.run_trial(spec, callbacks=(rec.callback(),))
     data = {"trial": out, "steps": rec.steps, "spans": rec.spans, "cpu": rec.cpu}
+    if sampler is not None:
+        sampler.stop()
+        data["py_samples"], data["py_stacks"] = sampler.samples, sampler.stacks
     Path(args.out).write_text(json.dumps(data))
     print(report(data, args.step))
+    print(py_report(data, args.step))
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ from keras.src.backend.common.stateless_scope import get_stateless_scope, in_sta
 from keras.src.backend.tensorflow.core import Variable as _KerasTFVariable
 
 from zero_runtime.lifecycle import host_function
-from zero_runtime.memory import FlatShardSpace, PagedBufferPool, ShardStorage
+from zero_runtime.memory import FlatShardSpace, PagedBufferPool, ShardStorage, staging
 
 #: Tier of a shard's pages for each ``offload_param`` value.
 PARAM_TIER = {"none": "device", "cpu": "host", "nvme": "nvme"}
@@ -380,7 +380,7 @@ class ShardedVariable(_KerasProtocol):
                              f"{shape[axis]}] on axis {axis} of {shape}")
         inner = math.prod(shape[axis + 1 :])
         outer = self.rows * math.prod(shape[1:axis])
-        out = np.empty(outer * size * inner, np.float32)
+        out = staging.empty(outer * size * inner)  # recycled, aligned (memory/staging.py)
         self._storage.read_columns_into(
             replica, shape[axis] * inner, start * inner, (start + size) * inner, out
         )

@@ -69,6 +69,7 @@ from zero_runtime.lifecycle import (
     host_function,
     resources_of,
 )
+from zero_runtime.memory import staging
 from zero_runtime.optim.device_state import DeviceOptimizerState
 
 MAX_QUEUED_BYTES = 64 << 20
@@ -177,7 +178,7 @@ class BackwardShardUpdate:
         nbytes = 4 * int(np.size(grad))
         queue.admit(nbytes)  # waits while the queued copies exceed MAX_QUEUED_BYTES
         try:
-            grad = np.array(grad, np.float32, copy=True)  # the input may alias the device buffer
+            grad = staging.copy(grad)  # the input may alias the device buffer
         except BaseException:
             queue.done(nbytes)
             raise

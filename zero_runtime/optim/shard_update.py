@@ -17,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from zero_runtime.lifecycle import host_function
+from zero_runtime.memory import staging
 from zero_runtime.optim.device_state import DeviceOptimizerState
 from zero_runtime.optim.host_state import HostOptimizerState
 from zero_runtime.optim.replica_context import replica_id
@@ -167,7 +168,7 @@ class ShardedUpdate:
         Keras's decoupled weight decay ``v - v * wd * lr`` is applied first to the
         variables it applies to (``_use_weight_decay``). Used by the end-of-step update
         (every variable) and the update in backward (one block's, backward_update.py)."""
-        param = np.empty(sum(v.shard_elements for v in variables), np.float32)
+        param = staging.empty(sum(v.shard_elements for v in variables))  # recycled
         off = 0
         for v in variables:  # each shard copied once, into its slice (no concatenate)
             v.read_shard_into(replica, param[off : off + v.shard_elements])

@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from zero_runtime import comm
 from zero_runtime.lifecycle import host_function
+from zero_runtime.memory import staging
 
 
 def gather_views(
@@ -100,7 +101,7 @@ def _read_shards(variables: tuple, replica: int, prefetch=None, *_) -> np.ndarra
     reads' pages, NVMe -> host)."""
     if prefetch is not None:
         prefetch()
-    out = np.empty(sum(v.shard_elements for v in variables), np.float32)
+    out = staging.empty(sum(v.shard_elements for v in variables))  # recycled, aligned
     off = 0
     for v in variables:
         v.read_shard_into(replica, out[off : off + v.shard_elements])
