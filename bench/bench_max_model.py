@@ -287,6 +287,7 @@ def run_trial(spec: dict, callbacks: tuple = ()) -> dict:
 
     import zero_runtime
     from demo.model import GPTConfig, build_gpt
+    from zero_runtime.memory import staging
     from zero_runtime.optim import backward_update
 
     cfg = GPTConfig(**spec["cfg"])
@@ -390,6 +391,10 @@ def run_trial(spec: dict, callbacks: tuple = ()) -> dict:
         # host rule (judge): reported beside it.
         journals = sharded.optimizer.zero_state.journals
         out["param_journal_peak_bytes"] = journals.peak_host_bytes if journals else 0
+        # The host calls' recycled staging buffers (memory/staging.py): the most handed
+        # out at once (the queued gradient copies among them) and the free ones kept.
+        out["staging_peak_live_bytes"] = staging.POOL.peak_live_bytes
+        out["staging_idle_bytes"] = staging.POOL.idle_bytes
         # Gradient copies queued for the host update in backward (bounded per replica).
         out["queued_gradient_peak_bytes"] = backward_update.peak_queued_bytes(sharded.optimizer)
         if engine.runner is None:  # the block engine
