@@ -74,7 +74,9 @@ class StagingPool:
             )
         self.idle_limit_bytes = idle_limit_bytes
         self._free: dict[int, list[np.ndarray]] = {}
-        self._lock = threading.Lock()
+        # Reentrant: a garbage collection run while the lock is held (an allocation in
+        # ``_give_back``) may finalize another buffer on this thread.
+        self._lock = threading.RLock()
         self.idle_bytes = 0  #: bytes of free blocks kept
         self.live_bytes = 0  #: bytes of blocks handed out and not yet garbage
         self.peak_live_bytes = 0  #: the most :attr:`live_bytes` so far
