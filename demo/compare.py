@@ -19,8 +19,10 @@ Runs (subdirectories of ``--logdir``, emptied first):
   Adam states, as ``tf.distribute.MirroredStrategy`` does), ``device_budget_bytes`` = the
   device. Expected to run out of memory in its first steps with exit status 1 and an OOM
   post-mortem (``memory_hierarchy_oom.json``), which the tab shows first for that run.
-- ``zero_infinity``: ZeRO stage 3, parameters and optimizer states offloaded to NVMe
-  (real files under ``--nvme-dir``) through the host's paged pool, on the same device;
+- ``zero_infinity``: ZeRO stage 3, ``offload_param=nvme`` and ``offload_optimizer=nvme``
+  (real files under ``--nvme-dir``) through the host's paged pool, on the same device
+  (no host budget is set, so the parameters' pages stay cached on the host tier and the
+  optimizer states are what the NVMe files hold);
   ``device_budget_bytes`` = ``--pool-budget``, the part of the device the pool's pages may
   take (the rest holds activations and TensorFlow's buffers); trained for ``--steps``.
 

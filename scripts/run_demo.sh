@@ -4,8 +4,9 @@
 # serve TensorBoard with the Memory Hierarchy tab on 127.0.0.1:
 #   1. mirrored_oom   plain data parallelism (ZeRO stage 0): runs out of the device in its
 #                     first steps and leaves an OOM post-mortem (the tab shows it first);
-#   2. zero_infinity  ZeRO stage 3, parameters and optimizer states offloaded to NVMe
-#                     (real files) through the host's paged pool: trains, loss falling.
+#   2. zero_infinity  ZeRO stage 3, offload_param=nvme and offload_optimizer=nvme (real
+#                     files) through the host's paged pool (no host budget: parameter
+#                     pages stay cached on the host tier): trains, loss falling.
 # Environment: PORT (default 6006), STEPS (default 100: the ZeRO-Infinity run's steps),
 # LOGDIR (default logs/demo).
 set -euo pipefail
