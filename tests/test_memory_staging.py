@@ -102,3 +102,5 @@ def test_bad_sizes_are_refused_with_the_value(bad):
         StagingPool().empty(bad)
     with pytest.raises(ValueError, match="idle_limit_bytes"):
         StagingPool(idle_limit_bytes=-1)
+    with pytest.raises(ValueError, match="idle_limit_bytes"):
+        StagingPool(idle_limit_bytes=True)

@@ -14,10 +14,12 @@ step against 0.07 ms outside it, and the step took 44 ms; with ``M_TOP_PAD`` = 1
 thresholds alone changed nothing.
 
 This is the host side of what PyTorch's caching host allocator and DeepSpeed's fixed
-pinned offload buffers do: keep the memory a step reuses mapped. It is process-wide, so
-:func:`tune_host_malloc` is called only by a strategy that offloads parameters or
-optimizer states (``offload_param`` / ``offload_optimizer`` not ``'none'``), once per
-process, and it costs at most ``M_TOP_PAD`` bytes of retained free memory per glibc arena
+pinned offload buffers do: keep the memory a step reuses mapped. The stage-3 host calls'
+largest buffers (1 MiB and up) come from :mod:`zero_runtime.memory.staging` instead,
+recycled whatever thread frees them; this tuning still serves every other allocation.
+It is process-wide, so :func:`tune_host_malloc` is called only by a strategy that
+offloads parameters or optimizer states (``offload_param`` / ``offload_optimizer`` not
+``'none'``), once per process, and it costs at most ``M_TOP_PAD`` bytes of retained free memory per glibc arena
 (at most 8 per core). ``ZERO_RUNTIME_MALLOC_TOP_PAD`` (bytes) replaces the default
 :data:`DEFAULT_TOP_PAD_BYTES`; ``0`` leaves glibc's setting alone. On a C library
 without ``mallopt`` (musl, macOS) nothing is changed.

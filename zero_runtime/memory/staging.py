@@ -3,13 +3,17 @@
 Every host call of an offloaded stage-3 step hands TensorFlow or an update thread a
 buffer of 0.1-16 MB: a unit's shards read for its all-gather, a tile's column piece, a
 gradient shard copied off the device, a block's parameters read for the host optimizer.
-Allocated fresh with ``np.empty`` each time, each buffer is new memory to the kernel
-(glibc maps large requests with ``mmap`` and gives them back on free), so every 4 KiB
-page of it faults and is zeroed on first touch, and TensorFlow copies a returned array
-that is not 64-byte aligned into its own tensor. Measured with ``perf`` on the 1B-parameter
-step of ``bench/bench_max_model.py`` (k = 22, 2026-12-06): 10 CPU-seconds of page faults
-inside copies into fresh NumPy buffers and 2 CPU-seconds of TensorFlow copying returned
-arrays, of about 118 busy CPU-seconds per step on 2 cores.
+Allocated fresh with ``np.empty`` each time, such a buffer is often new memory to the
+kernel, so every 4 KiB page of it faults and is zeroed on first touch, and TensorFlow
+copies a returned array that is not 64-byte aligned into its own tensor.
+:mod:`zero_runtime.memory.host_malloc` keeps more of glibc's freed memory mapped
+(``M_TOP_PAD``, ``M_MMAP_THRESHOLD``), but a buffer freed by another thread than the one
+that takes the next (TensorFlow's executors, the update threads) lands in another arena,
+and one past the mmap threshold is unmapped on free. Measured with ``perf`` on the
+1B-parameter step of ``bench/bench_max_model.py`` (k = 22, 2026-12-06, that tuning in
+effect): 10 CPU-seconds of page faults inside copies into fresh NumPy buffers and 2
+CPU-seconds of TensorFlow copying returned arrays, of about 118 busy CPU-seconds per step
+on 2 cores.
 
 A :class:`StagingPool` keeps such buffers mapped and hands them out again, as PyTorch's
 caching host allocator and DeepSpeed's fixed pinned offload buffers do:
@@ -68,7 +72,11 @@ class StagingPool:
     """
 
     def __init__(self, idle_limit_bytes: int = DEFAULT_IDLE_LIMIT_BYTES) -> None:
-        if not isinstance(idle_limit_bytes, int) or idle_limit_bytes < 0:
+        if (
+            isinstance(idle_limit_bytes, bool)
+            or not isinstance(idle_limit_bytes, int)
+            or idle_limit_bytes < 0
+        ):
             raise ValueError(
                 f"idle_limit_bytes={idle_limit_bytes!r}: expected a whole number of bytes >= 0"
             )
