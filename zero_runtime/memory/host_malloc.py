@@ -19,10 +19,10 @@ largest buffers (1 MiB and up) come from :mod:`zero_runtime.memory.staging` inst
 recycled whatever thread frees them; this tuning still serves every other allocation.
 It is process-wide, so :func:`tune_host_malloc` is called only by a strategy that
 offloads parameters or optimizer states (``offload_param`` / ``offload_optimizer`` not
-``'none'``), once per process, and it costs at most ``M_TOP_PAD`` bytes of retained free memory per glibc arena
-(at most 8 per core). ``ZERO_RUNTIME_MALLOC_TOP_PAD`` (bytes) replaces the default
-:data:`DEFAULT_TOP_PAD_BYTES`; ``0`` leaves glibc's setting alone. On a C library
-without ``mallopt`` (musl, macOS) nothing is changed.
+``'none'``), once per process, and it costs at most ``M_TOP_PAD`` bytes of retained free
+memory per glibc arena (at most 8 per core). ``ZERO_RUNTIME_MALLOC_TOP_PAD`` (bytes)
+replaces the default :data:`DEFAULT_TOP_PAD_BYTES`; ``0`` leaves glibc's setting alone.
+On a C library without ``mallopt`` (musl, macOS) nothing is changed.
 """
 
 from __future__ import annotations
