@@ -56,21 +56,27 @@ def _fit_gpt(config: dict) -> tuple[list, list, list]:
         hist = model.fit(x[:, :-1], x[:, 1:], batch_size=8, epochs=2, verbose=0, shuffle=False)
         engine = strategy.runtime.accounting.stage3_engines[0]
         blocks = [b.layer.name for b in engine.units.blocks]
-        return hist.history["loss"], model.get_weights(), blocks
+        tiled = sorted(p.kernel.path for p in engine.tile_plans.values())
+        return hist.history["loss"], model.get_weights(), (blocks, tiled)
     finally:
         strategy.close()
 
 
 @pytest.mark.parametrize(
     "config",
-    [CONFIG, {**CONFIG, "tile_size": 300}, DEVICE_CONFIG],
+    [CONFIG, {**CONFIG, "tile_size": 1100}, DEVICE_CONFIG],
     ids=["host", "host_tiled", "device"],
 )
 def test_checkpointed_gpt_trains_bitwise_like_without(config, cpu_devices):
-    loss0, w0, blocks0 = _fit_gpt(config)
-    loss1, w1, blocks1 = _fit_gpt({**config, "activation_checkpointing": True})
+    loss0, w0, (blocks0, tiled0) = _fit_gpt(config)
+    loss1, w1, (blocks1, tiled1) = _fit_gpt({**config, "activation_checkpointing": True})
     assert blocks0 == []
     assert blocks1 == ["embedding", "block_0", "block_1"]
+    assert tiled1 == tiled0
+    # tile_size 1100 elements: the MLP kernels (32 x 64), the token embedding and the
+    # LM head (2048 each) run as tiles, the attention's 32 x 32 kernels do not (300 tiled
+    # every kernel into 4-7 tiles and took four times as long, for the same check).
+    assert bool(tiled1) == ("tile_size" in config)
     assert loss1 == loss0
     assert len(w1) == len(w0)
     for a, b in zip(w1, w0):
