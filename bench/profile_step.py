@@ -58,6 +58,8 @@ SPANS = (
     ("zero_runtime.sharded_variable", "ShardedVariable.write_shard", "var.write_shard"),
     ("zero_runtime.sharded_variable", "ShardedVariable.read_shard_into", "var.read_shard"),
     ("zero_runtime.optim.transaction", "StepJournals.record_params", "journal_params"),
+    ("zero_runtime.memory.placement", "Placement.settle", "place.settle"),
+    ("zero_runtime.memory.placement", "Placement.victims", "place.victims"),
     ("zero_runtime.memory.io", "NvmeFile.pread_into", "pread"),
     ("zero_runtime.memory.io", "NvmeFile.pwrite", "pwrite"),
 )
