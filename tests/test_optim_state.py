@@ -437,3 +437,34 @@ def test_step_journals_count_the_parameter_journal_held_on_the_host_and_its_peak
     journals.record_params(0, (), np.zeros(5, np.float32))  # the next step, smaller
     assert journals.host_bytes == 20
     assert journals.peak_host_bytes == 4 * 1260
+
+
+def test_step_journals_copy_the_values_into_buffers_the_next_step_reuses():
+    """record_params copies the values (the update then changes the caller's buffer in
+    place); a rollback writes back the copies; after a commit the next step's copies
+    reuse the blocks the commit released, with no new allocation."""
+    from zero_runtime.optim.transaction import StepJournals
+
+    outcomes = {0: "commit"}
+    written = []
+    store = SimpleNamespace(
+        resolve=lambda replica, step: outcomes[replica], rollback=lambda replica: None
+    )
+    optimizer = SimpleNamespace(
+        zero_state=SimpleNamespace(store=store),
+        _zero3_write_shards=lambda variables, replica, old: written.append(old.copy()),
+    )
+    journals = StepJournals(optimizer)
+    n = 300_000  # 1.2 MB: past the staging pool's 1 MiB quantum, so recycled
+    values = np.arange(n, dtype=np.float32)
+    journals.record_params(0, (), values)
+    values += 1.0  # the update in place, after the journal took its copy
+    assert journals.resolve(0, 1) == "commit"
+    assert journals.buffers.allocated == 1 and journals.buffers.idle_bytes >= 4 * n
+    journals.record_params(0, (), values)  # the next step
+    assert (journals.buffers.allocated, journals.buffers.reused) == (1, 1)
+    values -= 5.0
+    journals.rollback(0)
+    assert len(written) == 1
+    np.testing.assert_array_equal(written[0], np.arange(n, dtype=np.float32) + 1.0)
+    assert journals.host_bytes == 0

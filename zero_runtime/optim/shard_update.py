@@ -175,7 +175,7 @@ class ShardedUpdate:
             off += v.shard_elements
         journals = self._zero.journals
         if journals is not None:  # the step writes these shards: keep their old values
-            journals.record_params(replica, tuple(variables), param.copy())
+            journals.record_params(replica, tuple(variables), param)  # copied
         if wd is not None and self.weight_decay:
             wd, lr = np.float32(wd), np.float32(lr)
             off = 0
