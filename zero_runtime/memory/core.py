@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 from collections.abc import Callable
 
 from zero_runtime.memory.access import PageAccess
@@ -31,6 +30,7 @@ from zero_runtime.memory.reports import oom_snapshot
 from zero_runtime.memory.tiers import DeviceTier, HostTier, NvmeTier, SlotTier
 from zero_runtime.memory.trace import AccessTrace, capture
 from zero_runtime.memory.transitions import SnapshotFn, TierTransitions
+from zero_runtime.memory.wakeups import PoolCondition
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class PoolCore:
         trace: the access trace the façade appends to; None in a simulation.
     """
 
-    cond: threading.Condition
+    cond: PoolCondition
     counters: CounterAccumulator
     tiers: dict[str, SlotTier]
     nvme: NvmeTier | None
@@ -73,7 +73,7 @@ class PoolCore:
         cls,
         tiers: dict[str, SlotTier],
         nvme: NvmeTier | None,
-        cond: threading.Condition,
+        cond: PoolCondition,
         check_open: Callable[[], None],
         closed: Callable[[], bool],
         *,
@@ -262,7 +262,8 @@ class PoolCore:
             self.access.write_back(entry)
         PageAccess.drop_acquire(entry)
         self.table.note_pins(entry)
-        self.cond.notify_all()
+        if not entry.pinned:
+            self.cond.notify_victims()
 
     def pin(self, entry: TensorEntry) -> None:
         """Keep ``entry``'s pages from being evicted until a matching :meth:`unpin`."""
@@ -279,7 +280,8 @@ class PoolCore:
             raise ValueError(f"tensor {entry.tensor_id!r} is not pinned")
         entry.pin_count -= 1
         self.table.note_pins(entry)
-        self.cond.notify_all()
+        if not entry.pinned:
+            self.cond.notify_victims()
 
     def figures(self) -> dict[str, dict[str, int]]:
         """``{"peak_bytes", "used_bytes"}``, each ``{"device"|"host"|"nvme": bytes}``: the

@@ -16,7 +16,6 @@ in :attr:`Placement.starved`, which makes the prefetcher step aside.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 
@@ -37,6 +36,7 @@ from zero_runtime.memory.page_table import (
 from zero_runtime.memory.policy import EvictionPolicy
 from zero_runtime.memory.tiers import SlotTier
 from zero_runtime.memory.transitions import SnapshotFn, TierTransitions
+from zero_runtime.memory.wakeups import PoolCondition
 
 S = PageState
 
@@ -76,7 +76,7 @@ class Placement:
         has_nvme: bool,
         transitions: TierTransitions,
         policy: EvictionPolicy,
-        cond: threading.Condition,
+        cond: PoolCondition,
         check_open: Callable[[], None],
         snapshot: SnapshotFn,
         counters: CounterAccumulator,
@@ -187,8 +187,10 @@ class Placement:
                             "pages in use at once"
                         ),
                     )
+                short = False
                 if any(lacking.values()):
-                    acted = self._make_room(lacking, exclude, jobs, limit) or acted
+                    made, short = self._make_room(lacking, exclude, jobs, limit)
+                    acted = made or acted
                 if acted:
                     continue
                 if not self._moves.io_busy():
@@ -207,11 +209,17 @@ class Placement:
                             "other I/O kept the pool busy"
                         ),
                     )
-                self._cond.wait(WAIT_SLICE_SECONDS)
+                jobs = [job for job in jobs if not job.done]  # done ones checked above
+                self._cond.wait_io(
+                    todo + [job.page for job in jobs],
+                    WAIT_SLICE_SECONDS,
+                    room=any(lacking.values()),
+                    victims=short,
+                )
         finally:
             if starving:
                 self.starved -= 1
-                self._cond.notify_all()
+                self._cond.notify_plain()  # the prefetch thread steps aside while starved
 
     def bring(self, entry: TensorEntry, tier: str) -> None:
         """Settle ``entry``'s pages on ``tier`` for an acquire (the caller pinned it).
@@ -284,7 +292,7 @@ class Placement:
         """
         while entry.in_flight():
             self._check_open()
-            self._cond.wait(WAIT_SLICE_SECONDS)
+            self._cond.wait_io(entry.pages, WAIT_SLICE_SECONDS)
         if entry.tensor_id not in self._table:
             raise KeyError(f"tensor {entry.tensor_id!r} was freed while waiting")
 
@@ -310,19 +318,27 @@ class Placement:
         exclude: set[str],
         jobs: list[IoJob],
         limit: float | None,
-    ) -> bool:
+    ) -> tuple[bool, bool]:
         """Start moving victims down for the slots ``lacking`` asks for, top tier first
-        (a device victim that finds the host full is added to the host's wants)."""
+        (a device victim that finds the host full is added to the host's wants). Returns
+        ``(acted, short)``: whether a move started, and whether a tier had fewer victims
+        than it needs beyond the slots writes in flight will free (then a finished read,
+        which makes a page a victim again, is worth waking for)."""
         acted = False
+        short = False
         for name in TIER_ORDER:
             need = len(lacking[name]) - self._coming_free(name)
             lower = self.below(name)
             if name == "nvme" and need > 0:
                 # The lowest tier: room only from clean pages' copies (they turn dirty).
-                acted = self._moves.reclaim_nvme(need) > 0 or acted
+                reclaimed = self._moves.reclaim_nvme(need)
+                acted = reclaimed > 0 or acted
+                short = short or reclaimed < need
             if need <= 0 or lower is None:
                 continue
-            for victim in self.victims(name, need, exclude, limit):
+            chosen = self.victims(name, need, exclude, limit)
+            short = short or len(chosen) < need
+            for victim in chosen:
                 lower_tier = self._tiers[lower]
                 if victim.state is S.ON_HOST_CLEAN and lower == "nvme":
                     self._moves.drop_clean(victim, evicting=True)  # no write
@@ -332,7 +348,7 @@ class Placement:
                     acted = True
                 else:
                     lacking[lower].append(victim)
-        return acted
+        return acted, short
 
     def victims(
         self, tier: str, n: int, exclude: set[str], limit: float | None

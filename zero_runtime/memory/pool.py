@@ -14,7 +14,9 @@ The pool is a façade over parts with one owner each (``docs/paging.md``):
 
 Threads and locking. One lock guards the page table, the tiers and the counters; public
 methods hold it except while they wait, and they wait only on the condition variable tied
-to it, so an I/O thread can always take it to finish a job. I/O threads do only pread,
+to it (:class:`~zero_runtime.memory.wakeups.PoolCondition`: a finished job, a release or an
+unpin wakes only the waiters it concerns), so an I/O thread can always take it to finish a
+job. I/O threads do only pread,
 pwrite and CRC-32C on buffers that the page table has reserved for the job (the page is
 ``IN_FLIGHT_*``); the completion is then recorded under the lock
 (:meth:`TierTransitions.on_io_complete`). ``prefetch`` hands tensors to one background
@@ -37,7 +39,6 @@ import dataclasses
 import enum
 import logging
 import math
-import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -65,6 +66,7 @@ from zero_runtime.memory.reports import (
     TensorInfo,
 )
 from zero_runtime.memory.tiers import DeviceTier, HostTier, NvmeTier, SlotTier
+from zero_runtime.memory.wakeups import PoolCondition
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -226,7 +228,7 @@ def _build_core(
     """Make the tiers and the core over them (the slab file and I/O threads with
     ``nvme_path``), logging one line that describes the tiers."""
     tiers, nvme = _make_tiers(config)
-    core = PoolCore.assemble(tiers, nvme, threading.Condition(threading.Lock()), check_open, closed)
+    core = PoolCore.assemble(tiers, nvme, PoolCondition(), check_open, closed)
     if nvme is not None:
         core.moves.attach_io(int(config.io_threads), int(config.queue_depth))
     described = [t.description for t in tiers.values() if t is not tiers["nvme"]]

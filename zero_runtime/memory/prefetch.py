@@ -31,6 +31,7 @@ from zero_runtime.memory.errors import PoolClosedError
 from zero_runtime.memory.page_table import PageTable
 from zero_runtime.memory.placement import WAIT_SLICE_SECONDS, Placement
 from zero_runtime.memory.policy import EvictionPolicy
+from zero_runtime.memory.wakeups import PoolCondition
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ class Prefetcher:
         table: PageTable,
         placement: Placement,
         policy: EvictionPolicy,
-        cond: threading.Condition,
+        cond: PoolCondition,
         closed: Callable[[], bool],
         on_run: Callable[[tuple[str, ...], str], None] | None = None,
     ) -> None:
@@ -118,7 +119,7 @@ class Prefetcher:
         self._queue.append(request)
         if self.state is PrefetcherState.IDLE:
             self._start()
-        self._cond.notify_all()
+        self._cond.notify_plain()  # the prefetch thread; placements do not wait for this
 
     def _start(self) -> None:
         assert self.state is PrefetcherState.IDLE, self.state
@@ -163,7 +164,7 @@ class Prefetcher:
             while not self._closed():
                 if not self._queue or self._placement.starved:
                     self._working = False
-                    self._cond.notify_all()
+                    self._cond.notify_plain()  # synchronize() waits for an idle prefetcher
                     self._cond.wait(WAIT_SLICE_SECONDS)
                     continue
                 request = self._queue.popleft()

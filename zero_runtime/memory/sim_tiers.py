@@ -132,6 +132,20 @@ class SimCondition:
             self.io.drain()
         return True
 
+    def wait_io(self, pages: object, timeout: float, **wants: bool) -> bool:
+        """As :meth:`wait` (``PoolCondition.wait_io``'s signature): complete the queued
+        I/O."""
+        return self.wait(timeout)
+
+    def notify_io(self, page: object, wrote: bool, idle: bool) -> None:
+        """Nobody waits."""
+
+    def notify_victims(self) -> None:
+        """Nobody waits."""
+
+    def notify_plain(self) -> None:
+        """Nobody waits."""
+
     def notify_all(self) -> None:
         """Nobody waits."""
 

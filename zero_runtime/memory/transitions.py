@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import threading
 import time
 from collections.abc import Callable
 
@@ -56,6 +55,7 @@ from zero_runtime.memory.page_table import (
     TensorEntry,
 )
 from zero_runtime.memory.tiers import DeviceTier, HostTier, NvmeTier, SlotTier
+from zero_runtime.memory.wakeups import PoolCondition
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +77,8 @@ class TierTransitions:
             without an NVMe tier).
         nvme: the NVMe tier, or None.
         counters: where completed moves, evictions and I/O seconds are counted.
-        cond: the pool's condition variable (its lock); waiters are notified of each
-            completed NVMe job.
+        cond: the pool's condition variable (its lock); a completed NVMe job wakes the
+            waiters it concerns (``PoolCondition.notify_io``).
         snapshot: builds the OOM snapshot of an ``NvmeFullError``.
 
     Attributes:
@@ -92,7 +92,7 @@ class TierTransitions:
         tiers: dict[str, SlotTier],
         nvme: NvmeTier | None,
         counters: CounterAccumulator,
-        cond: threading.Condition,
+        cond: PoolCondition,
         snapshot: SnapshotFn,
     ) -> None:
         self._table = table
@@ -336,7 +336,7 @@ class TierTransitions:
             job.done = True
             assert self.io is not None
             self.io.job_finished()
-            self._cond.notify_all()
+            self._cond.notify_io(job.page, job.op == "write", idle=not self.io.busy())
 
     def write_error(self, page: PageRecord, offset: int, exc: BaseException) -> Exception:
         """The pool's error for a failed NVMe write of ``page`` (``NvmeFullError`` on a
