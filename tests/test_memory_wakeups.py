@@ -50,7 +50,7 @@ def test_a_finished_job_wakes_only_the_waiters_of_its_page():
     a, b = object(), object()
     wa, wb = Waiting(cond, [a]), Waiting(cond, [b])
     with cond:
-        cond.notify_io(a, wrote=False, idle=False)
+        cond.notify_io(a, freed=False, idle=False)
     assert wa.done.wait(5) and wa.result is True
     assert still_waiting(wb)
     assert cond.targeted_wakeups == 1
@@ -58,7 +58,7 @@ def test_a_finished_job_wakes_only_the_waiters_of_its_page():
         cond.notify_all()  # anything else that changes the pool wakes everybody
     assert wb.done.wait(5) and wb.result is True
     with cond:
-        cond.notify_io(a, wrote=True, idle=False)  # nobody waits any more
+        cond.notify_io(a, freed=True, idle=False)  # nobody waits any more
     assert cond.targeted_wakeups == 1
 
 
@@ -68,11 +68,11 @@ def test_a_write_wakes_room_waiters_and_a_read_only_those_short_of_victims():
     room = Waiting(cond, room=True)
     short = Waiting(cond, room=True, victims=True)
     with cond:
-        cond.notify_io(other, wrote=False, idle=False)  # a read: a possible victim
+        cond.notify_io(other, freed=False, idle=False)  # a read: a possible victim
     assert short.done.wait(5) and short.result is True
     assert still_waiting(room)
     with cond:
-        cond.notify_io(other, wrote=True, idle=False)  # a write: a host slot freed
+        cond.notify_io(other, freed=True, idle=False)  # a write: a host slot freed
     assert room.done.wait(5) and room.result is True
     assert cond.targeted_wakeups == 2
 
@@ -109,10 +109,10 @@ def test_plain_waiters_wake_when_the_io_goes_idle_and_waits_still_time_out():
     cond = PoolCondition()
     plain = Waiting(cond, plain=True)
     with cond:
-        cond.notify_io(object(), wrote=True, idle=False)
+        cond.notify_io(object(), freed=True, idle=False)
     assert still_waiting(plain)
     with cond:
-        cond.notify_io(object(), wrote=True, idle=True)  # synchronize/shutdown wait for this
+        cond.notify_io(object(), freed=True, idle=True)  # synchronize/shutdown wait for this
     assert plain.done.wait(5) and plain.result is True
     with cond:
         start = time.monotonic()

@@ -138,6 +138,7 @@ class PoolCore:
             self.placement.settle(entry.pages, tier, {entry.tensor_id}, advisory=False)
         except BaseException:
             self.moves.free(entry)
+            self.cond.notify_all()  # its slots are free again
             raise
         self.touch(entry)
 
@@ -171,6 +172,8 @@ class PoolCore:
         finally:
             PageAccess.drop_acquire(source)
             self.table.note_pins(source)
+            if not source.pinned:
+                self.cond.notify_victims()
         if any(p.state is not S.ON_HOST_CLEAN for p in source.pages):
             return False
         self.table.add(entry)
@@ -236,6 +239,8 @@ class PoolCore:
         except BaseException:
             PageAccess.drop_acquire(entry)
             self.table.note_pins(entry)
+            if not entry.pinned:
+                self.cond.notify_victims()
             raise
         if writable:  # the array may be written: clean pages' NVMe copies go stale
             for page in entry.pages:

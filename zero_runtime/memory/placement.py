@@ -174,6 +174,8 @@ class Placement:
                 if not advisory and starving != any(lacking.values()):
                     starving = not starving
                     self.starved += 1 if starving else -1
+                    if not starving:
+                        self._cond.notify_plain()  # the prefetch thread may go on
                 if not advisory and own_hops > max_hops:
                     raise self.out_of_memory(
                         pages,

@@ -137,7 +137,7 @@ class SimCondition:
         I/O."""
         return self.wait(timeout)
 
-    def notify_io(self, page: object, wrote: bool, idle: bool) -> None:
+    def notify_io(self, page: object, freed: bool, idle: bool) -> None:
         """Nobody waits."""
 
     def notify_victims(self) -> None:

@@ -336,7 +336,8 @@ class TierTransitions:
             job.done = True
             assert self.io is not None
             self.io.job_finished()
-            self._cond.notify_io(job.page, job.op == "write", idle=not self.io.busy())
+            freed = job.op == "write" or job.error is not None  # a failed read frees too
+            self._cond.notify_io(job.page, freed, idle=not self.io.busy())
 
     def write_error(self, page: PageRecord, offset: int, exc: BaseException) -> Exception:
         """The pool's error for a failed NVMe write of ``page`` (``NvmeFullError`` on a

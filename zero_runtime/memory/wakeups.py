@@ -89,11 +89,11 @@ class PoolCondition(threading.Condition):
         finally:
             self._targeted.remove(waiter)
 
-    def notify_io(self, page: PageRecord, wrote: bool, idle: bool) -> None:
+    def notify_io(self, page: PageRecord, freed: bool, idle: bool) -> None:
         """Wake the waiters an NVMe job on ``page`` concerns (lock held): those waiting
-        for ``page``; for a write (``wrote``, a host slot freed) those waiting for room;
-        for a read, those short of victims. With ``idle`` (no job left) wake everybody:
-        ``synchronize`` and ``shutdown`` wait for that.
+        for ``page``; when the job ``freed`` a host slot (a write, or a failed read) those
+        waiting for room; else (a read) those short of victims. With ``idle`` (no job
+        left) wake everybody: ``synchronize`` and ``shutdown`` wait for that.
 
         Raises:
             RuntimeError: the lock is not held.
@@ -103,7 +103,7 @@ class PoolCondition(threading.Condition):
             return
         key = id(page)
         for waiter in self._targeted:
-            if key in waiter.pages or (waiter.room if wrote else waiter.victims):
+            if key in waiter.pages or (waiter.room if freed else waiter.victims):
                 waiter.cond.notify()
                 self.targeted_wakeups += 1
 
