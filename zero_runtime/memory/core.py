@@ -171,9 +171,7 @@ class PoolCore:
             self.placement.bring(source, "host")
         finally:
             PageAccess.drop_acquire(source)
-            self.table.note_pins(source)
-            if not source.pinned:
-                self.cond.notify_victims()
+            self._note_unpin(source)
         if any(p.state is not S.ON_HOST_CLEAN for p in source.pages):
             return False
         self.table.add(entry)
@@ -238,9 +236,7 @@ class PoolCore:
                 result = self.access.materialise(entry, tier, writable)
         except BaseException:
             PageAccess.drop_acquire(entry)
-            self.table.note_pins(entry)
-            if not entry.pinned:
-                self.cond.notify_victims()
+            self._note_unpin(entry)
             raise
         if writable:  # the array may be written: clean pages' NVMe copies go stale
             for page in entry.pages:
@@ -266,6 +262,11 @@ class PoolCore:
         ):
             self.access.write_back(entry)
         PageAccess.drop_acquire(entry)
+        self._note_unpin(entry)
+
+    def _note_unpin(self, entry: TensorEntry) -> None:
+        """Record ``entry``'s pins after one was dropped; once none is left its pages
+        can be victims, which wakes the waiters short of victims."""
         self.table.note_pins(entry)
         if not entry.pinned:
             self.cond.notify_victims()
@@ -284,9 +285,7 @@ class PoolCore:
         if entry.pin_count == 0:
             raise ValueError(f"tensor {entry.tensor_id!r} is not pinned")
         entry.pin_count -= 1
-        self.table.note_pins(entry)
-        if not entry.pinned:
-            self.cond.notify_victims()
+        self._note_unpin(entry)
 
     def figures(self) -> dict[str, dict[str, int]]:
         """``{"peak_bytes", "used_bytes"}``, each ``{"device"|"host"|"nvme": bytes}``: the

@@ -16,10 +16,9 @@ Threads and locking. One lock guards the page table, the tiers and the counters;
 methods hold it except while they wait, and they wait only on the condition variable tied
 to it (:class:`~zero_runtime.memory.wakeups.PoolCondition`: a finished job, a release or an
 unpin wakes only the waiters it concerns), so an I/O thread can always take it to finish a
-job. I/O threads do only pread,
-pwrite and CRC-32C on buffers that the page table has reserved for the job (the page is
-``IN_FLIGHT_*``); the completion is then recorded under the lock
-(:meth:`TierTransitions.on_io_complete`). ``prefetch`` hands tensors to one background
+job. I/O threads do only pread, pwrite and CRC-32C on buffers that the page table has
+reserved for the job (the page is ``IN_FLIGHT_*``); the completion is then recorded under
+the lock (:meth:`TierTransitions.on_io_complete`). ``prefetch`` hands tensors to one background
 thread that runs the same placement loop as ``acquire`` but yields whenever a caller is
 short of slots and never raises out-of-memory.
 
