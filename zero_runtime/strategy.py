@@ -42,6 +42,7 @@ from zero_runtime.config import ZeroConfig
 from zero_runtime.devices import DeviceInfo, local_devices
 from zero_runtime.lifecycle import ClosePhase, Resources
 from zero_runtime.memory.host_malloc import tune_host_malloc
+from zero_runtime.optim import adopt
 from zero_runtime.optim.partitioned import PARTITIONED_BY_NAME
 from zero_runtime.runtime import ZeroRuntime, headroom
 
@@ -217,16 +218,21 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
         """The strategy's scope; inside it, Keras optimizer names resolve to partitioned ones.
 
         Returns:
-            A context manager entering ``MirroredStrategy.scope()`` and a
-            ``keras.saving.CustomObjectScope`` that maps ``"adam"``, ``"adamw"`` and
-            ``"sgd"`` to :mod:`zero_runtime.optim` (at stage 0 they run the stock update,
-            recorded by the runtime like any other stage's).
+            A context manager entering ``MirroredStrategy.scope()``, a
+            ``keras.saving.CustomObjectScope`` that maps the optimizer names (``"adam"``,
+            ``"sgd"``, ...: ``PARTITIONED_BY_NAME``) to :mod:`zero_runtime.optim`, and a
+            variable creator that makes a Keras optimizer instance built inside
+            partitioned (:mod:`zero_runtime.optim.adopt`; at stage 0 they run the stock
+            update, recorded by the runtime like any other stage's).
         """
         stack = contextlib.ExitStack()
         stack.enter_context(super().scope())
         # Stage 0 too: the partitioned classes run the stock update there (plain data
         # parallelism) and the runtime records its steps (zero_runtime/optim/mirrored.py).
         stack.enter_context(keras.saving.CustomObjectScope(PARTITIONED_BY_NAME))
+        # A Keras optimizer instance built here becomes its partitioned class
+        # (zero_runtime/optim/adopt.py): keras.optimizers.Adam(...) is partitioned too.
+        stack.enter_context(tf.variable_creator_scope(adopt.creator))
         return stack
 
     def write_postmortem(self, exc: BaseException) -> str | None:

@@ -136,6 +136,8 @@ class _PartitionedUpdate(FlatShardUpdate, ShardedUpdate, TransactionalUpdate):
     """
 
     _zero_slots: tuple[str, ...] = ()
+    #: False for a class with no partitioned update (zero_runtime/optim/adopt.py).
+    _zero_supported: bool = True
     _zero: ZeroOptimizerState | None = None
     _zero_fallback: bool = False
     _zero_mirrored: MirroredOptimizerState | None = None  # the record in fallback mode
@@ -159,6 +161,14 @@ class _PartitionedUpdate(FlatShardUpdate, ShardedUpdate, TransactionalUpdate):
         strategy = self._distribution_strategy
         runtime = getattr(strategy, "runtime", None)
         config = runtime.config if runtime is not None else ZeroConfig()
+        if runtime is None:
+            # No ZeroInfinityStrategy (a model loaded or used outside one): nothing to
+            # partition, the stock Keras optimizer.
+            self._zero_fallback = True
+            super().build(variables)
+            return
+        if not self._zero_supported:
+            self._zero_refuse_unsupported(variables, config)
         if config.stage == 3 and not all(isinstance(v, ShardedVariable) for v in variables):
             # Stage 3 through plain compile/fit (also a model built in zero_init()): the
             # strategy shards the model that is building this optimizer
@@ -228,6 +238,29 @@ class _PartitionedUpdate(FlatShardUpdate, ShardedUpdate, TransactionalUpdate):
             self._zero_attach_journals()
             if runtime is not None:
                 runtime.register_optimizer(self)
+
+    def _zero_refuse_unsupported(self, variables: list, config: ZeroConfig) -> None:
+        """Raise unless this unsupported optimizer may run as stock Keras here (stage 0,
+        or stages 1-2 below ``mirrored_fallback_bytes``).
+
+        Raises:
+            NotImplementedError: naming the class, the stage and the supported classes.
+        """
+        if config.stage == 0:
+            return
+        num_params = sum(int(np.prod(v.shape)) for v in variables if v.trainable)
+        try:
+            kind = estimator.optimizer_kind(self)
+        except ValueError:  # a state size the estimator does not know: Adam's (K = 8)
+            kind = "adam"
+        if (
+            config.stage < 3
+            and model_state_bytes(num_params, kind) < config.mirrored_fallback_bytes
+        ):
+            return
+        from zero_runtime.optim.adopt import refusal
+
+        raise NotImplementedError(refusal(type(self), config.stage))
 
     def _zero3_build(self, variables: list, strategy, runtime, config: ZeroConfig) -> None:
         """Stage 3: the variables are ShardedVariables; the optimizer shard of a replica is
@@ -516,12 +549,41 @@ class SGD(_PartitionedUpdate, keras.optimizers.SGD):
         return _masked_delta(mask, -m)
 
 
-#: Keras optimizer identifiers that the strategy maps to partitioned optimizers.
-PARTITIONED_BY_NAME: dict[str, type] = {
-    "adam": Adam,
-    "Adam": Adam,
-    "adamw": AdamW,
-    "AdamW": AdamW,
-    "sgd": SGD,
-    "SGD": SGD,
-}
+#: Keras optimizer identifiers that the strategy maps to partitioned optimizers
+#: (filled by :func:`register_partitioned`).
+PARTITIONED_BY_NAME: dict[str, type] = {}
+
+#: Stock Keras optimizer class -> its partitioned subclass. An instance of a key built
+#: inside ``strategy.scope()`` becomes an instance of the value (zero_runtime/optim/adopt.py).
+PARTITIONED_FOR_KERAS: dict[type, type] = {}
+
+
+def register_partitioned(keras_class: type, partitioned_class: type, *names: str) -> None:
+    """Register ``partitioned_class`` as the ZeRO form of the stock ``keras_class``.
+
+    Args:
+        keras_class: a ``keras.optimizers.Optimizer`` subclass (e.g. ``keras.optimizers.Adam``).
+        partitioned_class: its subclass mixing in the ZeRO update (``_PartitionedUpdate``).
+        names: Keras identifiers (``"adam"``, ``"Adam"``) that resolve to it inside
+            ``strategy.scope()``.
+
+    Raises:
+        TypeError: ``partitioned_class`` is not a subclass of both ``keras_class`` and
+            the ZeRO update mixin.
+    """
+    if not (
+        issubclass(partitioned_class, keras_class)
+        and issubclass(partitioned_class, _PartitionedUpdate)
+    ):
+        raise TypeError(
+            f"{partitioned_class.__name__} must subclass {keras_class.__name__} and the "
+            "ZeRO update mixin (_PartitionedUpdate)"
+        )
+    PARTITIONED_FOR_KERAS[keras_class] = partitioned_class
+    for name in names:
+        PARTITIONED_BY_NAME[name] = partitioned_class
+
+
+register_partitioned(keras.optimizers.Adam, Adam, "adam", "Adam")
+register_partitioned(keras.optimizers.AdamW, AdamW, "adamw", "AdamW")
+register_partitioned(keras.optimizers.SGD, SGD, "sgd", "SGD")
