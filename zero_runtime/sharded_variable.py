@@ -162,18 +162,25 @@ class _KerasProtocol(_KerasTFVariable):
 
     @property
     def handle(self):
-        """Not available: a sharded variable has no single TensorFlow resource.
+        """Inside a stage-3 step under a user's ``tf.GradientTape`` (a custom loop), the
+        replica's gradient anchor of this variable: a float32 scalar whose gradient is
+        the replica's reduced gradient shard, float32 ``[shard_elements]``
+        (:meth:`zero_runtime.stage3.units_path.UnitsPath.user_forward`), which is what
+        ``tape.gradient(loss, model.trainable_variables)`` returns for it.
 
-        A ``tf.GradientTape`` over a stage-3 model's ``trainable_variables`` asks for it
-        (``tape.gradient``), so the message names the supported custom-loop form.
+        Raises:
+            AttributeError: anywhere else: a sharded variable has no single TensorFlow
+                resource.
         """
+        anchor_of = self.__dict__.get("_zero_anchor")
+        anchor = anchor_of(self) if anchor_of is not None else None
+        if anchor is not None:
+            return anchor
         raise AttributeError(
-            f"ShardedVariable {self.path!r} has no resource handle: at ZeRO stage 3 the "
-            "parameters are sharded and gathered block by block, so a tf.GradientTape "
-            "over model.trainable_variables cannot differentiate them. Train with "
-            "model.fit, or in a custom loop with strategy.run(model.train_step, "
-            "args=(batch,)) inside a tf.function (docs/zero_stages.md, 'Custom training "
-            "loops at stage 3')"
+            f"ShardedVariable {self.path!r} has no resource handle outside a stage-3 "
+            "training step: its value is gathered from shards (read v.numpy() or "
+            "v.value). A tf.GradientTape differentiates it inside a @tf.function step "
+            "run by strategy.run, where the model was called under the tape"
         )
 
 

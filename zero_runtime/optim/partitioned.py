@@ -359,6 +359,13 @@ class _PartitionedUpdate(FlatShardUpdate, ShardedUpdate, TransactionalUpdate):
             # trace the same collectives, so none may densify while another does not.
             trainable_variables = list(trainable_variables)
             self.build(trainable_variables)
+        if self._zero is not None and self._zero.stage == 3 and tf.inside_function():
+            # A custom loop's apply_gradients at stage 3: the gradients are the reduced
+            # shards the user's tape returned (zero_runtime/stage3/units_path.py).
+            variables = list(trainable_variables or self._trainable_variables)
+            sharded = getattr(variables[0], "_zero_sharded_model", None) if variables else None
+            if sharded is not None and tf.distribute.get_replica_context() is not None:
+                return sharded.apply_user_gradients(self, list(grads), variables)
         if not self._zero_fallback:
             grads = [
                 tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads

@@ -87,17 +87,65 @@ def trainer_to_shard(optimizer, variables: list) -> keras.Model:
             "that fit/evaluate shard it before the first step, or call "
             "strategy.shard_model(model) first"
         )
-    model = find_trainer(optimizer)
+    model = find_trainer(optimizer) or find_model_of(variables)
     if model is None:
         raise ValueError(
-            f"{head} outside Keras's fit/evaluate. Stage 3 shards a compiled model at "
-            "its first fit/train_on_batch/evaluate; a custom loop runs "
-            f"{CUSTOM_LOOP_FORM}"
+            f"{head}, and no Keras model holding them was found: build the optimizer "
+            "over a model's variables (optimizer.build(model.trainable_variables)) "
+            "where the model is a variable of the calling code, or call "
+            "strategy.shard_model(model) first"
         )
     return model
 
 
-def bind(model: keras.Model, train_step, forward, in_step=None, wrap_train_function=None) -> None:
+def find_model_of(variables: list) -> keras.Model | None:
+    """The outermost ``keras.Model`` that holds every one of ``variables`` (a custom
+    loop's ``optimizer.build(model.trainable_variables)``, or a head's variables only).
+
+    Looks at the models the calling frames name (their locals and globals: a tutorial's
+    ``model``, a GAN's ``generator``), then, if none holds them, at every live model
+    (``gc``). Among those holding all the variables, the one holding the most weights
+    (the whole model, not a sub-model).
+
+    Returns:
+        The model, or None.
+    """
+    wanted = {id(v) for v in variables}
+    if not wanted:
+        return None
+
+    def best(candidates) -> keras.Model | None:
+        found, seen = None, set()
+        for m in candidates:
+            if id(m) in seen or getattr(m, "_zero_stage3_sharded", False):
+                continue
+            seen.add(id(m))
+            ids = {id(v) for v in m.trainable_variables}
+            if wanted <= ids and (found is None or len(m.weights) > len(found.weights)):
+                found = m
+        return found
+
+    frame, named = sys._getframe(1), []  # noqa: SLF001
+    while frame is not None:
+        for scope in (frame.f_locals, frame.f_globals):
+            named.extend(v for v in scope.values() if isinstance(v, keras.Model))
+        frame = frame.f_back
+    model = best(named)
+    if model is None:
+        import gc
+
+        model = best(o for o in gc.get_objects() if isinstance(o, keras.Model))
+    return model
+
+
+def bind(
+    model: keras.Model,
+    train_step,
+    forward,
+    in_step=None,
+    wrap_train_function=None,
+    user_forward=None,
+) -> None:
     """Make ``model`` (the user's object) run stage 3 in place.
 
     Sets instance attributes, not class ones: ``train_step`` (the stage-3 step, with
@@ -105,8 +153,10 @@ def bind(model: keras.Model, train_step, forward, in_step=None, wrap_train_funct
     replica context, ``forward(inputs, training)``: the engine's block-by-block forward
     with gathers; elsewhere the model's own ``call``, reading gathered-on-demand weights),
     so Keras's ``test_step``/``predict_step`` and ``make_train_function`` pick them up.
-    ``call`` under a recording ``tf.GradientTape`` in a traced replica context (a user's
-    custom loop) raises ``RuntimeError`` naming the supported form, before any gather.
+    ``call`` under a user's recording ``tf.GradientTape`` in a traced replica context (a
+    custom loop) runs ``user_forward`` (the tape then differentiates the sharded
+    variables: :meth:`zero_runtime.stage3.units_path.UnitsPath.user_forward`); eagerly
+    it raises ``RuntimeError`` asking for a ``tf.function``.
 
     Args:
         model: the sharded model (its trainable weights are ShardedVariables).
@@ -117,6 +167,8 @@ def bind(model: keras.Model, train_step, forward, in_step=None, wrap_train_funct
         wrap_train_function: ``(train_function, model) -> train_function``, applied to
             the ``train_function`` Keras makes for ``model`` (``make_train_function``
             becomes an instance attribute); default None: Keras's as is.
+        user_forward: ``(inputs, training: bool) -> outputs`` under a user's tape in a
+            traced replica context; default None: the engine's ``forward``.
     """
     # The model's call as it is now: its own, or a unit's hook when the model itself owns
     # weights (zero_runtime/stage3/gather.py).
@@ -125,17 +177,20 @@ def bind(model: keras.Model, train_step, forward, in_step=None, wrap_train_funct
 
     def call(inputs, *args, training=None, **kwargs):
         ctx = tf.distribute.get_replica_context()
-        if ctx is not None and ctx.num_replicas_in_sync > 1 and tf.inside_function():
-            if record.could_possibly_record() and not (in_step and in_step()):
-                # Refused before any collective is traced: a replica that stops half-way
-                # through a traced step would leave the others' collectives waiting.
+        if ctx is not None and ctx.num_replicas_in_sync > 1:
+            recording = record.could_possibly_record() and not (in_step and in_step())
+            if recording and not tf.inside_function():
                 raise RuntimeError(
-                    f"model {model.name!r} runs at ZeRO stage 3: its parameters are "
-                    "sharded and gathered block by block, so a tf.GradientTape over "
-                    "model(x) cannot differentiate them. Train with model.fit, or in a "
-                    f"custom loop with {CUSTOM_LOOP_FORM}"
+                    f"model {model.name!r} runs at ZeRO stage 3 under a tf.GradientTape "
+                    "outside a tf.function: run the step as strategy.run(train_step, ...) "
+                    "inside a @tf.function (its gathers and reduce-scatters are traced)"
                 )
-            return forward(inputs, training=bool(training))
+            if recording and user_forward is not None:
+                # A user's own tf.GradientTape (a custom loop): the units' gathers with
+                # their backward, the tape watching each variable's gradient anchor.
+                return user_forward(inputs, training=bool(training))
+            if tf.inside_function():
+                return forward(inputs, training=bool(training))
         if takes_training:
             kwargs["training"] = training
         return own_call(inputs, *args, **kwargs)

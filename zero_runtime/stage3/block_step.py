@@ -98,6 +98,23 @@ class BlockSteps:
                     grads[id(v)] = tf.identity(g)
         return y_pred, loss, grads
 
+    def user_forward(self, x, training: bool = False):
+        """The model's call under a user's own ``tf.GradientTape`` (a custom loop), on
+        this replica: :meth:`~zero_runtime.stage3.units_path.UnitsPath.user_forward`.
+
+        Raises:
+            NotImplementedError: the model runs on the block engine (whose gathers are
+                host calls without a backward a user's tape can run), naming why.
+        """
+        if self.runner is None:
+            raise NotImplementedError(
+                f"stage 3: model {self.model.name!r} runs on the block engine because of "
+                f"{'; '.join(self.block_reasons)}, and a tf.GradientTape custom loop runs "
+                "by units only. Change that setting (for device_budget_bytes: None or "
+                "'auto'), or train it with model.fit"
+            )
+        return self.units.user_forward(x, training)
+
     def forward(self, x, training: bool = False):
         """Forward only, block by block on this replica (gather, run, release)."""
         if self.runner is not None:

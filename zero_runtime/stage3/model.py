@@ -24,6 +24,7 @@ from keras.src import tree
 from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from zero_runtime.comm.buckets import replica_barrier
 from zero_runtime.lifecycle import host_function
 from zero_runtime.optim import backward_update
 from zero_runtime.optim.backward_update import BackwardShardUpdate
@@ -102,7 +103,10 @@ class ShardedModel(keras.Model):
             self.engine.forward,
             self.engine.in_step,
             wrap_train_function=self.engine.clock.wrap,
+            user_forward=self.engine.user_forward,
         )
+        for v in self.engine.variables:  # the optimizer's apply finds its step here
+            object.__setattr__(v, "_zero_sharded_model", self)
         for name in ("fit", "train_on_batch", "evaluate", "predict"):  # recover on errors
             own = getattr(type(model), name).__get__(model)
             object.__setattr__(model, name, functools.partial(self._recovering, own))
@@ -193,6 +197,55 @@ class ShardedModel(keras.Model):
         with tf.control_dependencies([end]):
             y_pred = tf.nest.map_structure(tf.identity, y_pred)  # any output structure
         return trainer.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def apply_user_gradients(self, opt, grads: list, variables: list) -> tf.Tensor:
+        """A custom loop's ``optimizer.apply_gradients`` at stage 3, on this replica.
+
+        ``grads`` are what the user's tape returned for ``variables`` (each sharded
+        variable's reduced gradient shard, float32 ``[shard_elements]``, or None: no
+        gradient, taken as zeros), possibly changed by the user's code. Every replica's
+        forward and backward are traced before any update (a trace-time barrier), then
+        accumulation, clipping and the update run as in :meth:`train_step`
+        (:meth:`_apply_gradients`), the step's end is reported to the engine and the
+        runtime (a host call: the step clock, telemetry, live tuning), and the replica's
+        user step ends.
+
+        Returns:
+            The int64 optimizer step once the shards are written (-1 on a micro-step
+            that only accumulated).
+
+        Raises:
+            ValueError: a gradient whose shape is not its variable's shard (a gradient
+                computed outside the step's tape), naming the variable.
+        """
+        replica = int(
+            tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group)
+        )
+        replica_barrier()  # as in UnitsPath.forward_backward
+        given = {}
+        for g, v in zip(grads, variables):
+            if g is None:
+                continue
+            if isinstance(g, tf.IndexedSlices):
+                g = tf.convert_to_tensor(g)
+            if g.shape.rank != 1 or g.shape[0] not in (None, v.shard_elements):
+                raise ValueError(
+                    f"stage 3: the gradient of {v.path!r} has shape {g.shape}, not the "
+                    f"variable's shard ({v.shard_elements},): pass the gradients "
+                    "tape.gradient returned inside the same step"
+                )
+            given[id(v)] = tf.cast(g, tf.float32)
+        full = {
+            id(v): given.get(id(v), tf.zeros([v.shard_elements], tf.float32))
+            for v in self.engine.variables
+        }
+        done = self._apply_gradients(opt, full, replica, clock=True)
+        with tf.control_dependencies([done]):
+            end = host_function(
+                functools.partial(_end_step, self.engine, replica), [done], tf.int64, stateful=True
+            )
+        self.engine.units.user_end(replica)
+        return end
 
     def _apply_gradients(self, opt, grads: dict, replica: int, clock: bool = True) -> tf.Tensor:
         """Accumulate (N > 1), clip and apply the replica's reduced gradient shards

@@ -14,6 +14,7 @@ import math
 
 import keras
 import tensorflow as tf
+from tensorflow.python.eager import tape as tape_lib  # no public "a variable was read"
 
 from zero_runtime.comm.buckets import replica_barrier
 from zero_runtime.sharded_variable import ShardedVariable
@@ -159,6 +160,36 @@ class UnitsPath:
         if rest:
             token = token + update.update(rest, tf.concat(grads, axis=0), token)
         return token
+
+    def user_forward(self, x, training: bool):
+        """The model's call under a user's own ``tf.GradientTape`` (a custom loop's
+        ``train_step`` in ``strategy.run``), on this replica.
+
+        The replica's first call of the step begins a training step of the runner (every
+        original gets its gradient anchor) and tells the recording tapes that each
+        sharded variable was read (``tape.variable_accessed``): the tape watches its
+        anchor, which is what ``ShardedVariable.handle`` returns inside the step, so
+        ``tape.gradient(loss, model.trainable_variables)`` runs every use's backward and
+        returns each variable's reduced gradient shard (float32 ``[shard_elements]``,
+        summed over replicas and uses; ZeRO, SC20, section 5.3). Later calls in the same
+        step (a GAN's discriminator on real and generated data, micro-batches) add uses.
+        The step ends when the optimizer applies the gradients (:meth:`user_end`).
+
+        Returns:
+            The model's outputs.
+        """
+        runner = self.runner
+        if not runner.user_step():
+            replica, _ = runner.begin(tf.nest.flatten(x)[0], backward=True, user=True)
+            self.schedule.begin(replica)
+        for v in runner.variables:
+            tape_lib.variable_accessed(v)
+        return self._model_call(x, training)
+
+    def user_end(self, replica: int) -> None:
+        """End the replica's user step (after its update is traced)."""
+        self.runner.end(replica)
+        self.schedule.end(replica)
 
     def forward(self, x, training: bool):
         """Forward only on this replica (evaluate, predict; or the model's call inside
