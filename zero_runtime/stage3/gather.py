@@ -117,6 +117,9 @@ class _StepState:
     # are counted); "recompute" (the block's call again in its backward: uses with
     # backward, not counted again, their state updates discarded).
     mode: str = "normal"
+    # A user's own tf.GradientTape (a custom loop): the step began at the model's first
+    # call and ends when the optimizer applies its gradients (UnitsPath.user_forward).
+    user: bool = False
 
 
 class UnitRunner:
@@ -145,6 +148,7 @@ class UnitRunner:
                 object.__setattr__(unit.layer, "call", hook)  # an instance attribute
         for v in self.variables:
             object.__setattr__(v, "_zero_outside_read", self.read_outside)
+            object.__setattr__(v, "_zero_anchor", self.anchor)
 
     @property
     def variables(self) -> list[ShardedVariable]:
@@ -163,9 +167,12 @@ class UnitRunner:
             layer.__dict__.pop("call", None)
         for v in self.variables:
             v.__dict__.pop("_zero_outside_read", None)
+            v.__dict__.pop("_zero_anchor", None)
 
     # -- step state --------------------------------------------------------------------
-    def begin(self, token: tf.Tensor, backward: bool, update=None) -> tuple[int, list[tf.Tensor]]:
+    def begin(
+        self, token: tf.Tensor, backward: bool, update=None, user: bool = False
+    ) -> tuple[int, list[tf.Tensor]]:
         """Start a traced forward on this replica.
 
         Args:
@@ -176,6 +183,7 @@ class UnitRunner:
                 replica, or None (default). Given, a use whose originals no other use
                 reads (:meth:`backward_split`) hands its reduced gradient shard to it as
                 soon as it is reduced, and its anchors get no gradient.
+            user: True for a user's step (a custom loop's own tape; :attr:`_StepState.user`).
 
         Returns:
             The replica id and the anchors, in :attr:`variables` order (empty without
@@ -194,6 +202,7 @@ class UnitRunner:
             tf.compat.v1.get_default_graph(),
             update=update,
             done=None if update is None else tf.zeros([], tf.float32),
+            user=user,
         )
         return replica, list((anchors or {}).values())
 
@@ -267,12 +276,36 @@ class UnitRunner:
         self._steps.pop(replica, None)
 
     def in_step(self) -> bool:
-        """True inside a traced forward of this runner on the current replica."""
+        """True inside a traced forward of this runner on the current replica.
+
+        A user's step (:attr:`_StepState.user`) left open by a trace that ended without
+        applying gradients (a function that only computes them, or one that raised) is
+        dropped here once the current graph is not the one it began in."""
         ctx = tf.distribute.get_replica_context()
         if ctx is None or not tf.inside_function():
             return False
         rid = tf.get_static_value(ctx.replica_id_in_sync_group)
-        return rid is not None and int(rid) in self._steps
+        if rid is None or int(rid) not in self._steps:
+            return False
+        state = self._steps[int(rid)]
+        if state.user and not _within(state.graph):
+            del self._steps[int(rid)]
+            return False
+        return True
+
+    def user_step(self) -> bool:
+        """True inside a user's step (a custom loop's tape) on the current replica."""
+        return self.in_step() and self.step_state().user
+
+    def anchor(self, variable: ShardedVariable) -> tf.Tensor | None:
+        """The current replica's gradient anchor of ``variable`` inside a user's step
+        (``ShardedVariable.handle``: a tape's ``gradient`` over the variable is the
+        gradient of this float32 scalar, the replica's reduced gradient shard, float32
+        ``[shard_elements]``), else None."""
+        if not self.user_step():
+            return None
+        anchors = self.step_state().anchors or {}
+        return anchors.get(id(variable))
 
     # -- the hooks -----------------------------------------------------------------------
     def hooked_call(self, unit: Unit, *args, **kwargs):
@@ -393,13 +426,13 @@ class UnitRunner:
             out, new_state = call(tensors, views, given)
             changed = [k for k, (a, b) in enumerate(zip(given, new_state)) if a is not b]
             box["structure"], box["changed"] = out, changed
-            outs = tf.nest.flatten(out)
-            box["n_out"] = len(outs)
+            box["n_out"] = len(tf.nest.flatten(out))
+            # A softmax/sigmoid output's logits are outputs of the use too (keras_logits).
+            box["logits"] = keras_logits_positions(tf.nest.flatten(out))
+            outs = with_keras_logits(tf.nest.flatten(out), box["logits"])
 
             def grad(*dys):
-                dys = [
-                    tf.zeros_like(o) if d is None else d for o, d in zip(outs, dys[: box["n_out"]])
-                ]
+                dys = [tf.zeros_like(o) if d is None else d for o, d in zip(outs, dys[: len(outs)])]
                 views2 = self.gather(unit, replica, self._backward_dep(state, dys[0]), gather_dtype)
                 float_in = [k for k, t in enumerate(tensors) if t.dtype.is_floating]
                 with tf.GradientTape() as tape:
@@ -408,7 +441,7 @@ class UnitRunner:
                     out2, _ = call(tensors, views2, given)  # state updates discarded
                 sources = list(views2) + [tensors[k] for k in float_in]
                 gs = tape.gradient(
-                    tf.nest.flatten(out2),
+                    with_keras_logits(tf.nest.flatten(out2), box["logits"]),
                     sources,
                     output_gradients=dys,
                     unconnected_gradients=tf.UnconnectedGradients.ZERO,
@@ -434,10 +467,13 @@ class UnitRunner:
             return [*outs, *extra], grad
 
         result = use(*inputs, *anchors, *state_vals, *done_in)
-        n_out = box["n_out"]
-        out = tf.nest.pack_sequence_as(box["structure"], list(result[:n_out]))
+        n_out, n_logits = box["n_out"], len(box["logits"])
+        flat_out = list(result[:n_out])
+        for k, logits in zip(box["logits"], result[n_out : n_out + n_logits]):
+            flat_out[k]._keras_logits = logits  # noqa: SLF001  (Keras's own attribute)
+        out = tf.nest.pack_sequence_as(box["structure"], flat_out)
         changed = box["changed"]
-        updates = dict(zip(changed, result[n_out:]))
+        updates = dict(zip(changed, result[n_out + n_logits :]))
         if state.mode != "recompute":  # a recomputed block's state updates: discarded
             self.assign_state(state_vars, state_vals, [updates.get(k) for k in range(n_state)])
         return out
@@ -482,6 +518,44 @@ def compute_dtype() -> str | None:
     scope = get_autocast_scope()
     dtype = None if scope is None else scope.dtype
     return None if dtype in (None, "float32") else dtype
+
+
+def keras_logits_positions(outs: list) -> list[int]:
+    """The positions in ``outs`` (a use's flat outputs) of the tensors that carry their
+    logits as ``_keras_logits``.
+
+    Keras's softmax and sigmoid (``keras/src/activations/activations.py``,
+    ``keras/src/backend/tensorflow/nn.py``) set it on their output, and its crossentropy
+    losses and metrics (``_get_logits`` there) compute from those logits, else from the
+    output's op when it is the ``Softmax``/``Sigmoid`` itself, else from the clipped
+    probabilities: other values and gradients. A use's ``tf.custom_gradient`` returns
+    ``IdentityN`` outputs without the attribute, so :meth:`UnitRunner._use` returns the
+    logits as outputs of the use too and sets the attribute on its outputs again.
+    """
+    return [k for k, o in enumerate(outs) if tf.is_tensor(getattr(o, "_keras_logits", None))]
+
+
+def with_keras_logits(outs: list, positions: list[int]) -> list:
+    """``outs`` followed by the ``_keras_logits`` of ``outs[k]`` for each ``k`` in
+    ``positions`` (:func:`keras_logits_positions`; same shapes and dtypes as those
+    outputs).
+
+    Raises:
+        AttributeError: an output at one of ``positions`` has no ``_keras_logits`` (the
+            backward's recompute returned other outputs than the forward).
+    """
+    return [*outs, *(outs[k]._keras_logits for k in positions)]  # noqa: SLF001
+
+
+def _within(step_graph) -> bool:
+    """True when the current default graph is ``step_graph`` or nested in it (a branch
+    or loop body of it)."""
+    graph = tf.compat.v1.get_default_graph()
+    while graph is not None:
+        if graph is step_graph:
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False
 
 
 def _inside_control_flow(step_graph) -> bool:
