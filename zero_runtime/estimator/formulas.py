@@ -73,6 +73,14 @@ optimizer                 mixed   fp32   what is stored (fp32, 4 bytes each)
 adam, adamw               12      8      (master), momentum, variance -- paper's K = 12
 sgd_momentum              8       4      (master), momentum
 sgd                       4       0      (master)
+rmsprop                   8       4      (master), mean square
+rmsprop_momentum          12      8      (master), mean square, momentum
+rmsprop_centered          12      8      (master), mean square, mean gradient
+rmsprop_centered_momentum 16      12     (master), mean square, mean gradient, momentum
+adagrad                   8       4      (master), accumulator
+adamax                    12      8      (master), momentum, infinity norm
+nadam                     12      8      (master), momentum, variance
+lion                      8       4      (master), momentum
 ========================= ======= ====== ==============================================
 
 SGD under mixed precision: the fp32 master copy is optimizer state for the same reason as
@@ -114,6 +122,14 @@ OPTIMIZER_STATE_BYTES: Mapping[str, Mapping[str, int]] = {
     "adamw": {"mixed": 12, "fp32": 8},
     "sgd_momentum": {"mixed": 8, "fp32": 4},
     "sgd": {"mixed": 4, "fp32": 0},
+    "rmsprop": {"mixed": 8, "fp32": 4},
+    "rmsprop_momentum": {"mixed": 12, "fp32": 8},
+    "rmsprop_centered": {"mixed": 12, "fp32": 8},
+    "rmsprop_centered_momentum": {"mixed": 16, "fp32": 12},
+    "adagrad": {"mixed": 8, "fp32": 4},
+    "adamax": {"mixed": 12, "fp32": 8},
+    "nadam": {"mixed": 12, "fp32": 8},
+    "lion": {"mixed": 8, "fp32": 4},
 }
 """K, bytes of optimizer state per trainable parameter: optimizer -> precision -> K."""
 
@@ -329,8 +345,9 @@ def estimate(
             need stage 3. Default 'none'.
         precision: 'mixed' (2-byte params and grads, fp32 master in K) or 'fp32'.
             Default 'mixed'.
-        optimizer: 'adam' | 'adamw' | 'sgd_momentum' | 'sgd' (K table in the module
-            docstring). Default 'adam'.
+        optimizer: a key of ``OPTIMIZER_STATE_BYTES`` ('adam', 'adamw', 'sgd_momentum',
+            'sgd', 'rmsprop', 'adagrad', ...: the K table in the module docstring).
+            Default 'adam'.
         accounting: 'sc20' (default: the ZeRO paper's model states; this runtime's
             layout) or 'sc21' (ZeRO-Infinity / DeepSpeed: fp32 gradient copy, gradients
             with offloaded optimizer states, stage-3 working memory).

@@ -19,7 +19,9 @@ def optimizer_kind(optimizer: Any) -> str:
     """Map a Keras optimizer instance to a key of ``OPTIMIZER_STATE_BYTES``.
 
     Adam -> 'adam'; AdamW -> 'adamw'; SGD -> 'sgd_momentum' if its momentum is non-zero,
-    else 'sgd'. Matched by class name so Keras is not imported here.
+    else 'sgd'; RMSprop -> 'rmsprop', with '_centered' when ``centered`` and '_momentum'
+    when its momentum is > 0 (one more state each); Adagrad, Adamax, Nadam, Lion -> their
+    lower-case names. Matched by class name so Keras is not imported here.
 
     Raises:
         ValueError: another optimizer (its state size is not modelled), or Adam/AdamW with
@@ -36,6 +38,12 @@ def optimizer_kind(optimizer: Any) -> str:
     if name == "SGD":
         momentum = float(getattr(optimizer, "momentum", 0.0) or 0.0)
         return "sgd_momentum" if momentum != 0.0 else "sgd"
+    if name == "RMSprop":
+        momentum = float(getattr(optimizer, "momentum", 0.0) or 0.0)
+        centered = "_centered" if getattr(optimizer, "centered", False) else ""
+        return "rmsprop" + centered + ("_momentum" if momentum > 0.0 else "")
+    if name in ("Adagrad", "Adamax", "Nadam", "Lion"):
+        return name.lower()
     raise ValueError(
         f"cannot infer the optimizer-state size of {name}; pass optimizer= one of "
         + ", ".join(map(repr, OPTIMIZER_STATE_BYTES))

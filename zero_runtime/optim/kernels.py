@@ -131,3 +131,267 @@ def sgd_update(param: np.ndarray, grad: np.ndarray, lr: np.float32, scratch: np.
     """
     np.multiply(grad, lr, out=scratch)
     param -= scratch
+
+
+# -- the element-wise optimizers of zero_runtime.optim.elementwise --------------------------
+# Each kernel below updates one tile in place in the operation order of Keras 3.15's own
+# ``update_step`` (keras/src/optimizers/<name>.py), each binary operation rounded to
+# float32 once, as TensorFlow's element-wise kernels round it; the caller computes the
+# step's scalars in TensorFlow (as Keras does) and passes them as float32. A coefficient
+# Keras writes as ``1 - rho`` on Python floats is ``float32(1 - rho)``; one it writes on a
+# float32 tensor (``1.0 - ops.cast(beta_1, dtype)``) is ``float32(1) - float32(beta_1)``:
+# the callers pass each as Keras forms it.
+
+
+def rmsprop_update(
+    param: np.ndarray,
+    grad: np.ndarray,
+    velocity: np.ndarray,
+    momentum_buf: np.ndarray | None,
+    average_grad: np.ndarray | None,
+    lr: np.float32,
+    rho: np.float32,
+    one_minus_rho: np.float32,
+    momentum: np.float32,
+    epsilon: np.float32,
+    scratch: np.ndarray,
+    scratch2: np.ndarray,
+) -> None:
+    """One RMSprop step on a shard, in place (Hinton, Srivastava & Swersky, "Neural
+    Networks for Machine Learning", lecture 6e, 2012; the centered form: Graves,
+    "Generating Sequences With Recurrent Neural Networks", arXiv:1308.0850, 2013,
+    section 4), in Keras's order::
+
+        v = rho * v + (1 - rho) * g**2
+        a = rho * a + (1 - rho) * g                  (centered)
+        d = v - a**2 + eps   (centered)  |  v + eps
+        inc = lr * g / sqrt(d)
+        m = momentum * m + inc; param -= m           (momentum > 0)  |  param -= inc
+
+    Args:
+        param: float32 ``[n]`` parameters, updated in place.
+        grad: float32 ``[n]`` gradients (summed over replicas).
+        velocity: float32 ``[n]`` mean square ``v``, updated in place.
+        momentum_buf: float32 ``[n]`` momentum ``m`` (updated in place), or None when
+            Keras's ``momentum`` is 0.
+        average_grad: float32 ``[n]`` mean gradient ``a`` (updated in place), or None
+            when not ``centered``.
+        lr: float32 learning rate of the step.
+        rho: ``float32(rho)``.
+        one_minus_rho: ``float32(1 - rho)`` (Python subtraction, as Keras).
+        momentum: ``float32(momentum)`` (unused when ``momentum_buf`` is None).
+        epsilon: ``float32(epsilon)``.
+        scratch: float32 ``[n]`` work buffer (overwritten).
+        scratch2: float32 ``[n]`` work buffer (overwritten).
+    """
+    velocity *= rho
+    np.multiply(grad, grad, out=scratch)
+    scratch *= one_minus_rho
+    velocity += scratch
+    if average_grad is not None:
+        average_grad *= rho
+        np.multiply(grad, one_minus_rho, out=scratch)
+        average_grad += scratch
+        np.multiply(average_grad, average_grad, out=scratch)
+        np.subtract(velocity, scratch, out=scratch)
+        scratch += epsilon
+    else:
+        np.add(velocity, epsilon, out=scratch)
+    np.sqrt(scratch, out=scratch)
+    np.multiply(grad, lr, out=scratch2)
+    scratch2 /= scratch
+    if momentum_buf is not None:
+        momentum_buf *= momentum
+        momentum_buf += scratch2
+        param -= momentum_buf
+    else:
+        param -= scratch2
+
+
+def adagrad_update(
+    param: np.ndarray,
+    grad: np.ndarray,
+    accumulator: np.ndarray,
+    lr: np.float32,
+    epsilon: np.float32,
+    scratch: np.ndarray,
+    scratch2: np.ndarray,
+) -> None:
+    """One Adagrad step on a shard, in place (Duchi, Hazan & Singer, "Adaptive
+    Subgradient Methods for Online Learning and Stochastic Optimization", JMLR 12, 2011,
+    the diagonal-matrix update, with Keras's ``epsilon`` inside the root), in
+    Keras's order: ``acc += g**2``; ``param -= lr * g / sqrt(acc + eps)``.
+
+    Args:
+        param: float32 ``[n]`` parameters, updated in place.
+        grad: float32 ``[n]`` gradients.
+        accumulator: float32 ``[n]`` sum of squared gradients, updated in place (starts at
+            Keras's ``initial_accumulator_value``).
+        lr: float32 learning rate of the step.
+        epsilon: ``float32(epsilon)``.
+        scratch: float32 ``[n]`` work buffer (overwritten).
+        scratch2: float32 ``[n]`` work buffer (overwritten).
+    """
+    np.multiply(grad, grad, out=scratch)
+    accumulator += scratch
+    np.add(accumulator, epsilon, out=scratch)
+    np.sqrt(scratch, out=scratch)
+    np.multiply(grad, lr, out=scratch2)
+    scratch2 /= scratch
+    param -= scratch2
+
+
+def adamax_update(
+    param: np.ndarray,
+    grad: np.ndarray,
+    m: np.ndarray,
+    u: np.ndarray,
+    lr: np.float32,
+    one_minus_beta_1: np.float32,
+    beta_2: np.float32,
+    one_minus_beta_1_power: np.float32,
+    epsilon: np.float32,
+    scratch: np.ndarray,
+    scratch2: np.ndarray,
+) -> None:
+    """One Adamax step on a shard, in place (Kingma & Ba, "Adam: A Method for Stochastic
+    Optimization", ICLR 2015, section 7.1, Algorithm 2), in Keras's order::
+
+        m += (g - m) * (1 - beta_1)
+        u = max(beta_2 * u, |g|)
+        param -= lr * m / ((1 - beta_1**t) * (u + eps))
+
+    Args:
+        param: float32 ``[n]`` parameters, updated in place.
+        grad: float32 ``[n]`` gradients.
+        m: float32 ``[n]`` first moment, updated in place.
+        u: float32 ``[n]`` exponentially weighted infinity norm, updated in place.
+        lr: float32 learning rate of the step.
+        one_minus_beta_1: ``float32(1 - beta_1)`` (Python subtraction, as Keras).
+        beta_2: ``float32(beta_2)``.
+        one_minus_beta_1_power: ``1 - beta_1**t``, computed in TensorFlow as Keras does.
+        epsilon: ``float32(epsilon)``.
+        scratch: float32 ``[n]`` work buffer (overwritten).
+        scratch2: float32 ``[n]`` work buffer (overwritten).
+    """
+    np.subtract(grad, m, out=scratch)
+    scratch *= one_minus_beta_1
+    m += scratch
+    u *= beta_2
+    np.abs(grad, out=scratch)
+    np.maximum(u, scratch, out=u)
+    np.add(u, epsilon, out=scratch)
+    np.multiply(scratch, one_minus_beta_1_power, out=scratch)
+    np.multiply(m, lr, out=scratch2)
+    scratch2 /= scratch
+    param -= scratch2
+
+
+def nadam_update(
+    param: np.ndarray,
+    grad: np.ndarray,
+    m: np.ndarray,
+    v: np.ndarray,
+    lr: np.float32,
+    one_minus_beta_1: np.float32,
+    one_minus_beta_2: np.float32,
+    u_t_1: np.float32,
+    one_minus_u_product_t_1: np.float32,
+    one_minus_u_t: np.float32,
+    one_minus_u_product_t: np.float32,
+    one_minus_beta_2_power: np.float32,
+    epsilon: np.float32,
+    scratch: np.ndarray,
+    scratch2: np.ndarray,
+) -> None:
+    """One Nadam step on a shard, in place (Dozat, "Incorporating Nesterov Momentum into
+    Adam", ICLR 2016 workshop, Algorithm 2, with Keras's momentum schedule
+    ``u_t = beta_1 * (1 - 0.5 * 0.96**t)``; the paper's decays as ``0.96**(t / 250)``),
+    in Keras's order::
+
+        m += (g - m) * (1 - beta_1)
+        v += (g**2 - v) * (1 - beta_2)
+        m_hat = u_{t+1} * m / (1 - prod_{i<=t+1} u_i) + (1 - u_t) * g / (1 - prod_{i<=t} u_i)
+        v_hat = v / (1 - beta_2**t)
+        param -= m_hat * lr / (sqrt(v_hat) + eps)
+
+    Args:
+        param: float32 ``[n]`` parameters, updated in place.
+        grad: float32 ``[n]`` gradients.
+        m: float32 ``[n]`` first moment, updated in place.
+        v: float32 ``[n]`` second moment, updated in place.
+        lr: float32 learning rate of the step.
+        one_minus_beta_1: ``float32(1) - float32(beta_1)`` (Keras subtracts on the cast
+            tensor).
+        one_minus_beta_2: ``float32(1) - float32(beta_2)``.
+        u_t_1: ``u_{t+1}``; the four scalars below as Keras computes them in TensorFlow
+            from its ``_u_product`` (``prod_{i<=t} u_i``).
+        one_minus_u_product_t_1: ``1 - prod_{i<=t} u_i * u_{t+1}``.
+        one_minus_u_t: ``1 - u_t``.
+        one_minus_u_product_t: ``1 - prod_{i<=t} u_i``.
+        one_minus_beta_2_power: ``1 - beta_2**t``.
+        epsilon: ``float32(epsilon)``.
+        scratch: float32 ``[n]`` work buffer (overwritten).
+        scratch2: float32 ``[n]`` work buffer (overwritten).
+    """
+    np.subtract(grad, m, out=scratch)
+    scratch *= one_minus_beta_1
+    m += scratch
+    np.multiply(grad, grad, out=scratch)
+    scratch -= v
+    scratch *= one_minus_beta_2
+    v += scratch
+    np.multiply(m, u_t_1, out=scratch)
+    scratch /= one_minus_u_product_t_1
+    np.multiply(grad, one_minus_u_t, out=scratch2)
+    scratch2 /= one_minus_u_product_t
+    scratch += scratch2  # m_hat
+    scratch *= lr
+    np.divide(v, one_minus_beta_2_power, out=scratch2)  # v_hat
+    np.sqrt(scratch2, out=scratch2)
+    scratch2 += epsilon
+    scratch /= scratch2
+    param -= scratch
+
+
+def lion_update(
+    param: np.ndarray,
+    grad: np.ndarray,
+    m: np.ndarray,
+    lr: np.float32,
+    beta_1: np.float32,
+    one_minus_beta_1: np.float32,
+    beta_2: np.float32,
+    one_minus_beta_2: np.float32,
+    scratch: np.ndarray,
+    scratch2: np.ndarray,
+) -> None:
+    """One Lion step on a shard, in place (Chen et al., "Symbolic Discovery of
+    Optimization Algorithms", NeurIPS 2023, Algorithm 2 without its weight decay, which
+    Keras applies to the variables before the update), in Keras's order::
+
+        param -= lr * sign(m * beta_1 + g * (1 - beta_1))
+        m = m * beta_2 + g * (1 - beta_2)
+
+    Args:
+        param: float32 ``[n]`` parameters, updated in place.
+        grad: float32 ``[n]`` gradients.
+        m: float32 ``[n]`` momentum, updated in place.
+        lr: float32 learning rate of the step.
+        beta_1: ``float32(beta_1)``.
+        one_minus_beta_1: ``float32(1) - float32(beta_1)`` (Keras subtracts on the cast
+            tensor).
+        beta_2: ``float32(beta_2)``.
+        one_minus_beta_2: ``float32(1) - float32(beta_2)``.
+        scratch: float32 ``[n]`` work buffer (overwritten).
+        scratch2: float32 ``[n]`` work buffer (overwritten).
+    """
+    np.multiply(m, beta_1, out=scratch)
+    np.multiply(grad, one_minus_beta_1, out=scratch2)
+    scratch += scratch2
+    np.sign(scratch, out=scratch)
+    scratch *= lr
+    param -= scratch
+    m *= beta_2
+    np.multiply(grad, one_minus_beta_2, out=scratch2)
+    m += scratch2

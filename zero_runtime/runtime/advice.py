@@ -387,8 +387,9 @@ def _stage3_need(r: _Replay, config: Any) -> tuple[int | None, int]:
     floor = (largest.gathered_bytes if largest else 0) * ev.local_replicas
     if not ev.units:
         return None, floor
-    # Optimizer slots per parameter shard: Adam's m and v (2, an upper bound for others).
-    slots = {"sgd": 0, "sgd_momentum": 1}.get(ev.optimizer, 2)
+    # Optimizer slots per parameter shard: fp32 K / 4 (Adam's m and v: 2; 2 if unknown).
+    k = estimator.OPTIMIZER_STATE_BYTES.get(ev.optimizer, {}).get("fp32")
+    slots = 2 if k is None else k // 4
     shards = ev.shard_bytes if config.offload_param == "none" else 0
     shards += slots * ev.shard_bytes if config.offload_optimizer == "none" else 0
     per_replica = shards + ev.persistent_bytes + sum(u.gathered_bytes for u in ev.units)
