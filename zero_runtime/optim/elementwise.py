@@ -8,9 +8,13 @@ buffers per slot and replica on the tier ``offload_optimizer`` names (device var
 host numpy buffers or NVMe pages), and the update is Keras 3.15's ``update_step``
 operation for operation: on the device tier as TensorFlow ops
 (``_zero_device_delta``), on the host and NVMe tiers as the numpy kernels of
-:mod:`zero_runtime.optim.kernels`, both bitwise equal to Keras's
-(``tests/test_optim_elementwise.py``). Every update is element-wise, so the stage-3
-update during backward (:mod:`.backward_update`), block by block, gives the same result.
+:mod:`zero_runtime.optim.kernels`, bitwise equal to Keras's at stages 1-2
+(``tests/test_optim_elementwise.py``; docs/parity.md), except RMSprop and Adagrad on the
+host and NVMe tiers: TensorFlow computes their ``x / sqrt(d)`` with an approximate
+vectorised reciprocal square root numpy does not have (:func:`div_sqrt_as_keras`),
+measured within 4e-7 (``max |dw| / max |w|``, 20 steps). Every update is element-wise, so
+the stage-3 update during backward (:mod:`.backward_update`), block by block, gives the
+same result as the update after backward.
 
 Two states are not plain zero-initialised per-element buffers in Keras:
 
@@ -183,7 +187,8 @@ class RMSprop(_PartitionedUpdate, keras.optimizers.RMSprop):
     estimate of the gradient's variance instead of its second moment. Same constructor,
     defaults and behaviour as ``keras.optimizers.RMSprop`` (``learning_rate=0.001``,
     ``rho=0.9``, ``momentum=0.0``, ``epsilon=1e-7``, ``centered=False``); the update is
-    bitwise Keras's (:func:`~zero_runtime.optim.kernels.rmsprop_update`).
+    bitwise Keras's on the device tier, within 4e-7 on the host and NVMe tiers (the
+    module docstring; :func:`~zero_runtime.optim.kernels.rmsprop_update`).
 
     State per replica on the ``offload_optimizer`` tier: float32 ``velocity`` (mean
     square), plus ``momentum`` when ``momentum > 0`` and ``average_gradient`` when
@@ -255,7 +260,8 @@ class Adagrad(_PartitionedUpdate, keras.optimizers.Adagrad):
     and Stochastic Optimization", JMLR 12 (2011), the diagonal-matrix update. Same
     constructor, defaults and behaviour as ``keras.optimizers.Adagrad``
     (``learning_rate=0.001``, ``initial_accumulator_value=0.1``, ``epsilon=1e-7``); the
-    update is bitwise Keras's (:func:`~zero_runtime.optim.kernels.adagrad_update`).
+    update is bitwise Keras's on the device tier, within 4e-7 on the host and NVMe tiers
+    (the module docstring; :func:`~zero_runtime.optim.kernels.adagrad_update`).
 
     State per replica on the ``offload_optimizer`` tier: one float32 ``accumulator``
     (sum of squared gradients, starting at ``initial_accumulator_value``):
