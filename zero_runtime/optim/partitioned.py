@@ -54,6 +54,7 @@ from zero_runtime.optim import kernels
 from zero_runtime.optim.device_state import DeviceOptimizerState
 from zero_runtime.optim.flat_update import FlatShardUpdate, iteration_gate
 from zero_runtime.optim.host_state import HostOptimizerState
+from zero_runtime.optim.keras_saving import KerasSaving
 from zero_runtime.optim.layout import FlatLayout, layout_from_sharded
 from zero_runtime.optim.mirrored import MirroredOptimizerState
 from zero_runtime.optim.nvme_state import NvmeOptimizerState
@@ -119,7 +120,7 @@ class ZeroOptimizerState:
         return sum(4 * int(a.shape[0]) for a in self.accumulators)
 
 
-class _PartitionedUpdate(FlatShardUpdate, ShardedUpdate, TransactionalUpdate):
+class _PartitionedUpdate(KerasSaving, FlatShardUpdate, ShardedUpdate, TransactionalUpdate):
     """Mixin holding the ZeRO update; combine with a Keras optimizer class.
 
     Lifecycle: unbuilt -> :meth:`build` (the ZeRO state, or stock Keras below the
