@@ -238,3 +238,201 @@ def test_tied_gpt_loop_stage3(tmp_path):
     finally:
         strategy.close()
     assert_parity(3, got[:2], mirrored("gpt", "sgd"))
+
+
+# -- variations of the loop -----------------------------------------------------------------
+def _run(strategy, build, step_fn, opt_fn, epochs: int = 1, kind: str = "residual"):
+    """A loop whose train step is ``step_fn(model, optimizer, compute_loss, batch)``."""
+    x, y = data(kind)
+    dist_ds = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL)
+    )
+    with strategy.scope():
+        model = build()
+        optimizer = opt_fn(model)
+    loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+    def compute_loss(labels, logits, global_batch=GLOBAL):
+        return tf.nn.compute_average_loss(
+            loss_object(labels, logits), global_batch_size=global_batch
+        )
+
+    @tf.function
+    def step(batch):
+        out = strategy.run(
+            functools.partial(step_fn, model, optimizer, compute_loss), args=(batch,)
+        )
+        return tf.nest.map_structure(
+            lambda t: strategy.reduce(tf.distribute.ReduceOp.SUM, t, axis=None), out
+        )
+
+    outs = [step(b) for _ in range(epochs) for b in dist_ds]
+    weights = [np.asarray(v.numpy()) for v in model.weights]
+    return tf.nest.map_structure(lambda *t: np.stack([np.asarray(a) for a in t]), *outs), weights
+
+
+def _frozen_body(model, optimizer, compute_loss, batch):
+    x, y = batch
+    head = model.layers[-1].trainable_variables
+    with tf.GradientTape() as tape:
+        loss = compute_loss(y, model(x, training=True))
+    optimizer.apply_gradients(zip(tape.gradient(loss, head), head))
+    return loss
+
+
+def _persistent(model, optimizer, compute_loss, batch):
+    x, y = batch
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        loss = compute_loss(y, model(x, training=True))
+    grads = tape.gradient(loss, model.trainable_variables)
+    dx = tape.gradient(loss, x)  # a non-variable source, from the same tape
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    return loss, tf.reduce_sum(tf.abs(dx))
+
+
+ACCUM = 2
+
+
+def _accumulated(model, optimizer, compute_loss, batch):
+    """Gradients of ACCUM micro-batches summed, then one apply_gradients."""
+    x, y = batch
+    per = tf.shape(x)[0] // ACCUM
+    total, acc = 0.0, None
+    for i in range(ACCUM):
+        xi, yi = x[i * per : (i + 1) * per], y[i * per : (i + 1) * per]
+        with tf.GradientTape() as tape:
+            loss = compute_loss(yi, model(xi, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        acc = grads if acc is None else [a + g for a, g in zip(acc, grads)]
+        total += loss
+    optimizer.apply_gradients(zip(acc, model.trainable_variables))
+    return total
+
+
+def _plain(model, optimizer, compute_loss, batch):
+    x, y = batch
+    with tf.GradientTape() as tape:
+        loss = compute_loss(y, model(x, training=True))
+    grads = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    return loss
+
+
+def _built_adam(vars_of):
+    def make(model):
+        opt = keras.optimizers.Adam(1e-2)
+        opt.build(vars_of(model))
+        return opt
+
+    return make
+
+
+def _compare(stage: int, got, ref) -> None:
+    (outs, weights), (ref_outs, ref_weights) = got, ref
+    for a, b in zip(tf.nest.flatten(outs), tf.nest.flatten(ref_outs)):
+        if stage < 3:
+            np.testing.assert_array_equal(a, b)
+        else:
+            np.testing.assert_allclose(a, b, rtol=BOUND)
+    for w, r in zip(weights, ref_weights):
+        if stage < 3:
+            np.testing.assert_array_equal(w, r)
+        else:
+            assert np.max(np.abs(w - r)) <= BOUND * max(np.max(np.abs(r)), 1e-3)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize(
+    ("step_fn", "vars_of"),
+    [
+        (_frozen_body, lambda m: m.layers[-1].trainable_variables),
+        (_persistent, lambda m: m.trainable_variables),
+    ],
+    ids=["frozen_body", "persistent_tape"],
+)
+def test_loop_variations(stage, step_fn, vars_of, tmp_path):
+    """A tape over the head only (the optimizer built over the head's variables), and a
+    persistent tape that also differentiates the input: equal to MirroredStrategy's."""
+    ref = _run(Mirrored(("/cpu:0", "/cpu:1")), residual, step_fn, _built_adam(vars_of))
+    strategy = zero_strategy(stage, "cpu", "cpu", tmp_path)
+    try:
+        got = _run(strategy, residual, step_fn, _built_adam(vars_of))
+    finally:
+        strategy.close()
+    _compare(stage, got, ref)
+
+
+def test_accumulation_in_loop_equals_big_batch(tmp_path):
+    """Stage 3: ACCUM micro-batches' gradients summed in the loop, then one
+    apply_gradients, equal one step on the whole batch (MirroredStrategy's)."""
+    ref = _run(
+        Mirrored(("/cpu:0", "/cpu:1")),
+        residual,
+        _plain,
+        _built_adam(lambda m: m.trainable_variables),
+    )
+    strategy = zero_strategy(3, "cpu", "cpu", tmp_path)
+    try:
+        got = _run(strategy, residual, _accumulated, _built_adam(lambda m: m.trainable_variables))
+    finally:
+        strategy.close()
+    _compare(3, got, ref)
+
+
+def _gan_run(strategy):
+    """Two models and two optimizers in one step (a GAN on 12-D points)."""
+    x, _ = data("residual")
+    dist_ds = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices(x).batch(GLOBAL)
+    )
+    with strategy.scope():
+        keras.utils.set_random_seed(5)
+        generator = keras.Sequential(
+            [keras.Input((4,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(12)]
+        )
+        discriminator = keras.Sequential(
+            [keras.Input((12,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)]
+        )
+        g_opt, d_opt = keras.optimizers.Adam(1e-3), keras.optimizers.Adam(1e-3)
+        g_opt.build(generator.trainable_variables)
+        d_opt.build(discriminator.trainable_variables)
+    bce = keras.losses.BinaryCrossentropy(from_logits=True, reduction="none")
+
+    def train_step(real):
+        noise = tf.random.stateless_normal([tf.shape(real)[0], 4], seed=[1, 2])
+        with tf.GradientTape() as g_tape, tf.GradientTape() as d_tape:
+            fake = generator(noise, training=True)
+            real_out = discriminator(real, training=True)
+            fake_out = discriminator(fake, training=True)
+            g_loss = tf.nn.compute_average_loss(
+                bce(tf.ones_like(fake_out), fake_out), global_batch_size=GLOBAL
+            )
+            d_loss = tf.nn.compute_average_loss(
+                bce(tf.ones_like(real_out), real_out) + bce(tf.zeros_like(fake_out), fake_out),
+                global_batch_size=GLOBAL,
+            )
+        g_grads = g_tape.gradient(g_loss, generator.trainable_variables)
+        d_grads = d_tape.gradient(d_loss, discriminator.trainable_variables)
+        g_opt.apply_gradients(zip(g_grads, generator.trainable_variables))
+        d_opt.apply_gradients(zip(d_grads, discriminator.trainable_variables))
+        return g_loss, d_loss
+
+    @tf.function
+    def step(batch):
+        g, d = strategy.run(train_step, args=(batch,))
+        return [strategy.reduce(tf.distribute.ReduceOp.SUM, t, axis=None) for t in (g, d)]
+
+    losses = np.array([[float(t) for t in step(b)] for b in dist_ds])
+    weights = [np.asarray(v.numpy()) for m in (generator, discriminator) for v in m.weights]
+    return losses, weights
+
+
+def test_gan_two_models_two_optimizers(tmp_path):
+    ref = _gan_run(Mirrored(("/cpu:0", "/cpu:1")))
+    strategy = zero_strategy(3, "cpu", "cpu", tmp_path)
+    try:
+        got = _gan_run(strategy)
+    finally:
+        strategy.close()
+    _compare(3, got, ref)

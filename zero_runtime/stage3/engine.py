@@ -316,7 +316,7 @@ class Stage3Engine(BlockSteps):
     def in_step(self) -> bool:
         """True while this engine's own traced forward runs on the current replica (its
         tape is then the step's, not a user's)."""
-        return self.runner is not None and self.runner.in_step()
+        return self.runner is not None and self.runner.in_step() and not self.runner.user_step()
 
     # -- optimizer side --------------------------------------------------------------------
     def release_persistent(self, replica: int) -> None:

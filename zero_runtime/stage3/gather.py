@@ -120,6 +120,10 @@ class _StepState:
     # A user's own tf.GradientTape (a custom loop): the step began at the model's first
     # call and ends when the optimizer applies its gradients (UnitsPath.user_forward).
     user: bool = False
+    # A user step's gathered views, one per gather: the update waits for them (a host
+    # read is ordered by its input only, and a later backward's read, such as a
+    # persistent tape's second gradient, must not see the updated shards).
+    reads: list = dataclasses.field(default_factory=list)
 
 
 class UnitRunner:
@@ -485,9 +489,13 @@ class UnitRunner:
         one all-gather (:func:`~zero_runtime.stage3.unit_comm.gather_views`; ``dtype``
         None gathers float32, a 16-bit dtype name half the bytes). One float32 tensor
         per original, of its logical shape."""
-        return gather_views(
+        views = gather_views(
             unit.variables, replica, dep, self.group, self.num_shards, self.schedule, dtype
         )
+        state = self._steps.get(replica)
+        if state is not None and state.user and views:
+            state.reads.append(views[0])
+        return views
 
     @staticmethod
     def _backward_dep(state: _StepState, dy: tf.Tensor) -> tf.Tensor:

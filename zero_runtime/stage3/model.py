@@ -239,6 +239,11 @@ class ShardedModel(keras.Model):
             id(v): given.get(id(v), tf.zeros([v.shard_elements], tf.float32))
             for v in self.engine.variables
         }
+        # Every gather of the step (a persistent tape's later backward too) reads the
+        # shards before they are updated.
+        reads = [tf.reshape(r, [-1])[:1] for r in self.engine.runner.step_state().reads]
+        with tf.control_dependencies(reads):
+            full = {k: tf.identity(g) for k, g in full.items()}
         done = self._apply_gradients(opt, full, replica, clock=True)
         with tf.control_dependencies([done]):
             end = host_function(

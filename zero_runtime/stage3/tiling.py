@@ -70,7 +70,7 @@ import tensorflow as tf
 
 from zero_runtime import comm
 from zero_runtime.lifecycle import host_function
-from zero_runtime.stage3.unit_comm import reduce_scatter_variables
+from zero_runtime.stage3.unit_comm import not_foldable, reduce_scatter_variables
 
 #: Elementwise activations (keras.activations names): column tiles apply them exactly.
 ELEMENTWISE_ACTIVATIONS = frozenset(
@@ -415,7 +415,7 @@ class _Tile:
             read = (kernel, self.replica, plan.kernel_axis, start, size, prefetch)
             piece = host_function(
                 functools.partial(_read_tile, *read),
-                deps,
+                [*deps, not_foldable()],  # (unit_comm.not_foldable)
                 tf.float32,
                 stateful=False,  # ordered by ``dep`` only (see block_step._host_call)
                 name="zero3_tile_shard",

@@ -55,7 +55,7 @@ def gather_views(
         prefetch = schedule.read(replica, variables) if schedule else None
         shard = host_function(
             functools.partial(_read_shards, variables, replica, prefetch),
-            [dep],
+            [dep, not_foldable()],
             tf.float32,
             stateful=False,  # ordered by ``dep`` only (see block_step._host_call)
             name="zero3_unit_shards",
@@ -80,6 +80,18 @@ def gather_views(
         # summed in float32, as under MirroredStrategy).
         views.append(view if dtype is None else tf.cast(view, tf.float32))
     return views
+
+
+def not_foldable() -> tf.Tensor:
+    """A float64 scalar from a stateful op (``tf.timestamp``), an extra input of a host
+    read that is stateless (``stateful=False``, ordered by its data input only).
+
+    A stateless host call whose inputs are all constants (a use whose input is computed
+    in the step from constants only, such as a GAN's noise from
+    ``tf.random.stateless_normal`` with a static shape) is evaluated once by Grappler's
+    constant folding when the function is instantiated: every later step would read the
+    shards as they were then. This input keeps the read at run time."""
+    return tf.timestamp()
 
 
 def _device_shards(variables: tuple, replica: int) -> tf.Tensor | None:
