@@ -18,6 +18,7 @@ import tensorflow as tf
 from helpers.mirrored import Mirrored
 
 import zero_runtime
+import zero_runtime.optim
 from zero_runtime.sharded_variable import ShardedVariable
 
 BATCH = 8  # global batch
@@ -207,57 +208,60 @@ def test_unsupported_model_is_refused_before_the_first_step(make_model, error, m
         strategy.close()
 
 
-def test_custom_gradient_tape_loop_names_the_supported_form():
+def test_custom_loop_build_shards_the_model_and_both_loop_forms_train():
+    """A custom loop's optimizer.build over the unsharded model shards that model (found
+    from the calling frame); its own tf.GradientTape step and strategy.run(model.train_step)
+    both train it at stage 3 (tests/test_custom_loop.py has the parity)."""
     strategy = zero_runtime.ZeroInfinityStrategy(CONFIG)
     x, y = _data()
     batch = (x[:BATCH], y[:BATCH])
     try:
         with strategy.scope():
             model = _functional()
-            # A custom loop's optimizer over the unsharded model: refused, not stage 1/2.
-            opt = keras.optimizers.get("adam")
-            with pytest.raises(ValueError, match=r"strategy\.run\(model\.train_step"):
-                opt.build(model.trainable_variables)
-            model.compile(optimizer="adam", loss="mse")
-        model.train_on_batch(*batch)  # sharded here
+            opt = keras.optimizers.Adam(1e-3)
+            opt.build(model.trainable_variables)
         assert all(isinstance(v, ShardedVariable) for v in model.trainable_variables)
+        model.compile(optimizer=opt, loss="mse")
 
         @tf.function
         def tape_step(x, y):
             def replica_fn(x, y):
                 with tf.GradientTape() as tape:
-                    loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
-                return tape.gradient(loss, model.trainable_variables)
+                    loss = tf.reduce_mean(tf.square(model(x, training=True) - y)) / 2
+                grads = tape.gradient(loss, model.trainable_variables)
+                opt.apply_gradients(zip(grads, model.trainable_variables))
+                return loss
 
             return strategy.run(replica_fn, args=(x, y))
 
-        with pytest.raises(RuntimeError, match=r"strategy\.run\(model\.train_step"):
-            tape_step(*batch)  # at the tape's first use of the model, before any gather
+        tape_step(*batch)
+        assert int(opt.iterations.numpy()) == 1
 
         @tf.function
-        def supported_step(data):  # the documented form (docs/zero_stages.md)
+        def train_step_form(data):
             return strategy.run(model.train_step, args=(data,))
 
-        logs = supported_step(batch)
+        logs = train_step_form(batch)
         assert np.isfinite(float(strategy.reduce("MEAN", logs["loss"], axis=None)))
-        assert int(model.optimizer.iterations.numpy()) == 2
+        assert int(opt.iterations.numpy()) == 2
     finally:
         strategy.close()
 
 
-def test_stock_keras_optimizer_at_stage3_is_refused_before_the_first_step():
-    """A keras.optimizers.Adam() instance is Keras's own: fit would train replicated."""
+def test_keras_optimizer_instance_at_stage3_is_partitioned():
+    """keras.optimizers.Adam() built in the scope (as Keras-Hub's tasks compile
+    themselves) becomes the partitioned Adam: fit trains at stage 3."""
     strategy = zero_runtime.ZeroInfinityStrategy(CONFIG)
     try:
         with strategy.scope():
             model = _functional()
             model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
+        assert isinstance(model.optimizer, zero_runtime.optim.Adam)
         before = model.get_weights()
         x, y = _data()
-        with pytest.raises(ValueError, match="would train with Keras's own train_step"):
-            model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
-        for w, b in zip(model.get_weights(), before):
-            np.testing.assert_array_equal(w, b)
-        assert int(model.optimizer.iterations.numpy()) == 0
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+        assert all(isinstance(v, ShardedVariable) for v in model.trainable_variables)
+        assert int(model.optimizer.iterations.numpy()) == len(x) // BATCH
+        assert any(not np.array_equal(w, b) for w, b in zip(model.get_weights(), before))
     finally:
         strategy.close()
