@@ -31,7 +31,12 @@ from zero_runtime.estimator.formulas import (
 )
 from zero_runtime.estimator.model import build_model_abstractly, estimate_for_model
 from zero_runtime.estimator.results import TIERS, ModelEstimate, TierEstimate
-from zero_runtime.estimator.units import optimizer_kind, policy_precision, row_cache_bytes
+from zero_runtime.estimator.units import (
+    optimizer_kind,
+    policy_precision,
+    row_cache_bytes,
+    state_kind,
+)
 
 __all__ = [
     "ACCOUNTINGS",
@@ -49,6 +54,7 @@ __all__ = [
     "estimate_for_config",
     "estimate_for_model",
     "optimizer_kind",
+    "state_kind",
     "policy_precision",
     "row_cache_bytes",
     "smallest_fit",

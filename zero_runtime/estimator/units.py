@@ -21,13 +21,20 @@ def optimizer_kind(optimizer: Any) -> str:
     Adam -> 'adam'; AdamW -> 'adamw'; SGD -> 'sgd_momentum' if its momentum is non-zero,
     else 'sgd'; RMSprop -> 'rmsprop', with '_centered' when ``centered`` and '_momentum'
     when its momentum is > 0 (one more state each); Adagrad, Adamax, Nadam, Lion -> their
-    lower-case names. Matched by class name so Keras is not imported here.
+    lower-case names. Matched by class name (the first known one in the class's MRO, so a
+    subclass counts as its base) so Keras is not imported here.
 
     Raises:
         ValueError: another optimizer (its state size is not modelled), or Adam/AdamW with
             ``amsgrad=True`` (one more fp32 state per parameter, not modelled).
     """
-    name = type(optimizer).__name__
+    known = ("Adam", "AdamW", "SGD", "RMSprop", "Adagrad", "Adamax", "Nadam", "Lion")
+    # The first known class in the MRO: a user's subclass (that keeps the update) counts
+    # as its base.
+    name = next(
+        (c.__name__ for c in type(optimizer).__mro__ if c.__name__ in known),
+        type(optimizer).__name__,
+    )
     if name in ("Adam", "AdamW"):
         if getattr(optimizer, "amsgrad", False):
             raise ValueError(
@@ -48,6 +55,17 @@ def optimizer_kind(optimizer: Any) -> str:
         f"cannot infer the optimizer-state size of {name}; pass optimizer= one of "
         + ", ".join(map(repr, OPTIMIZER_STATE_BYTES))
     )
+
+
+def state_kind(optimizer: Any) -> str:
+    """:func:`optimizer_kind`, or ``"adam"`` for an optimizer whose state size is not
+    modelled (Adafactor, Ftrl, a user's own class, Adam with ``amsgrad``): the runtime's
+    accounting and fallback size then count two fp32 states per parameter, which bounds
+    Adafactor's factored statistics and Ftrl's two slots."""
+    try:
+        return optimizer_kind(optimizer)
+    except ValueError:
+        return "adam"
 
 
 def _num_elements(variable: Any) -> int:

@@ -187,7 +187,7 @@ class _PartitionedUpdate(KerasSaving, FlatShardUpdate, ShardedUpdate, Transactio
             self._zero3_build(variables, strategy, runtime, config)
             return
         num_params = sum(int(np.prod(v.shape)) for v in variables if v.trainable)
-        kind = estimator.optimizer_kind(self)
+        kind = estimator.state_kind(self)
         small = model_state_bytes(num_params, kind) < config.mirrored_fallback_bytes
         if config.stage == 0 or small:
             # Stage 0 (plain data parallelism) or a model below the fallback size: the
@@ -250,10 +250,7 @@ class _PartitionedUpdate(KerasSaving, FlatShardUpdate, ShardedUpdate, Transactio
         if config.stage == 0:
             return
         num_params = sum(int(np.prod(v.shape)) for v in variables if v.trainable)
-        try:
-            kind = estimator.optimizer_kind(self)
-        except ValueError:  # a state size the estimator does not know: Adam's (K = 8)
-            kind = "adam"
+        kind = estimator.state_kind(self)
         if (
             config.stage < 3
             and model_state_bytes(num_params, kind) < config.mirrored_fallback_bytes

@@ -379,7 +379,7 @@ def estimate(
         known here and the device peak is None. Activations are not counted.
     """
     num_params = optimizer.flat_layout.total
-    kind = estimator.optimizer_kind(optimizer)
+    kind = estimator.state_kind(optimizer)
     est = estimator.estimate_for_config(
         num_params, num_replicas, config, precision="fp32", optimizer=kind
     )

@@ -470,7 +470,7 @@ def model_facts(acct: Any, config: ZeroConfig) -> advice_mod.Evidence:
                 units.append(advice_mod.Unit(block.layer.name, gathered, elements))
     kind = "adam"
     if acct.optimizers:
-        kind = estimator.optimizer_kind(acct.optimizers[0])
+        kind = estimator.state_kind(acct.optimizers[0])
     num_params = max(acct.model_param_bytes() // 4, stage3_params) or None
     return advice_mod.Evidence(
         num_params=num_params,

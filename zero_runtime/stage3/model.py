@@ -195,7 +195,9 @@ class ShardedModel(keras.Model):
                     stateful=True,
                 )
         with tf.control_dependencies([end]):
-            y_pred = tf.nest.map_structure(tf.identity, y_pred)  # any output structure
+            # Any output structure; a softmax/sigmoid output keeps its logits, which
+            # Keras's crossentropy metrics compute from (stage3/gather.py, keras_logits).
+            y_pred = tf.nest.map_structure(_identity_keeping_logits, y_pred)
         return trainer.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def apply_user_gradients(self, opt, grads: list, variables: list) -> tf.Tensor:
@@ -400,6 +402,15 @@ class ShardedModel(keras.Model):
         if opt is not None:
             backward_update.close(opt)
         self.engine.close()
+
+
+def _identity_keeping_logits(t: tf.Tensor) -> tf.Tensor:
+    """``tf.identity(t)`` that keeps ``t._keras_logits`` (Keras's own attribute)."""
+    out = tf.identity(t)
+    logits = getattr(t, "_keras_logits", None)
+    if logits is not None:
+        out._keras_logits = logits  # noqa: SLF001
+    return out
 
 
 def _micro_step_end(engine: Stage3Engine, replica: int, _grad: np.ndarray) -> np.int64:
