@@ -32,10 +32,10 @@ again (:func:`zero_runtime.stage3.gather.keras_logits_positions`).
   EfficientNetB0; a step after the first takes < 1 s): MobileNetV2 takes 36-44 s on 2
   cores, and runs here. Left out to bound the suite's time, each measured once bitwise
   equal to Mirrored at stage 3: EfficientNetB0 (57-72 s), MobileNetV3Small
-  (minimalistic; 20 images, 25 s), whose softmax is an ``Activation`` layer of its own (no unit, so its logits were never hidden; it
-  trains at stage 3 in ``tests/test_parity_matrix.py``), ResNet50 (23.6M parameters) and
-  ConvNeXtTiny (27.8M) (28 images, batches of 8, 8, 8 and 4; ~55 s and ~67 s for their
-  two runs).
+  (minimalistic; 20 images, 25 s), whose softmax is an ``Activation`` layer of its own
+  (no unit, so its logits were never hidden; it trains at stage 3 in
+  ``tests/test_parity_matrix.py``), ResNet50 (23.6M parameters) and ConvNeXtTiny (27.8M)
+  (28 images, batches of 8, 8, 8 and 4; ~55 s and ~67 s for their two runs).
 
 Measure: per-step losses (Keras's running mean, after each batch) within :data:`REL`
 relative; per variable ``max |w - r| / max |r|`` (``helpers.any_models.rel``) within
