@@ -436,3 +436,47 @@ def test_gan_two_models_two_optimizers(tmp_path):
     finally:
         strategy.close()
     _compare(3, got, ref)
+
+
+# -- telemetry and whole reads around a custom loop ------------------------------------------
+def test_custom_loop_records_every_step_and_reads_whole_between_steps(tmp_path):
+    """Stage 3 with host parameters: the runtime records every step of the user's loop
+    (found from apply_gradients, no call from the user) with the host tier holding the
+    shards, and between steps a sharded variable reads and assigns as the whole tensor
+    (numpy, value, tf.identity, an EMA kept by the loop, get_weights / set_weights)."""
+    strategy = zero_runtime.ZeroInfinityStrategy(
+        zero_runtime.ZeroConfig(
+            stage=3,
+            offload_param="cpu",
+            offload_optimizer="cpu",
+            mirrored_fallback_bytes=0,
+            page_size_bytes=65536,
+        ),
+        logdir=str(tmp_path / "run"),
+        num_cpu_replicas=2,
+    )
+    try:
+        losses, _, model = tutorial_loop(strategy, residual, "residual", epochs=1)
+        records = strategy.runtime.recorder.last()
+        assert [r.step for r in records] == list(range(len(losses)))
+        assert all(r.stage == 3 and not r.fallback_mirrored for r in records)
+        host = records[-1].tiers["host"]
+        shard_bytes = sum(4 * v.shard_elements * 2 for v in model.trainable_variables)
+        assert host.param_bytes >= shard_bytes, (host, shard_bytes)
+
+        kernel = model.trainable_variables[0]
+        whole = kernel.numpy()
+        assert whole.shape == tuple(kernel.shape)
+        np.testing.assert_array_equal(np.asarray(kernel.value), whole)
+        np.testing.assert_array_equal(tf.identity(kernel).numpy(), whole)
+        np.testing.assert_array_equal(model.get_weights()[0], whole)
+        ema = 0.9 * whole + 0.1 * np.ones_like(whole)  # a loop's EMA of the weights
+        kernel.assign(ema)
+        np.testing.assert_array_equal(kernel.numpy(), ema)
+        weights = model.get_weights()
+        model.set_weights([w * 0.5 for w in weights])
+        np.testing.assert_array_equal(kernel.numpy(), ema * 0.5)
+    finally:
+        strategy.close()
+    events = list((tmp_path / "run").rglob("events.out.tfevents.*"))
+    assert events and max(e.stat().st_size for e in events) > 0
