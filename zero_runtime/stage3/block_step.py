@@ -23,6 +23,7 @@ from zero_runtime.lifecycle import host_function
 from zero_runtime.memory import PoolOutOfMemoryError
 from zero_runtime.sharded_variable import ShardState
 from zero_runtime.stage3.block_plan import BWD, FWD, Block
+from zero_runtime.stage3.gather import keras_logits_positions, with_keras_logits
 from zero_runtime.stage3.unit_comm import reduce_scatter_variables
 
 
@@ -134,7 +135,11 @@ class BlockSteps:
                 functools.partial(self._release_all, block.index, replica), [_dep(h)], tf.float32
             )
             done.set_shape([])  # a scalar: keeps h's static rank (Keras losses need it)
-            h = h + tf.cast(done, h.dtype)  # done == 0.0: a data dependency on the release
+            # done == 0.0: a data dependency on the release, of a softmax/sigmoid output's
+            # logits too (Keras's crossentropy reads them; gather.keras_logits_positions).
+            h = _keeping_logits(
+                [t + tf.cast(done, t.dtype) for t in with_keras_logits([h], _logits_of(h))]
+            )
         return h
 
     def _block(self, block: Block, x, anchor, replica: int, training: bool, update=None):
@@ -145,22 +150,33 @@ class BlockSteps:
         fwd_use = self.plan.uses.index((FWD, block.index))
         bwd_use = self.plan.uses.index((BWD, block.index))
         float_x = x.dtype.is_floating
+        box = {}  # trace-time: the positions of the output's logits (0 or 1 of them)
 
         @tf.custom_gradient
         def run(x, anchor):
             values = self._materialize(block, replica, fwd_use, _dep(x))
             y = self._call(block, values, x, training)
-            y = self._after_use(block, replica, fwd_use, y, values)
+            # A softmax/sigmoid output's logits are outputs of the use too (Keras's
+            # crossentropy reads them; gather.keras_logits_positions).
+            box["logits"] = _logits_of(y)
+            ys = self._after_use(
+                block, replica, fwd_use, with_keras_logits([y], box["logits"]), values
+            )
 
-            def grad(dy):
-                values2 = self._materialize(block, replica, bwd_use, _dep(dy))
+            def grad(*dys):
+                dys = [tf.zeros_like(t) if d is None else d for t, d in zip(ys, dys)]
+                # After every output gradient: a loss may read the logits alone.
+                dep = tf.concat([tf.cast(_dep(d), tf.float32) for d in dys], 0)
+                values2 = self._materialize(block, replica, bwd_use, dep)
                 with tf.GradientTape() as t:
                     t.watch(values2)
                     if float_x:
                         t.watch(x)
                     y2 = self._call(block, values2, x, training)
                 sources = list(values2) + ([x] if float_x else [])
-                gs = t.gradient(y2, sources, output_gradients=dy)
+                gs = t.gradient(
+                    with_keras_logits([y2], box["logits"]), sources, output_gradients=dys
+                )
                 gs = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in gs]
                 gparams = [
                     g if g is not None else tf.zeros(v.shape, tf.float32)
@@ -193,9 +209,9 @@ class BlockSteps:
                 self._prev_release[replica] = done
                 return dx, d_anchor
 
-            return y, grad
+            return ys, grad
 
-        return run(x, anchor)
+        return _keeping_logits(run(x, anchor))
 
     def _call(self, block: Block, values: list, x, training: bool):
         layer = block.layer
@@ -204,9 +220,11 @@ class BlockSteps:
         y, _ = layer.stateless_call(list(values), non_trainable, x, **kwargs)
         return y
 
-    def _after_use(self, block: Block, replica: int, use: int, y, values: list):
-        done = self._release_after(block, replica, use, [y, *values])
-        return y + tf.cast(done, y.dtype)  # done == 0.0: orders the release before later uses
+    def _after_use(self, block: Block, replica: int, use: int, ys: list, values: list) -> list:
+        """``ys`` (the block's output, then its logits if any) plus the release's 0.0:
+        orders the release before later uses; same shapes and dtypes."""
+        done = self._release_after(block, replica, use, [*ys, *values])
+        return [y + tf.cast(done, y.dtype) for y in ys]
 
     def _release_after(self, block: Block, replica: int, use: int, after: list):
         deps = [_dep(t) for t in after]
@@ -375,6 +393,22 @@ class BlockSteps:
                     with self._lock:
                         self._live[replica] -= math.prod(v.shape)
         return np.float32(0.0)
+
+
+def _logits_of(y: tf.Tensor) -> list[int]:
+    """``[0]`` when the block output ``y`` carries its logits as ``_keras_logits`` (a
+    softmax/sigmoid output, :func:`~zero_runtime.stage3.gather.keras_logits_positions`),
+    else ``[]``."""
+    return keras_logits_positions([y])
+
+
+def _keeping_logits(ys: list) -> tf.Tensor:
+    """``ys[0]``, a block's output, with ``ys[1]`` (its logits, same shape and dtype)
+    set as its ``_keras_logits`` when given (Keras's own attribute)."""
+    y, *logits = ys
+    if logits:
+        y._keras_logits = logits[0]  # noqa: SLF001
+    return y
 
 
 def _dep(t: tf.Tensor) -> tf.Tensor:

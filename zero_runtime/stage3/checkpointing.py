@@ -48,6 +48,7 @@ import keras
 import tensorflow as tf
 
 from zero_runtime.stage3 import units as units_plan
+from zero_runtime.stage3.gather import keras_logits_positions, with_keras_logits
 
 
 def plan_blocks(model: keras.Model, unit_layers: list) -> list:
@@ -139,8 +140,11 @@ class CheckpointedBlock:
             tensors = list(xs[:n_in])
             with runner.mode(state, "no_grad"):
                 out = run(tensors)
-            outs = tf.nest.flatten(out)
-            box["structure"], box["n_out"] = out, len(outs)
+            # A softmax/sigmoid output's logits are outputs of the block too (Keras's
+            # crossentropy reads them; gather.keras_logits_positions).
+            box["logits"] = keras_logits_positions(tf.nest.flatten(out))
+            outs = with_keras_logits(tf.nest.flatten(out), box["logits"])
+            box["structure"], box["n_out"] = out, len(tf.nest.flatten(out))
 
             def grad(*dys):
                 dys = [tf.zeros_like(o) if d is None else d for o, d in zip(outs, dys)]
@@ -151,7 +155,7 @@ class CheckpointedBlock:
                     with runner.mode(state, "recompute"):
                         out2 = run(tensors)
                 gs = tape.gradient(
-                    tf.nest.flatten(out2),
+                    with_keras_logits(tf.nest.flatten(out2), box["logits"]),
                     sources,
                     output_gradients=dys,
                     unconnected_gradients=tf.UnconnectedGradients.NONE,
@@ -165,4 +169,8 @@ class CheckpointedBlock:
             return outs, grad
 
         result = block(*inputs, *anchors, *done_in)
-        return tf.nest.pack_sequence_as(box["structure"], list(result[: box["n_out"]]))
+        n_out = box["n_out"]
+        flat_out = list(result[:n_out])
+        for k, logits in zip(box["logits"], result[n_out:]):
+            flat_out[k]._keras_logits = logits  # noqa: SLF001  (Keras's own attribute)
+        return tf.nest.pack_sequence_as(box["structure"], flat_out)

@@ -70,6 +70,7 @@ import tensorflow as tf
 
 from zero_runtime import comm
 from zero_runtime.lifecycle import host_function
+from zero_runtime.stage3.gather import keras_logits_positions, with_keras_logits
 from zero_runtime.stage3.unit_comm import not_foldable, reduce_scatter_variables
 
 #: Elementwise activations (keras.activations names): column tiles apply them exactly.
@@ -269,7 +270,11 @@ class TiledCall:
         for j in range(len(plan.bounds)):
             y, h, carry, kbuf = tile.run(j, h, carry, kbuf, others, done if j == 0 else None)
             outs.append(y)
-        return tf.concat(outs, axis=plan.output_axis)
+        y = tf.concat(outs, axis=plan.output_axis)
+        if len(keras_logits_positions(outs)) == len(outs):  # a sigmoid's logits too (run)
+            logits = [o._keras_logits for o in outs]  # noqa: SLF001
+            y._keras_logits = tf.concat(logits, axis=plan.output_axis)  # noqa: SLF001
+        return y
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,6 +304,11 @@ class _Tile:
         alone holds), so the unit's gradient shard is never held twice (a split of the
         anchor would concatenate the pieces into a second copy).
 
+        ``y_j`` keeps its logits as ``_keras_logits`` when the activation set them (a
+        sigmoid: Keras's crossentropy reads them,
+        :func:`~zero_runtime.stage3.gather.keras_logits_positions`): they are an output
+        of the tile's use too, differentiated with ``y_j`` in its backward.
+
         ``done`` (tile 0 only; float32 scalar, the step's done anchor, None without an
         update during backward): tile 0's backward runs last and completes the kernel's
         gradient shard; when the runner's update during backward takes it
@@ -323,6 +333,7 @@ class _Tile:
         piece_shape[self.plan.kernel_axis] = size
 
         done_in = [] if done is None else [done]
+        box = {}  # trace-time: the positions of y's logits (gather.keras_logits_positions)
 
         @tf.custom_gradient
         def use(inp, c, k, *_other_anchors_and_done):
@@ -331,19 +342,25 @@ class _Tile:
             if is_float:
                 with tf.control_dependencies([y]):
                     outs.append(tf.identity(inp))
+            box["logits"] = keras_logits_positions([y])  # [0] or []: y's logits last
+            outs += with_keras_logits([y], box["logits"])[1:]
 
-            def grad(dy, d_carry, d_kbuf, d_passed=None):
+            def grad(dy, d_carry, d_kbuf, *rest):
+                d_passed = rest[0] if is_float else None
+                d_logits = [
+                    tf.zeros_like(outs[-1]) if d is None else d for d in rest[int(is_float) :]
+                ]
                 dy = tf.zeros_like(y) if dy is None else dy
-                deps = [_dep(t) for t in (dy, d_carry, d_passed) if t is not None]
+                deps = [_dep(t) for t in (dy, d_carry, d_passed, *d_logits) if t is not None]
                 views = self._views(j, deps)
                 sources = [*views, inp] if is_float else list(views)
                 with tf.GradientTape() as tape:
                     tape.watch(sources)
                     y2 = self._call(inp, views)
                 gs = tape.gradient(
-                    y2,
+                    with_keras_logits([y2], box["logits"]),
                     sources,
-                    output_gradients=dy,
+                    output_gradients=[dy, *d_logits],
                     unconnected_gradients=tf.UnconnectedGradients.ZERO,
                 )
                 gs = [tf.convert_to_tensor(g) for g in gs]  # [dW_j, *d_others, (dx_j)]
@@ -381,6 +398,8 @@ class _Tile:
             return outs, grad
 
         outs = use(x, carry, kbuf, *others, *done_in)
+        if box["logits"]:
+            outs[0]._keras_logits = outs[-1]  # noqa: SLF001  (Keras's own attribute)
         return outs[0], outs[3] if is_float else x, outs[1], outs[2]
 
     def _call(self, x: tf.Tensor, views: list) -> tf.Tensor:
