@@ -437,7 +437,7 @@ class UnitRunner:
 
             def grad(*dys):
                 dys = [tf.zeros_like(o) if d is None else d for o, d in zip(outs, dys[: len(outs)])]
-                views2 = self.gather(unit, replica, self._backward_dep(state, dys[0]), gather_dtype)
+                views2 = self.gather(unit, replica, self._backward_dep(state, dys), gather_dtype)
                 float_in = [k for k, t in enumerate(tensors) if t.dtype.is_floating]
                 with tf.GradientTape() as tape:
                     tape.watch(views2)
@@ -498,13 +498,14 @@ class UnitRunner:
         return views
 
     @staticmethod
-    def _backward_dep(state: _StepState, dy: tf.Tensor) -> tf.Tensor:
-        """What a use's backward gather waits for: its output gradient ``dy`` and the
-        reduce-scatter of the use whose backward was traced before it (in the same
-        graph), so a replica holds one unit's gathered parameters or one unit's gradient
-        and its flat copy at a time, not the next unit's gather beside the last one's
-        reduction (the backward's working set: two units, issue #16)."""
-        dep = tf.reshape(dy, [-1])[:1]
+    def _backward_dep(state: _StepState, dys: list) -> tf.Tensor:
+        """What a use's backward gather waits for: every output gradient in ``dys`` (a
+        loss may read only a softmax output's logits, whose gradient is then the only
+        non-zero one) and the reduce-scatter of the use whose backward was traced before
+        it (in the same graph), so a replica holds one unit's gathered parameters or one
+        unit's gradient and its flat copy at a time, not the next unit's gather beside
+        the last one's reduction (the backward's working set: two units)."""
+        dep = tf.concat([tf.cast(tf.reshape(d, [-1])[:1], tf.float32) for d in dys], 0)
         prev = state.last_reduced
         if prev is None or prev.graph is not dep.graph:
             return dep

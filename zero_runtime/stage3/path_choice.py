@@ -1,4 +1,4 @@
-"""Which stage-3 engine runs a chain: the block engine or the units path (issue #16).
+"""Which stage-3 engine runs a chain: the block engine or the units path.
 
 Stage 3 runs a model one of two ways (docs/zero_stages.md):
 
@@ -47,7 +47,7 @@ def block_engine_reasons(layers: list, config: ZeroConfig) -> tuple[str, ...]:
     *may* stay gathered), not bounds: the units path, which gathers a unit's small
     parameters in the unit's one all-gather and gathers again for backward, honours them.
 
-    NVMe parameters are no reason since session 13: the units path prefetches them along
+    NVMe parameters are no reason: the units path prefetches them along
     each traced pass's recorded reads (:mod:`zero_runtime.stage3.schedule`). Host or NVMe
     optimizer states are none either: the units path updates during backward
     too (:meth:`~zero_runtime.stage3.units_path.UnitsPath.forward_backward`, ``update``:
