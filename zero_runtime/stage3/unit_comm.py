@@ -11,9 +11,11 @@ the sum of its originals' ``shard_elements``); a view has its original's logical
 from __future__ import annotations
 
 import functools
+import threading
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops
 
 from zero_runtime import comm
 from zero_runtime.lifecycle import host_function
@@ -83,15 +85,30 @@ def gather_views(
 
 
 def not_foldable() -> tf.Tensor:
-    """A float64 scalar from a stateful op (``tf.timestamp``), an extra input of a host
-    read that is stateless (``stateful=False``, ordered by its data input only).
+    """A float32 scalar 0.0 read from a variable: an extra input of a host read that is
+    stateless (``stateful=False``, ordered by its data input only).
 
     A stateless host call whose inputs are all constants (a use whose input is computed
     in the step from constants only, such as a GAN's noise from
     ``tf.random.stateless_normal`` with a static shape) is evaluated once by Grappler's
     constant folding when the function is instantiated: every later step would read the
-    shards as they were then. This input keeps the read at run time."""
-    return tf.timestamp()
+    shards as they were then. A variable's read is never folded, and it adds no order
+    between the replicas' ops (automatic control dependencies order only the reads and
+    writes of one resource, and nothing writes this one; a stateful op without a resource
+    input, such as ``tf.timestamp``, would be chained after every other such op of the
+    step, across replicas: a deadlock of their collectives)."""
+    global _FRESH
+    with _FRESH_LOCK:
+        if _FRESH is None:
+            with tf.init_scope():  # created eagerly, outside any strategy's creator
+                _FRESH = resource_variable_ops.ResourceVariable(
+                    0.0, trainable=False, name="zero3_not_foldable"
+                )
+    return _FRESH.read_value()
+
+
+_FRESH = None
+_FRESH_LOCK = threading.Lock()
 
 
 def _device_shards(variables: tuple, replica: int) -> tf.Tensor | None:
