@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from zero_runtime.checkpoint import reader as rd
 from zero_runtime.checkpoint import writer as wr
-from zero_runtime.checkpoint.state import TrainingState
+from zero_runtime.optim.training_state import TrainingState
 
 
 class CheckpointManager:

@@ -3,7 +3,7 @@ current number of replicas.
 
 The reader never assumes the saving job's partition: it rebuilds each tensor's canonical
 value from the index's segments (any ``num_shards``, any bucket layout, stages 0-3) and
-the current :class:`~zero_runtime.checkpoint.state.TrainingState` cuts it into the
+the current :class:`~zero_runtime.optim.training_state.TrainingState` cuts it into the
 current replicas' shards (``partition.build_shard``). This process holds one tensor (one
 slot of all parameters, for optimizer states) on the host at a time.
 """
@@ -24,8 +24,8 @@ from zero_runtime.checkpoint.errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
 )
-from zero_runtime.checkpoint.partition import build_shard
-from zero_runtime.checkpoint.state import TrainingState
+from zero_runtime.optim.partition import build_shard, logical_from_canonical
+from zero_runtime.optim.training_state import TrainingState
 
 _READ_CHUNK = 16 << 20  # bytes per read when hashing
 
@@ -246,7 +246,7 @@ class CheckpointReader:
         flat = self.canonical(name)
         if not rec.shape:
             return flat.reshape(()).astype(rec.dtype)
-        value = _logical(flat, rec.shape, rec.shard_dim)
+        value = logical_from_canonical(flat, rec.shape, rec.shard_dim)
         return np.ascontiguousarray(value).astype(np.dtype(rec.dtype), copy=False)
 
     def canonical_along(self, name: str, shard_dim: int) -> np.ndarray:
@@ -263,15 +263,8 @@ class CheckpointReader:
         flat = self.canonical(name)
         if len(rec.shape) < 2 or rec.shard_dim == shard_dim:
             return flat
-        value = _logical(flat, rec.shape, rec.shard_dim)
+        value = logical_from_canonical(flat, rec.shape, rec.shard_dim)
         return np.ascontiguousarray(np.moveaxis(value, shard_dim, 0)).reshape(-1)
-
-
-def _logical(flat: np.ndarray, shape: tuple[int, ...], shard_dim: int) -> np.ndarray:
-    """The logical value (``shape``) of elements in the canonical order of ``shard_dim``."""
-    d = shard_dim
-    moved = (shape[d], *shape[:d], *shape[d + 1 :])
-    return np.moveaxis(flat.reshape(moved), 0, d)
 
 
 @dataclasses.dataclass(frozen=True)

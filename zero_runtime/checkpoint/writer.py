@@ -45,8 +45,8 @@ from zero_runtime.checkpoint.errors import (
     CheckpointError,
     CheckpointWriteError,
 )
-from zero_runtime.checkpoint.partition import replica_pieces
-from zero_runtime.checkpoint.state import TrainingState
+from zero_runtime.optim.partition import replica_pieces
+from zero_runtime.optim.training_state import TrainingState
 
 log = logging.getLogger(__name__)
 

@@ -33,6 +33,18 @@ import weakref
 import keras
 from keras.src.backend.common import global_state
 
+from zero_runtime.optim.partitioned import _PartitionedUpdate
+from zero_runtime.optim.registry import PARTITIONED_FOR_KERAS, refusal, supported_names
+
+__all__ = [
+    "Unpartitioned",
+    "adopt",
+    "creator",
+    "partitioned_class_for",
+    "refusal",
+    "supported_names",
+]
+
 #: Keras optimizer classes that wrap another optimizer (left as they are).
 WRAPPERS: tuple[type, ...] = (keras.optimizers.LossScaleOptimizer,)
 
@@ -58,8 +70,6 @@ def partitioned_class_for(cls: type) -> type | None:
     the methods that compute the update (``update_step``, ``_backend_update_step``,
     ``build``); otherwise None.
     """
-    from zero_runtime.optim.partitioned import PARTITIONED_FOR_KERAS
-
     if cls in PARTITIONED_FOR_KERAS:
         return PARTITIONED_FOR_KERAS[cls]
     for base in cls.__mro__[1:]:
@@ -85,8 +95,6 @@ def adopt(optimizer: keras.optimizers.Optimizer) -> type:
     form: changed to it. Any other: changed to its :class:`Unpartitioned` subclass, which
     refuses to build where the config asks for partitioning.
     """
-    from zero_runtime.optim.partitioned import _PartitionedUpdate
-
     cls = type(optimizer)
     if isinstance(optimizer, (_PartitionedUpdate, *WRAPPERS)):
         return cls
@@ -111,59 +119,7 @@ def creator(next_creator, **kwargs):
     return next_creator(**kwargs)
 
 
-def supported_names() -> list[str]:
-    """The Keras optimizer classes with a partitioned form, e.g. ``["Adam", "SGD"]``."""
-    from zero_runtime.optim.partitioned import PARTITIONED_FOR_KERAS
-
-    return sorted(c.__name__ for c in PARTITIONED_FOR_KERAS)
-
-
-def user_class(cls: type) -> type:
-    """The user's optimizer class behind an adopted class ``cls`` (the first class of its
-    MRO that is a Keras optimizer and not part of the runtime's ZeRO update)."""
-    from zero_runtime.optim.partitioned import _PartitionedUpdate
-
-    return next(
-        c
-        for c in cls.__mro__
-        if issubclass(c, keras.optimizers.Optimizer) and not issubclass(c, _PartitionedUpdate)
-    )
-
-
-def refusal(cls: type, stage: int) -> str:
-    """The message refusing to partition an optimizer of (adopted) class ``cls`` at ZeRO
-    ``stage``: the class, why it has no partitioned update, and the supported classes."""
-    from zero_runtime.optim.partitioned import PARTITIONED_FOR_KERAS
-
-    user = user_class(cls)
-    name = f"{user.__module__}.{user.__qualname__}"
-    if user.__module__.startswith("keras."):
-        name = f"keras.optimizers.{user.__qualname__}"
-    base = next((b for b in user.__mro__[1:] if b in PARTITIONED_FOR_KERAS), None)
-    if base is not None:
-        why = (
-            f"it subclasses keras.optimizers.{base.__name__} but overrides the update "
-            "(update_step, _backend_update_step or build), which the partitioned "
-            "update cannot run on a shard"
-        )
-    elif user is keras.optimizers.Adafactor:
-        why = "Adafactor's factored second moments need each whole 2-D variable, not a shard"
-    else:
-        why = "the runtime has no partitioned update for this class"
-    return (
-        f"ZeRO stage {stage} partitions the optimizer states, but {name} cannot be "
-        f"partitioned: {why}. Build one of keras.optimizers.{{{', '.join(supported_names())}}} "
-        "inside strategy.scope(), or train at stage 0 (plain data parallelism)"
-    )
-
-
-def _unpartitioned_base():
-    from zero_runtime.optim.partitioned import _PartitionedUpdate
-
-    return _PartitionedUpdate
-
-
-class Unpartitioned(_unpartitioned_base()):
+class Unpartitioned(_PartitionedUpdate):
     """Mixin of an optimizer class the runtime has no partitioned update for.
 
     It runs as the stock Keras optimizer where the strategy runs plain data parallelism

@@ -65,7 +65,7 @@ def _f32(value) -> tf.Tensor:
 
 def _local_replicas(strategy, n_local: int) -> range:
     """The global ids of this process's replicas: ``rank * n_local + i`` (rank 0 in one
-    process), as the checkpoint's ``local`` (zero_runtime/checkpoint/state.py)."""
+    process), as the checkpoint's ``local`` (zero_runtime/optim/training_state.py)."""
     cluster = getattr(strategy, "cluster", None)
     rank = cluster.rank if cluster is not None else 0
     return range(rank * n_local, (rank + 1) * n_local)

@@ -31,8 +31,8 @@ stock optimizer's layout, so that the file is a plain Keras file:
   (:meth:`KerasSaving._keras_stock_layout`: the stock class built on one-element
   stand-ins), each entry being one of the partitioned optimizer's own variables or a slot
   gathered from the shards (the inverse of
-  :func:`zero_runtime.checkpoint.partition.build_shard`, with the sharded checkpoint's
-  :class:`~zero_runtime.checkpoint.state.TrainingState` geometry), written with its
+  :func:`zero_runtime.optim.partition.build_shard`, with the sharded checkpoint's
+  :class:`~zero_runtime.optim.training_state.TrainingState` geometry), written with its
   variable's shape and dtype.
 - **Loading** (:meth:`KerasSaving.load_own_variables`): ``keras.models.load_model``
   builds the optimizer in ``compile_from_config`` (when the model is built) *before* it
@@ -381,7 +381,7 @@ class KerasSaving:
 
     def _keras_training_state(self):
         """The sharded checkpoint's geometry of this optimizer's state (no model)."""
-        from zero_runtime.checkpoint.state import TrainingState
+        from zero_runtime.optim.training_state import TrainingState
         from zero_runtime.sharded_variable import ShardedVariable
 
         settle = getattr(self, "zero_settle", None)
@@ -565,9 +565,9 @@ class _Values(Mapping):
 
 def _gathered(layout, shards: Sequence[np.ndarray], sizes: Sequence[int]) -> list[np.ndarray]:
     """Every tensor's canonical flat values (float32 ``[sizes[j]]``, layout order) from
-    all replicas' shards: the inverse of :func:`~zero_runtime.checkpoint.partition.
+    all replicas' shards: the inverse of :func:`~zero_runtime.optim.partition.
     build_shard` (padding dropped)."""
-    from zero_runtime.checkpoint.partition import replica_pieces
+    from zero_runtime.optim.partition import replica_pieces
 
     flats = [np.empty(size, np.float32) for size in sizes]
     for r, shard in enumerate(shards):
@@ -581,7 +581,7 @@ def _gathered(layout, shards: Sequence[np.ndarray], sizes: Sequence[int]) -> lis
 def _scatter(state, slot: str, flats: Mapping[int, np.ndarray]) -> None:
     """Write ``slot``'s whole tensors (canonical flat, layout index -> values) into this
     worker's replicas' shards, as a sharded checkpoint's restore does."""
-    from zero_runtime.checkpoint.partition import build_shard
+    from zero_runtime.optim.partition import build_shard
 
     for replica in state.local_replicas:
         state.store.write_shard(
@@ -591,7 +591,7 @@ def _scatter(state, slot: str, flats: Mapping[int, np.ndarray]) -> None:
 
 def _logical_value(state, i: int, flat: np.ndarray) -> np.ndarray:
     """Parameter ``i``'s slot values in its logical shape, from canonical order."""
-    from zero_runtime.checkpoint.reader import _logical
+    from zero_runtime.optim.partition import logical_from_canonical as _logical
 
     shape = tuple(int(d) for d in state.params[i].shape)
     if not shape:

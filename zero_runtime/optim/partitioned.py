@@ -50,7 +50,7 @@ from tensorflow.python.ops import resource_variable_ops
 from zero_runtime import comm, estimator
 from zero_runtime.config import ZeroConfig
 from zero_runtime.lifecycle import ClosePhase, host_function, resources_of
-from zero_runtime.optim import kernels
+from zero_runtime.optim import kernels, registry
 from zero_runtime.optim.device_state import DeviceOptimizerState
 from zero_runtime.optim.flat_update import FlatShardUpdate, iteration_gate
 from zero_runtime.optim.host_state import HostOptimizerState
@@ -58,6 +58,11 @@ from zero_runtime.optim.keras_saving import KerasSaving
 from zero_runtime.optim.layout import FlatLayout, layout_from_sharded
 from zero_runtime.optim.mirrored import MirroredOptimizerState
 from zero_runtime.optim.nvme_state import NvmeOptimizerState
+from zero_runtime.optim.registry import (  # noqa: F401  (re-exported)
+    PARTITIONED_BY_NAME,
+    PARTITIONED_FOR_KERAS,
+    register_partitioned,
+)
 from zero_runtime.optim.replica_context import replica_id
 from zero_runtime.optim.shard_update import ShardedUpdate
 from zero_runtime.optim.split_state import SplitOptimizerState
@@ -256,9 +261,7 @@ class _PartitionedUpdate(KerasSaving, FlatShardUpdate, ShardedUpdate, Transactio
             and model_state_bytes(num_params, kind) < config.mirrored_fallback_bytes
         ):
             return
-        from zero_runtime.optim.adopt import refusal
-
-        raise NotImplementedError(refusal(type(self), config.stage))
+        raise NotImplementedError(registry.refusal(type(self), config.stage))
 
     def _zero3_build(self, variables: list, strategy, runtime, config: ZeroConfig) -> None:
         """Stage 3: the variables are ShardedVariables; the optimizer shard of a replica is
@@ -552,41 +555,6 @@ class SGD(_PartitionedUpdate, keras.optimizers.SGD):
         if self.nesterov:
             return _masked_delta(mask, -(m * momentum - grad * lr))
         return _masked_delta(mask, -m)
-
-
-#: Keras optimizer identifiers that the strategy maps to partitioned optimizers
-#: (filled by :func:`register_partitioned`).
-PARTITIONED_BY_NAME: dict[str, type] = {}
-
-#: Stock Keras optimizer class -> its partitioned subclass. An instance of a key built
-#: inside ``strategy.scope()`` becomes an instance of the value (zero_runtime/optim/adopt.py).
-PARTITIONED_FOR_KERAS: dict[type, type] = {}
-
-
-def register_partitioned(keras_class: type, partitioned_class: type, *names: str) -> None:
-    """Register ``partitioned_class`` as the ZeRO form of the stock ``keras_class``.
-
-    Args:
-        keras_class: a ``keras.optimizers.Optimizer`` subclass (e.g. ``keras.optimizers.Adam``).
-        partitioned_class: its subclass mixing in the ZeRO update (``_PartitionedUpdate``).
-        names: Keras identifiers (``"adam"``, ``"Adam"``) that resolve to it inside
-            ``strategy.scope()``.
-
-    Raises:
-        TypeError: ``partitioned_class`` is not a subclass of both ``keras_class`` and
-            the ZeRO update mixin.
-    """
-    if not (
-        issubclass(partitioned_class, keras_class)
-        and issubclass(partitioned_class, _PartitionedUpdate)
-    ):
-        raise TypeError(
-            f"{partitioned_class.__name__} must subclass {keras_class.__name__} and the "
-            "ZeRO update mixin (_PartitionedUpdate)"
-        )
-    PARTITIONED_FOR_KERAS[keras_class] = partitioned_class
-    for name in names:
-        PARTITIONED_BY_NAME[name] = partitioned_class
 
 
 register_partitioned(keras.optimizers.Adam, Adam, "adam", "Adam")

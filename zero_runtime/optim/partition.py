@@ -78,3 +78,10 @@ def build_shard(
     for p in replica_pieces(layout, replica, sizes):
         shard[p.shard_offset : p.shard_offset + p.count] = flats[p.var][p.start : p.start + p.count]
     return shard
+
+
+def logical_from_canonical(flat: np.ndarray, shape: tuple[int, ...], shard_dim: int) -> np.ndarray:
+    """The logical value (``shape``) of elements in the canonical order of ``shard_dim``."""
+    d = shard_dim
+    moved = (shape[d], *shape[:d], *shape[d + 1 :])
+    return np.moveaxis(flat.reshape(moved), 0, d)

@@ -173,7 +173,7 @@ class TrainingState:
     # -- shards --------------------------------------------------------------------------
     def param_shard(self, replica: int, local: int) -> np.ndarray:
         """``replica``'s parameter shard, float32 ``[layout.shard_size]``."""
-        from zero_runtime.checkpoint.partition import build_shard
+        from zero_runtime.optim.partition import build_shard
 
         if self.kind == "rows":
             parts = [self.params[i].read_shard(replica) for i in self.dense]
