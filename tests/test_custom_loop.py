@@ -480,3 +480,51 @@ def test_custom_loop_records_every_step_and_reads_whole_between_steps(tmp_path):
         strategy.close()
     events = list((tmp_path / "run").rglob("events.out.tfevents.*"))
     assert events and max(e.stat().st_size for e in events) > 0
+
+
+def regularized() -> keras.Model:
+    keras.utils.set_random_seed(6)
+    inp = keras.Input((12,))
+    h = keras.layers.Dense(16, activation="relu", kernel_regularizer=keras.regularizers.L2(0.05))(
+        inp
+    )
+    return keras.Model(inp, keras.layers.Dense(5)(h))
+
+
+def _with_regularization(model, optimizer, compute_loss, batch):
+    """The tutorial's form: the model's weight penalties, scaled for the replicas."""
+    x, y = batch
+    with tf.GradientTape() as tape:
+        loss = compute_loss(y, model(x, training=True))
+        loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
+    grads = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    return loss
+
+
+def test_weight_regularizer_counts_at_stage3(tmp_path):
+    """A kernel_regularizer's penalty is in model.losses at stage 3 too (a gathered read
+    of the sharded kernel, with its gradient): equal to MirroredStrategy's."""
+    make = _built_adam(lambda m: m.trainable_variables)
+    ref = _run(Mirrored(("/cpu:0", "/cpu:1")), regularized, _with_regularization, make)
+    strategy = zero_strategy(3, "cpu", "cpu", tmp_path)
+    try:
+        got = _run(strategy, regularized, _with_regularization, make)
+    finally:
+        strategy.close()
+    _compare(3, got, ref)
+
+
+def test_a_weight_constraint_is_refused_at_stage3(tmp_path):
+    strategy = zero_strategy(3, "cpu", "cpu", tmp_path)
+    try:
+        with strategy.scope():
+            inp = keras.Input((12,))
+            out = keras.layers.Dense(5, kernel_constraint=keras.constraints.MaxNorm(0.3))(inp)
+            model = keras.Model(inp, out)
+            optimizer = keras.optimizers.Adam(1e-2)
+            with pytest.raises(NotImplementedError, match=r"has a constraint \(MaxNorm\)"):
+                optimizer.build(model.trainable_variables)
+        assert not any(type(v).__name__ == "ShardedVariable" for v in model.weights)
+    finally:
+        strategy.close()

@@ -124,6 +124,7 @@ class Stage3Engine(BlockSteps):
     def __init__(self, model: keras.Model, strategy) -> None:
         if not model.built:
             raise ValueError(f"model {model.name!r} must be built before sharding")
+        _refuse_constraints(model)
         config: ZeroConfig = strategy.config
         self.config = config
         self.strategy = strategy
@@ -257,7 +258,7 @@ class Stage3Engine(BlockSteps):
         ``(1, 1, C_in, C_out)`` kernel along ``C_out``, not its first axis.
         ``kwargs``: more ShardedVariable arguments (``persistent``, ``devices``)."""
         kwargs.setdefault("shard_dim", least_padding_dim(tuple(v.shape), self.num_shards))
-        return ShardedVariable(
+        sharded = ShardedVariable(
             np.asarray(construction.consume(v), np.float32),
             pool=self.pool,
             num_shards=self.num_shards,
@@ -270,6 +271,10 @@ class Stage3Engine(BlockSteps):
             autocast=bool(getattr(v, "_autocast", True)),  # Keras keeps no public getter
             **kwargs,
         )
+        # A weight regularizer (kernel_regularizer=...) stays on the variable: Keras's
+        # model.losses reads it, a gathered read with a backward inside a step.
+        sharded.regularizer = getattr(v, "regularizer", None)
+        return sharded
 
     def _gather_remote(self, local: dict[int, np.ndarray]) -> np.ndarray:
         """Every replica's shard of one variable, from every worker (outside a step)."""
@@ -452,3 +457,25 @@ class Stage3Engine(BlockSteps):
         if self.space is not None:
             self.space.close()
         self.pool.close()
+
+
+def _refuse_constraints(model: keras.Model) -> None:
+    """Raise when a trainable weight of ``model`` has a constraint (``kernel_constraint``).
+
+    Keras applies a constraint to the whole variable after each update
+    (``optimizer.apply``); at stage 3 each replica updates only its shard, and a
+    constraint such as ``MaxNorm`` needs the whole tensor, so the update would silently
+    skip it.
+
+    Raises:
+        NotImplementedError: naming the first constrained weight; nothing is changed.
+    """
+    for v in model.trainable_weights:
+        if getattr(v, "constraint", None) is not None:
+            raise NotImplementedError(
+                f"stage 3: weight {v.path!r} has a constraint "
+                f"({type(v.constraint).__name__}), which Keras applies to the whole "
+                "variable after each update; at stage 3 each replica updates only its "
+                "shard, so it cannot be applied. Remove the constraint, or train at "
+                "stage 1 or 2"
+            )
