@@ -528,3 +528,48 @@ def test_a_weight_constraint_is_refused_at_stage3(tmp_path):
         assert not any(type(v).__name__ == "ShardedVariable" for v in model.weights)
     finally:
         strategy.close()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_sharded_checkpoint_of_a_custom_loop_holds_the_optimizer(stage, tmp_path):
+    """strategy.save_checkpoint(dir, model) of an uncompiled model trained by a tape loop
+    saves the optimizer built over its variables too: restored, the next steps repeat."""
+    strategy = zero_strategy(stage, "cpu", "cpu", tmp_path)
+    x, y = data("residual")
+    try:
+        with strategy.scope():
+            model = residual()
+            optimizer = keras.optimizers.Adam(1e-2)
+            optimizer.build(model.trainable_variables)
+        loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+        def train_step(batch):
+            xb, yb = batch
+            with tf.GradientTape() as tape:
+                loss = tf.nn.compute_average_loss(
+                    loss_object(yb, model(xb, training=True)), global_batch_size=GLOBAL
+                )
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        @tf.function
+        def step(batch):
+            return strategy.reduce("SUM", strategy.run(train_step, args=(batch,)), axis=None)
+
+        batches = list(
+            strategy.experimental_distribute_dataset(
+                tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL)
+            )
+        )
+        for b in batches[:4]:
+            step(b)
+        saved = strategy.save_checkpoint(str(tmp_path / "ckpt"), model)
+        assert saved.step == 4
+        after = [float(step(b)) for b in batches[4:8]]
+        strategy.load_checkpoint(str(tmp_path / "ckpt"), model)
+        assert int(optimizer.iterations.numpy()) == 4
+        again = [float(step(b)) for b in batches[4:8]]
+    finally:
+        strategy.close()
+    assert again == after

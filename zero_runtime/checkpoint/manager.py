@@ -30,7 +30,9 @@ class CheckpointManager:
             every worker (a shared file system across hosts).
         model: the built Keras model (a ``ShardedModel`` at stage 3).
         strategy: the strategy the model was created under; default: the current one.
-        optimizer: the optimizer; default ``model.optimizer`` (None: parameters only).
+        optimizer: the optimizer; default ``model.optimizer``, or for an uncompiled model
+            (a custom loop) the partitioned optimizer built over its variables
+            (:attr:`optimizer`); None when there is neither: parameters only.
         max_to_keep: published checkpoints kept, int >= 1 or None for all (default 3).
         timeout_seconds: bound on waits for other workers during a save, seconds;
             default the strategy's ``collective_timeout_seconds`` (60 s without one).
@@ -71,10 +73,23 @@ class CheckpointManager:
 
     @property
     def optimizer(self) -> Any:
-        """The optimizer checkpointed with the model (None for parameters only)."""
+        """The optimizer checkpointed with the model: the one given, else
+        ``model.optimizer``, else (a custom loop's uncompiled model) the optimizer the
+        strategy's runtime registered over this model's trainable variables; None for
+        parameters only."""
         if self._optimizer is not None:
             return self._optimizer
-        return getattr(self.model, "optimizer", None)  # an uncompiled model has none
+        opt = getattr(self.model, "optimizer", None)
+        if opt is not None:
+            return opt
+        runtime = getattr(self.strategy, "runtime", None)
+        accounting = getattr(runtime, "accounting", None)
+        ours = {id(v) for v in getattr(self.model, "trainable_variables", ())}
+        for candidate in getattr(accounting, "optimizers", ()):
+            held = getattr(candidate, "_trainable_variables", ())
+            if held and {id(v) for v in held} <= ours:
+                return candidate
+        return None
 
     def state(self) -> TrainingState:
         """The model's :class:`TrainingState` now (builds the optimizer if needed)."""
