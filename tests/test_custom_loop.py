@@ -530,10 +530,13 @@ def test_a_weight_constraint_is_refused_at_stage3(tmp_path):
         strategy.close()
 
 
+@pytest.mark.parametrize("kind", ["sharded", "tf.train.Checkpoint"])
 @pytest.mark.parametrize("stage", [1, 3])
-def test_sharded_checkpoint_of_a_custom_loop_holds_the_optimizer(stage, tmp_path):
-    """strategy.save_checkpoint(dir, model) of an uncompiled model trained by a tape loop
-    saves the optimizer built over its variables too: restored, the next steps repeat."""
+def test_checkpoint_of_a_custom_loop_holds_the_optimizer(stage, kind, tmp_path):
+    """A tape loop's checkpoint holds the optimizer's states: the sharded one
+    (strategy.save_checkpoint(dir, model) of an uncompiled model finds the optimizer built
+    over its variables) and TensorFlow's (tf.train.Checkpoint(model=..., optimizer=...),
+    the states gathered from the shards). Restored, the next steps repeat exactly."""
     strategy = zero_strategy(stage, "cpu", "cpu", tmp_path)
     x, y = data("residual")
     try:
@@ -564,10 +567,17 @@ def test_sharded_checkpoint_of_a_custom_loop_holds_the_optimizer(stage, tmp_path
         )
         for b in batches[:4]:
             step(b)
-        saved = strategy.save_checkpoint(str(tmp_path / "ckpt"), model)
-        assert saved.step == 4
+        if kind == "sharded":
+            saved = strategy.save_checkpoint(str(tmp_path / "ckpt"), model)
+            assert saved.step == 4
+        else:
+            ckpt = tf.train.Checkpoint(model=model, optimizer=optimizer)
+            path = ckpt.save(str(tmp_path / "tf" / "ckpt"))
         after = [float(step(b)) for b in batches[4:8]]
-        strategy.load_checkpoint(str(tmp_path / "ckpt"), model)
+        if kind == "sharded":
+            strategy.load_checkpoint(str(tmp_path / "ckpt"), model)
+        else:
+            ckpt.restore(path).assert_existing_objects_matched()
         assert int(optimizer.iterations.numpy()) == 4
         again = [float(step(b)) for b in batches[4:8]]
     finally:

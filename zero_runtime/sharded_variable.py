@@ -144,6 +144,24 @@ class _KerasProtocol(_KerasTFVariable):
             return self._maybe_autocast(out)
         return self._maybe_autocast(tf.constant(self.gather_on_demand()))
 
+    @property
+    def _shared_name(self) -> str:
+        """The name ``tf.train.Checkpoint`` records the variable under (its path)."""
+        return self.path
+
+    def _serialize_to_tensors(self) -> dict:
+        """``tf.train.Checkpoint`` saving: the logical value, gathered on demand (float32
+        ``shape``), under the name a ``tf.Variable`` uses, so the checkpoint holds what a
+        replicated variable's would."""
+        return {"VARIABLE_VALUE": tf.constant(self.gather_on_demand())}
+
+    def _restore_from_tensors(self, restored_tensors: dict):
+        """``tf.train.Checkpoint`` restoring: scatter the saved logical value into the
+        shards (eagerly; ``_direct_assign``)."""
+        value = restored_tensors["VARIABLE_VALUE"]
+        self._direct_assign(np.asarray(value))
+        return value
+
     def _remote_read_in_graph(self) -> np.ndarray:
         # A collective issued from a host callback inside a running graph could deadlock
         # the step; with shards on other workers the value is read eagerly between steps.

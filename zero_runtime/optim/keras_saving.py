@@ -627,3 +627,35 @@ def _remove_partial_archive() -> str | None:
                     return value.filename
         frame = frame.f_back
     return None
+
+
+class TrackedZeroStates(tf.__internal__.tracking.Trackable):
+    """The partitioned optimizer's per-element states as one ``tf.train.Checkpoint``
+    object (TensorFlow's custom-loop checkpointing: ``tf.train.Checkpoint(model=...,
+    optimizer=...)``).
+
+    Saving gathers every slot from the shards into the stock Keras layout
+    (:meth:`KerasSaving.save_own_variables`: float32 arrays keyed ``"0"``, ``"1"``, ...);
+    restoring scatters them back into this worker's replicas' shards
+    (:meth:`KerasSaving.load_own_variables`). Without it, a checkpoint held only the
+    optimizer's ``iterations`` and learning rate, and a restored run went on with its
+    moments as they were. The same refusals as ``model.save`` apply
+    (:class:`KerasSaveRefusedError` for a state too large to gather on one host).
+
+    Args:
+        optimizer: the built partitioned optimizer.
+    """
+
+    def __init__(self, optimizer) -> None:
+        self._optimizer = optimizer
+
+    def _serialize_to_tensors(self) -> dict:
+        store: dict = {}
+        self._optimizer.save_own_variables(store)
+        return {key: tf.constant(np.asarray(value)) for key, value in store.items()}
+
+    def _restore_from_tensors(self, restored_tensors: dict):
+        self._optimizer.load_own_variables(
+            {key: np.asarray(t) for key, t in restored_tensors.items()}
+        )
+        return tf.no_op()

@@ -54,7 +54,7 @@ from zero_runtime.optim import kernels, registry
 from zero_runtime.optim.device_state import DeviceOptimizerState
 from zero_runtime.optim.flat_update import FlatShardUpdate, iteration_gate
 from zero_runtime.optim.host_state import HostOptimizerState
-from zero_runtime.optim.keras_saving import KerasSaving
+from zero_runtime.optim.keras_saving import KerasSaving, TrackedZeroStates
 from zero_runtime.optim.layout import FlatLayout, layout_from_sharded
 from zero_runtime.optim.mirrored import MirroredOptimizerState
 from zero_runtime.optim.nvme_state import NvmeOptimizerState
@@ -244,6 +244,8 @@ class _PartitionedUpdate(KerasSaving, FlatShardUpdate, ShardedUpdate, Transactio
             self._zero_attach_journals()
             if runtime is not None:
                 runtime.register_optimizer(self)
+        # tf.train.Checkpoint(optimizer=...) saves the states gathered (keras_saving).
+        self._zero_checkpoint_states = TrackedZeroStates(self)
 
     def _zero_refuse_unsupported(self, variables: list, config: ZeroConfig) -> None:
         """Raise unless this unsupported optimizer may run as stock Keras here (stage 0,
@@ -284,6 +286,8 @@ class _PartitionedUpdate(KerasSaving, FlatShardUpdate, ShardedUpdate, Transactio
             self._zero_attach_journals()
             if runtime is not None:
                 runtime.register_optimizer(self)
+        # tf.train.Checkpoint(optimizer=...) saves the states gathered (keras_saving).
+        self._zero_checkpoint_states = TrackedZeroStates(self)
 
     def _var_key(self, variable):
         if isinstance(variable, ShardedVariable):
