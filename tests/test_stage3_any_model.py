@@ -363,9 +363,12 @@ def test_a_weight_read_inside_another_units_call_is_refused(cpu_devices):
         strategy.close()
 
 
-def test_custom_tape_over_a_units_model_names_the_supported_form(cpu_devices):
-    """A user's own tf.GradientTape over a model run by units is refused while the step is
-    traced, before any gather, naming strategy.run(model.train_step); that form trains."""
+def test_custom_tape_over_a_units_model_gets_the_reduced_shards(cpu_devices):
+    """A user's own tf.GradientTape over a model run by units (after fit sharded it):
+    tape.gradient returns each variable's shard of the reduced gradient, float32
+    [shard_elements] (the tied table's summed over its two uses), apply_gradients
+    updates, and strategy.run(model.train_step) still trains it (tests/test_custom_loop.py
+    has the parity with MirroredStrategy)."""
     strategy = zero_runtime.ZeroInfinityStrategy(CONFIG)
     x, y = _tied_data()
     batch = (x[:BATCH], y[:BATCH])
@@ -375,26 +378,35 @@ def test_custom_tape_over_a_units_model_names_the_supported_form(cpu_devices):
             model.compile(optimizer="adam", loss="mse")
         model.train_on_batch(*batch)  # sharded here
         assert all(isinstance(v, ShardedVariable) for v in model.trainable_variables)
+        opt = model.optimizer
 
         @tf.function
         def tape_step(x, y):
             def replica_fn(x, y):
                 with tf.GradientTape() as tape:
-                    loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
-                return tape.gradient(loss, model.trainable_variables)
+                    loss = tf.reduce_mean(tf.square(model(x, training=True) - y)) / 2
+                grads = tape.gradient(loss, model.trainable_variables)
+                opt.apply_gradients(zip(grads, model.trainable_variables))
+                return [tf.reduce_sum(tf.abs(g)) for g in grads], [tf.size(g) for g in grads]
 
             return strategy.run(replica_fn, args=(x, y))
 
-        with pytest.raises(RuntimeError, match=r"strategy\.run\(model\.train_step"):
-            tape_step(*batch)
+        norms, sizes = tape_step(*batch)
+        local = strategy.experimental_local_results
+        for v, n, k in zip(model.trainable_variables, norms, sizes):
+            assert all(int(s) == v.shard_elements for s in local(k)), v.path
+            assert all(np.isfinite(float(t)) for t in local(n)), v.path
+        table = model.trainable_variables[0]  # the tied embedding table: read twice
+        assert any(float(t) > 0 for t in local(norms[0])), table.path
+        assert int(opt.iterations.numpy()) == 2
 
         @tf.function
-        def supported_step(data):  # the documented form (docs/zero_stages.md)
+        def train_step_form(data):
             return strategy.run(model.train_step, args=(data,))
 
-        logs = supported_step(batch)
+        logs = train_step_form(batch)
         assert np.isfinite(float(strategy.reduce("MEAN", logs["loss"], axis=None)))
-        assert int(model.optimizer.iterations.numpy()) == 2
+        assert int(opt.iterations.numpy()) == 3
     finally:
         strategy.close()
 
