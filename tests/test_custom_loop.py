@@ -583,3 +583,38 @@ def test_checkpoint_of_a_custom_loop_holds_the_optimizer(stage, kind, tmp_path):
     finally:
         strategy.close()
     assert again == after
+
+
+def test_a_loop_without_optimizer_build_is_told_to_build_it(tmp_path):
+    """Stage 3 shards the model when the optimizer is built; a loop that leaves the build
+    to its first apply_gradients (inside the tf.function) is refused naming the fix."""
+    strategy = zero_strategy(3, "cpu", "cpu", tmp_path)
+    x, y = data("residual")
+    try:
+        with strategy.scope():
+            model = residual()
+            optimizer = keras.optimizers.Adam(1e-2)
+
+        def train_step(batch):
+            xb, yb = batch
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(xb, training=True)))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        @tf.function
+        def step(batch):
+            return strategy.run(train_step, args=(batch,))
+
+        batch = next(
+            iter(
+                strategy.experimental_distribute_dataset(
+                    tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL)
+                )
+            )
+        )
+        with pytest.raises(ValueError, match=r"optimizer\.build\(model\.trainable_variables\)"):
+            step(batch)
+    finally:
+        strategy.close()

@@ -82,10 +82,15 @@ def trainer_to_shard(optimizer, variables: list) -> keras.Model:
         f"variable(s) (first: {first!r})"
     )
     if tf.inside_function():
+        if find_trainer(optimizer) is None:  # a custom loop's first apply_gradients
+            raise ValueError(
+                f"{head} inside the traced step of a custom loop: build it before the "
+                "tf.function, inside strategy.scope(), with "
+                "optimizer.build(model.trainable_variables) (this shards the model)"
+            )
         raise ValueError(
             f"{head} inside a traced step: create the model inside strategy.scope(), so "
-            "that fit/evaluate shard it before the first step, or call "
-            "strategy.shard_model(model) first"
+            "that fit/evaluate shard it before the first step"
         )
     model = find_trainer(optimizer) or find_model_of(variables)
     if model is None:
