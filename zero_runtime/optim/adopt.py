@@ -51,6 +51,8 @@ WRAPPERS: tuple[type, ...] = (keras.optimizers.LossScaleOptimizer,)
 # Dynamic subclasses of unsupported classes, one per class (so isinstance and
 # serialization see one class per user class).
 _UNPARTITIONED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Partitioned subclasses of users' subclasses of a supported class, one per class.
+_SUBCLASSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _caller_optimizer():
@@ -80,10 +82,14 @@ def partitioned_class_for(cls: type) -> type | None:
             )
             if not same:
                 return None
-            zero = PARTITIONED_FOR_KERAS[base]
-            # The partitioned mixin first, then the user's class (which has the stock one
-            # among its bases): the user's own methods (get_config, ...) stay in force.
-            return type(cls.__name__, (zero, cls), {"__module__": cls.__module__})
+            made = _SUBCLASSES.get(cls)
+            if made is None:  # one partitioned class per user class, made once
+                # The partitioned mixin first, then the user's class (which has the stock
+                # one among its bases): the user's own methods (get_config, ...) stay.
+                zero = PARTITIONED_FOR_KERAS[base]
+                made = type(cls.__name__, (zero, cls), {"__module__": cls.__module__})
+                _SUBCLASSES[cls] = made
+            return made
     return None
 
 
