@@ -324,8 +324,12 @@ def main() -> None:
     """Run the trial and write the spans (``--out``), or report a file (``--report``)."""
     import bench_max_model as bm
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], parents=[bm.parser()],
-                                 add_help=False, conflict_handler="resolve")
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        parents=[bm.parser()],
+        add_help=False,
+        conflict_handler="resolve",
+    )
     ap.add_argument("--k", type=int, default=22, help="family member (bench_max_model)")
     ap.add_argument("--out", default="/tmp/profile_step.json")
     ap.add_argument("--report", help="a file written by --out: print its report")

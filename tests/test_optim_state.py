@@ -152,9 +152,7 @@ def _on_host(store, j, timeout=10.0):
 
 
 @pytest.mark.parametrize("noted", [True, False])
-def test_a_noted_next_call_has_its_subgroup_read_ahead_during_the_current_one(
-    noted, tmp_path
-):
+def test_a_noted_next_call_has_its_subgroup_read_ahead_during_the_current_one(noted, tmp_path):
     """The stage-3 update in backward notes each block as its gradient is queued
     (``expect``); while a call updates its own sub-groups the store reads the next noted
     call's first sub-group ahead, so that call's read does not wait for the disk. Without

@@ -1184,9 +1184,7 @@ def test_a_job_that_ran_out_of_memory_is_not_offered_tuning(plugin_client, tmp_p
     assert not os.path.exists(os.path.join(run_dir, control.REQUEST_FILE))
 
 
-def test_a_job_that_closed_is_not_offered_tuning_until_a_job_starts_again(
-    plugin_client, tmp_path
-):
+def test_a_job_that_closed_is_not_offered_tuning_until_a_job_starts_again(plugin_client, tmp_path):
     """A run whose job closed normally (the runtime's close marker) is ended too: GET
     /tuning says so, POST /tune answers 409 naming the last step and writes nothing; a
     job starting again in the run directory (a new ControlChannel) takes the marker away."""

@@ -401,8 +401,10 @@ class ShardedVariable(_KerasProtocol):
                 "a slice of a shard needs shard_dim 0 and an axis in [1, ndim)"
             )
         if not 0 <= start <= start + size <= shape[axis]:
-            raise ValueError(f"read_shard_slice: [{start}, {start + size}) outside [0, "
-                             f"{shape[axis]}] on axis {axis} of {shape}")
+            raise ValueError(
+                f"read_shard_slice: [{start}, {start + size}) outside [0, "
+                f"{shape[axis]}] on axis {axis} of {shape}"
+            )
         inner = math.prod(shape[axis + 1 :])
         outer = self.rows * math.prod(shape[1:axis])
         out = staging.empty(outer * size * inner)  # recycled, aligned (memory/staging.py)

@@ -367,8 +367,10 @@ def column_band_rows(length: int, width: int, lo: int, hi: int, out: np.ndarray)
         raise ValueError(f"columns [{lo}, {hi}) must lie within [0, {width}]")
     rows = length // width
     if out.size != rows * (hi - lo):
-        raise ValueError(f"out has {out.size} elements; columns [{lo}, {hi}) of {rows} rows "
-                         f"need {rows * (hi - lo)}")
+        raise ValueError(
+            f"out has {out.size} elements; columns [{lo}, {hi}) of {rows} rows "
+            f"need {rows * (hi - lo)}"
+        )
     return rows
 
 
