@@ -39,6 +39,7 @@ from zero_runtime import comm, strategy_variants
 from zero_runtime.capabilities import IMPLEMENTED, IMPLEMENTED_STAGE3_PARAM, check_implemented
 from zero_runtime.comm import REDUCE_SCATTER_IMPLS
 from zero_runtime.config import ZeroConfig
+from zero_runtime.config.paths import check_logdir, check_nvme_path
 from zero_runtime.devices import DeviceInfo, local_devices
 from zero_runtime.lifecycle import ClosePhase, Resources
 from zero_runtime.memory.host_malloc import tune_host_malloc
@@ -88,8 +89,11 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
             profiler's sampled steps. Set it before creating the strategy.
 
     Raises:
-        zero_runtime.config.ZeroConfigError: an invalid config value.
-        ValueError: an unknown ``reduce_scatter_impl``.
+        zero_runtime.config.ZeroConfigError: an invalid config value, or an NVMe offload
+            whose ``nvme_path`` is missing, a file or not writable
+            (:func:`zero_runtime.config.paths.check_nvme_path`).
+        ValueError: an unknown ``reduce_scatter_impl``; a ``logdir`` that is a file or
+            cannot be created or written.
         NotImplementedError: a (stage, offload) combination this version does not
             implement yet; the message lists the implemented ones.
         RuntimeError: TensorFlow was initialised before the logical CPU devices could be
@@ -153,6 +157,11 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
                 f"config must be a ZeroConfig, a mapping or None, got {type(config).__name__}"
             )
         check_implemented(config)
+        # The paths a run writes to, checked now: one line, not a traceback at step 1.
+        if "nvme" in (config.offload_param, config.offload_optimizer):
+            check_nvme_path(config.nvme_path)
+        if logdir is not None:
+            check_logdir(logdir)
         if reduce_scatter_impl is not None and reduce_scatter_impl not in REDUCE_SCATTER_IMPLS:
             raise ValueError(
                 f"reduce_scatter_impl must be one of {REDUCE_SCATTER_IMPLS} or None, "
