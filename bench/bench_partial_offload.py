@@ -2,10 +2,10 @@
 step time between no offload and full offload, measured side by side in one run.
 
 The model, data, replicas and interleaved measurement are those of
-``bench/bench_step_time.py`` (its functions are reused): for stages 1 and 2, the
+``bench/bench_step_time.py`` (``bench/_common.py``'s functions): for stages 1 and 2, the
 configurations ``offload_optimizer='none'``, ``'cpu'`` with ratios 0.25, 0.5 and 0.75, and
-``'cpu'`` (ratio 1.0), plus MirroredStrategy as the common baseline. Goal (issue #21 item
-4): each partial run's median step lies between the no-offload and the full-offload runs'.
+``'cpu'`` (ratio 1.0), plus MirroredStrategy as the common baseline. Goal: each partial
+run's median step lies between the no-offload and the full-offload runs'.
 
 On a CPU-only host the "device" part of the update also runs on the CPU, so the gain of
 updating both parts at once comes only from TensorFlow's inter-op parallelism (2 cores
@@ -27,7 +27,7 @@ Usage: ``.venv/bin/python bench/bench_partial_offload.py [--rounds R] [--steps N
 
 from __future__ import annotations
 
-# isort: skip_file  (bench_step_time sets the environment before TensorFlow is imported)
+# isort: skip_file  (_common sets the environment before TensorFlow is imported)
 import json
 import os
 import statistics
@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_step_time as base  # noqa: E402
+import _common as base  # noqa: E402
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from helpers.reference_optimizers import DenseGradAdam  # noqa: E402
@@ -60,7 +60,7 @@ CONFIGS = {
 
 def _time_steps(model: keras.Model, ds: tf.data.Dataset) -> tuple[list[float], list[float]]:
     """(wall, CPU) seconds of each step of one fit over ``ds``, without its first step."""
-    timer = base._StepTimer()
+    timer = base.StepTimer()
     model.fit(ds, verbose=0, callbacks=[timer])
     return timer.times[1:], timer.cpu_times[1:]
 
@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--note", default="", help="added to the results file's note")
     args = ap.parse_args()
     load_before = os.getloadavg()
-    ds = base._data(args.steps, args.batch)
+    ds = base.make_data(args.steps, args.batch)
     mirrored = tf.distribute.MirroredStrategy(list(base.DEVICES.devices))
     models = {"mirrored": base.build_trained(mirrored, lambda: DenseGradAdam(1e-3), ds, args.width)}
     strategies = []

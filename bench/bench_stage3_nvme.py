@@ -35,7 +35,7 @@ Usage: ``.venv/bin/python bench/bench_stage3_nvme.py [--rounds R] [--steps N] [-
 
 from __future__ import annotations
 
-# isort: skip_file  (bench_step_time sets the environment before TensorFlow is imported)
+# isort: skip_file  (_common sets the environment before TensorFlow is imported)
 import json
 import os
 import statistics
@@ -44,10 +44,11 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_step_time as bst  # noqa: E402  (devices, data, timer, the model)
+import _common as common  # noqa: E402  (devices, data, timer, the model)
+import bench_paging as bp  # noqa: E402
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from helpers.reference_optimizers import DenseGradAdam  # noqa: E402  (bst put tests/ on the path)
+from helpers.reference_optimizers import DenseGradAdam  # noqa: E402  (_common put tests/ on the path)
 
 import zero_runtime  # noqa: E402
 
@@ -95,21 +96,19 @@ def capture_pages(strategy) -> list[dict[str, float]]:
 
 def main() -> None:
     """Measure the disk, the two configurations interleaved, the disk again; write the file."""
-    ap = bst.interleaved_parser(__doc__.splitlines()[0], 4, 6, 32)
+    ap = common.interleaved_parser(__doc__.splitlines()[0], 4, 6, 32)
     ap.add_argument("--fio-size", type=int, default=256 << 20, help="bytes per fio job")
     args = ap.parse_args()
-    import bench_paging as bp
-
     bp.fio_available()
     load_before = os.getloadavg()
     depth = bp.pool_io_depth()
-    ds = bst._data(args.steps, args.batch)  # noqa: SLF001
+    ds = common.make_data(args.steps, args.batch)
     with tempfile.TemporaryDirectory(prefix="stage3_nvme_", dir=os.getcwd()) as nvme:
         disk_before = bp.disk_rates(nvme, args.fio_size, depth)
-        mirrored = tf.distribute.MirroredStrategy(list(bst.DEVICES.devices))
-        models = {"mirrored": bst.build_trained(mirrored, lambda: DenseGradAdam(1e-3), ds)}
+        mirrored = tf.distribute.MirroredStrategy(list(common.DEVICES.devices))
+        models = {"mirrored": common.build_trained(mirrored, lambda: DenseGradAdam(1e-3), ds)}
         strategy = zero_runtime.ZeroInfinityStrategy(nvme_config(nvme))
-        models["stage3_nvme"] = bst.build_trained(
+        models["stage3_nvme"] = common.build_trained(
             strategy, lambda: keras.optimizers.get("adam"), ds
         )
         engine = strategy.runtime.accounting.stage3_engines[-1]
@@ -120,7 +119,7 @@ def main() -> None:
         for r in range(args.rounds):
             for key in models if r % 2 == 0 else reversed(list(models)):
                 del pages[:]
-                times[key] += bst.time_steps(models[key], ds)
+                times[key] += common.time_steps(models[key], ds)
                 if key == "stage3_nvme":
                     moved += pages[1:]  # the timed steps (time_steps drops the first)
         strategy.close()
@@ -138,8 +137,8 @@ def main() -> None:
         "the same disk; a load average above ~1 means other processes shared the 2 cores"
     )
     result = {
-        **bst.run_header(load_before, note),
-        "replicas": len(bst.DEVICES.devices),
+        **common.run_header(load_before, note),
+        "replicas": len(common.DEVICES.devices),
         "model_params": models["mirrored"].count_params(),
         "stage3_path": path,
         "global_batch": args.batch,

@@ -1,9 +1,9 @@
 """Stage-3 step time of a chain and of the same layers with a residual connection, each
-against MirroredStrategy, measured side by side (issue #15; the baseline for issue #16).
+against MirroredStrategy, measured side by side.
 
 One process, 2 replicas (logical CPU devices). Two models of about 2.1M float32
-parameters, the model of ``bench_step_time.py`` (embedding 2000 x 64, three Dense 768, a
-LayerNormalization, a Dense 10 head):
+parameters, the model of ``bench_step_time.py`` (``_common.build_model``: embedding
+2000 x 64, three Dense 768, a LayerNormalization, a Dense 10 head):
 
 - ``chain``: that Sequential; stage 3 runs it by units too, its config needing nothing
   only the block engine does (zero_runtime/stage3/path_choice.py; the results'
@@ -26,9 +26,7 @@ Usage: ``.venv/bin/python bench/bench_stage3_units.py [--rounds R] [--steps N] [
 
 from __future__ import annotations
 
-# isort: skip_file  (bench_step_time sets the environment before TensorFlow is imported)
-import argparse
-import datetime
+# isort: skip_file  (_common sets the environment before TensorFlow is imported)
 import json
 import os
 import statistics
@@ -36,10 +34,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_step_time as bst  # noqa: E402  (devices, data, timer, the model's layers)
+import _common as common  # noqa: E402  (devices, data, timer, the chain model)
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from helpers.reference_optimizers import DenseGradAdam  # noqa: E402  (bst put tests/ on the path)
+from helpers.reference_optimizers import DenseGradAdam  # noqa: E402  (_common put tests/ on the path)
 
 import zero_runtime  # noqa: E402
 
@@ -51,10 +49,10 @@ STAGE3 = {
 
 
 def build_residual() -> keras.Model:
-    """``bst.build_model``'s layers with a residual around the third Dense 768 (a DAG)."""
+    """``_common.build_model``'s layers with a residual around the third Dense 768 (a DAG)."""
     keras.utils.set_random_seed(0)
-    tokens = keras.Input((bst.SEQ,), dtype="int32")
-    h = keras.layers.Embedding(bst.VOCAB, 64)(tokens)  # (B, 16, 64)
+    tokens = keras.Input((common.SEQ,), dtype="int32")
+    h = keras.layers.Embedding(common.VOCAB, 64)(tokens)  # (B, 16, 64)
     h = keras.layers.Flatten()(h)  # (B, 1024)
     h = keras.layers.Dense(768, activation="relu")(h)
     h = keras.layers.Dense(768, activation="relu")(h)
@@ -63,39 +61,29 @@ def build_residual() -> keras.Model:
     return keras.Model(tokens, keras.layers.Dense(10)(h))
 
 
-MODELS = {"chain": bst.build_model, "residual": build_residual}
-
-
-def _trained(strategy, build, make_optimizer, ds: tf.data.Dataset) -> keras.Model:
-    with strategy.scope():
-        model = build()
-        model.compile(
-            optimizer=make_optimizer(),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        )
-    model.fit(ds.take(3), verbose=0)  # trace + warm up
-    return model
+MODELS = {"chain": common.build_model, "residual": build_residual}
 
 
 def main() -> None:
     """Build every (model, configuration), measure them interleaved, write the results."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=5, help="steps per configuration per round")
-    ap.add_argument("--batch", type=int, default=32)
+    ap = common.interleaved_parser(__doc__.splitlines()[0], 4, 5, 32)
     ap.add_argument("--note", default="", help="context recorded in the results (e.g. load)")
     args = ap.parse_args()
     load_before = os.getloadavg()
-    ds = bst._data(args.steps, args.batch)  # noqa: SLF001
+    ds = common.make_data(args.steps, args.batch)
     models, strategies = {}, []
     paths: dict[str, dict[str, str]] = {m: {} for m in MODELS}  # which stage-3 path ran
     for mname, build in MODELS.items():
-        mirrored = tf.distribute.MirroredStrategy(list(bst.DEVICES.devices))
-        models[(mname, "mirrored")] = _trained(mirrored, build, lambda: DenseGradAdam(1e-3), ds)
+        mirrored = tf.distribute.MirroredStrategy(list(common.DEVICES.devices))
+        models[(mname, "mirrored")] = common.build_trained(
+            mirrored, lambda: DenseGradAdam(1e-3), ds, build=build
+        )
         for cname, cfg in STAGE3.items():
             strategy = zero_runtime.ZeroInfinityStrategy(cfg)
             strategies.append(strategy)
-            model = _trained(strategy, build, lambda: keras.optimizers.get("adam"), ds)
+            model = common.build_trained(
+                strategy, lambda: keras.optimizers.get("adam"), ds, build=build
+            )
             engine = strategy.runtime.accounting.stage3_engines[-1]
             paths[mname][cname] = "units" if engine.runner is not None else "blocks"
             models[(mname, cname)] = model
@@ -103,7 +91,7 @@ def main() -> None:
     times: dict[tuple[str, str], list[float]] = {k: [] for k in keys}
     for r in range(args.rounds):
         for key in keys if r % 2 == 0 else reversed(keys):
-            times[key] += bst.time_steps(models[key], ds)
+            times[key] += common.time_steps(models[key], ds)
     for strategy in strategies:
         strategy.close()
     medians = {f"{m}/{c}": statistics.median(t) for (m, c), t in times.items()}
@@ -113,16 +101,9 @@ def main() -> None:
         if c != "mirrored"
     }
     result = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "nproc": os.cpu_count(),
-        "load_average_before": [round(x, 2) for x in load_before],
-        "load_average_after": [round(x, 2) for x in os.getloadavg()],
-        "note": (
-            "configurations measured interleaved in one process; a load average above "
-            "~1 means other processes shared the 2 cores during the run"
-        ),
+        **common.run_header(load_before),
         "context": args.note,
-        "replicas": len(bst.DEVICES.devices),
+        "replicas": len(common.DEVICES.devices),
         "model_params": {m: b().count_params() for m, b in MODELS.items()},
         "stage3_path": paths,
         "global_batch": args.batch,

@@ -69,45 +69,37 @@ Usage: ``.venv/bin/python bench/bench_step_time.py [--rounds R] [--steps N] [--b
 
 from __future__ import annotations
 
-# isort: skip_file  (the environment must be set before TensorFlow is imported)
+# isort: skip_file  (_common sets the environment before TensorFlow is imported)
+import json
+import math
 import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
 
-os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
-# No sampled profiler traces: a trace a runtime starts at one of its step ends stays on
-# until its next step ends, i.e. over the other configurations' interleaved steps (the
-# sampled step itself, 1 in 50 by default, is outside the medians anyway).
-os.environ.setdefault("ZERO_RUNTIME_PROFILE_EVERY", "0")
-
-import argparse  # noqa: E402
-import datetime  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import _checkout  # noqa: E402, F401  (this checkout's zero_runtime, not the editable install's)
-
-from zero_runtime.devices import local_devices  # noqa: E402
-
-DEVICES = local_devices(2)
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402, F401  (first: the environment, devices, tests/ on the path)
+import bench_host_adam as bha  # noqa: E402
+import bench_paging as bp  # noqa: E402
+import bench_stage3_nvme as b3n  # noqa: E402
+import bench_stage3_units as b3u  # noqa: E402
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from _common import (  # noqa: E402
+    DEVICES,
+    build_model,
+    build_trained,
+    interleaved_parser,
+    make_data,
+    run_header,
+    time_steps,
+)
+from helpers.reference_optimizers import DenseGradAdam  # noqa: E402
 
 import zero_runtime  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from helpers.reference_optimizers import DenseGradAdam  # noqa: E402
-
-if __name__ == "__main__":  # bench_stage3_* import this module by name: one copy of it
-    sys.modules.setdefault("bench_step_time", sys.modules[__name__])
-
 RESULTS = Path(__file__).parent / "results" / "step_time.json"
-VOCAB, SEQ = 2000, 16
 
 CONFIGS = {
     "stage1": {"stage": 1, "offload_optimizer": "none"},
@@ -140,100 +132,6 @@ STAGE3_GOALS = {
 }
 
 
-def build_model(width: int = 768) -> keras.Model:
-    """Embedding (2000 x 64) + 4 dense layers (3 of ``width``): about 2.1M float32
-    parameters at the default width 768, 10.6M at 2048."""
-    keras.utils.set_random_seed(0)
-    return keras.Sequential(
-        [
-            keras.Input((SEQ,), dtype="int32"),
-            keras.layers.Embedding(VOCAB, 64),  # (B, 16, 64)
-            keras.layers.Flatten(),  # (B, 1024)
-            keras.layers.Dense(width, activation="relu"),
-            keras.layers.Dense(width, activation="relu"),
-            keras.layers.LayerNormalization(),
-            keras.layers.Dense(width, activation="relu"),
-            keras.layers.Dense(10),
-        ]
-    )
-
-
-class _StepTimer(keras.callbacks.Callback):
-    """Per step: wall seconds (``times``) and this process's CPU seconds, all threads
-    (``cpu_times``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.times: list[float] = []
-        self.cpu_times: list[float] = []
-        self._t = self._c = 0.0
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self._c = time.process_time()
-        self._t = time.perf_counter()
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.times.append(time.perf_counter() - self._t)
-        self.cpu_times.append(time.process_time() - self._c)
-
-
-def _data(steps: int, batch: int) -> tf.data.Dataset:
-    rng = np.random.RandomState(0)
-    x = rng.randint(0, VOCAB, size=(steps * batch, SEQ)).astype("int32")
-    y = (x.sum(axis=1) % 10).astype("int32")
-    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).prefetch(2)
-
-
-def build_trained(strategy, make_optimizer, ds: tf.data.Dataset, width: int = 768) -> keras.Model:
-    """The bench model (``build_model(width)``) compiled under ``strategy`` and warmed up
-    (traced) on 3 steps."""
-    with strategy.scope():
-        model = build_model(width)
-        model.compile(
-            optimizer=make_optimizer(),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        )
-    model.fit(ds.take(3), verbose=0)  # trace + warm up
-    return model
-
-
-def time_steps(model: keras.Model, ds: tf.data.Dataset) -> list[float]:
-    """Per-step seconds of one fit over ``ds``, without its first step."""
-    timer = _StepTimer()
-    model.fit(ds, verbose=0, callbacks=[timer])
-    return timer.times[1:]
-
-
-INTERLEAVED_NOTE = (
-    "configurations measured interleaved in one process; a load average above ~1 means "
-    "other processes shared the 2 cores during the run"
-)
-
-
-def interleaved_parser(description: str, rounds: int, steps: int, batch: int):
-    """The argument parser of a bench that times configurations interleaved: ``--rounds``
-    (default ``rounds``), ``--steps`` per configuration per round (``steps``) and the
-    global ``--batch`` (``batch``); a bench adds its own arguments to it."""
-    ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("--rounds", type=int, default=rounds)
-    ap.add_argument("--steps", type=int, default=steps, help="steps per configuration per round")
-    ap.add_argument("--batch", type=int, default=batch)
-    return ap
-
-
-def run_header(load_before: tuple[float, ...], note: str = INTERLEAVED_NOTE) -> dict:
-    """The first keys of every results file: UTC ``date``, ``nproc``, the 1/5/15-minute
-    load averages before the run (``load_before``, from ``os.getloadavg()``) and now,
-    and ``note``."""
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "nproc": os.cpu_count(),
-        "load_average_before": [round(x, 2) for x in load_before],
-        "load_average_after": [round(x, 2) for x in os.getloadavg()],
-        "note": note,
-    }
-
-
 def build_under_policy(policy: str, strategy, make_optimizer, ds: tf.data.Dataset) -> keras.Model:
     """:func:`build_trained` with Keras's global dtype policy set to ``policy``
     (``"float32"``, ``"mixed_bfloat16"``) while the model is built, compiled and traced;
@@ -249,9 +147,6 @@ def stage3_config(tier: str, nvme_dir: str) -> dict:
     """The stage-3 config of ``tier`` (``offload_param`` = ``offload_optimizer`` =
     ``tier``): ``bench_stage3_units.STAGE3``'s for none / cpu, ``bench_stage3_nvme``'s
     NVMe config under ``nvme_dir`` (created) for nvme."""
-    import bench_stage3_nvme as b3n  # lazy: both import this module
-    import bench_stage3_units as b3u
-
     if tier == "nvme":
         os.makedirs(nvme_dir, exist_ok=True)
         return b3n.nvme_config(nvme_dir)
@@ -295,8 +190,6 @@ def median_field(records: list, field: str, key: str) -> float | None:
 def memcpy_rate(nbytes: int = 64 << 20, repeats: int = 5) -> float:
     """Bytes copied per second by ``np.copyto`` of a ``nbytes`` array (best of
     ``repeats``; ``bench_host_adam.copy_bandwidth`` counts read + written, so half)."""
-    import bench_host_adam as bha
-
     return bha.copy_bandwidth(nbytes, repeats) / 2
 
 
@@ -322,8 +215,6 @@ def stage3_breakdown(
         ``seconds_per_step`` (medians; None = not measured by the runtime),
         ``bytes_per_step`` (medians), ``bound_seconds``, ``vs_bound`` (step / bound).
     """
-    import bench_stage3_nvme as b3n
-
     pages = {k: median_field(records, "pages", k) or 0.0 for k in ("n2h_bytes", "h2n_bytes")}
     pages |= {k: median_field(records, "pages", k) or 0.0 for k in ("h2d_bytes", "d2h_bytes")}
     coll = {
@@ -489,12 +380,10 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, default=7, help="steps of the profiled pass")
     ap.add_argument("--fio-size", type=int, default=256 << 20, help="bytes per fio job")
     args = ap.parse_args()
-    import bench_paging as bp
-
     bp.fio_available()
     load_before = os.getloadavg()
-    ds = _data(args.steps, args.batch)
-    ds3 = _data(args.stage3_steps, args.batch)
+    ds = make_data(args.steps, args.batch)
+    ds3 = make_data(args.stage3_steps, args.batch)
     with tempfile.TemporaryDirectory(prefix="step_time_nvme_", dir=os.getcwd()) as nvme:
         depth = bp.pool_io_depth()
         fio = [bp.disk_rates(nvme, args.fio_size, depth)]
@@ -541,7 +430,7 @@ def main() -> None:
                 if name == "mirrored":
                     mirrored_halves[2 * r // args.rounds] += t
         # After the timed rounds, so no median step is a profiled one.
-        ds_profile = _data(args.profile_steps, args.batch)
+        ds_profile = make_data(args.profile_steps, args.batch)
         profiled = {
             n: profiled_records(strategies[n].runtime, models[n], ds_profile) for n in paths
         }

@@ -38,6 +38,7 @@ arguments (a pool budget not below the device).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -142,6 +143,40 @@ def run_train(args: Sequence[str], device_mib: int) -> int:
     return status
 
 
+def comparison(summaries: Path, device_mib: int) -> list[str]:
+    """The closing side-by-side: one line per run, from the ``--summary`` JSON each
+    ``demo.train`` wrote into ``summaries`` (file named after the run): its outcome, the
+    device's highest in-step peak against the ``device_mib`` MiB device, and where the
+    bytes of its last recorded step were (device / host / NVMe, MiB). A run that wrote no
+    summary (it failed before training) says so."""
+    lines = ["== the two runs on the same device =="]
+    for run in (MIRRORED_RUN, ZERO_RUN):
+        try:
+            s = json.loads((summaries / run).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            lines.append(f"{run:>14}: no summary (the run failed before training; see above)")
+            continue
+        if s["status"] == "out_of_memory":
+            outcome = f"out of memory at step {s['steps']} (expected)"
+        else:
+            outcome = f"trained {s['steps']} steps, final loss {s['loss']:.3f}"
+        peak = s.get("peak_bytes")
+        peak_text = "peak not read" if peak is None else f"device peak {peak / MIB:.1f} MiB"
+        where = ", ".join(
+            f"{tier} {(t.get('used_bytes') or 0) / MIB:.1f}"
+            for tier, t in s.get("tiers", {}).items()
+            if t.get("used_bytes")
+        )
+        lines.append(
+            f"{run:>14}: {outcome}; {peak_text} of {device_mib} MiB; "
+            f"bytes held (MiB): {where or 'not recorded'}"
+        )
+    return lines
+
+
+MIB = 1 << 20
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run both; returns the exit status (see the module docstring)."""
     parser = build_parser()
@@ -169,9 +204,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
     print(f"== 1/2  plain data parallelism (stage 0), device {args.device_mib} MiB ==", flush=True)
+    summaries = Path(tempfile.mkdtemp(prefix="demo-compare-"))
     mirrored = run_train(
         ["--logdir", str(logdir), "--run", MIRRORED_RUN, "--steps", "5", *model]
-        + ["--set", "stage=0", "--set", f"device_budget_bytes={device}", *extra],
+        + ["--set", "stage=0", "--set", f"device_budget_bytes={device}", *extra]
+        + ["--expect-oom", "--summary", str(summaries / MIRRORED_RUN)],
         args.device_mib,
     )
     print(flush=True)
@@ -185,9 +222,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         ["--logdir", str(logdir), "--run", ZERO_RUN, "--steps", str(args.steps), *model]
         + ["--set", "stage=3", "--set", "offload_param=nvme", "--set", "offload_optimizer=nvme"]
         + ["--set", f"nvme_path={args.nvme_dir}"]
-        + ["--set", f"device_budget_bytes={args.pool_budget}", *extra],
+        + ["--set", f"device_budget_bytes={args.pool_budget}", *extra]
+        + ["--summary", str(summaries / ZERO_RUN)],
         args.device_mib,
     )
+    print(flush=True)
+    for line in comparison(summaries, args.device_mib):
+        print(line, flush=True)
+    shutil.rmtree(summaries, ignore_errors=True)
     ok = mirrored == 1 and zero == 0
     if mirrored != 1:
         print(

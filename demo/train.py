@@ -93,6 +93,24 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="restore the newest checkpoint in --checkpoint-dir, then train the remaining steps",
     )
+    p.add_argument(
+        "--log-every",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="print a progress line every N steps (default: about ten lines per run)",
+    )
+    p.add_argument(
+        "--expect-oom",
+        action="store_true",
+        help="running out of memory is this run's expected outcome: say so, not 'error'",
+    )
+    p.add_argument(
+        "--summary",
+        default=None,
+        metavar="PATH",
+        help="write the run's outcome as JSON to PATH (status, steps, peak, bytes per tier)",
+    )
     return p
 
 
@@ -198,6 +216,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         strategy.close()
         print(f"demo.train: done: the checkpoint is at step {done} >= --steps", flush=True)
         return 0
+    every = args.log_every or max(1, remaining // 10)
+    callbacks.append(_progress(peaks, done, args.steps, every))
+    print(
+        "demo.train: tracing and compiling the training step (the first step takes the longest)",
+        flush=True,
+    )
     start = time.time()
     try:
         history = gpt.fit(
@@ -205,11 +229,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             steps_per_epoch=remaining,
             epochs=1,
             shuffle=False,
-            verbose=2,
+            verbose=0,
             callbacks=callbacks,
         )
     except (MemoryError, tf.errors.ResourceExhaustedError) as exc:  # out of memory: exit 1
-        return _out_of_memory(strategy, exc, peaks)
+        return _out_of_memory(strategy, exc, peaks, args)
     except CheckpointError as exc:  # a save failed (disk full...): named, exit 2
         strategy.close()
         print(f"demo.train: error: {exc}", file=sys.stderr)
@@ -222,7 +246,68 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
     print(f"demo.train: {peaks.line()}", flush=True)
+    _write_summary(args, "trained", peaks, strategy, remaining, losses[-1])
     return 0
+
+
+def _progress(peaks: DevicePeaks, first_step: int, last_step: int, every: int):
+    """A Keras callback printing one line every ``every`` steps (and after the last): the
+    step, Keras's running mean loss (nats per token), the device's in-step peak of that
+    step (MiB, :class:`DevicePeaks`) and the mean seconds per step since the previous
+    line."""
+    import keras
+
+    clock = {"t": time.time(), "step": first_step}
+
+    def on_train_batch_end(batch, logs=None):
+        step = first_step + batch + 1
+        if step % every and step != last_step:
+            return
+        now = time.time()
+        per_step = (now - clock["t"]) / max(1, step - clock["step"])
+        clock.update(t=now, step=step)
+        peak = peaks.by_step.get(step - 1)
+        peak_text = "" if peak is None else f", device peak {peak / MIB:.1f} MiB"
+        loss = (logs or {}).get("loss")
+        loss_text = "" if loss is None else f", loss {float(loss):.3f}"
+        print(
+            f"demo.train: step {step}/{last_step}{loss_text}{peak_text}, {per_step:.2f} s/step",
+            flush=True,
+        )
+
+    return keras.callbacks.LambdaCallback(on_train_batch_end=on_train_batch_end)
+
+
+def _write_summary(args, status: str, peaks: DevicePeaks, strategy, steps: int, loss=None):
+    """Write ``--summary`` (when given): ``{"status": "trained" | "out_of_memory",
+    "steps": int, "peak_bytes": float | None, "peak_step": int | None, "cap_bytes": int |
+    None, "loss": float | None, "tiers": {tier: {"used_bytes", "param_bytes",
+    "optimizer_bytes"}}}`` (bytes; the tiers of the last recorded step, summed over this
+    process's replicas as the runtime records them)."""
+    if not args.summary:
+        return
+    peaks.collect()
+    step = max(peaks.by_step, key=peaks.by_step.get) if peaks.by_step else None
+    records = strategy.runtime.recorder.last(1)
+    tiers = {}
+    if records:
+        for name, t in records[-1].tiers.items():
+            tiers[name] = {
+                k: (None if v != v else float(v))
+                for k, v in t.as_dict().items()
+                if k in ("used_bytes", "param_bytes", "optimizer_bytes")
+            }
+    summary = {
+        "status": status,
+        "steps": steps,
+        "peak_bytes": None if step is None else peaks.by_step[step],
+        "peak_step": step,
+        "cap_bytes": peaks.cap_bytes,
+        "loss": None if loss is None else float(loss),
+        "tiers": tiers,
+    }
+    with open(args.summary, "w", encoding="utf-8") as f:
+        json.dump(summary, f)
 
 
 class DevicePeaks:
@@ -424,10 +509,13 @@ def _loss_scalars(run_dir: str, first_step: int):
     )
 
 
-def _out_of_memory(strategy, exc: BaseException, peaks: DevicePeaks | None = None) -> int:
+def _out_of_memory(
+    strategy, exc: BaseException, peaks: DevicePeaks | None = None, args=None
+) -> int:
     """Report an out-of-memory failure in three lines: the step, the tier, the cause and
     the best verified change (from the post-mortem), the device's allocator in-step peak
-    (:class:`DevicePeaks`), then the post-mortem's path, once. Returns exit status 1."""
+    (:class:`DevicePeaks`), then the post-mortem's path, once. With ``--expect-oom`` the
+    first line says "expected" instead of "error". Returns exit status 1."""
     path = strategy.write_postmortem(exc)
     strategy.close()
     report = None
@@ -436,11 +524,16 @@ def _out_of_memory(strategy, exc: BaseException, peaks: DevicePeaks | None = Non
             report = json.load(f)
     except (OSError, ValueError, TypeError):
         pass
-    print(f"demo.train: error: out of memory: {_oom_line(report, exc)}", file=sys.stderr)
+    expected = args is not None and args.expect_oom
+    kind = "expected" if expected else "error"
+    print(f"demo.train: {kind}: out of memory: {_oom_line(report, exc)}", file=sys.stderr)
     if peaks is not None:
         readings = (report or {}).get("readings") or {}
         peaks.collect(readings.get("framework_device_peak_bytes"), (report or {}).get("step"))
         print(f"demo.train: {peaks.line(failed=True)}", file=sys.stderr)
+        if args is not None:
+            failed = (report or {}).get("step")
+            _write_summary(args, "out_of_memory", peaks, strategy, failed or 0)
     where = path or "(not written: no run directory)"
     print(
         f"demo.train: OOM post-mortem: {where} (read it with: zero-runtime oom-report "
