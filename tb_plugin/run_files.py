@@ -4,7 +4,7 @@ The plugin's caches (:mod:`tb_plugin.reader`'s levels and json records, the enco
 ``/series`` answers) are keyed by ``max_step``, which only tells that a run grew. A demo
 rerun into the same logdir empties the run's directory and writes new files: the new run
 can end at the same ``max_step`` as the old one (or the levels, already past it, are never
-read again), and a TensorBoard left open kept answering the old data (issue #19).
+read again), and a TensorBoard left open would keep answering the old data.
 
 :class:`RunGenerations` stats a run's event files (``*tfevents*`` directly in its
 directory) on each call and counts a new **generation** when a file it saw is gone, has

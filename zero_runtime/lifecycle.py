@@ -273,7 +273,7 @@ def host_function(
     A stateful call traced in a ``tf.function`` also takes the current replica's
     ordering resource (:func:`_order_handle`) as a last input, which ``fn`` does not see:
     it is ordered with its own replica's stateful host calls only, never with other
-    replicas' ops (issue #15).
+    replicas' ops.
 
     Returns:
         What ``tf.numpy_function`` returns (a tensor or a list of tensors).
@@ -304,14 +304,14 @@ def _order_handle():
     ``tf.function``'s automatic control dependencies chain *every* stateful op without a
     resource input in creation order, over the whole traced function
     (``tensorflow/python/framework/auto_control_deps.py``, ``last_write_to_resource[None]``).
-    MirroredStrategy traces its replicas one after another in one graph, so a replica's
-    host update at the end of its step (created late) came before the next replica's
-    first such op: Keras's shape ``Assert`` in its loss when the batch dimension is
-    unknown (a partial last batch). That replica's backward then waited for the first
-    replica's whole step, whose backward collectives waited for it: a deadlock until the
-    collective timeout (issue #15). With a resource input a host call is ordered only with
-    the ops on that resource: its own replica's other stateful host calls, in creation
-    order, as before.
+    MirroredStrategy traces its replicas one after another in one graph, so without a
+    resource input a replica's host update at the end of its step (created late) comes
+    before the next replica's first such op: Keras's shape ``Assert`` in its loss when the
+    batch dimension is unknown (a partial last batch). That replica's backward then waits
+    for the first replica's whole step, whose backward collectives wait for it: a
+    deadlock until the collective timeout. With a resource input a host call is ordered
+    only with the ops on that resource: its own replica's other stateful host calls, in
+    creation order.
     """
     from tensorflow.python.ops import resource_variable_ops
 

@@ -1,6 +1,6 @@
 """Concrete strategy variants, registered by the modules that define them.
 
-``ZeroInfinityStrategy(...)`` is one public name over several concrete classes (today the
+``ZeroInfinityStrategy(...)`` is one public name over several concrete classes (the
 single-process one over ``MirroredStrategy`` and the multi-worker subclass over
 ``MultiWorkerMirroredStrategy``). A subclass module imports the strategy module to
 subclass it, so the strategy cannot import the subclass back without an import circle.

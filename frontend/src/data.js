@@ -49,7 +49,7 @@ export function tierPeakLabel(tier, runInfo) {
 }
 
 /**
- * The device tier's figures, each named by what it measures (issue #19): TensorFlow's
+ * The device tier's figures, each named by what it measures: TensorFlow's
  * allocator in-step peak (the one measure the budget story compares with the device's
  * memory), the runtime's accounting peak (stage 3: pool pages + gradient shards), the
  * budget, the device's memory (run_info.device_capacity_bytes, the allocator's cap) and

@@ -188,7 +188,7 @@ export function runBadges(runInfo, standinLabel) {
 
 /**
  * What the device budget bounds and what the allocator peak includes, for the device
- * tier's chart (issue #19: a 40 MiB allocator peak beside a 12 MiB budget), and, with the
+ * tier's chart (e.g. a 40 MiB allocator peak beside a 12 MiB budget), and, with the
  * run's figures (data.js deviceFigures), each in-step peak by what it measures: the
  * allocator peak (the one measure compared with the device's memory), the runtime's
  * accounting at stage 3 (pool pages + gradient shards, above the pool budget only by

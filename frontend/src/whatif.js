@@ -94,7 +94,7 @@ export function whatifRows(answer) {
  * The sentence under the what-if headline: what the replay covers (`scope`) and the
  * page moves per step the run recorded outside it over the same steps (the whole run's
  * `run_recorded` minus the pool's `recorded`), so the "pool now" column and the Page
- * moves panel do not silently disagree (issue #21).
+ * moves panel do not silently disagree.
  * @param {object} answer GET /whatif's answer with available true
  */
 export function whatifScope(answer) {

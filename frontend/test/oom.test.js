@@ -1,4 +1,4 @@
-// node --test: what the OOM view and the run's facts say (frontend/src/oom.js), issue #19.
+// node --test: what the OOM view and the run's facts say (frontend/src/oom.js).
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
 import {
@@ -47,7 +47,7 @@ test('a tier row: used is the holders\u2019 sum of one accounting; the checked r
   const notes = oomFigureNotes({ figures: { used_bytes: 'the sum of the holders', checked_bytes: { allocator: 'bytes in use' } } });
   assert.deepEqual(notes, ['Used: the sum of the holders.', 'Read at the check (allocator): bytes in use.']);
   assert.equal(oomFigureNotes({}).length, 1); // an older report says it predates them
-  // TensorFlow's allocator refused a request: its in-step peak is the figure (issue #19).
+  // TensorFlow's allocator refused a request: its in-step peak is the figure.
   const refused = oomTierFigures({ ...row, capacity_bytes: 36 * MIB, checked_bytes: 35.5 * MIB, checked_source: 'allocator_peak' });
   assert.equal(refused.checkedText, 'TensorFlow’s allocator peaked at 35.5 MiB in the step, then refused the request');
 });

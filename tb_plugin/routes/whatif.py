@@ -56,7 +56,7 @@ def whatif_impl(
     return out
 
 
-#: What the replay covers (issue #21): the access trace is the stage-3 pool's only.
+#: What the replay covers: the access trace is the stage-3 pool's only.
 SCOPE = (
     "the stage-3 pool's pages only (parameter shards and their gathers); the page moves "
     "of the job's other pools, such as the NVMe optimizer-state store (its own pool), are "

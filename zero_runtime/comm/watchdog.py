@@ -88,8 +88,9 @@ class CollectiveWatchdog:
     pending); or when it falls due after a traced collective armed later than it has
     completed (the process's collectives make progress past it: a stalled collective
     blocks its peers, so nothing armed after it completes). Without the last rule a
-    failed step's deadline aborted the collectives of whatever step ran when it fell due
-    (CI of 2026-12-04: 144 tests of one pytest process failed after one such abort).
+    failed step's deadline would abort the collectives of whatever step ran when it fell
+    due, and ``abort_collective_ops`` lasts until the process exits (in one pytest
+    process, every later test's collectives fail).
 
     Args:
         abort: called with the message when a deadline passes (default: abort this

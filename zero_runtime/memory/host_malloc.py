@@ -8,7 +8,7 @@ kernel as soon as more than ``M_TOP_PAD`` bytes (default 128 KiB) are free there
 next buffer of that size is fresh memory again and every one of its 4 KiB pages faults
 (and is zeroed by the kernel) on first touch. Measured on the step-time bench's model
 (``bench/bench_step_time.py``, stage 3, parameters and Adam states on the host, 2
-replicas on 2 cores, 2026-12-05): a unit's shard read cost 0.37 ms of CPU inside the
+replicas on 2 cores): a unit's shard read cost 0.37 ms of CPU inside the
 step against 0.07 ms outside it, and the step took 44 ms; with ``M_TOP_PAD`` = 16 MiB,
 0.17 ms and 36 ms (Mirrored's step: 16-17 ms either way). Raising the mmap or trim
 thresholds alone changed nothing.
@@ -79,8 +79,8 @@ def tune_host_malloc(reapply: bool = False) -> int:
             ``GeneratorDataset`` kernel changes malloc's settings the first time it runs
             (TF 2.21 logs "Memory patch applied: M_TRIM_THRESHOLD=128 kb"), which is
             when ``fit`` first iterates its distributed dataset, after the strategy was
-            built: the settings made before it no longer held (measured: 44 ms steps as
-            untuned), so the runtime reapplies them when its first step ends.
+            built: the settings made before it no longer hold after that (measured: 44 ms
+            steps, as untuned), so the runtime reapplies them when its first step ends.
 
     Returns:
         The ``M_TOP_PAD`` bytes set (now or by an earlier call), or 0 when nothing was

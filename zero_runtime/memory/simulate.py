@@ -513,7 +513,7 @@ def predict(
     replayed = summarize(baseline.steps)
     # One stall model for every summary of the replay: misses x the recorded stall per
     # miss. The simulator's own waits are not the job's (its I/O is not timed), so the
-    # unchanged replay's stall is comparable with the recorded one (issue #19).
+    # unchanged replay's stall is comparable with the recorded one.
     for s in (first, steady, replayed):
         if s:
             s["stall_seconds"] = (

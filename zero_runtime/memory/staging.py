@@ -10,7 +10,7 @@ copies a returned array that is not 64-byte aligned into its own tensor.
 (``M_TOP_PAD``, ``M_MMAP_THRESHOLD``), but a buffer freed by another thread than the one
 that takes the next (TensorFlow's executors, the update threads) lands in another arena,
 and one past the mmap threshold is unmapped on free. Measured with ``perf`` on the
-1B-parameter step of ``bench/bench_max_model.py`` (k = 22, 2026-12-06, that tuning in
+1B-parameter step of ``bench/bench_max_model.py`` (k = 22, that tuning in
 effect): 10 CPU-seconds of page faults inside copies into fresh NumPy buffers and 2
 CPU-seconds of TensorFlow copying returned arrays, of about 118 busy CPU-seconds per step
 on 2 cores.

@@ -1,11 +1,11 @@
 """The pool's lock and condition variable, with targeted wake-ups for NVMe completions.
 
 Every pool method holds one lock and waits on one condition (:mod:`.pool`). A plain
-``notify_all`` after each finished NVMe job woke every waiter for every page: on the
+``notify_all`` after each finished NVMe job would wake every waiter for every page: on the
 1B-parameter stage-3 step (~44,000 jobs) the prefetcher and the optimizer's update threads
-woke thousands of times each to find nothing to do, about a fifth of the step's CPU time
-(``bench/profile_step.py``, docs/stage3_design.md, session 24). A waiter in the placement
-loop now says what it waits for (:meth:`PoolCondition.wait_io`): its pages, and whether it
+then wake thousands of times each to find nothing to do, about a fifth of the step's CPU
+time (``bench/profile_step.py``, docs/stage3_design.md). A waiter in the placement loop
+says what it waits for (:meth:`PoolCondition.wait_io`): its pages, and whether it
 waits for room in a tier. A finished job (:meth:`PoolCondition.notify_io`) wakes only the
 waiters for its page, and those waiting for room when the job gave some: a finished write
 frees a host slot; a finished read gives a page that can be a victim again, which matters

@@ -2,7 +2,7 @@
 
 A post-mortem (:mod:`zero_runtime.oom`, built by
 :mod:`zero_runtime.runtime.postmortem`) offers single config changes. Each is *replayed*
-here on what the runtime recorded (issue #18 item 4): the checked figure of the failed
+here on what the runtime recorded: the checked figure of the failed
 tier in the last steps (the device tier's boundary use and its in-step allocator peak,
 ``peak_bytes``), the holders by kind, the gathered units of stage 3 per live replica, and
 the estimator's per-tier model-state bytes (:mod:`zero_runtime.estimator`, SC20 section

@@ -1,4 +1,4 @@
-"""Holding headroom: ``device_budget_bytes='auto'`` (issue #21 item 3).
+"""Holding headroom: ``device_budget_bytes='auto'``.
 
 The runtime adjusts its own device budget so that the *measured* in-step peak of the
 device's allocator stays ``headroom_fraction`` below the device's real capacity:

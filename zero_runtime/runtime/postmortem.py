@@ -185,7 +185,7 @@ class PostMortem:
         self.path, self.report = path, report
         err.attach(path, report)
         # INFO, not ERROR: the raised error's message already names the file, so a log
-        # line at a visible level would print the path twice (issue #19 item 3).
+        # line at a visible level would print the path twice.
         log.info("out of memory at step %d on tier %s; post-mortem: %s", step, err.tier, path)
         return err
 

@@ -1,7 +1,7 @@
 """What the runtime reports for its callers, a mixin of
 :class:`~zero_runtime.runtime.coordinator.ZeroRuntime`: checkpoint records, the
 :class:`~zero_runtime.runtime.accounting.Accounting` figures the strategy exposes, and
-the OOM post-mortem of a failed step (issue #10).
+the OOM post-mortem of a failed step.
 
 The coordinator provides ``accounting``, ``config``, ``config_version``, ``collector``,
 ``recorder``, ``control``, ``summaries``, ``postmortem``, ``fallback_mirrored`` and
@@ -80,7 +80,7 @@ class RuntimeReports:
         summary writer compares it with the placement it wrote last, every record)."""
         return self.accounting.placement(self.config.offload_optimizer, copy=False)
 
-    # -- out of memory (issue #10) -------------------------------------------------------
+    # -- out of memory ------------------------------------------------------------------
     def write_postmortem(self, exc: BaseException, step: int | None = None) -> str | None:
         """Write the OOM post-mortem for ``exc`` (e.g. a TensorFlow
         ``ResourceExhaustedError`` the caller caught); returns the JSON file's path.

@@ -38,7 +38,7 @@ function signedCount(v) {
 }
 
 /** The device figures of a stage-3 run and of a run below stage 3 are different
- * measures (the pool's pages + gradient shards vs TensorFlow's allocator): issue #19. */
+ * measures (the pool's pages + gradient shards vs TensorFlow's allocator). */
 export const MIXED_DEVICE_NOTE =
   'The device figures are as each run records them: TensorFlow’s allocator below stage 3, ' +
   'the pool’s pages + gradient shards at stage 3 — not one measure across these two runs. ' +

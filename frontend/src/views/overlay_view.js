@@ -1,6 +1,6 @@
 // View: the selected runs compared: one chart per tier overlaying every selected run (each
-// run in its selector color). Host and NVMe: used bytes. Device: one measure for every run
-// (issue #19): TensorFlow's allocator in-step peak when every run read it (the tiers
+// run in its selector color). Host and NVMe: used bytes. Device: one measure for every run:
+// TensorFlow's allocator in-step peak when every run read it (the tiers
 // record's device figures differ by stage: the allocator below stage 3, the pool's
 // accounting at stage 3), else used bytes, and the chart's title says which.
 // Shown when more than one run is selected.

@@ -35,7 +35,7 @@ function el(tag, className, text) {
 export function tierHeaderNotes(plot, tier = null) {
   const notes = [`peak ${formatBytes(plot.peakUse)}`];
   if (tier === 'device') {
-    // Each in-step peak named by what it measures (issue #19: one figure, one name).
+    // Each in-step peak named by what it measures (one figure, one name).
     for (const line of plot.lines.filter((l) => l.kind === 'peak')) notes.push(`${line.label} ${formatBytes(line.max)}`);
   } else if (plot.stepPeak !== null && plot.stepPeak !== undefined) {
     notes.push(`in-step peak ${formatBytes(plot.stepPeak)}`);

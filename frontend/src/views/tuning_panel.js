@@ -30,7 +30,7 @@ import { el } from './run_panel.js';
 /**
  * A key's bounds cell: the key's own range, and for device_budget_bytes in a run whose
  * paged pool's page size is known, what this run can take (whole pages; at least what its
- * gathers pin at once, which Predict effect finds: issue #19, one minimum explained).
+ * gathers pin at once, which Predict effect finds: one minimum, explained).
  * @param {{key, min, max, unit}} spec
  * @param {number|null} pageSize GET /tuning's `page_size_bytes`
  */
@@ -196,7 +196,7 @@ export class TuningPanel {
     const ended = answer.job_ended ?? null;
     // Apply needs a TensorBoard that may tune and a job that still reads requests; Predict
     // effect only the run's recorded access trace (GET /whatif asks nothing of the job),
-    // so a finished run or a read-only TensorBoard can still replay a change (issue #19).
+    // so a finished run or a read-only TensorBoard can still replay a change.
     const editable = enabled && !ended;
     const traceSteps = answer.trace_steps ?? [];
     const predictable = Boolean(this.predict) && traceSteps.length > 0;
