@@ -182,6 +182,19 @@ def test_tier_occupancy_chart_shows_every_run(
         peaks = ("pool pages + gradient shards (in step)", "TensorFlow allocator peak (in step)")
         for label in (*device_labels, *peaks):
             expect(device_legend).to_contain_text(label)
+        # Axis titles, and a legend readable without hovering: the last step's values.
+        device_cell = alpha.locator('.mh-tier-cell[data-tier="device"]')
+        expect(device_cell.locator("[data-axis-titles]")).to_have_attribute(
+            "data-axis-titles", "step | bytes on the tier"
+        )
+        values = dict(
+            device_legend.locator("tr.u-series").evaluate_all(
+                "(rows) => rows.map((r) => [r.querySelector('.u-label')?.textContent,"
+                " r.querySelector('.u-value')?.textContent])"
+            )
+        )
+        assert values["step"] == str(last), values
+        assert values["used"] == "113 MiB", values
         expect(alpha.locator('.mh-tier-cell[data-tier="host"] .u-legend')).to_contain_text(
             "process RSS"
         )
@@ -566,8 +579,13 @@ def test_oom_postmortem_panel_shows_request_tiers_holders_history_and_advice(vie
         ["tensor", "adam/m/dense_kernel:shard1"],
         ["op", "page_in"],
         ["error", "PoolOutOfMemoryError"],
-        ["message", want["failed_request"]["message"]],
     ]
+    # The raw error text is folded under a toggle, shown on click.
+    details = request.locator("details.mh-oom-details")
+    expect(details).not_to_have_attribute("open", "")
+    expect(details.locator(".mh-oom-message")).to_be_hidden()
+    details.locator("summary").click()
+    expect(details.locator(".mh-oom-message")).to_have_text(want["failed_request"]["message"])
     tiers = oom.locator(".mh-oom-tier").evaluate_all(
         "(rows) => rows.map((r) => [r.dataset.tier, r.querySelector('.mh-oom-tier-text')"
         ".textContent, parseFloat(r.querySelector('.mh-oom-fill').style.width), "

@@ -21,12 +21,41 @@ for (let e = 0; e <= 12; e++) for (const m of [1, 2, 5]) STEP_INCRS.push(m * 10 
 const BYTE_INCRS = Array.from({ length: 61 }, (_, k) => 2 ** k);
 
 /** Formatting of one y unit: legend values, axis ticks, tick increments. */
+// `title`: the y-axis title a chart gets unless its scale names its own (`label`).
 export const UNITS = {
-  bytes: { format: formatBytes, ticks: byteTicks, incrs: BYTE_INCRS, size: 72 },
-  seconds: { format: formatSeconds, ticks: secondTicks, incrs: undefined, size: 64 },
-  count: { format: formatCount, ticks: undefined, incrs: undefined, size: 50 },
-  ratio: { format: formatPercent, ticks: percentTicks, incrs: undefined, size: 50 },
+  bytes: { format: formatBytes, ticks: byteTicks, incrs: BYTE_INCRS, size: 72, title: 'bytes' },
+  seconds: {
+    format: formatSeconds, ticks: secondTicks, incrs: undefined, size: 64, title: 'seconds',
+  },
+  count: { format: formatCount, ticks: undefined, incrs: undefined, size: 50, title: 'count' },
+  ratio: { format: formatPercent, ticks: percentTicks, incrs: undefined, size: 50, title: 'ratio' },
 };
+
+/** The index of the last x whose row has a finite value in any series (null: none). */
+export function lastIndex(data) {
+  for (let i = (data[0]?.length ?? 0) - 1; i >= 0; i--) {
+    for (let si = 1; si < data.length; si++) {
+      const v = data[si]?.[i];
+      if (v !== null && v !== undefined && Number.isFinite(v)) return i;
+    }
+  }
+  return null;
+}
+
+/**
+ * uPlot plugin: when the cursor is not over the plot, the legend shows the last step's
+ * values (uPlot's live legend shows values only while hovering), so a chart is readable
+ * at a glance; hovering shows the hovered step's as before.
+ */
+function latestLegendPlugin() {
+  const showLast = (u) => {
+    if (u.cursor.idx === null || u.cursor.idx === undefined) {
+      const idx = lastIndex(u.data);
+      if (idx !== null) u.setLegend({ idx });
+    }
+  };
+  return { hooks: { ready: [showLast], setData: [showLast], setCursor: [showLast] } };
+}
 
 // Chart widths by kind ('tier', 'pages', ...), measured once per layout: reading
 // clientWidth forces a layout, and doing it for each of dozens of charts as they are added
@@ -101,7 +130,8 @@ function markersPlugin(getMarkers) {
  *   x: number[],
  *   series: [{label, values, stroke, fill?, dash?, width?, scale? ('y'), show?,
  *             legend?: (idx) => string}],
- *   scales: {y: {unit: 'bytes'|'seconds'|'count'|'ratio', max?: number, side?: 1}},
+ *   scales: {y: {unit: 'bytes'|'seconds'|'count'|'ratio', label?: string (the axis
+ *             title; default the unit's), max?: number, side?: 1}},
  *   markers: [{step, label, kind?}],
  * }
  */
@@ -143,6 +173,8 @@ export class Chart {
       };
       axes.push({
         scale: name,
+        label: spec.scales[name].label ?? unit.title,
+        labelSize: 18,
         values: unit.ticks,
         incrs: unit.incrs,
         size: unit.size,
@@ -177,7 +209,7 @@ export class Chart {
       series,
       legend: { live: true },
       cursor: { drag: { x: true, y: false } },
-      plugins: [markersPlugin(() => this.markers)],
+      plugins: [markersPlugin(() => this.markers), latestLegendPlugin()],
     };
   }
 
@@ -189,8 +221,14 @@ export class Chart {
     );
     const key = JSON.stringify([
       spec.series.map((s) => [s.label, s.scale, s.show, s.stroke, s.dash]),
-      Object.entries(spec.scales).map(([name, s]) => [name, s.unit, s.side]),
+      Object.entries(spec.scales).map(([name, s]) => [name, s.unit, s.side, s.label]),
     ]);
+    // uPlot draws the axis titles on its canvas; the container names them for tests and
+    // assistive tools.
+    this.container.dataset.axisTitles = [
+      'step',
+      ...Object.values(spec.scales).map((s) => s.label ?? UNITS[s.unit].title),
+    ].join(' | ');
     const data = [spec.x, ...spec.series.map((s) => s.values)];
     if (this.plot && key === this.key) {
       this.plot.setData(data);

@@ -102,9 +102,17 @@ export class OomView {
         ['tensor', fr.tensor],
         ['op', fr.op],
         ['error', fr.error_type],
-        ['message', fr.message],
       ]),
     );
+    if (fr.message) {
+      // The framework's own error text is long and raw: folded, one click away.
+      const details = el('details', 'mh-oom-details');
+      details.append(
+        el('summary', null, 'Error text (as raised)'),
+        el('pre', 'mh-oom-message', String(fr.message)),
+      );
+      request.append(details);
+    }
 
     const tiersBox = el('div', 'mh-oom-tiers');
     tiersBox.append(el('h4', 'mh-subtitle', 'Tiers at the moment of failure'));

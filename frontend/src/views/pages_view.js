@@ -87,9 +87,9 @@ export class PagesView {
       return;
     }
     const missing = [];
-    for (const [chart, suffix, unit] of [
-      [c.bytes, 'bytes', 'bytes'],
-      [c.pages, 'pages', 'count'],
+    for (const [chart, suffix, unit, label] of [
+      [c.bytes, 'bytes', 'bytes', 'bytes moved per step'],
+      [c.pages, 'pages', 'count', 'pages moved per step'],
     ]) {
       const lines = [];
       for (const d of DIRECTIONS) {
@@ -100,7 +100,7 @@ export class PagesView {
           missing.push(d.label);
         }
       }
-      chart.update({ x, series: lines, scales: { y: { unit } }, markers });
+      chart.update({ x, series: lines, scales: { y: { unit, label } }, markers });
     }
     const rate = hitRate(series.values.prefetch_hits, series.values.prefetch_misses);
     const stall = series.values.stall_seconds;
@@ -118,7 +118,10 @@ export class PagesView {
     c.prefetch.update({
       x,
       series: extra,
-      scales: { y: { unit: 'ratio', max: 1 }, stall: { unit: 'seconds', side: 1 } },
+      scales: {
+        y: { unit: 'ratio', max: 1, label: 'prefetch hit rate' },
+        stall: { unit: 'seconds', side: 1, label: 'stall, seconds' },
+      },
       markers,
     });
     c.missing.textContent = missing.length ? `Not measured: ${missing.join(', ')}.` : '';

@@ -90,7 +90,7 @@ export function tierSpec(plot, markers) {
   return {
     x: plot.steps,
     series,
-    scales: { y: { unit: 'bytes', max: plot.yMax > 0 ? plot.yMax : 1024 } },
+    scales: { y: { unit: 'bytes', label: 'bytes on the tier', max: plot.yMax > 0 ? plot.yMax : 1024 } },
     markers,
   };
 }

@@ -103,7 +103,9 @@ export class TimingView {
     breakdown.chart.update({
       x,
       series: lines,
-      scales: { y: top === null ? { unit: 'seconds' } : { unit: 'seconds', max: top } },
+      scales: {
+        y: { unit: 'seconds', label: 'seconds per step', ...(top === null ? {} : { max: top }) },
+      },
       markers: [...markers, ...tracedMarkers],
     });
     const ratioValues = series.values.overlap_ratio;
@@ -116,7 +118,7 @@ export class TimingView {
       ratio.chart.update({
         x,
         series: [{ label: 'overlap ratio', values: ratioValues, stroke: '#12a05c', width: 1.5 }],
-        scales: { y: { unit: 'ratio', max: 1 } },
+        scales: { y: { unit: 'ratio', max: 1, label: 'overlap ratio' } },
         markers,
       });
     }
