@@ -1,7 +1,7 @@
 """The estimator's device peak against the allocator's measured in-step peak, on the demo.
 
-Issue #18 ("done when": the predicted device peak within 15% of the measured allocator
-peak on the demo at stages 1-3). For each stage, in a fresh subprocess (the BFC CPU
+Goal: the predicted device peak within 15% of the measured allocator peak on the demo at
+stages 1-3. For each stage, in a fresh subprocess (the BFC CPU
 allocator serves the device tier's CPU stand-in, ``TF_CPU_ALLOCATOR_USE_BFC=true``):
 ``demo.model.build_gpt`` (default ~137k-parameter config) under
 ``ZeroInfinityStrategy({"stage": s, "offload_optimizer": "none"})`` with 2 local replicas,
@@ -23,7 +23,7 @@ steps train. Recorded per stage:
 - ``record_peak_bytes``: the runtime's ``memory_hierarchy/estimate`` record's
   ``per_process_peak.device_bytes`` (model states with the transient full gradient, no
   activations; None at stage 3);
-- ``error``: predicted / measured - 1; the goal (issue #18): |error| <= 15% at stages
+- ``error``: predicted / measured - 1; the goal: |error| <= 15% at stages
   1-3 (``goal_met``).
 
 Writes ``bench/results/estimate_peak.json``.

@@ -1,9 +1,12 @@
 """Largest GPT-family model that trains one step: ZeRO stage 3 + NVMe offload vs Mirrored.
 
-Issue #6 item 5. One run searches, for each side, the largest member of a fixed model
-family that trains one step under the same device budget (``--device-mib``, default 256
-MiB, for the 2 local replicas together), then measures, on one model both can train,
-the device bytes of model states per replica. Writes ``bench/results/max_model.json``.
+One run searches, for each side, the largest member of a fixed model family that trains
+one step under the same device budget (``--device-mib``, default 256 MiB, for the 2 local
+replicas together), then measures, on one model both can train, the device bytes of model
+states per replica. Writes ``bench/results/max_model.json`` (the figures, the settings and
+every trial). Goals: stage 3's model-state device bytes per replica <= 0.02 of Mirrored's
+(``model_states_device_ratio``) and the largest stage-3 run's step <= 2x its I/O lower
+bound (``largest_stage3_io``).
 
 Family (``family_config(k)``, k >= 1): ``demo.model.build_gpt`` with ``d_model = 64 k``,
 ``n_layers = 2 k``, ``n_heads = k``, ``d_ff = 4 d_model``, ``vocab_size = 256``,
@@ -29,30 +32,16 @@ Sides:
   pool's device share // 128 elements) and ``activation_checkpointing`` (each transformer
   block keeps its input only and is recomputed in backward), each unit's gradient shard,
   tiled kernels included, handed to the host optimizer during backward; no int
-  ``device_budget_bytes`` (it would keep the chain on the block engine).
-  ``--engine blocks`` (default; the max_model.json of 2026-11-30: 131M parameters): the
-  block engine. ``bench/results/max_model.json`` (2026-12-04) is the units engine's,
-  ``--engine units --offload-optimizer nvme --pool-device-fraction 1.0 --stage3-start-k
-  12`` (1 MiB pages, tile_size 2M elements): k = 13 (216.7M) fits, step 18.1 s after a
-  188 s trace, device step peak 100 MB, RSS 10.0 GB; k = 14 and 16 (270M, 404M) trained
-  (28 s, 36 s per step) but failed the host rule (4.4 / 6.2 GB: the store's allowance was
-  still 25% of the available memory; ``optimizer_host_budget_bytes`` since). Then k = 22
-  (1,048,315,392 parameters, d_model 1408, 44 blocks), ``--stage3-start-k 22``, alone on
-  the machine: with tiles of 2M elements it trained its 2 steps (560 s wall with
-  construction and trace) but its device step peak was 270,940,160 B, 0.9% over the
-  268,435,456 B budget (does not fit); with tiles of 1M (``--pool-device-fraction 0.5``)
-  the host killed it at 24 GB RSS (20 GB anonymous + the pools' 4.2 GB mmaps) after
-  1048 s: more tiles, a larger traced graph. Neither run wrote a results file. Measured
-  with ``--engine units --offload-optimizer nvme`` (session 13,
-  load 2-3 with a test run beside it): k = 12 (170.5M) did not finish its 2 steps in
-  1500 s; its device peak is not what stops it (bench_units_peak: 0.58 bytes per
-  parameter at k = 10 with tiles and checkpointing), its host work is (the NVMe
-  optimizer's sub-group updates and the pool's per-page bookkeeping at 64 KiB pages,
-  about 40k page-table entries), so the search records timeouts, not device limits.
-  After ``Placement.check_fits`` stopped scanning the page table per acquire, a single
-  k = 10 trial (98.8M, ``--trial``, load 2-3) fit: device step peak 66.7 MB, pool host
-  peak 395 MB + NVMe optimizer store peak 1.58 GB (process RSS 7.3 GB), steps 375 s
-  (tracing) and 160 s.
+  ``device_budget_bytes`` (it would keep the chain on the block engine), 1 MiB pages.
+  ``--engine blocks`` (default): the block engine. Smaller tiles lower the device peak
+  but add tiled kernels to the traced graph, and with them host memory: at k = 22
+  (1,048,315,392 parameters, d_model 1408, 44 blocks), tiles of 1M elements
+  (``--pool-device-fraction 0.5``) took the process past 24 GB RSS, so the large runs use
+  ``--pool-device-fraction 1.0`` (tiles of 2M elements). At this scale a stage-3 trial
+  that fails has timed out (``--trial-timeout``): the host's work per step (the NVMe
+  optimizer's sub-group updates, the pool's per-page bookkeeping) limits the search, not
+  the device peak (bench_units_peak: 0.58 bytes per parameter at k = 10 with tiles and
+  checkpointing).
 - ``mirrored``: plain ``tf.distribute.MirroredStrategy`` over the same 2 logical CPU
   devices, Keras's Adam (dense gradients, as the parity references).
 
@@ -67,88 +56,65 @@ a step = the allocator's peak in-use bytes during the trained steps
 the step peak and the construction peak are <= the budget. Mirrored is also capped hard,
 from model construction on, by the allocator itself: ``TF_CPU_BFC_MEM_LIMIT_IN_MB`` = the
 budget, so anything past it raises ResourceExhaustedError (an OOM: does not fit).
-Stage 3's construction no longer needs more: partitioned construction peaks at about 3 x
-the largest single variable (the initializer's output and temporaries; measured 2.1 MB at
-k=3, 6.3 MB at k=5), not the replicated model (before: 8 bytes/parameter, 560 MB at k=11).
-But stage 3 is not capped by default (``--cap-stage3`` caps it): under the cap a stage-3
-step raised OOM at k=6 (in an all-gather, allocating 7 MB) although its measured in-use
-peak uncapped is 46 MB. Suspected, not proven: the cap limits the BFC allocator's
-*reserved regions*, and stage 3 interleaves hundreds of long-lived 64 KiB page tensors
-(the pool's device tier) with multi-MB transients, so fragmentation exhausts the regions
-long before the in-use bytes reach the budget.
+Stage 3's construction needs no more: partitioned construction peaks at about 3 x the
+largest single variable (the initializer's output and temporaries; measured 2.1 MB at
+k=3, 6.3 MB at k=5), not the replicated model (8 bytes/parameter, 560 MB at k=11). But
+stage 3 is not capped by default (``--cap-stage3`` caps it): under the cap a stage-3 step
+raised OOM at k=6 (in an all-gather, allocating 7 MB) although its measured in-use peak
+uncapped is 46 MB. Suspected, not proven: the cap limits the BFC allocator's *reserved
+regions*, and stage 3 interleaves hundreds of long-lived 64 KiB page tensors (the pool's
+device tier) with multi-MB transients, so fragmentation exhausts the regions long before
+the in-use bytes reach the budget.
 
 Stage-3 pool budget vs the allocator budget: the pool's device tier holds only the
 gathered parameter buffers (``max_reuse_distance=0`` frees each block's after its use), but
 a step also allocates TensorFlow tensors outside the pool: per gathering replica the
 all-gather output, the gathered values handed to the graph, the block's full parameter
 gradient and its all-reduce (the CPU reduce-scatter path), activations. Measured at k=11
-(run of 2026-11-30 08:02, whole-step peaks, blocks updated during backward): pool device
-peak 51 MB, allocator step peak 215 MB, i.e. ~3.2x the pool's bytes outside it. So the
-pool gets a fraction of the budget (``--pool-device-fraction``, default 0.25) and the
-rest is headroom for those tensors; the allocator cap is what enforces the total. (The
-engine does not yet account the tensors outside its pool.)
+on the block engine (whole-step peaks, blocks updated during backward): pool device peak
+51 MB, allocator step peak 215 MB, i.e. ~3.2x the pool's bytes outside it. So the pool
+gets a fraction of the budget (``--pool-device-fraction``, default 0.25) and the rest is
+headroom for those tensors; the allocator cap is what enforces the total. (The engine does
+not account the tensors outside its pool.)
 
 Host budget (stage 3): with ``offload_optimizer='cpu'`` (default) the host optimizer
 states (``optimizer.zero_state.store.nbytes``, numpy buffers outside the pool, 8
 bytes/parameter for Adam) are subtracted from the host budget and the rest is the pool's
 ``host_budget_bytes`` (parameter pages beyond it live only on NVMe). With
 ``--offload-optimizer nvme`` the pool gets half the host budget and the NVMe store the
-other half for its streamed window and step journal (``optimizer_host_budget_bytes``;
-before that key the store took 25% of the available memory and k = 14, 270M, failed
-the host rule with 4.43 GB); the store's figure is
-``store.peak_nbytes``, the peak over the steps, which counts the step's undo journal
-(freed by the next commit, so ``nbytes`` read after the steps misses it). The measured
-pool host-tier peak plus the optimizer's host bytes plus the peak of the gradient copies
-queued for the update in backward (``queued_gradient_peak_bytes``, bounded since session
-16 by ``backward_update.MAX_QUEUED_BYTES`` per replica) must be <= the host budget; the
-process peak RSS is reported too. A trial that times out
-(``--trial-timeout``), is killed (host OOM) or raises does not fit.
+other half for its streamed window and step journal (``optimizer_host_budget_bytes``); the
+store's figure is ``store.peak_nbytes``, the peak over the steps, which counts the step's
+undo journal (freed by the next commit, so ``nbytes`` read after the steps misses it). The
+measured pool host-tier peak plus the optimizer's host bytes plus the peak of the gradient
+copies queued for the update in backward (``queued_gradient_peak_bytes``, bounded by
+``backward_update.MAX_QUEUED_BYTES`` per replica) must be <= the host budget; the process
+peak RSS is reported too. A trial that times out (``--trial-timeout``), is killed (host
+OOM) or raises does not fit.
 
 Host memory beyond the budgets: each trial also records the process's RSS after
 construction and after each step (``rss_bytes``, psutil) and its peak (``max_rss_bytes``).
 The host rule above counts only what the runtime budgets (its pool and optimizer store);
 the rest of the RSS (TensorFlow and Keras, the traced step's graphs, the host update's
-temporaries) is reported, not judged. Measured 2026-12-04 (units engine, NVMe parameters
-and optimizer, batch 2): k = 6 (21.5M) RSS 0.70 GB after construction, 1.91 GB after the
-first (tracing) step, peak 2.35 GB, pool + store 0.44 GB; k = 8 (50.7M) 0.80 / 2.65 /
-3.69 GB, pool + store 1.0 GB, the peak in the second step while the NVMe store journals a
-sub-group.
+temporaries) is reported, not judged: at k = 22 it is several times the budgeted 4 GiB.
+On the units engine (NVMe parameters and optimizer, batch 2): k = 6 (21.5M) RSS 0.70 GB
+after construction, 1.91 GB after the first (tracing) step, peak 2.35 GB, pool + store
+0.44 GB; k = 8 (50.7M) 0.80 / 2.65 / 3.69 GB, pool + store 1.0 GB, the peak in the second
+step while the NVMe store journals a sub-group.
 
-``bench/results/max_model.json`` of 2026-12-04 16:54 (``--engine units --offload-optimizer
-nvme --pool-device-fraction 1.0 --stage3-start-k 22 --batch 2 --total-minutes 14
---trial-timeout 1500``, the machine otherwise idle; the same figures within 5% as a run
-at 16:07): step 101.1 s = 4.8x its I/O lower bound with fio measured in the run (2.30 /
-2.46 GB/s read / write at depth 4, 1 MiB blocks; 21.3 GB read, 29.6 GB written). The
-16:07 run: k = 22, 1,048,315,392 parameters
-(356 units, 88 tiled kernels) trains its 2 steps: device step peak 213.7 MB (budget 268.4
-MB), pool host peak 2.15 GB + NVMe store peak 2.08 GB (the host rule's 4 GiB, with
-``OPT_MARGIN`` left for the store's tile scratch), steps 406 s (tracing) and 95.9 s, loss
-6.45; 378x Mirrored's 2.77M. Its RSS: 1.31 GB after construction, 13.1 GB after each
-step, 18.4 GB at its peak: 9 to 14 GB more than the runtime's budgeted 4.2 GB (the host
-rule does not count it). Per step the disk read 20.7 GB (the parameters three times:
-forward, recompute, backward; the Adam moments once) and wrote 29.1 GB: the parameters
-and moments once (12.6 GB), the moments' undo journal (8.4 GB, past the store's host
-allowance it is written to NVMe) and ~8.1 GB, about twice the parameters, which is what
-rewriting clean pages costs: the pool keeps no copy of a page it read from NVMe (the
-NVMe slot is released at page-in), so every eviction of a parameter page read in the
-forward or the recompute writes it again. k = 28 (2.16B) started with 616 s left of the
-run and timed out.
-
-Re-run 2026-12-04 19:19 (same command) with the bounded update queue, whose peak the
-host rule now counts: k = 22 fits (host 2.15 + 1.95 + 0.13 GB), step 114.1 s = 4.46x its
-I/O bound (24.8 GB read, 33.2 GB written: the store's allowance is 128 MiB smaller, so
-more journal goes to NVMe), RSS 12.9 GB between steps, 18.1 GB at peak.
+Per step at k = 22 the disk reads the parameters three times (forward, recompute,
+backward) and the Adam moments once, and writes the parameters and the moments once and
+the moments' undo journal where it exceeds the store's host allowance
+(``disk_bytes_per_step``).
 
 I/O lower bound (``largest_stage3_io``): the largest stage-3 run's last step against the
 time its disk bytes need at fio's bandwidth at the pool's queue depth and page size,
 measured on the NVMe directory in the same run before and after the stage-3 search
 (``disk_rates``, ``io_lower_bound``; bytes from ``/proc/self/io``, per step:
 ``disk_bytes_per_step``). The fio figures of this virtual disk vary about 2x between
-runs (bench_paging, 2026-12-02 at load 8-12: 0.82 / 1.35 GB/s read / write at 4 MiB;
-2026-12-04 idle: 1.75 / 2.36 GB/s), so the bound is only fair against fio of the same
-run. k = 4 (6.5M, parameters in the host window): 51.7 MB read and 51.7 MB written per
-step (the Adam moments), 0.47 s per step, 4.6x the bound's 0.10 s at the 2026-12-02
-figures.
+runs (bench_paging at 4 MiB: 0.82 / 1.35 GB/s read / write at load 8-12, 1.75 / 2.36
+GB/s idle), so the bound is only fair against fio of the same run. At k = 4 (6.5M,
+parameters in the host window) a step moves only the Adam moments: 51.7 MB read and
+51.7 MB written.
 
 Search per side: k doubles the parameter count (next k with >= 2x parameters) until a
 trial fails, then bisects k (parameters are monotone in k) between the last fit and the

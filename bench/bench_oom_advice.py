@@ -1,4 +1,4 @@
-"""OOM advice benchmark: are the post-mortem's "fits" suggestions right? (issue #18 item 5)
+"""OOM advice benchmark: are the post-mortem's "fits" suggestions right?
 
 Each scenario is a real subprocess run of ``python -m demo.train`` with a tiny GPT
 (``--d-model 32 --layers 1 --seq-len 32 --batch-size 4``, 2 CPU replicas, a few steps) and

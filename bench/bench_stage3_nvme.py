@@ -1,6 +1,6 @@
 """Stage 3 with parameters and optimizer states on NVMe: step time against the I/O lower
-bound of the bytes it moves, and against MirroredStrategy, measured in one run (issue #16:
-"with NVMe <= 1.5x the I/O lower bound of the bytes it moves").
+bound of the bytes it moves, and against MirroredStrategy, measured in one run (goal:
+step <= 1.5x the I/O lower bound of the bytes it moves).
 
 One process, 2 replicas (logical CPU devices), the chain of ``bench_step_time.py`` (about
 2.1M float32 parameters). Configurations:
@@ -53,7 +53,7 @@ from helpers.reference_optimizers import DenseGradAdam  # noqa: E402  (_common p
 import zero_runtime  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "stage3_nvme.json"
-GOAL = 1.5  # issue #16: stage 3 with NVMe <= 1.5x the I/O lower bound of its bytes
+GOAL = 1.5  # stage 3 with NVMe: step <= 1.5x the I/O lower bound of its bytes
 
 
 def nvme_config(directory: str) -> dict:

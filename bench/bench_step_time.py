@@ -22,7 +22,7 @@ control dependencies, and their difference is measurement noise. The ``*_buckets
 configurations use 4 buckets, where overlap can start a bucket's reduce-scatter during the
 backward pass.
 
-Stage 3 (issue #16 item 6): ``stage3_<tier>`` with ``offload_param`` =
+Stage 3: ``stage3_<tier>`` with ``offload_param`` =
 ``offload_optimizer`` = ``tier`` (none / cpu: ``bench_stage3_units.STAGE3``; nvme:
 ``bench_stage3_nvme.nvme_config`` under a temporary directory on this disk), each in
 float32 and, suffix ``_bf16``, under ``keras.mixed_precision`` policy
@@ -119,12 +119,12 @@ GOALS = {"stage1": 1.10, "stage2": 1.10, "stage2_no_overlap": 1.10, "stage2_cpu"
 #: (with overlap, without): the first's median step must not exceed the second's.
 OVERLAP_PAIRS = (("stage2", "stage2_no_overlap"), ("stage2_buckets", "stage2_buckets_no_overlap"))
 
-#: Stage 3 against MirroredStrategy (issue #16 item 6): the tiers of ``offload_param`` and
+#: Stage 3 against MirroredStrategy: the tiers of ``offload_param`` and
 #: ``offload_optimizer`` (both set to it) and the Keras global dtype policies, by name
 #: suffix. ``mirrored_bf16`` is the mixed_bfloat16 configurations' own baseline.
 STAGE3_TIERS = ("none", "cpu", "nvme")
 POLICIES = {"": "float32", "_bf16": "mixed_bfloat16"}
-#: tier -> (the ratio it is judged by, its maximum): issue #16's "Done when".
+#: tier -> (the ratio it is judged by, its maximum): stage 3's goals.
 STAGE3_GOALS = {
     "none": ("vs_mirrored", 1.5),
     "cpu": ("vs_mirrored", 2.0),

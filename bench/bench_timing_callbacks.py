@@ -1,4 +1,4 @@
-"""Cost of timing the strategy's own collectives on every step (issue #19, item 2).
+"""Cost of timing the strategy's own collectives on every step.
 
 With ``ZeroInfinityStrategy.time_strategy_collectives`` (default False) the strategy's own
 collectives (stage 1's gradient all-reduce and shard all-gather, Keras's loss reduction)

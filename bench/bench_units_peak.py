@@ -1,6 +1,6 @@
 """Stage 3's device step peak per parameter: the block path vs the units path, untiled and
-tiled (issue #17 items 1 and 4: can the units path with memory-centric tiling train a
-larger model than the block path under the same device budget?).
+tiled: can the units path with memory-centric tiling train a larger model than the block
+path under the same device budget?
 
 Family: ``bench_max_model.family_config(k)`` (``demo.model.build_gpt``, ``d_model = 64 k``,
 ``2 k`` blocks, batch 4 x 32 tokens, Adam), built inside ``strategy.zero_init()``, stage 3

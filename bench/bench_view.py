@@ -1,4 +1,4 @@
-"""Benchmark of the Memory Hierarchy View at scale (issue 20's figures).
+"""Benchmark of the Memory Hierarchy View at scale: load, first paint and route latency.
 
 Three scenarios (``--scenarios``, default all): 10 runs x 100,000 steps, 1 run x
 1,000,000 steps, 200 runs x 2,000 steps. Each is timed in three phases:
@@ -92,9 +92,9 @@ def step_arrays(index: int, steps: int) -> dict[str, Any]:
     nan = np.nan
     scale = 1 + index
     s = np.arange(steps, dtype=np.float64)
-    wave = np.sin(s / 500.0)
-    device = (64 + 32 * wave) * scale * MIB + (np.arange(steps) % 97) * 4096
-    host = (512 + 8 * wave) * scale * MIB
+    sine = np.sin(s / 500.0)
+    device = (64 + 32 * sine) * scale * MIB + (np.arange(steps) % 97) * 4096
+    host = (512 + 8 * sine) * scale * MIB
     nvme = (np.arange(steps) // 1000) * float(MIB)
     full = lambda v: np.full(steps, v, dtype=np.float64)  # noqa: E731
     tiers = np.stack(

@@ -9,7 +9,7 @@ thread the seconds each label covered (the union of its calls, nested labels cou
 their own) against the step's wall time. The I/O threads' ``pread``/``pwrite`` spans give
 the disk's busy time; the update thread's ``store.update`` minus ``adam`` its waits.
 
-Usage (the 1B run of issue #17 takes about 13 minutes and 18 GB of RSS)::
+Usage (the 1B-parameter run, k = 22, takes about 13 minutes and 18 GB of RSS)::
 
     .venv/bin/python bench/profile_step.py --k 22 --batch 2 --out /tmp/tl.json
     .venv/bin/python bench/profile_step.py --report /tmp/tl.json [--step 1]
