@@ -158,7 +158,7 @@ def test_tier_occupancy_chart_shows_every_run(
             {
                 "tier": "device",
                 "title": "device (CPU stand-in)",
-                # Each device peak and limit named by what it measures (issue #19).
+                # Each device peak and limit named by what it measures.
                 "notes": "peak 113 MiB · pool pages + gradient shards (in step) 114 MiB · "
                 "TensorFlow allocator peak (in step) 114 MiB · pool budget (device_budget_bytes) "
                 "256 MiB",
@@ -609,8 +609,8 @@ def test_oom_postmortem_panel_shows_request_tiers_holders_history_and_advice(vie
         synthetic.HTML_HOLDER,  # shown as text, not run as HTML
     ]
     assert oom.locator("img").count() == 0
-    # One panel per tier, each with its own scale (issue #19: the host's capacity set one
-    # shared axis and flattened the device and NVMe lines at zero).
+    # One panel per tier, each with its own scale (one shared axis would be set by the
+    # host's capacity and flatten the device and NVMe lines at zero).
     panels = oom.locator(".mh-oom-recent-tier")
     expect(panels).to_have_count(3)
     assert panels.evaluate_all("(c) => c.map((e) => e.dataset.tier)") == ["device", "host", "nvme"]

@@ -131,7 +131,7 @@ def test_index_records_partition_files_and_checksums(saved):
 
 
 def test_reshard_from_two_replicas_to_one_and_four(saved, tmp_path):
-    """Done-when of issue #11: saved at 2 replicas, restored at 1 and at 4, the next steps'
+    """Saved at 2 replicas, restored at 1 and at 4: the next steps'
     losses equal the uninterrupted run's within 1e-6 relative (stages 1, 2 and 3)."""
     specs = [(1, "cpu"), (2, "nvme"), (3, "cpu")]
     out = tmp_path / "reshard.json"
@@ -446,8 +446,8 @@ def test_strategy_methods_delegate_and_record_checkpoint_summaries(tmp_path):
 
 def test_damaged_latest_is_reported_not_taken_for_an_empty_directory(saved, tmp_path):
     """``manager.latest`` is None only when nothing was published: a truncated ``latest``
-    or a deleted ``index.json`` used to read as None too, so a resuming job (the demo,
-    ``ZeroBackupAndRestore``) started over and replaced the checkpoints. Now the tag comes
+    or a deleted ``index.json`` is not None (read as None, a resuming job, the demo or
+    ``ZeroBackupAndRestore``, would start over and replace the checkpoints). The tag comes
     back as written and ``restore`` raises naming it and listing the loadable tags; the
     other checkpoints still load."""
     rec = saved[(1, "cpu")]
@@ -483,8 +483,8 @@ def test_damaged_latest_is_reported_not_taken_for_an_empty_directory(saved, tmp_
 
 
 def test_restore_into_an_uncompiled_model_loads_parameters_only(saved):
-    """An uncompiled model (no optimizer: inference) used to fail with AttributeError
-    'Sequential' object has no attribute 'optimizer'; now its parameters load."""
+    """An uncompiled model (no optimizer: inference) loads its parameters (no
+    AttributeError 'Sequential' object has no attribute 'optimizer')."""
     rec = saved[(2, "nvme")]
     strategy = _strategy(1, "cpu", rec["nvme"])
     with strategy.scope():
@@ -512,7 +512,7 @@ def test_bad_client_state_fails_before_any_file_is_written(saved, tmp_path):
 
 def test_backup_and_restore_does_not_leave_the_initial_epoch_set(tmp_path):
     """After a resumed fit, a later ``fit`` of the same model runs all its epochs (the
-    restored ``_initial_epoch`` used to stay set, so ``fit(epochs=1)`` ran none)."""
+    restored ``_initial_epoch`` does not stay set: ``fit(epochs=1)`` would run none)."""
     strategy = _strategy(2, "cpu", str(tmp_path))
     model = job.build(strategy)
     backup = str(tmp_path / "backup")
@@ -526,9 +526,9 @@ def test_backup_and_restore_does_not_leave_the_initial_epoch_set(tmp_path):
 
 def test_interrupted_same_tag_save_keeps_the_old_copy(saved, tmp_path):
     """Saving an existing tag moves the old directory aside, renames the new one in, then
-    deletes the old: a save killed between the two renames left ``latest`` naming a
-    missing tag and the only copy in ``.tmp-old-<tag>-<nonce>``, which the next save's
-    pruning deleted. Now pruning keeps it and the error says where it is."""
+    deletes the old: a save killed between the two renames leaves ``latest`` naming a
+    missing tag and the only copy in ``.tmp-old-<tag>-<nonce>``; the next save's pruning
+    keeps that copy and the error says where it is."""
     rec = saved[(1, "cpu")]
     root = tmp_path / "ckpt"
     shutil.copytree(rec["root"], root)
@@ -562,9 +562,9 @@ def test_restore_across_stages(saved, src, dst):
 
 def test_export_of_a_model_with_custom_layers_names_the_module_to_import(tmp_path, capsys):
     """The demo GPT's custom layers must be registered to rebuild it from the index's
-    config. ``zero-runtime export`` of a demo checkpoint used to die with Keras's
-    TypeError traceback (exit 1); now the error names the classes and modules, and
-    ``--import demo.model`` (``import_modules``) exports it."""
+    config. ``zero-runtime export`` of a demo checkpoint without them is an error naming
+    the classes and modules (not Keras's TypeError traceback), and ``--import
+    demo.model`` (``import_modules``) exports it."""
     from demo import model as demo_model
 
     strategy = _strategy(1, "cpu", str(tmp_path))

@@ -85,8 +85,8 @@ def _main_in_process(tmp_path: Path, *args: str) -> int:
 
 
 def test_resume_with_a_damaged_latest_stops_and_changes_nothing(full, tmp_path, capsys):
-    """A truncated ``latest`` or a deleted ``index.json`` used to read as "no checkpoint":
-    ``--resume`` trained from step 0 and replaced the older checkpoints. Now status 2,
+    """A truncated ``latest`` or a deleted ``index.json`` is not "no checkpoint" (then
+    ``--resume`` would train from step 0 and replace the older checkpoints): status 2,
     the message names the bad pointer/tag and lists what is loadable, nothing changes."""
     root = tmp_path / "ckpt"
     shutil.copytree(full, root)
@@ -165,9 +165,9 @@ def test_resume_with_another_batch_size_continues_at_the_next_sequence(full, tmp
 
 
 def test_a_non_utf8_index_stops_a_resume_with_status_2_and_blocks_no_save(full, tmp_path, capsys):
-    """A non-UTF-8 byte in an ``index.json`` escaped as ``UnicodeDecodeError`` (exit 1) and
-    broke every later save (pruning read each index). Now ``--resume`` onto it stops with
-    status 2 naming the file, nothing changed; a run resuming from an intact checkpoint
+    """A non-UTF-8 byte in an ``index.json`` is no ``UnicodeDecodeError`` (exit 1) and
+    breaks no later save (pruning does not read each index): ``--resume`` onto it stops
+    with status 2 naming the file, nothing changed; a run resuming from an intact checkpoint
     trains and saves over the damaged one."""
     root = tmp_path / "ckpt"
     shutil.copytree(full, root)

@@ -367,8 +367,8 @@ def test_oom_report_of_a_missing_path_says_it_does_not_exist(tmp_path, capsys):
 
 
 def test_oom_report_does_not_import_tensorflow(tmp_path):
-    """Issue #19: ``zero-runtime oom-report`` imported TensorFlow (seconds of start-up and
-    its log lines) to print a JSON file. It reads and formats the report through
+    """``zero-runtime oom-report`` prints a JSON file without importing TensorFlow (seconds
+    of start-up and its log lines): it reads and formats the report through
     ``zero_runtime.oom_report`` alone."""
     from zero_runtime import oom_report
 

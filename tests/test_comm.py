@@ -190,9 +190,9 @@ def _num_threads() -> int:
 
 @pytest.mark.parametrize("impl", ["all_to_all", "all_reduce"])
 def test_raw_collectives_start_no_thread_and_arm_one_deadline_each(strategy, impl):
-    """Issue #22 item 1: TensorFlow's per-op timeout started a sleeping OS thread per op and
-    per parameter resolution (+2 per collective per replica, alive for the timeout); now
-    the op has none and the process's one watchdog thread holds the deadline."""
+    """TensorFlow's per-op timeout starts a sleeping OS thread per op and per parameter
+    resolution (+2 per collective per replica, alive for the timeout); the raw
+    collectives' ops have none, and the process's one watchdog thread holds the deadline."""
     group = comm.CollectiveGroup.create(strategy.extended.worker_devices, impl)
     n = strategy.num_replicas_in_sync
     data = _inputs(n)
@@ -258,7 +258,7 @@ def test_one_deadline_spans_a_replicas_collectives_with_two_callbacks(strategy):
 
 
 def test_guarded_collectives_hand_their_intervals_to_listeners_per_device(strategy):
-    """Issue #19 item 2: each guarded collective's arm -> disarm reaches the interval
+    """Each guarded collective's arm -> disarm reaches the interval
     listeners as (replica device, start, end) inside the step's wall time; a listener
     that is a bound method is held weakly."""
     group = comm.CollectiveGroup.create(strategy.extended.worker_devices, "all_to_all")

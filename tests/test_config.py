@@ -50,12 +50,12 @@ EXPECTED_DEFAULTS = {
     "telemetry_every_n_steps": 1,
     "mirrored_fallback_bytes": 0,
     "collective_timeout_seconds": 60.0,
-    "embedding_row_paging_threshold": 10_000_000,  # issue #6 item 3 (row-paged tables)
-    "offload_optimizer_ratio": 1.0,  # issue #21 item 4 (partial offload, Twin-Flow)
-    "headroom_fraction": 0.1,  # issue #21 item 3 (device_budget_bytes="auto")
-    "tile_size": None,  # issue #17 item 1 (memory-centric tiling; None: off, 'auto')
-    "activation_checkpointing": False,  # issue #17 (blocks recomputed in backward)
-    "optimizer_host_budget_bytes": None,  # issue #17 (the NVMe optimizer store's host bytes)
+    "embedding_row_paging_threshold": 10_000_000,  # row-paged tables
+    "offload_optimizer_ratio": 1.0,  # partial offload (Twin-Flow)
+    "headroom_fraction": 0.1,  # device_budget_bytes="auto"
+    "tile_size": None,  # memory-centric tiling (None: off, 'auto')
+    "activation_checkpointing": False,  # blocks recomputed in backward
+    "optimizer_host_budget_bytes": None,  # the NVMe optimizer store's host bytes
 }
 
 
@@ -95,7 +95,7 @@ INVALID = [
     ({"nvme_path": 3}, ["nvme_path=3", "got int"]),
     ({"page_size_bytes": 100_000}, ["page_size_bytes=100000", "power of two"]),
     ({"page_size_bytes": 32_768}, ["page_size_bytes=32768", "[65536, 1_073_741_824]"]),
-    # issue #22 item 6: 1 TiB pages passed, and stage 3 then blamed a host budget never set
+    # 1 TiB pages: accepted, stage 3 would blame a host budget never set
     ({"page_size_bytes": 2**40}, ["page_size_bytes=1099511627776", "[65536, 1_073_741_824]"]),
     ({"page_size_bytes": 2**31}, ["page_size_bytes=2147483648", "power-of-two int in"]),
     ({"device_budget_bytes": 0}, ["device_budget_bytes=0", ">= 1", "or None"]),
@@ -196,7 +196,7 @@ def test_page_size_bounds_are_accepted():
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("over", [1, 1 << 40])
 def test_host_budget_above_physical_memory_is_refused_at_every_stage(stage, over):
-    """Issue #22 item 6: accepted at stages 1-2 before (only stage 3's pool said no)."""
+    """Refused when the config is made, at stages 1-2 too (not only by stage 3's pool)."""
     physical = physical_memory_bytes()
     assert physical == psutil.virtual_memory().total
     with pytest.raises(ZeroConfigError) as info:
@@ -263,7 +263,7 @@ def test_from_json_errors(tmp_path):
 
 
 # (loader, argument, exception type, fragments): JSON text that is not an object, and paths
-# where no file exists (issue #22 item 6: from_deepspeed("[1, 2]") was a FileNotFoundError)
+# where no file exists (from_deepspeed("[1, 2]") is not a FileNotFoundError)
 BAD_SOURCES = [
     ("from_deepspeed", "[1, 2]", ZeroConfigError, ["must be an object, got list", "'[1, 2]'"]),
     ("from_deepspeed", " null", ZeroConfigError, ["got NoneType", "JSON text ' null'"]),
@@ -738,7 +738,7 @@ def test_deepspeed_rejects_non_config():
         ZeroConfig.from_deepspeed(42)  # type: ignore[arg-type]
 
 
-# -- DeepSpeed: legacy keys, typos and "auto" from the hidden size (issue #18) -----------
+# -- DeepSpeed: legacy keys, typos and "auto" from the hidden size ----------------------
 
 
 @pytest.mark.parametrize(

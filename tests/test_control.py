@@ -179,9 +179,9 @@ def test_running_job_applies_a_request_at_a_step_boundary(tmp_path, cpu_devices)
 
 @pytest.mark.parametrize("bad_version", ["2", None, 1.5, True, [1]])
 def test_write_request_over_a_malformed_ack_treats_it_as_undecided(tmp_path, bad_version):
-    """An acknowledgement whose version is not an int raised TypeError in the comparison
-    (issue #22 item 7); it now counts as "nothing decided yet": the pending request's
-    changes are kept and the version still increases."""
+    """An acknowledgement whose version is not an int counts as "nothing decided yet"
+    (not a TypeError in the comparison): the pending request's changes are kept and the
+    version still increases."""
     run = str(tmp_path)
     control.write_request(run, {"max_reuse_distance": 4})
     with open(os.path.join(run, control.ACK_FILE), "w", encoding="utf-8") as fh:

@@ -460,10 +460,10 @@ def test_stage_3_row_paged_embedding_is_not_gathered(keras):
 
 
 def test_runtime_estimate_names_what_the_psi_only_prediction_does_not_model():
-    """Issue #19: the demo's ZeRO-Infinity run (stage 3, both offloads on NVMe) showed
-    host predicted 0 vs measured 20 MiB and NVMe above its prediction. The estimate event
-    says what the Ψ-only figures leave out: the pool's host window for NVMe pages, page
-    rounding, and stage 3's gathered units and update in backward."""
+    """The demo's ZeRO-Infinity run (stage 3, both offloads on NVMe) measures about 20 MiB
+    on the host where the Ψ-only figures predict 0, and NVMe above its prediction. The
+    estimate event says what the Ψ-only figures leave out: the pool's host window for NVMe
+    pages, page rounding, and stage 3's gathered units and update in backward."""
     from zero_runtime.runtime.accounting import not_modelled
 
     nvme = ZeroConfig(

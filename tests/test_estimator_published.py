@@ -2,7 +2,7 @@
 Figure 2a and section 3, and DeepSpeed's own estimators for the same inputs.
 
 The DeepSpeed formulas are written out below as references (not imported: DeepSpeed is not
-a dependency), from deepspeedai/DeepSpeed at commit edaa7221 (2026-08-22):
+a dependency), from deepspeedai/DeepSpeed at commit edaa7221, dated 2026-08-22:
 ``deepspeed/runtime/zero/stage_1_and_2.py::estimate_zero2_model_states_mem_needs`` and
 ``deepspeed/runtime/zero/stage3.py::estimate_zero3_model_states_mem_needs``. Where we
 differ, the test states the difference exactly (docs/config.md, "Memory estimate").
@@ -65,8 +65,8 @@ def test_sc20_table_1_has_54_cells():
 # working memory (MSWM) is the fp16 parameters and gradients of the largest operator, the
 # hd x 4hd linear layer: 4 * hd * 4hd bytes. Figure 2a lists, per model: layers nl,
 # hidden size hd (K = 1024), model states (TB, 2^40 bytes) and MSWM per GPU (GB, 2^30).
-# The printed values are reproduced from the paper's formulas and sizes; they were not
-# re-read from the PDF in this session (see the report of issue #18).
+# The printed values are reproduced from the paper's formulas and sizes, not re-read from
+# the PDF.
 SC21_FIGURE_2A = [
     # (params printed, nl, hd, model states TB, MSWM GB)
     (0.10e12, 80, 10 * 1024, 1.83, 1.56),

@@ -1,4 +1,4 @@
-"""Faults of checkpoints and of the optimizer step, tried for real (issue #22, items 3-4).
+"""Faults of checkpoints and of the optimizer step, tried for real.
 
 - A save on a full file system (a 1 MiB tmpfs, filled): a ``CheckpointWriteError`` (an
   ``OSError``, ``ENOSPC``) naming the file, the bytes needed and free; no ``.tmp-*``
@@ -86,7 +86,7 @@ def test_save_on_a_full_disk_names_the_file_leaves_nothing_and_the_next_save_wor
     saved = _snapshot(model)
     job.train(model, 2, 1)
     filler = faults.fill(small_fs)
-    for _ in range(3):  # every retry used to add another .tmp-step... directory
+    for _ in range(3):  # no retry leaves another .tmp-step... directory
         with pytest.raises(CheckpointWriteError) as info:
             manager.save()
         err = info.value
@@ -128,7 +128,7 @@ def test_a_non_utf8_index_is_a_clear_error_and_never_blocks_a_save(tmp_path):
     with pytest.raises(CheckpointCorruptError, match=rf"{old}: damaged index: byte \d+ is not"):
         manager.restore("step00000001")
     job.train(model, 2, 1)
-    manager.save()  # used to raise UnicodeDecodeError (pruning read every index)
+    manager.save()  # pruning does not read the damaged index (no UnicodeDecodeError)
     assert manager.checkpoints() == ["step00000002", "step00000003"]  # the damaged one pruned
     # The newest one damaged: restoring it is refused by name, the next save works.
     newest = root / "step00000003" / "index.json"

@@ -1,12 +1,12 @@
-"""Fault suite, threads (issue #22 item 1): 500 steps at stage 2 and at stage 3 in a child
+"""Fault suite, threads: 500 steps at stage 2 and at stage 3 in a child
 process under a 256-process limit (``RLIMIT_NPROC``; as root the child drops to
 ``nobody``, since Linux does not enforce the limit for root), with the thread count flat
 after warm-up.
 
-Before the fix every collective left a TensorFlow timeout thread sleeping for
-``collective_timeout_seconds`` (+4 threads per step at stage 2, +12 at stage 3 on two CPU
-replicas), so the child aborted (``std::system_error: Resource temporarily unavailable``)
-within ~60 steps of the limit being set.
+A TensorFlow timeout thread left sleeping for ``collective_timeout_seconds`` by every
+collective (+4 threads per step at stage 2, +12 at stage 3 on two CPU replicas) would
+abort the child (``std::system_error: Resource temporarily unavailable``) within ~60
+steps of the limit being set.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """``device_budget_bytes='auto'``: the runtime holds its own device headroom
-(zero_runtime/runtime/headroom.py, issue #21 item 3).
+(zero_runtime/runtime/headroom.py).
 
 The controller's rules on recorded peaks, ``'auto'``'s resolution against the device's
 capacity, and an end-to-end run (tests/helpers/headroom_job.py: a stage-3 GPT with NVMe
@@ -173,7 +173,7 @@ def test_auto_holds_the_headroom_in_a_run_that_pages(tmp_path):
     assert record["final_loss"] < record["first_loss"]
     assert record["auto_events"] >= 1 and all(e["source"] == "auto" for e in record["events"])
     # The floor is the engine's working set (two blocks' gathered buffers + persistent
-    # copies), far above MIN_PAGES: a cut below it made a gather fail (CI, session 11).
+    # copies), far above MIN_PAGES: a cut below it makes a gather fail.
     assert record["floor_bytes"] > 4 * 65536
     assert min(record["budgets"]) >= record["floor_bytes"]
 

@@ -170,8 +170,8 @@ def _wait_gone(pids: list[int], seconds: float) -> list[int]:
 
 
 def test_sigterm_to_the_launcher_stops_training_workers():
-    """Issue #22 item 5: ``kill <launcher>`` left both workers training, reparented to
-    init. The launcher now forwards the signal (SIGTERM + SIGINT to each worker's group,
+    """``kill <launcher>`` does not leave the workers training, reparented to init: the
+    launcher forwards the signal (SIGTERM + SIGINT to each worker's group,
     SIGKILL after the grace period) and waits for them; its status is 128 + 15."""
     launcher = _start_launcher([CLUSTER_JOB, "--steps", "100000"])
     lines: list[str] = []

@@ -81,10 +81,10 @@ def test_create_train_close_many_times_leaks_nothing(tmp_path, cpu_devices):
     assert ours <= reference + 1 * MIB, (ours / MIB, reference / MIB)
 
 
-# -- create / fit / close with NVMe tiers (issue #22, item 2) -----------------------------
+# -- create / fit / close with NVMe tiers -------------------------------------------------
 # TensorFlow's collective executor threads ("collective_ops") come and go on TensorFlow's
-# schedule (their growth per collective is issue #22 item 1, with its own test in
-# tests/test_fault_threads.py); every other OS thread of the process is counted.
+# schedule (their growth per collective has its own test in tests/test_fault_threads.py);
+# every other OS thread of the process is counted.
 _TF_TIMEOUT_THREADS = "collective_ops"
 
 

@@ -130,7 +130,7 @@ def test_mirrored_run_runs_out_and_advises_zero(main_job):
         f"device, by TensorFlow's allocator in-step peak: highest {peak / 2**20:.1f} MiB at "
         f"step {step} over {step + 1} steps, cap 36 MiB: an allocation past it failed"
     ) in proc.stderr, proc.stderr[-3000:]
-    # The post-mortem's path once in the whole log (issue #19).
+    # The post-mortem's path once in the whole log.
     path = logdir / "mirrored_oom" / oom.OOM_FILENAME
     assert (proc.stdout + proc.stderr).count(str(path)) == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
@@ -138,7 +138,7 @@ def test_mirrored_run_runs_out_and_advises_zero(main_job):
 
 
 def test_both_runs_are_judged_by_the_allocator_peak(main_job):
-    """One measure for both runs (issue #19): TensorFlow's allocator in-step peak against
+    """One measure for both runs: TensorFlow's allocator in-step peak against
     the device's memory, stated in the log and recorded in run_info; ZeRO-Infinity's is
     within the cap on every step, and its pool's pages within the pool budget."""
     logdir, proc = main_job
@@ -266,7 +266,7 @@ def test_both_runs_side_by_side_in_the_tab(main_job, tensorboard_server, browser
 
 
 def test_the_story_through_the_plugin_routes(main_job, plugin_client):
-    """Issue #19's end-to-end check, through ``/data/plugin/memory_hierarchy/``: the
+    """The end-to-end check, through ``/data/plugin/memory_hierarchy/``: the
     mirrored run has an OOM record; the ZeRO run moved pages both ways between host and
     NVMe, held NVMe bytes, measured overlap on >= 90% of its steps."""
     logdir, _ = main_job

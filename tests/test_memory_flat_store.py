@@ -28,7 +28,7 @@ def values(n: int, seed: int) -> np.ndarray:
 
 
 def test_small_ranges_share_pages_at_most_one_partial_page_per_replica(tmp_path):
-    # The sizes of the tied GPT's 19 shards of issue 16, and a few larger ones.
+    # The sizes of a tied GPT's 19 shards, and a few larger ones.
     sizes = [104, 8, 8, 128, 8, 128, 8, 128, 8, 128, 8, 8, 8, 256, 16, 256, 8, 8, 8]
     sizes += [C - 5, 3 * C + 7, 11]
     with make_pool(tmp_path) as pool:

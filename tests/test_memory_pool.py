@@ -389,8 +389,8 @@ def test_close_while_prefetching_finishes_io_and_removes_the_file(tmp_path):
 def test_a_placement_that_keeps_losing_its_pages_fails_instead_of_waiting_forever(
     tmp_path, monkeypatch
 ):
-    """A blocking placement is bounded by its own page moves (the demo's stall of
-    session 5: two acquires evicting each other's pages); the bound is lowered here so a
+    """A blocking placement is bounded by its own page moves (else two acquires can evict
+    each other's pages and stall the step); the bound is lowered here so a
     two-hop NVMe -> host -> device move crosses it."""
     from zero_runtime.memory import placement
 

@@ -204,8 +204,8 @@ def test_cluster_from_env_reads_tf_config():
 
 
 _TWO = {"worker": ["h:1", "h:2"]}
-# (TF_CONFIG, the fragment its error must hold): issue #22 item 5, '[1,2]' and 'null' were an
-# AttributeError, "index": "x" an error not naming TF_CONFIG, "index": 1.7 taken as rank 1.
+# (TF_CONFIG, the fragment its error must hold): '[1,2]' and 'null' are no AttributeError,
+# "index": "x" an error naming TF_CONFIG, "index": 1.7 not taken as rank 1.
 BAD_TF_CONFIGS = [
     ("[1,2]", "TF_CONFIG=[1, 2] (list) is invalid: expected an object"),
     ("null", "TF_CONFIG=null (NoneType) is invalid: expected an object"),
@@ -360,9 +360,9 @@ def _listening(port: int) -> bool:
 
 
 def test_a_peer_that_never_starts_ends_rank_0_within_the_startup_timeout(tmp_path):
-    """Issue #22 item 5: rank 0 of a 2-worker TF_CONFIG whose rank 1 never starts waited
-    > 150 s despite collective_timeout_seconds=10, deaf to SIGINT and SIGTERM. Now the wait
-    is bounded (max(30, 3 x 10) = 30 s) and names the missing rank; SIGINT during it ends
+    """Rank 0 of a 2-worker TF_CONFIG whose rank 1 never starts waits a bounded time
+    (max(30, 3 x collective_timeout_seconds=10) = 30 s, not TensorFlow's > 150 s, deaf to
+    SIGINT and SIGTERM) and names the missing rank; SIGINT during it ends
     the process at once. Two lone rank-0 processes run side by side: one waits out the
     timeout, the other is interrupted once it is waiting (its server port listens)."""
     from zero_runtime import cluster_guard
@@ -409,9 +409,9 @@ def test_a_peer_that_never_starts_ends_rank_0_within_the_startup_timeout(tmp_pat
 
 
 def test_a_clean_job_exits_without_a_crash_report(tmp_path):
-    """Issue #22 item 5: a successful job ended with rank 0 logging ``StartAbort
-    UNAVAILABLE ... The tasks have crashed`` when rank 1 left first (no shutdown barrier)
-    and rank 0 still worked for longer than the heartbeat timeout (10 s). Rank 0 lingers
+    """A successful job ends without rank 0 logging ``StartAbort UNAVAILABLE ... The
+    tasks have crashed``, which it would when rank 1 leaves first (no shutdown barrier)
+    and rank 0 still works for longer than the heartbeat timeout (10 s). Rank 0 lingers
     13 s here; the exit barrier keeps rank 1 until rank 0 exits too."""
     proc = subprocess.run(
         [

@@ -1,4 +1,4 @@
-"""OOM post-mortem (issue #10): the demo really exceeds its device budget in a subprocess,
+"""OOM post-mortem: the demo really exceeds its device budget in a subprocess,
 ends with an out-of-memory error, leaves the post-mortem as a summary and as a JSON file,
 and completes once the top advised change is applied; a pool OOM from deep inside a step
 (the NVMe tier really full) still writes the JSON post-mortem; ``zero-runtime oom-report``
@@ -114,10 +114,11 @@ def _by_change(advice):
 
 
 def test_budget_raise_covers_the_in_step_peak_not_the_boundary_use():
-    """Issue #18: "raise to 9 MiB, fits" OOMed at 9.6-10.1 MiB. With the allocator's
-    figures recorded (boundary use 9.2-9.4 MiB over the last steps, in-step peak 27 MiB),
-    the raise goes above the peak with the margin and the job changes that only free the
-    boundary bytes are not labelled "fits" without the margin."""
+    """A raise to the boundary use ("raise to 9 MiB, fits") would OOM at 9.6-10.1 MiB.
+    With the allocator's figures recorded (boundary use 9.2-9.4 MiB over the last steps,
+    in-step peak 27 MiB), the raise goes above the peak with the margin and the job
+    changes that only free the boundary bytes are not labelled "fits" without the
+    margin."""
     config = ZeroConfig(stage=1, offload_optimizer="none", device_budget_bytes=9 * MiB)
     ev = Evidence(
         allocator=True,
@@ -186,7 +187,7 @@ def test_stage3_unit_larger_than_budget_is_the_named_cause():
 
 
 def test_lower_max_live_parameters_is_replayed_and_dropped_when_it_frees_nothing():
-    """Issue #19: advice that frees nothing is not offered. Three 1 MiB units of 262 144
+    """Advice that frees nothing is not offered. Three 1 MiB units of 262 144
     elements: a limit of 600 000 gathers two at once, 300 000 only one: 1 MiB freed per
     replica, replayed on the upper bound (shards + persistent + gathered at once)."""
     config = ZeroConfig(
@@ -208,8 +209,8 @@ def test_lower_max_live_parameters_is_replayed_and_dropped_when_it_frees_nothing
 
 
 def test_nvme_full_offers_host_memory_when_it_has_room():
-    """Issue #18: an NVMe-full failure said nothing fits while offload_optimizer=cpu
-    would have. The host must hold the states with the margin."""
+    """An NVMe-full failure offers offload_optimizer=cpu when the host holds the states
+    with the margin."""
     config = ZeroConfig(
         stage=1, offload_optimizer="nvme", nvme_path="/tmp", nvme_budget_bytes=65536,
         page_size_bytes=65536,
@@ -267,7 +268,7 @@ def test_a_pool_failure_without_the_whole_need_is_never_verified():
 
 
 def test_tier_row_uses_one_accounting_for_used_and_holders():
-    """Issue #19: "28 MiB used" beside holders summing to 44 MiB. A tier row's used bytes
+    """Not "28 MiB used" beside holders summing to 44 MiB: a tier row's used bytes
     are the sum of its holders; the checked reading is kept beside them with its source,
     and a reading above the holders adds the unattributed remainder as a holder."""
     holders = [
@@ -297,7 +298,7 @@ def test_tier_row_uses_one_accounting_for_used_and_holders():
 
 
 def test_stage0_advice_verifies_zero_infinity_and_drops_what_frees_nothing():
-    """Issue #19: the demo's stage-0 OOM ranked "raise the budget" first, offered
+    """The demo's stage-0 OOM does not rank "raise the budget" first, nor offer
     ZeRO-Infinity with "frees 0 B, may fit" and stages 1-2 as "may fit (short)". With the
     estimator's stage-3 figures of the model (Stage3Plan), ZeRO-Infinity is replayed and
     verified, and ranks first; the stages whose replay stays over the budget are "does
@@ -399,8 +400,8 @@ def test_demo_over_budget_writes_postmortem_in_both_forms(oom_logdir):
     assert "out of memory: Step 0 ran out of memory on the device tier" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert f"OOM post-mortem: {path}" in proc.stderr
-    # Issue #19: the report's path once in the whole log (the runtime's own log line
-    # and the demo's both named it).
+    # The report's path once in the whole log (not in both the runtime's own log line
+    # and the demo's).
     assert (proc.stdout + proc.stderr).count(str(path)) == 1, proc.stderr
     report = json.loads(path.read_text())
     assert report["version"] == 1 and report["step"] == 0

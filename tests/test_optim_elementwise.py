@@ -33,6 +33,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers.fit_losses import fit_losses
 from helpers.mirrored import Mirrored
 from helpers.reference_optimizers import densify
 
@@ -152,13 +153,7 @@ def _fit(strategy, make_optimizer) -> tuple[list[float], keras.Model]:
             optimizer=make_optimizer(),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
-    losses: list[float] = []
-    cb = keras.callbacks.LambdaCallback(
-        on_train_batch_end=lambda b, logs: losses.append(float(logs["loss"]))
-    )
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
-    model.fit(ds, epochs=1, verbose=0, shuffle=False, callbacks=[cb])
-    return losses, model
+    return fit_losses(model, x, y, BATCH), model
 
 
 @pytest.fixture(scope="module")

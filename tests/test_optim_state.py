@@ -196,8 +196,8 @@ def test_a_multi_page_subgroup_is_updated_in_its_pages_across_partial_updates(
 ):
     """A sub-group of several pages is updated in its pages' own memory
     (``PagedBufferPool.acquire_pages``): no contiguous copy in (``materialise``), none
-    back (``write_back``; session 18 copied it in once and back once per step, earlier
-    sessions once per block). Updated block by block (the stage-3 update in backward),
+    back (``write_back``; copies in and back cost once per step, or once per block).
+    Updated block by block (the stage-3 update in backward),
     it stays acquired between the blocks (``NvmeOptimizerState._hold``), pinned; the
     states equal one whole-array Adam step's, and a rollback in the middle of a step
     puts them back bitwise and unpins them."""
@@ -378,7 +378,7 @@ def test_past_its_host_journal_a_step_writes_a_new_generation_and_rolls_back_bit
 
 
 def test_nvme_store_peak_counts_the_step_journal_freed_by_the_next_commit(tmp_path):
-    """Issue #17: with room for the journal on the host, a step's undo journal (the old
+    """With room for the journal on the host, a step's undo journal (the old
     m and v of every sub-group it changed) is held in numpy until the step commits;
     ``nbytes`` read after the commit no longer sees it, ``peak_nbytes`` does."""
     page = 65536

@@ -1,4 +1,4 @@
-"""Every stage x tier on models nobody here wrote, against MirroredStrategy (issue #15, item 5).
+"""Every stage x tier on models nobody here wrote, against MirroredStrategy.
 
 Three models (tests/helpers/any_models.py): ``keras.applications.MobileNetV3Small``
 (``weights=None``, 32x32), a GPT-style functional transformer with residuals and a head
@@ -26,7 +26,7 @@ by more than 1e-4 when only the replica count changes; that variable is bounded 
 Keras's own 1-replica vs 2-replica difference (:data:`NOISE_ONLY`), within a factor
 :data:`NOISE_FACTOR`: both differences are rounding noise turned into Adam steps of up to
 the learning rate each, so one noise figure is no sharper a bound than twice the other
-(measured: ours 3.3e-4 vs Keras's 5.8e-4 on 2026-11-30; 3.5e-4 vs 3.1e-4 on 2026-12-04).
+(measured in two runs: ours 3.3e-4 vs Keras's 5.8e-4, and 3.5e-4 vs 3.1e-4).
 
 Each run also checks that it ran the stage it was given: the step record's stage, no
 mirrored fallback, the optimizer store's tier, at stage 3 the parameters' tier, the

@@ -119,8 +119,8 @@ def test_runs_lists_each_run_with_its_tags(client):
 
 @pytest.mark.parametrize("value", ["abc", "true", "2", ""])
 def test_runs_refuses_a_levels_flag_it_does_not_know(client, value):
-    """Issue #19: ``/runs?levels=abc`` answered 200 (any value but "1" meant off); bad
-    input is a 400 naming the value and what is accepted."""
+    """``/runs?levels=abc`` is not a 200 (any value but "1" taken as off): bad input is a
+    400 naming the value and what is accepted."""
     status, body = get_json(client, f"/runs?levels={value}")
     assert status == 400, body
     message = body["error"]["message"]
@@ -373,8 +373,8 @@ def test_a_growing_run_is_read_again_when_its_max_step_changes(tmp_path, monkeyp
 
 
 def test_a_run_rewritten_into_the_same_directory_is_read_anew(tmp_path, monkeypatch):
-    """Issue #19: a TensorBoard left open while the demo reruns into the same logdir
-    answered the old run's /series and /oom from its caches."""
+    """A TensorBoard left open while the demo reruns into the same logdir answers the
+    new run's /series and /oom, not the old run's from its caches."""
     monkeypatch.setattr(reader, "LISTING_TTL_SECONDS", 0.0)  # no reuse of the listing
     monkeypatch.setattr(reader, "LISTING_STALE_SECONDS", 0.0)
     logdir = str(tmp_path / "rerun")
@@ -777,7 +777,7 @@ def test_oom_returns_the_latest_postmortem_as_written(client):
     assert pm["failed_request"]["bytes"] == 96 * 2**20
     assert [a["rank"] for a in pm["advice"]] == [2, 1, 3]  # as written; the view sorts
     assert len(pm["recent_steps"]) == synthetic.OOM_RECENT_STEPS
-    # A run that did not run out of memory: 404 naming the runs that did (issue #19).
+    # A run that did not run out of memory: 404 naming the runs that did.
     status, body = get_json(client, "/oom", run=synthetic.RUN_HTML_NAME)
     assert status == 404, body
     assert body["error"]["message"] == (
@@ -1085,7 +1085,7 @@ def test_request_state_pending_applied_rejected_ignored():
     assert tuning.request_state(req, ignored)["reason"].startswith("version 2")
 
 
-# -- malformed tuning records (issue #22 item 7) -------------------------------------------
+# -- malformed tuning records -------------------------------------------------------------
 
 APPLIED = {"status": "applied", "reason": None, "decided_at": 1.0}
 NINE = {"telemetry_every_n_steps": {"old": 4, "new": 9}}  # a change that must not count
@@ -1213,7 +1213,7 @@ def test_a_job_that_closed_is_not_offered_tuning_until_a_job_starts_again(plugin
     assert status == 200, body
 
 
-# -- DNS rebinding: POST /tune checks Host and Origin (issue #22 item 7) --------------------
+# -- DNS rebinding: POST /tune checks Host and Origin --------------------------------------
 
 FQDN = socket.getfqdn()
 LOCAL = {"SERVER_NAME": "127.0.0.1", "SERVER_PORT": "6006"}  # as werkzeug's server sets them

@@ -1,4 +1,4 @@
-"""``GET /whatif`` and the predictions of ``POST /tune`` / ``GET /tuning`` (issue #21 item 1).
+"""``GET /whatif`` and the predictions of ``POST /tune`` / ``GET /tuning``.
 
 Over the log directory of a real stage-3 job (device budget 64 pages, nothing moves):
 the route predicts a 16-page budget's page moves and device peak from the job's access
@@ -60,7 +60,7 @@ def test_a_lower_budget_is_predicted_before_it_is_applied(plugin_client, logdir)
     assert body["oom"] is None and body["page_size"] == PAGE
     assert sorted(os.listdir(logdir / "high")) == before  # nothing written
     # What the replay covers, and the whole run's figures over the same steps (the Page
-    # moves panel's): this job has no other pool, so they are the pool's (issue #21).
+    # moves panel's): this job has no other pool, so they are the pool's.
     assert "optimizer-state store" in body["scope"] and "not replayed" in body["scope"]
     whole = body["run_recorded"]
     assert whole["steps"] == len(body["steps"])
@@ -144,7 +144,7 @@ def test_tuning_lists_the_trace_steps_and_the_page_size_that_make_predict_reacha
     plugin_client, logdir
 ):
     """GET /tuning says what the panel needs to offer Predict effect without Apply (a
-    TensorBoard without --memory_hierarchy_tuning, a job that ended: issue #19): the
+    TensorBoard without --memory_hierarchy_tuning, a job that ended): the
     recorded trace's steps, and the pool's page size for the device budget's bounds."""
     client = plugin_client(str(logdir))
     body = client.get(f"{URL}/tuning", query_string={"run": "high"}).get_json()

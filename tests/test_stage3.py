@@ -137,7 +137,7 @@ def test_stage3_parity_with_mirrored(offload_param, offload_optimizer, budget, r
     }
     assert all(v.state(r) is not ShardState.GATHERED for v in variables for r in (0, 1))
     # A chain runs by units unless its config needs the block engine (path_choice):
-    # here an int device budget (NVMe parameters run by units since session 13).
+    # here an int device budget (NVMe parameters run by units).
     blocks = budget is not None
     assert engine.path == ("blocks" if blocks else "units"), engine.block_reasons
     if blocks:
@@ -152,7 +152,7 @@ def test_stage3_parity_with_mirrored(offload_param, offload_optimizer, budget, r
     if offload_param == "nvme":
         assert engine.pool.nvme_file is not None
         # The shards' chunks are allocated on NVMe and paged in to the host (n2h); packed
-        # (issue 16), a model this small then fits the host window and may stay there.
+        # into chunks, a model this small fits the host window and may stay there.
         assert engine.space.tier == "nvme"
         assert sum(r.pages["n2h_pages"] for r in strategy.runtime.recorder.last()) > 0
     weights = model.get_weights()  # gathered on demand from the shards

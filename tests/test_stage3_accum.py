@@ -1,4 +1,4 @@
-"""ZeRO stage 3: gradient accumulation and gradient clipping on gradient shards (issue #6).
+"""ZeRO stage 3: gradient accumulation and gradient clipping on gradient shards.
 
 Accumulation: N=4 micro-batches of B at stage 3 == one step on 4B under MirroredStrategy
 with Keras's own SGD (Nesterov momentum, decoupled weight decay, a learning-rate schedule
@@ -171,7 +171,7 @@ def test_stage3_clipping_matches_keras(kind):
     rounding noise (the attention key bias, |w| ~ 1e-7: its gradient is zero in exact
     arithmetic).
     Element-wise, a weight near zero differs by rounding: clipvalue's weights differed by
-    1.07e-6 at -6.3e-4 (2026-12-04), 4e-5 of that variable's largest weight."""
+    1.07e-6 at -6.3e-4 in one run, 4e-5 of that variable's largest weight."""
     ds = _ds(CLIP_STEPS * CLIP_BATCH, CLIP_BATCH)
     kw = {"learning_rate": 0.01, kind: CLIPS[kind]}
     ref = _fit_reference(("/cpu:0",), lambda: DenseGradAdam(**kw), ds)

@@ -1,4 +1,4 @@
-"""Stage 3 on models that are not chains, through plain compile/fit (issue #15, item 2).
+"""Stage 3 on models that are not chains, through plain compile/fit.
 
 ``ZeroConfig(stage=3)`` alone, a model built and compiled inside ``strategy.scope()``,
 ``model.fit``: the runtime shards it and runs every layer that owns weights as a *unit*
@@ -24,12 +24,13 @@ with plain ``MirroredStrategy`` (same model, data and seed) per variable, as
   time steps: gathered before the loop) beside a residual ``Dense``; Adam.
 - ``embed_add``: an ``Embedding`` whose output feeds both a ``Dense`` and a residual
   ``Add``, fed 20 samples in batches of 8 (a partial last batch: unknown batch dimension,
-  so the loss traces Keras's shape ``Assert``); SGD with host optimizer states. It hung
-  in its first step until the collective timeout (issue #15): the ``Assert`` of the
-  second replica was chained after the first replica's host update (fixed twice: the units
-  path's trace-time replica barrier, and ``zero_runtime.lifecycle.host_function``'s
-  per-replica ordering resource; either alone suffices). Also run fast, on its own, comparing the
-  loss, with Adam (:func:`test_partial_batch_embedding_residual_trains_like_mirrored`).
+  so the loss traces Keras's shape ``Assert``); SGD with host optimizer states. Chained
+  after the first replica's host update, the ``Assert`` of the second replica would hang
+  the first step until the collective timeout; two mechanisms keep it apart, either alone
+  enough: the units path's trace-time replica barrier and
+  ``zero_runtime.lifecycle.host_function``'s per-replica ordering resource. Also run
+  fast, on its own, comparing the loss, with Adam
+  (:func:`test_partial_batch_embedding_residual_trains_like_mirrored`).
 
 ``keras.applications.MobileNetV3Small``, the same GPT with Adam and a 3-D ``Dense`` model
 with a smaller last batch are trained at every stage and tier in
@@ -323,8 +324,8 @@ def test_any_model_trains_at_stage3_like_mirrored(name, tier, reference):
 
 
 def test_partial_batch_embedding_residual_trains_like_mirrored(cpu_devices):
-    """Issue #15: an Embedding used twice (Dense and residual Add), a partial last batch,
-    host Adam states: the first step hung until the collective timeout. It trains, and
+    """An Embedding used twice (Dense and residual Add), a partial last batch, host Adam
+    states (a first step that can hang until the collective timeout): it trains, and
     its loss and weights match MirroredStrategy's (whose Adam is given the densified
     embedding gradient: docs/parity.md, "Keras's Adam on a sparse gradient")."""
     ref_losses: list[float] = []

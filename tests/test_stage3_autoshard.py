@@ -1,4 +1,4 @@
-"""``ZeroConfig(stage=3)`` is enough: plain compile/fit shards the model (issue #15, item 1).
+"""``ZeroConfig(stage=3)`` is enough: plain compile/fit shards the model.
 
 A model created and compiled inside ``strategy.scope()`` is sharded by its first
 ``fit``/``train_on_batch``/``evaluate`` (zero_runtime/stage3/autoshard.py), and the

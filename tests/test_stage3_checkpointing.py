@@ -1,5 +1,5 @@
 """Stage 3, activation checkpointing of blocks on the units path
-(zero_runtime/stage3/checkpointing.py; issue #17).
+(zero_runtime/stage3/checkpointing.py).
 
 With ``activation_checkpointing=True`` every outermost block (a layer, not a model,
 holding layers that own weights) keeps only its inputs from the forward and runs again in

@@ -1,6 +1,6 @@
 """Stage 3 on the units path: a training step's device peak is bounded by a few units'
-working set, not by the model (issue #16: "device peak per step <= two wrapping units'
-gathered parameters + activations + persistent parameters, measured by the allocator").
+working set, not by the model: the device peak per step, measured by the allocator, <=
+two wrapping units' gathered parameters + activations + persistent parameters.
 
 Measured by TensorFlow's BFC allocator in a fresh process per model
 (tests/helpers/units_peak_job.py): the in-use bytes above the step's start over one

@@ -1,11 +1,11 @@
-"""Stage-3 parameter shards packed into page-sized chunks (issue 16, "Flat chunks").
+"""Stage-3 parameter shards packed into page-sized chunks ("flat chunks").
 
 Every host/NVMe shard is a range of its replica's flat space
 (:class:`zero_runtime.memory.FlatShardSpace`), so page rounding costs at most one page per
-replica, not a page per variable. Before packing, the tied GPT below (19 variables, 2,464
-parameters, 2 replicas) held 38 pages of 4 MiB on the host (159 MB for 9,856 bytes).
+replica, not a page per variable. Unpacked, the tied GPT below (19 variables, 2,464
+parameters, 2 replicas) would hold 38 pages of 4 MiB on the host (159 MB for 9,856 bytes).
 
-Done when (issue 16): a stage-3 run's host parameter bytes <= 1.25x the model's fp32
+Goal: a stage-3 run's host parameter bytes <= 1.25x the model's fp32
 parameter bytes; with pages larger than a replica's share of a small model that is
 1.25x + one page per replica (the partly filled last chunk).
 """
@@ -65,7 +65,7 @@ def test_tied_gpt_at_default_pages_holds_one_page_per_replica_and_trains_like_mi
         fp32 = 4 * sum(math.prod(v.shape) for v in model.trainable_variables)
         assert (len(model.trainable_variables), fp32) == (19, 9_856)
         used, peak, recorded = _host_param_bytes(strategy)
-        # 38 pages (159 MB) before packing; now the one partly filled chunk per replica.
+        # 38 pages (159 MB) unpacked; packed, the one partly filled chunk per replica.
         assert used == peak == recorded == REPLICAS * DEFAULT_PAGE_SIZE
         assert used <= 1.25 * fp32 + REPLICAS * DEFAULT_PAGE_SIZE
         rows = strategy.runtime.placement()["variables"]
@@ -100,7 +100,7 @@ def test_mobilenet_host_parameter_bytes_are_within_a_quarter_of_fp32(cpu_devices
         used, peak, recorded = _host_param_bytes(strategy)
         assert used == peak == recorded
         assert used == REPLICAS * page * math.ceil(4 * sum(shards) / page)
-        assert used <= 1.25 * fp32, (used, fp32)  # issue 16's done-when
+        assert used <= 1.25 * fp32, (used, fp32)  # the goal
         assert unpacked > 2 * used  # one tensor per variable: whole pages each
         print(
             f"mobilenet: {len(shards)} variables, fp32 {fp32} B, host {used} B packed, "

@@ -1,4 +1,4 @@
-"""Stage 3 under a Keras mixed-precision policy (issue #16, item 3).
+"""Stage 3 under a Keras mixed-precision policy.
 
 Under ``mixed_bfloat16`` every unit whose weights Keras casts to the compute dtype is
 all-gathered in bfloat16 (half the bytes of float32; the float32 shards stay the master

@@ -1,4 +1,4 @@
-"""Stage 3 with parameters and optimizer states on the device (issue #16, item 2).
+"""Stage 3 with parameters and optimizer states on the device.
 
 The shards are per-replica TensorFlow variables read by the all-gather and assigned by the
 update inside the step; the step boundary (runtime clock, pool step, collective deadline)

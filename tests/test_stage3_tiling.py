@@ -1,4 +1,4 @@
-"""Stage 3, memory-centric tiling (zero_runtime/stage3/tiling.py; issue #17, item 1).
+"""Stage 3, memory-centric tiling (zero_runtime/stage3/tiling.py).
 
 A ``Dense``/``EinsumDense``/``Embedding`` unit whose kernel (table) exceeds
 ``tile_size`` elements runs as column tiles, each gathered, used and released in turn,

@@ -1,4 +1,4 @@
-"""Live tuning has a real effect at stage 3 (issue #9 item 5).
+"""Live tuning has a real effect at stage 3.
 
 - ``PagedBufferPool.set_device_budget``: shrinking the device tier moves the excess pages
   down (least recently used first, counted as d2h moves and evictions), refuses when

@@ -1,5 +1,5 @@
 """Stage 3 with parameters on NVMe runs by units, prefetching along the recorded reads
-(issue #16; zero_runtime/stage3/schedule.py).
+(zero_runtime/stage3/schedule.py).
 
 A chain of ``Dense(256)`` layers (eleven units, about 610K float32 parameters) trains one
 epoch at stage 3 with ``offload_param='nvme'`` and host optimizer states, under a host tier

@@ -1,4 +1,4 @@
-"""Telemetry that tells the truth (issue #7): the Timeline's overlap arithmetic, exact page
+"""Telemetry that tells the truth: the Timeline's overlap arithmetic, exact page
 counts and bytes of a step that pages to NVMe, and tier bytes equal to the pool's own
 accounting (real training with Keras fit, a real NVMe slab file under tmp_path)."""
 

@@ -177,7 +177,7 @@ def _drive_the_tab(browser, tensorboard_server, logdir, stop, job, job_log) -> N
 def test_the_device_budget_set_in_the_tab_moves_pages_in_a_stage3_job(
     browser, tensorboard_server, plugin_client, tmp_path
 ):
-    """Issue #9's effect: lower the budget from the tab, pages move; raise it, they stop."""
+    """Live tuning's effect: lower the budget from the tab, pages move; raise it, they stop."""
     require_built_frontend()
     logdir, stop, job, job_log = _start_job(tmp_path, "--stage3")
     with _stopped_at_exit(job, stop, job_log):

@@ -1,4 +1,4 @@
-"""Stages 0-2 with dimensions unknown at trace time (issue #15 item 3).
+"""Stages 0-2 with dimensions unknown at trace time.
 
 Two models whose gradients have shapes TensorFlow cannot know when it traces the step:
 

@@ -1,4 +1,4 @@
-"""What-if before apply (issue #21 item 1): the access trace and its replay.
+"""What-if before apply: the access trace and its replay.
 
 - A pool's recorded steps, replayed through the same core with the configuration
   unchanged, reproduce the measured page moves, evictions, prefetch hits and misses,
@@ -222,7 +222,7 @@ def test_replay_refuses_what_it_cannot_replay():
 
 
 def test_replayed_stall_uses_the_recorded_stall_per_miss_and_notes_explain(tmp_path):
-    """Issue #19: the unchanged replay's stall is its misses x the recorded stall per miss
+    """The unchanged replay's stall is its misses x the recorded stall per miss
     (as every prediction's), not the simulator's own waits, so it is comparable with the
     recorded stall; prefetch off and a budget below a gather's need are explained."""
     _, trace = _run(10, tmp_path)

@@ -1,5 +1,5 @@
 """End to end in Chromium: a change's predicted effect before it is applied, then beside
-what was measured (issue #21 item 1).
+what was measured.
 
 A real stage-3 training job (``tests/helpers/tuning_job.py --stage3``: parameter shards
 on the host, every gathered block on the device; nothing pages at the default budget), a

@@ -1,4 +1,4 @@
-"""Models nobody here wrote, their data and the parity measure (issue #15).
+"""Models nobody here wrote, their data and the parity measure.
 
 Shared by ``tests/test_stage3_any_model.py`` and ``tests/test_parity_matrix.py``:
 
@@ -131,7 +131,7 @@ def rel(w: np.ndarray, r: np.ndarray) -> float:
 
 
 def check_stage3_placement(strategy, model: keras.Model) -> None:
-    """Assert what a stage-3 run of ``model`` reports (issue #15, "Done when"): every
+    """Assert what a stage-3 run of ``model`` reports: every
     trainable variable "(ZeRO-3)" in the placement table, every non-trainable one
     "frozen", and the device tier record's parameter bytes = the pool's parameter pages
     + the frozen weights' bytes on each local replica (they are replicated there).
