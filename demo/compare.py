@@ -64,7 +64,7 @@ NOISE = re.compile(
 )
 REPO = Path(__file__).resolve().parent.parent
 #: ZeroConfig keys both runs start from (``--set`` overrides them). 256 KiB pages: stage 3
-#: still gives every variable's shard at least one page (issue #16, flat chunks), which at
+#: still gives every variable's shard at least one page (flat chunks), which at
 #: the default 4 MiB would hold ~20x the demo's parameter bytes on the host and NVMe.
 DEFAULT_SETS = ("page_size_bytes=262144",)
 #: TensorFlow's CPU allocator cap, MiB: the CPU stand-in device's memory.
