@@ -380,6 +380,45 @@ def test_accumulation_in_loop_equals_big_batch(tmp_path):
     _compare(3, got, ref)
 
 
+def _run_with_vars_read_before_build(strategy):
+    """``_run`` of a loop that reads ``train_vars = model.trainable_variables`` before
+    ``optimizer.build`` (which shards the model at stage 3) and uses them in
+    ``tape.gradient`` and ``apply_gradients``; also returns those variables' values."""
+    held = {}
+
+    def make(model):
+        held["vars"] = model.trainable_variables
+        optimizer = keras.optimizers.Adam(1e-2)
+        optimizer.build(held["vars"])
+        return optimizer
+
+    def step_fn(model, optimizer, compute_loss, batch):
+        x, y = batch
+        train_vars = held["vars"]
+        with tf.GradientTape() as tape:
+            loss = compute_loss(y, model(x, training=True))
+        optimizer.apply_gradients(zip(tape.gradient(loss, train_vars), train_vars))
+        return loss
+
+    got = _run(strategy, residual, step_fn, make)
+    return got, [np.asarray(v.numpy()) for v in held["vars"]]
+
+
+def test_variables_read_before_the_build_stand_for_their_shards(tmp_path):
+    """Stage 3: the variables a loop read before optimizer.build sharded the model stand
+    for their sharded variables (the tape's gradient shard, the update, whole reads):
+    trains as under MirroredStrategy."""
+    ref, _ = _run_with_vars_read_before_build(Mirrored(("/cpu:0", "/cpu:1")))
+    strategy = zero_strategy(3, "cpu", "cpu", tmp_path)
+    try:
+        got, held = _run_with_vars_read_before_build(strategy)
+    finally:
+        strategy.close()
+    _compare(3, got, ref)
+    for h, w in zip(held, got[1]):
+        np.testing.assert_array_equal(h, w)
+
+
 def _gan_run(strategy):
     """Two models and two optimizers in one step (a GAN on 12-D points)."""
     x, _ = data("residual")

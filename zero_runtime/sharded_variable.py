@@ -76,6 +76,27 @@ def is_deferred(variable) -> bool:
     )
 
 
+def redirect(original, sharded: _KerasProtocol) -> None:
+    """Make the Keras variable ``original`` an alias of ``sharded``, the variable that
+    replaced it in its model (stage 3 shards a model in place).
+
+    A user's loop may hold the originals (``train_vars = model.trainable_variables`` read
+    before ``optimizer.build`` sharded the model). Keras's TensorFlow variable keeps its
+    storage in ``_value`` and reads ``handle``, ``numpy()`` and ``assign`` through it, so
+    with ``sharded`` there the original reads and assigns the logical value, and inside a
+    step ``tape.gradient`` over it returns ``sharded``'s reduced gradient shard (its
+    ``handle`` is the gradient anchor); :func:`resolve` gives ``sharded`` back to the
+    optimizer. The replicated storage is released (nothing else holds it).
+    """
+    original._value = sharded  # noqa: SLF001  (Keras's own storage slot)
+
+
+def resolve(variable):
+    """``variable``, or the sharded variable it is an alias of (:func:`redirect`)."""
+    value = getattr(variable, "_value", None)
+    return value if isinstance(value, _KerasProtocol) else variable
+
+
 class ShardState(enum.Enum):
     """Per-replica lifecycle of a :class:`ShardedVariable` (see the module table)."""
 

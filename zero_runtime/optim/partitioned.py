@@ -67,7 +67,7 @@ from zero_runtime.optim.replica_context import replica_id
 from zero_runtime.optim.shard_update import ShardedUpdate
 from zero_runtime.optim.split_state import SplitOptimizerState
 from zero_runtime.optim.transaction import StepJournals, TransactionalUpdate
-from zero_runtime.sharded_variable import ShardedVariable, is_deferred
+from zero_runtime.sharded_variable import ShardedVariable, is_deferred, resolve
 
 _BaseOptimizer = keras.optimizers.Optimizer
 _OPTIMIZER_IDS = itertools.count()
@@ -164,6 +164,8 @@ class _PartitionedUpdate(KerasSaving, FlatShardUpdate, ShardedUpdate, Transactio
         """
         if self.built:
             return
+        # Originals a loop read before stage 3 sharded their model: their sharded variables.
+        variables = [resolve(v) for v in variables]
         strategy = self._distribution_strategy
         runtime = getattr(strategy, "runtime", None)
         config = runtime.config if runtime is not None else ZeroConfig()
@@ -357,8 +359,12 @@ class _PartitionedUpdate(KerasSaving, FlatShardUpdate, ShardedUpdate, Transactio
         The ZeRO update works on the dense summed gradient; densifying before Keras's
         clipping also makes ``global_clipnorm`` use the norm of the dense gradient (Keras's
         norm of an IndexedSlices with duplicate indices counts the duplicates separately).
-        In fallback mode the gradients are passed through unchanged (stock Keras).
+        In fallback mode the gradients are passed through unchanged (stock Keras). At
+        stage 3 a variable the loop read before the model was sharded stands for its
+        sharded variable (:func:`~zero_runtime.sharded_variable.resolve`).
         """
+        if trainable_variables is not None:
+            trainable_variables = [resolve(v) for v in trainable_variables]
         if not self.built and trainable_variables is not None:
             # Build before deciding (the fallback is decided in build): every replica must
             # trace the same collectives, so none may densify while another does not.

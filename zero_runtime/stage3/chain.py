@@ -8,6 +8,8 @@ from __future__ import annotations
 import keras
 import numpy as np
 
+from zero_runtime.sharded_variable import redirect
+
 
 def _chain_or_none(model: keras.Model) -> list | None:
     """The model's blocks when it is a chain the per-block path runs (a Sequential or a
@@ -117,8 +119,11 @@ def _replace_variable(layer: keras.layers.Layer, old, new) -> None:
     lists (``_trainable_variables``) and, under TensorFlow, in TensorFlow's checkpoint
     dependency records (a ``TrackedDict`` of names and a list of ``TrackableReference``
     pairs). All are rewritten in place, by identity, so that nothing keeps the replicated
-    original alive once the sharded variable replaces it.
+    original alive once the sharded variable replaces it; a reference held elsewhere (a
+    loop's ``train_vars`` read before sharding) becomes an alias of ``new``
+    (:func:`~zero_runtime.sharded_variable.redirect`).
     """
+    redirect(old, new)
     for sub in layer._flatten_layers(include_self=True):  # noqa: SLF001
         for name, value in list(vars(sub).items()):
             if value is old:
