@@ -409,17 +409,58 @@ class RowPagedEmbedding:
             y, uniq, inv_local = self._lookup(x, replica)
 
             def grad(dy):
-                width = self.table.row_elements
-                dflat = tf.reshape(tf.cast(dy, tf.float32), [-1, width])  # (L, C)
-                k = tf.shape(uniq)[0]
-                local = tf.math.unsorted_segment_sum(dflat, inv_local, k)  # (K, C)
-                total = comm.all_reduce_sum_flat(local)  # (K, C), same on every replica
-                self._pending[replica] = (uniq, total)
+                self._pending[replica] = (uniq, self._row_gradient(dy, uniq, inv_local))
                 return None, tf.zeros_like(anchor)
 
             return y, grad
 
         return run(x, anchor)
+
+    def use(self, x, anchor, replica: int):
+        """One use of the table in a units-path step (the model's own call): the layer's
+        output for this replica's ids ``x`` (int, any shape ``S``), float32 ``S + (C,)``.
+
+        ``anchor`` is the table's gradient anchor in the step (a float32 scalar zero,
+        :mod:`zero_runtime.stage3.gather`): its gradient is the touched rows' summed
+        gradient, float32 ``(K, C)``, identical on every replica (the all-reduce of step
+        2 in the module docstring), which a tape returns for the table
+        (``tape.gradient(loss, model.trainable_variables)``) and :meth:`apply_update`
+        takes; the rows ``U`` it belongs to are kept for :meth:`apply_update`.
+        """
+
+        @tf.custom_gradient
+        def run(x, anchor):
+            y, uniq, inv_local = self._lookup(x, replica)
+            self._pending[replica] = (uniq, None)
+
+            def grad(dy):
+                return None, self._row_gradient(dy, uniq, inv_local)
+
+            return y, grad
+
+        return run(x, anchor)
+
+    def keep_gradient(self, replica: int, grad: tf.Tensor) -> None:
+        """Keep ``grad``, the gradient of the table's anchor in this replica's step (the
+        touched rows' float32 ``(K, C)``, or a scalar zero when the lookup did not reach
+        the loss), for :meth:`apply_update`; nothing when the step did not look up."""
+        pending = self._pending.get(replica)
+        if pending is not None:
+            self._pending[replica] = (pending[0], grad)
+
+    def discard(self, replica: int) -> None:
+        """Forget what an earlier trace kept for ``replica`` (a step begins)."""
+        self._pending.pop(replica, None)
+
+    def _row_gradient(self, dy, uniq, inv_local) -> tf.Tensor:
+        """The touched rows' gradient, float32 ``(K, C)``: ``dy`` (``S + (C,)``) summed
+        per row of ``U`` (``unsorted_segment_sum``, the accumulation TensorFlow's
+        densified ``IndexedSlices`` uses), all-reduced over the replicas."""
+        width = self.table.row_elements
+        dflat = tf.reshape(tf.cast(dy, tf.float32), [-1, width])  # (L, C)
+        k = tf.shape(uniq)[0]
+        local = tf.math.unsorted_segment_sum(dflat, inv_local, k)  # (K, C)
+        return comm.all_reduce_sum_flat(local)  # (K, C), same on every replica
 
     def forward(self, x, replica: int):
         """Output without gradient (inference through the engine), float32 ``S + (C,)``."""
@@ -447,7 +488,7 @@ class RowPagedEmbedding:
         out.set_shape(x.shape.concatenate([width]))  # S + (C,): static rank for Keras
         return out, uniq, inv_local
 
-    def apply_update(self, optimizer, replica: int) -> tf.Tensor | None:
+    def apply_update(self, optimizer, replica: int, grad=None) -> tf.Tensor | None:
         """Update this replica's own touched rows (after the backward of this step).
 
         Args:
@@ -455,20 +496,41 @@ class RowPagedEmbedding:
                 SGD): its learning rate (schedules at the step's iteration), its
                 ``_zero_scalars`` and host kernel ``_zero_host_step``.
             replica: the replica id.
+            grad: the touched rows' gradient, float32 ``(K, C)`` (the gradient of the
+                table's anchor, :meth:`use`, possibly changed by a custom loop), or None
+                (default): the one the step's backward kept. A scalar (the table did not
+                reach the loss) updates nothing.
 
         Returns:
             An int64 scalar that exists once the rows are written, or None when the
-            step's backward did not reach this block.
+            step's backward did not reach this table.
 
         Raises:
             NotImplementedError: gradient clipping (as at stage 3 generally).
+            ValueError: ``grad`` not of shape ``(K, C)``.
         """
         pending = self._pending.pop(replica, None)
         if pending is None:
             return None
+        uniq, kept = pending
+        grad = kept if grad is None else tf.convert_to_tensor(grad)
+        if grad is None or grad.shape.rank == 0:
+            return None
+        width = self.table.row_elements
+        if grad.shape.rank != 2 or grad.shape[1] not in (None, width):
+            raise ValueError(
+                f"stage 3: the gradient of the row-paged table {self.table.path!r} has "
+                f"shape {grad.shape}, not its touched rows' (K, {width}): pass the "
+                "gradient tape.gradient returned inside the same step"
+            )
         if optimizer.clipnorm or optimizer.global_clipnorm or optimizer.clipvalue:
-            raise NotImplementedError("gradient clipping is not implemented at stage 3")
-        uniq, grad = pending
+            raise NotImplementedError(
+                f"stage 3: gradient clipping is not implemented for the row-paged "
+                f"embedding table {self.table.path!r} (its touched rows are updated "
+                "unclipped): raise embedding_row_paging_threshold above its "
+                f"{math.prod(self.table.shape)} elements, or drop clipnorm / "
+                "global_clipnorm / clipvalue"
+            )
         lr = tf.cast(optimizer._zero_learning_rate(), tf.float32)  # noqa: SLF001
         scalars = optimizer._zero_scalars(lr)  # noqa: SLF001 (reads iterations before +1)
         decay = bool(optimizer.weight_decay) and optimizer._use_weight_decay(self.table)  # noqa: SLF001

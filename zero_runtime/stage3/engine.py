@@ -172,7 +172,7 @@ class Stage3Engine(BlockSteps):
             self.tier,
             self.num_shards,
             len(self.local_replicas),
-            specs is None,
+            units=specs is not None,
         )
         # Host/NVMe shards are packed into one flat space per replica (page-sized chunks):
         # page rounding costs at most one page per replica, not a page per variable.
@@ -218,6 +218,7 @@ class Stage3Engine(BlockSteps):
             self.units = UnitsPath(self, model, specs, remote, _replace_variable, _replica_id)
             self.runner = self.units.runner
             self.tile_plans = self.units.tile_plans
+            self.row_paged = self.units.row_paged
         self.recorded_order: list[tuple[str, int]] = []
         self._order_frozen = False
         self._lock = threading.Lock()

@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 
 import keras
 import tensorflow as tf
@@ -75,6 +76,10 @@ class Unit:
             ``tf.custom_gradient``, whose backward drops the nested units' gradients, so
             its call runs as is and each read of its own weights is a one-variable use
             (:meth:`UnitRunner.read_outside`).
+        rows: a :class:`~zero_runtime.stage3.embedding.RowPagedEmbedding` when the unit
+            is an ``Embedding`` whose table is row-paged (``variables`` is then empty:
+            its table is never gathered whole, only the rows a step looks up move), else
+            None (default).
     """
 
     index: int
@@ -83,6 +88,7 @@ class Unit:
     call: object
     tiles: object = None
     hooked: bool = True
+    rows: object = None
 
     @property
     def shard_elements(self) -> int:
@@ -112,6 +118,8 @@ class _StepState:
     updated: set = dataclasses.field(default_factory=set)  # id(v) queued during backward
     # The reduced shard of the use whose backward was traced last (UnitRunner._backward_dep).
     last_reduced: tf.Tensor | None = None
+    # Row-paged tables looked up in this step (id(table)): one use per step each.
+    row_uses: set = dataclasses.field(default_factory=set)
     # Inside an activation-checkpointed block (zero_runtime/stage3/checkpointing.py):
     # "normal" (default); "no_grad" (the block's forward: uses gather, call and drop, and
     # are counted); "recompute" (the block's call again in its backward: uses with
@@ -153,6 +161,9 @@ class UnitRunner:
         for v in self.variables:
             object.__setattr__(v, "_zero_outside_read", self.read_outside)
             object.__setattr__(v, "_zero_anchor", self.anchor)
+        for t in self.tables:
+            object.__setattr__(t, "_zero_outside_read", self._refuse_table_read)
+            object.__setattr__(t, "_zero_anchor", self.anchor)
 
     @property
     def variables(self) -> list[ShardedVariable]:
@@ -165,11 +176,17 @@ class UnitRunner:
                     out.append(v)
         return out
 
+    @property
+    def tables(self) -> list:
+        """The row-paged tables (:class:`~zero_runtime.stage3.embedding.RowPagedTable`)
+        of the row-paged units, in unit order; not in :attr:`variables`."""
+        return [u.rows.table for u in self.units if u.rows is not None]
+
     def remove(self) -> None:
         """Take the hooks away (the layers run their own ``call`` again)."""
         for layer in [u.layer for u in self.units if u.hooked] + self.regions:
             layer.__dict__.pop("call", None)
-        for v in self.variables:
+        for v in self.variables + self.tables:
             v.__dict__.pop("_zero_outside_read", None)
             v.__dict__.pop("_zero_anchor", None)
 
@@ -192,13 +209,17 @@ class UnitRunner:
         Returns:
             The replica id and the anchors, in :attr:`variables` order (empty without
             ``backward``): the tape watches them, and their gradients are the replica's
-            reduced gradient shards (float32 ``[shard_elements]`` each).
+            reduced gradient shards (float32 ``[shard_elements]`` each). The row-paged
+            tables' anchors are :meth:`table_anchors`.
         """
         replica = self._replica_id()
         anchors = None
         if backward:
             # Scalars (the module docstring: no [shard_elements] zeros live at once).
-            anchors = {id(v): tf.zeros([], tf.float32) for v in self.variables}
+            anchors = {id(v): tf.zeros([], tf.float32) for v in self.variables + self.tables}
+        for unit in self.units:
+            if unit.rows is not None:
+                unit.rows.discard(replica)  # rows kept by an earlier trace
         update = update if backward else None
         self._steps[replica] = _StepState(
             tf.reshape(token, [-1])[:1],
@@ -208,7 +229,14 @@ class UnitRunner:
             done=None if update is None else tf.zeros([], tf.float32),
             user=user,
         )
-        return replica, list((anchors or {}).values())
+        return replica, [anchors[id(v)] for v in self.variables] if anchors else []
+
+    def table_anchors(self, replica: int) -> list[tf.Tensor]:
+        """The replica's anchors of the row-paged tables, in :attr:`tables` order (empty
+        in a forward-only pass): float32 scalars whose gradients are the touched rows'
+        gradients, float32 ``(K, C)`` (:meth:`RowPagedEmbedding.use`)."""
+        anchors = self._steps[replica].anchors
+        return [anchors[id(t)] for t in self.tables] if anchors else []
 
     def step_state(self) -> _StepState:
         """The current replica's step state (inside a step only)."""
@@ -317,6 +345,8 @@ class UnitRunner:
         if not self.in_step():
             return unit.call(*args, **kwargs)
         self._refuse_nested(unit.layer.name)
+        if unit.rows is not None:
+            return self._row_use(unit, args, kwargs)
         if unit.tiles is not None and unit.tiles.applies(args, kwargs):
             # Inside tf.cond / tf.while_loop the unit is gathered whole before the control
             # flow (branch_use.use_in_branch): tiles run outside control flow only.
@@ -355,6 +385,66 @@ class UnitRunner:
             unit = Unit(-1, None, (variable,), None)
             self._outside[id(variable)] = unit
         return self._use(unit, ((), {}), None)
+
+    def _row_use(self, unit: Unit, args: tuple, kwargs: dict):
+        """A row-paged ``Embedding``'s call inside a step: only the rows its ids look up
+        move (:mod:`zero_runtime.stage3.embedding`); float32 ``S + (C,)`` cast to the
+        layer's compute dtype, as ``Embedding.call``.
+
+        Raises:
+            NotImplementedError: a lookup inside ``tf.cond`` / ``tf.while_loop`` (its
+                collectives cannot run inside control flow), or a second lookup of the
+                table in one training step (its anchor carries one lookup's rows),
+                naming the table and the fix.
+        """
+        replica = self._replica_id()
+        state = self._steps[replica]
+        rows = unit.rows
+        fix = (
+            f"raise embedding_row_paging_threshold above the table's "
+            f"{math.prod(rows.table.shape)} elements (it is then gathered whole like "
+            "other weights), or train at stage 1 or 2"
+        )
+        if _inside_control_flow(state.graph):
+            raise NotImplementedError(
+                f"stage 3: the row-paged embedding {unit.layer.name!r} is called inside "
+                f"tf.cond / tf.while_loop, where its collectives cannot run; {fix}"
+            )
+        ids = args[0] if args else kwargs["inputs"]
+        if state.anchors is None or state.mode == "no_grad":
+            if state.anchors is not None:
+                self._count_table_use(state, unit, fix)
+            out = rows.forward(ids, replica)
+        else:
+            if state.mode != "recompute":
+                self._count_table_use(state, unit, fix)
+            out = rows.use(ids, state.anchors[id(rows.table)], replica)
+        return tf.cast(out, unit.layer.compute_dtype)
+
+    @staticmethod
+    def _count_table_use(state: _StepState, unit: Unit, fix: str) -> None:
+        """Record a training step's lookup of ``unit``'s table; refuse a second one."""
+        key = id(unit.rows.table)
+        if key in state.row_uses:
+            raise NotImplementedError(
+                f"stage 3: the row-paged embedding {unit.layer.name!r} is looked up twice "
+                f"in one training step; a row-paged table takes one lookup per step: {fix}"
+            )
+        state.row_uses.add(key)
+
+    def _refuse_table_read(self, table):
+        """A row-paged table's value read outside its ``Embedding``'s call (a tied head,
+        a regularizer): refused inside a step (it would gather the whole table); None
+        outside one (the value gathers on demand)."""
+        if not self.in_step():
+            return None
+        raise NotImplementedError(
+            f"stage 3: the row-paged embedding table {table.path!r} is read whole inside "
+            "the step (outside its Embedding's lookup: a tied output head, a weight "
+            "regularizer), which would gather the table that row paging keeps in pages. "
+            f"Raise embedding_row_paging_threshold above its {math.prod(table.shape)} "
+            "elements (it is then gathered whole like other weights), or untie it"
+        )
 
     def _refuse_nested(self, what: str) -> None:
         """Raise when a use would start inside another unit's call (its

@@ -105,7 +105,8 @@ class ShardedModel(keras.Model):
             wrap_train_function=self.engine.clock.wrap,
             user_forward=self.engine.user_forward,
         )
-        for v in self.engine.variables:  # the optimizer's apply finds its step here
+        tables = [e.table for e in self.engine.row_paged.values()]
+        for v in self.engine.variables + tables:  # the optimizer's apply finds its step here
             object.__setattr__(v, "_zero_sharded_model", self)
         for name in ("fit", "train_on_batch", "evaluate", "predict"):  # recover on errors
             own = getattr(type(model), name).__get__(model)
@@ -204,8 +205,10 @@ class ShardedModel(keras.Model):
         """A custom loop's ``optimizer.apply_gradients`` at stage 3, on this replica.
 
         ``grads`` are what the user's tape returned for ``variables`` (each sharded
-        variable's reduced gradient shard, float32 ``[shard_elements]``, or None: no
-        gradient, taken as zeros), possibly changed by the user's code. Every replica's
+        variable's reduced gradient shard, float32 ``[shard_elements]``; a row-paged
+        table's touched rows' gradient, float32 ``(K, C)``; or None: no gradient, taken
+        as zeros), possibly changed by the user's code. The row-paged tables' touched
+        rows are updated first (:meth:`RowPagedEmbedding.apply_update`). Every replica's
         forward and backward are traced before any update (a trace-time barrier), then
         accumulation, clipping and the update run as in :meth:`train_step`
         (:meth:`_apply_gradients`), the step's end is reported to the engine and the
@@ -220,14 +223,19 @@ class ShardedModel(keras.Model):
             ValueError: a gradient whose shape is not its variable's shard (a gradient
                 computed outside the step's tape), naming the variable; gradients clipped
                 by ``tf.clip_by_global_norm`` (see :func:`_refuse_local_norm_clipping`).
+            NotImplementedError: loss scaling with accumulation or a row-paged table
+                (:func:`~zero_runtime.stage3.loss_scaling.check_supported`).
         """
         replica = int(
             tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group)
         )
         replica_barrier()  # as in UnitsPath.forward_backward
-        given = {}
+        given, rows = {}, {}
         for g, v in zip(grads, variables):
             if g is None:
+                continue
+            if getattr(v, "row_paged", False):  # the touched rows' (K, C): apply_update
+                rows[id(v)] = g
                 continue
             if isinstance(g, tf.IndexedSlices):
                 g = tf.convert_to_tensor(g)
@@ -246,7 +254,14 @@ class ShardedModel(keras.Model):
         # Every gather of the step (a persistent tape's later backward too) reads the
         # shards before they are updated.
         reads = [tf.reshape(r, [-1])[:1] for r in self.engine.runner.step_state().reads]
-        with tf.control_dependencies(reads):
+        # Row-paged tables first: their scalars read the iteration before the dense update
+        # increments it (as in train_step).
+        loss_scaling.check_supported(loss_scaling.split(opt)[0], self.engine)
+        sparse = [
+            e.apply_update(opt, replica, rows.get(id(e.table), tf.zeros([])))
+            for e in self.engine.row_paged.values()
+        ]
+        with tf.control_dependencies(reads + [t for t in sparse if t is not None]):
             full = {k: tf.identity(g) for k, g in full.items()}
         done = self._apply_gradients(opt, full, replica, clock=True)
         with tf.control_dependencies([done]):

@@ -22,7 +22,6 @@ import math
 import keras
 
 from zero_runtime.config import ZeroConfig
-from zero_runtime.stage3.embedding import row_paging_applies
 
 #: Gathered units the units path holds at once, at most: the unit in use and the next
 #: one (its gather may start while the previous unit's views are still read).
@@ -35,8 +34,6 @@ def block_engine_reasons(layers: list, config: ZeroConfig) -> tuple[str, ...]:
 
     The block engine alone has:
 
-    - row-paged embedding tables (an ``Embedding`` at or above
-      ``embedding_row_paging_threshold`` elements, ``embedding.row_paging_applies``);
     - gathered parameters in the pool's device tier, so that an int
       ``device_budget_bytes`` bounds them (the units path's gathered views are TF tensors
       outside the pool);
@@ -64,9 +61,6 @@ def block_engine_reasons(layers: list, config: ZeroConfig) -> tuple[str, ...]:
         One sentence per reason (empty: run by units).
     """
     reasons = []
-    paged = [layer.name for layer in layers if row_paging_applies(layer, config)]
-    if paged:
-        reasons.append(f"row-paged embedding tables {paged}")
     if config.device_budget_bytes is not None:
         reasons.append(
             f"device_budget_bytes={config.device_budget_bytes!r} (gathered parameters "

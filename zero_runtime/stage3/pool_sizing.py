@@ -42,7 +42,7 @@ def size_pool(
     tier: str,
     num_shards: int,
     local: int,
-    row_paging: bool,
+    units: bool,
 ) -> tuple[PagedBufferPool, int]:
     """The stage-3 pool for ``layers`` and the device budget it was given.
 
@@ -53,7 +53,8 @@ def size_pool(
         tier: the parameter shards' tier, ``'device'``, ``'host'`` or ``'nvme'``.
         num_shards: replicas the parameters are sharded over.
         local: replicas whose shards and buffers this process's pool holds.
-        row_paging: True when row-paged embeddings apply (the block engine).
+        units: True on the units path (its NVMe host window: four units), False on the
+            block engine (two blocks).
 
     Returns:
         ``(pool, device_budget_bytes)``: the :class:`PagedBufferPool` and its device-tier
@@ -75,7 +76,7 @@ def size_pool(
     row_shard_pages = []  # per row-paged table, its row pages
     packed_elements = 0  # shard elements of one replica in the flat space (host/NVMe)
     for layer in layers:
-        if row_paging and row_paging_applies(layer, config):
+        if row_paging_applies(layer, config):
             # A row-paged table is never gathered whole: its row pages on their tier,
             # a row cache on the device, its row states (embedding.row_paging_budget).
             b = row_paging_budget(tuple(layer.embeddings.shape), page, n, local)
@@ -116,11 +117,10 @@ def size_pool(
             # prefetched next) + slack. prefetch_bucket_size is not added: a deeper
             # prefetch competes for this window (the pool evicts LRU host pages to
             # NVMe) instead of growing the default host reservation.
-            # On the units path (``row_paging`` False; row paging is the block
-            # engine's) the four largest units': the unit read, the previous one until
-            # its update in backward, and room for the prefetch of the next ones
-            # (stage3/schedule.py: half of what the two leave).
-            window = sorted(window_pages)[-2 if row_paging else -4 :]
+            # On the units path the four largest units': the unit read, the previous
+            # one until its update in backward, and room for the prefetch of the next
+            # ones (stage3/schedule.py: half of what the two leave).
+            window = sorted(window_pages)[-4 if units else -2 :]
             host = (sum(window) + SLACK_PAGES + row_states["host"]) * page
         else:
             # The shards + room for gathered buffers the pool moves down under device

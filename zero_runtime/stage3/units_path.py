@@ -5,7 +5,9 @@ BatchNormalization) runs by units (:mod:`zero_runtime.stage3.units` plans them,
 :mod:`zero_runtime.stage3.gather` hooks their calls). :class:`UnitsPath` is the part of
 :class:`~zero_runtime.stage3.engine.Stage3Engine` that does it: it replaces the units'
 originals by ShardedVariables, hooks the units, and runs the traced forward/backward
-and forward-only passes through the model's own call.
+and forward-only passes through the model's own call. An ``Embedding`` whose table is
+row-paged (:mod:`zero_runtime.stage3.embedding`) is a unit of its own kind: its lookups
+move only the rows they read, and its table's anchor gradient is the touched rows'.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from tensorflow.python.eager import tape as tape_lib  # no public "a variable wa
 from zero_runtime.comm.buckets import replica_barrier
 from zero_runtime.sharded_variable import ShardedVariable
 from zero_runtime.stage3 import checkpointing, tiling
+from zero_runtime.stage3.embedding import RowPagedEmbedding, row_paging_applies
 from zero_runtime.stage3.gather import Unit, UnitRunner
 from zero_runtime.stage3.schedule import ReadSchedule
 
@@ -42,6 +45,15 @@ class UnitsPath:
             (:mod:`zero_runtime.stage3.tiling`).
         blocks: the :class:`~zero_runtime.stage3.checkpointing.CheckpointedBlock` hooks
             (empty unless ``activation_checkpointing``).
+        row_paged: ``{unit index: RowPagedEmbedding}``: each ``Embedding`` whose table
+            has at least ``embedding_row_paging_threshold`` elements
+            (:func:`~zero_runtime.stage3.embedding.row_paging_applies`) is a row-paged
+            unit: only the rows a step looks up move, and its touched rows are updated
+            by :meth:`RowPagedEmbedding.apply_update` (lazily).
+
+    Raises:
+        NotImplementedError: a row-paged table owned by another layer too (tied weights),
+            naming it and the fix.
     """
 
     def __init__(self, engine, model: keras.Model, specs, remote: bool, replace, replica_id):
@@ -51,8 +63,23 @@ class UnitsPath:
         # rows: such a kernel is split along axis 0 (others along their least padded).
         config = engine.config
         tile_size = tiling.resolve_tile_size(config.tile_size, config.device_budget_bytes)
+        paged = _row_paged_specs(specs, config)
+        self.row_paged: dict[int, RowPagedEmbedding] = {}
+        for spec in paged:  # only the rows a step looks up move (stage3/embedding.py)
+            old = spec.layer.embeddings
+            self.row_paged[spec.index] = RowPagedEmbedding(
+                spec.layer,
+                engine.pool,
+                engine.num_shards,
+                config,
+                local_replicas=engine.local_replicas,
+                gather_remote=engine._gather_remote if remote else None,  # noqa: SLF001
+            )
+            replace(model, old, self.row_paged[spec.index].table)
         sharded: dict[int, ShardedVariable] = {}
         for spec in specs:
+            if spec.index in self.row_paged:
+                continue
             for v in spec.originals:
                 if id(v) in sharded:  # owned by two units: sharded once
                     continue
@@ -65,6 +92,10 @@ class UnitsPath:
                 replace(model, v, sharded[id(v)])
         units = []
         for s in specs:
+            if s.index in self.row_paged:
+                call = s.layer.__dict__.get("call") or type(s.layer).call.__get__(s.layer)
+                units.append(Unit(s.index, s.layer, (), call, rows=self.row_paged[s.index]))
+                continue
             variables = tuple(sharded[id(v)] for v in s.originals)
             if _holds_other_units(s, specs):  # its own weights: read per use (Unit.hooked)
                 units.append(Unit(s.index, s.layer, variables, None, None, hooked=False))
@@ -111,11 +142,12 @@ class UnitsPath:
             queued.
         """
         replica, anchors = self.runner.begin(tf.nest.flatten(x)[0], backward=True, update=update)
+        tables = self.runner.table_anchors(replica)
         self.schedule.begin(replica)
         try:
             done = self.runner.done_anchor(replica)
             with tf.GradientTape() as tape:
-                tape.watch(anchors)
+                tape.watch(anchors + tables)
                 if done is not None:
                     tape.watch(done)
                 y_pred = self.model(x, training=training)
@@ -125,8 +157,9 @@ class UnitsPath:
                 replica_barrier()  # as below
                 return y_pred, loss, token
             shards = tape.gradient(
-                loss, anchors, unconnected_gradients=tf.UnconnectedGradients.ZERO
+                loss, anchors + tables, unconnected_gradients=tf.UnconnectedGradients.ZERO
             )
+            self._keep_row_gradients(replica, shards[len(anchors) :])
             shards = [_shard_shaped(g, v) for g, v in zip(shards, self.runner.variables)]
             # Every replica's forward and backward traced before any replica's update:
             # the units' collectives are raw (no merge_call), and without this barrier
@@ -145,11 +178,14 @@ class UnitsPath:
         runner = self.runner
         by_id = {id(v): a for v, a in zip(runner.variables, anchors)}
         early, late = runner.backward_split(replica)
+        tables = runner.table_anchors(replica)
         gs = tape.gradient(
             loss,
-            [runner.done_anchor(replica), *(by_id[id(v)] for v in late)],
+            [runner.done_anchor(replica), *(by_id[id(v)] for v in late), *tables],
             unconnected_gradients=tf.UnconnectedGradients.ZERO,
         )
+        self._keep_row_gradients(replica, gs[len(gs) - len(tables) :])
+        gs = gs[: len(gs) - len(tables)]
         token, grads = gs[0], [_shard_shaped(g, v) for g, v in zip(gs[1:], late)]
         # An early original whose use's backward was never traced (its output does not
         # reach the loss) gets a zero gradient, as Mirrored's optimizer would.
@@ -160,6 +196,12 @@ class UnitsPath:
         if rest:
             token = token + update.update(rest, tf.concat(grads, axis=0), token)
         return token
+
+    def _keep_row_gradients(self, replica: int, grads: list) -> None:
+        """Hand each row-paged table its anchor's gradient of the step (the touched
+        rows', float32 ``(K, C)``), which :meth:`RowPagedEmbedding.apply_update` takes."""
+        for emb, g in zip(self.row_paged.values(), grads):
+            emb.keep_gradient(replica, g)
 
     def user_forward(self, x, training: bool):
         """The model's call under a user's own ``tf.GradientTape`` (a custom loop's
@@ -182,7 +224,7 @@ class UnitsPath:
         if not runner.user_step():
             replica, _ = runner.begin(tf.nest.flatten(x)[0], backward=True, user=True)
             self.schedule.begin(replica)
-        for v in runner.variables:
+        for v in runner.variables + runner.tables:
             tape_lib.variable_accessed(v)
         return self._model_call(x, training)
 
@@ -208,6 +250,30 @@ class UnitsPath:
         """The model's own call (its units hooked), with ``training`` if it takes it."""
         kwargs = {"training": training} if self.model._call_has_training_arg else {}  # noqa: SLF001
         return self._own_call(x, **kwargs)
+
+
+def _row_paged_specs(specs, config) -> list:
+    """The units of ``specs`` whose ``Embedding`` is row-paged under ``config``
+    (:func:`~zero_runtime.stage3.embedding.row_paging_applies`).
+
+    Raises:
+        NotImplementedError: such a table owned by another unit's layer too (a tied
+            weight: that layer would read it whole), naming both and the fix.
+    """
+    paged = [s for s in specs if row_paging_applies(s.layer, config)]
+    for spec in paged:
+        table = spec.layer.embeddings
+        for other in specs:
+            if other is not spec and any(v is table for v in other.originals):
+                raise NotImplementedError(
+                    f"stage 3: the embedding table {table.path!r} of {spec.layer.name!r} "
+                    f"is row-paged ({math.prod(table.shape)} elements >= "
+                    f"embedding_row_paging_threshold={config.embedding_row_paging_threshold})"
+                    f" and owned by {other.layer.name!r} too (tied weights), which would "
+                    "read it whole. Raise embedding_row_paging_threshold above the table's "
+                    "elements, or untie it"
+                )
+    return paged
 
 
 def _holds_other_units(spec, specs) -> bool:
