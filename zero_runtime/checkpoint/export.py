@@ -142,7 +142,9 @@ def export(
         ``out``.
 
     Raises:
-        see :func:`consolidated_model`; OSError when ``out`` cannot be written.
+        CheckpointError: as :func:`consolidated_model` (its subclasses included).
+        ImportError: as :func:`consolidated_model`.
+        OSError: ``out`` cannot be written.
     """
     clone = consolidated_model(checkpoint, model, tag, import_modules)
     parent = os.path.dirname(os.path.abspath(out))

@@ -257,7 +257,8 @@ class CheckpointReader:
         saving job did, e.g. at another replica count: ``least_padding_dim``).
 
         Raises:
-            as :meth:`canonical`.
+            KeyError: no such tensor (as :meth:`canonical`).
+            CheckpointCorruptError: as :meth:`canonical`.
         """
         rec = self.index.tensor(name)
         flat = self.canonical(name)
