@@ -40,6 +40,12 @@ setup(
             "ruff>=0.5",
             "tbparse>=0.0.9",
         ],
+        # The documentation site (mkdocs.yml; its strict build is a test).
+        "docs": [
+            "mkdocs>=1.6",
+            "mkdocs-material>=9.5",
+            "mkdocstrings[python]>=0.26",
+        ],
     },
     entry_points={
         "console_scripts": ["zero-runtime = zero_runtime.cli:main"],

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up, then run every check: ruff lint and format (on the tracked Python and Markdown
 # files), the frontend's unit tests and the pytest suite (unit, parity, plugin, real
-# TensorBoard + headless Chromium end-to-end). Extra arguments go to pytest.
+# TensorBoard + headless Chromium end-to-end, the documentation site's strict build:
+# tests/test_docs_site.py). Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -4,8 +4,9 @@
 #    when missing; needs root or sudo),
 #  - the frontend built from frontend/ with npm into tb_plugin/static/ (before pip:
 #    setup.py ships that directory as the package tb_plugin.static),
-#  - a virtual environment in .venv with the package (editable) and its test extra
-#    (pytest, hypothesis, playwright, ruff, tbparse: setup.py).
+#  - a virtual environment in .venv with the package (editable) and its test and docs
+#    extras (pytest, hypothesis, playwright, ruff, tbparse; MkDocs, Material and
+#    mkdocstrings for the documentation site: setup.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -44,12 +45,12 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then 
 STAMP=".venv/.zero-infinity-setup"
 WANT="${EXTRA} $(cat setup.py pyproject.toml | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ] || ! .venv/bin/python -c "import zero_runtime" 2>/dev/null; then
-  log "installing Python packages (.[${EXTRA},test])"
+  log "installing Python packages (.[${EXTRA},test,docs])"
   .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
-  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[${EXTRA},test]"
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[${EXTRA},test,docs]"
   echo "$WANT" > "$STAMP"
 else
-  log "Python packages up to date (.[${EXTRA},test])"
+  log "Python packages up to date (.[${EXTRA},test,docs])"
 fi
 
 log "ready"
