@@ -336,7 +336,7 @@ def _option_rows(parser: argparse.ArgumentParser) -> list[tuple[str, ...]]:
         else:
             value = "..." if action.nargs == argparse.REMAINDER else ""
         default = action.default
-        if action.required and action.option_strings:
+        if action.required and action.nargs != argparse.REMAINDER:  # REMAINDER takes none too
             shown = "required"
         elif default in (None, False, argparse.SUPPRESS) or default == []:
             shown = "–"
