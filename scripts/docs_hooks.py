@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import importlib.util
 import inspect
 import logging
 import re
@@ -41,8 +42,6 @@ from zero_runtime.config.deepspeed_keys import DS_TOP_SCALARS, DS_ZERO_SCALARS
 from zero_runtime.config.specs import SPECS
 
 log = logging.getLogger("mkdocs.hooks.docs_hooks")  # under "mkdocs": --strict counts it
-
-REPO = Path(__file__).resolve().parent.parent
 
 API_PACKAGES: tuple[tuple[str, str, str], ...] = (
     # (package, page under reference/api/, title)
@@ -393,11 +392,22 @@ def cli_reference() -> str:
 
 
 def _module_file(module: str) -> Path:
-    base = REPO.joinpath(*module.split("."))
-    for path in (base / "__init__.py", base.with_suffix(".py")):
-        if path.is_file():
-            return path
-    raise PluginError(f"no source file for module {module!r} under {REPO}")
+    """The source file of ``module``, found without importing anything (importing a
+    subpackage would run its parents, and ``zero_runtime.checkpoint`` imports TensorFlow).
+
+    Raises:
+        PluginError: no such module.
+    """
+    top, *rest = module.split(".")
+    spec = importlib.util.find_spec(top)  # a top-level package: nothing is run
+    if spec is None or not spec.submodule_search_locations:
+        raise PluginError(f"no package {top!r} on the path")
+    for root in spec.submodule_search_locations:
+        base = Path(root).joinpath(*rest)
+        for path in (base / "__init__.py", base.with_suffix(".py")):
+            if path.is_file():
+                return path
+    raise PluginError(f"no Python source for module {module!r}")
 
 
 _TREES: dict[str, ast.Module] = {}
