@@ -292,13 +292,19 @@ def test_a_gather_above_the_limit_is_refused_and_leaves_no_file(tmp_path, monkey
 
 def test_ema_averages_are_saved_in_the_stock_order(tmp_path):
     """The stock layout comes from the stock class built on stand-ins: with ``use_ema``
-    the 4 EMA averages (the optimizer's own variables) sit between the learning rate and
-    the moments."""
+    the 4 EMA averages (a partitioned slot, gathered from the shards) sit between the
+    learning rate and the moments, as the stock optimizer's ``_model_variables_moving_average``."""
     strategy = _strategy(2, "cpu")
     try:
         model = _model(strategy, lambda: keras.optimizers.Adam(1e-2, use_ema=True))
         _fit(model, 0)
-        averages = [v.numpy() for v in model.optimizer._model_variables_moving_average]
+        zs = model.optimizer.zero_state
+        flat = zs.layout.unshard([zs.store.read_shard(r, "average") for r in range(2)])
+        ends = np.cumsum(zs.layout.sizes)
+        averages = [
+            flat[end - size : end].reshape(shape)
+            for end, size, shape in zip(ends, zs.layout.sizes, zs.layout.shapes)
+        ]
         path = str(tmp_path / "ema.keras")
         model.save(path)
         losses = _fit(model, 1)

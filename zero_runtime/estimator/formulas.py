@@ -81,6 +81,8 @@ adagrad                   8       4      (master), accumulator
 adamax                    12      8      (master), momentum, infinity norm
 nadam                     12      8      (master), momentum, variance
 lion                      8       4      (master), momentum
+<kind>_ema                K + 4   K + 4  any of the above with Keras's ``use_ema=True``:
+                                         its average (ZeRO partitions it as a state)
 ========================= ======= ====== ==============================================
 
 SGD under mixed precision: the fp32 master copy is optimizer state for the same reason as
@@ -117,6 +119,9 @@ ACCOUNTINGS: tuple[str, ...] = ("sc20", "sc21")
 _PARAM_BYTES: Mapping[str, int] = {"mixed": 2, "fp32": 4}  # bytes per parameter element
 _GRAD_BYTES: Mapping[str, int] = {"mixed": 2, "fp32": 4}  # bytes per gradient element
 
+#: Bytes per parameter of Keras's ``use_ema`` average (one fp32 state, every precision).
+EMA_STATE_BYTES = 4
+
 OPTIMIZER_STATE_BYTES: Mapping[str, Mapping[str, int]] = {
     "adam": {"mixed": 12, "fp32": 8},
     "adamw": {"mixed": 12, "fp32": 8},
@@ -130,6 +135,11 @@ OPTIMIZER_STATE_BYTES: Mapping[str, Mapping[str, int]] = {
     "adamax": {"mixed": 12, "fp32": 8},
     "nadam": {"mixed": 12, "fp32": 8},
     "lion": {"mixed": 8, "fp32": 4},
+}
+# Keras's ``use_ema=True``: one more fp32 state per parameter, the average (``<kind>_ema``).
+OPTIMIZER_STATE_BYTES = dict(OPTIMIZER_STATE_BYTES) | {
+    f"{kind}_ema": {precision: k + EMA_STATE_BYTES for precision, k in ks.items()}
+    for kind, ks in OPTIMIZER_STATE_BYTES.items()
 }
 """K, bytes of optimizer state per trainable parameter: optimizer -> precision -> K."""
 

@@ -22,12 +22,19 @@ def optimizer_kind(optimizer: Any) -> str:
     else 'sgd'; RMSprop -> 'rmsprop', with '_centered' when ``centered`` and '_momentum'
     when its momentum is > 0 (one more state each); Adagrad, Adamax, Nadam, Lion -> their
     lower-case names. Matched by class name (the first known one in the class's MRO, so a
-    subclass counts as its base) so Keras is not imported here.
+    subclass counts as its base) so Keras is not imported here. With ``use_ema=True`` the
+    key gets ``_ema`` (one more fp32 state, the average: 'adam_ema').
 
     Raises:
         ValueError: another optimizer (its state size is not modelled), or Adam/AdamW with
             ``amsgrad=True`` (one more fp32 state per parameter, not modelled).
     """
+    kind = _base_kind(optimizer)
+    return kind + "_ema" if getattr(optimizer, "use_ema", False) else kind
+
+
+def _base_kind(optimizer: Any) -> str:
+    """:func:`optimizer_kind` without the ``_ema`` suffix."""
     known = ("Adam", "AdamW", "SGD", "RMSprop", "Adagrad", "Adamax", "Nadam", "Lion")
     # The first known class in the MRO: a user's subclass (that keeps the update) counts
     # as its base.
@@ -53,7 +60,8 @@ def optimizer_kind(optimizer: Any) -> str:
         return name.lower()
     raise ValueError(
         f"cannot infer the optimizer-state size of {name}; pass optimizer= one of "
-        + ", ".join(map(repr, OPTIMIZER_STATE_BYTES))
+        + ", ".join(repr(k) for k in OPTIMIZER_STATE_BYTES if not k.endswith("_ema"))
+        + " (with '_ema' for use_ema=True)"
     )
 
 
@@ -61,11 +69,12 @@ def state_kind(optimizer: Any) -> str:
     """:func:`optimizer_kind`, or ``"adam"`` for an optimizer whose state size is not
     modelled (Adafactor, Ftrl, a user's own class, Adam with ``amsgrad``): the runtime's
     accounting and fallback size then count two fp32 states per parameter, which bounds
-    Adafactor's factored statistics and Ftrl's two slots."""
+    Adafactor's factored statistics and Ftrl's two slots (``"adam_ema"`` with
+    ``use_ema=True``)."""
     try:
         return optimizer_kind(optimizer)
     except ValueError:
-        return "adam"
+        return "adam_ema" if getattr(optimizer, "use_ema", False) else "adam"
 
 
 def _num_elements(variable: Any) -> int:

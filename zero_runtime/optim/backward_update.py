@@ -130,7 +130,7 @@ class BackwardShardUpdate:
         lr = optimizer._zero_learning_rate()  # noqa: SLF001
         self.step = optimizer._zero_step()  # noqa: SLF001
         wd = tf.cast(optimizer.weight_decay if optimizer.weight_decay else 0.0, tf.float32)
-        self._scalars = [wd, tf.cast(lr, tf.float32), *optimizer._zero_scalars(lr)]  # noqa: SLF001
+        self._scalars = [wd, tf.cast(lr, tf.float32), *optimizer._zero_step_scalars(lr)]  # noqa: SLF001
 
     def update(self, variables: list, shard: tf.Tensor, after: tf.Tensor) -> tf.Tensor:
         """Hand ``variables``' reduced gradient ``shard`` to the host update.
@@ -194,7 +194,7 @@ class BackwardShardUpdate:
         wd, lr, *rest = scalars
         opt, replica = self.optimizer, self.replica
         zs = opt.zero_state
-        step_fn = functools.partial(opt._zero_host_step, scalars=rest)  # noqa: SLF001
+        step_fn = functools.partial(opt._zero_tile_step, scalars=rest)  # noqa: SLF001
         opt._zero_begin(replica, step)  # noqa: SLF001 (joins the step's transaction)
         pos = 0
         try:

@@ -50,7 +50,7 @@ from zero_runtime.optim.partitioned import (
     _PartitionedUpdate,
     register_partitioned,
 )
-from zero_runtime.optim.replica_context import local_copy, replica_id, unwrap
+from zero_runtime.optim.replica_context import local_copy, local_replicas, replica_id, unwrap
 
 #: Elements: a multiple of every packet size (4, 8 or 16 float32 by the instruction set)
 #: in which Eigen evaluates TensorFlow's element-wise CPU kernels (see :func:`_div_sqrt`).
@@ -61,14 +61,6 @@ def _f32(value) -> tf.Tensor:
     """``value`` (Python float, tensor or variable) as a float32 tensor, as Keras's
     ``ops.cast(value, "float32")``."""
     return tf.cast(value, tf.float32)
-
-
-def _local_replicas(strategy, n_local: int) -> range:
-    """The global ids of this process's replicas: ``rank * n_local + i`` (rank 0 in one
-    process), as the checkpoint's ``local`` (zero_runtime/optim/training_state.py)."""
-    cluster = getattr(strategy, "cluster", None)
-    rank = cluster.rank if cluster is not None else 0
-    return range(rank * n_local, (rank + 1) * n_local)
 
 
 @functools.lru_cache(maxsize=64)
@@ -299,7 +291,7 @@ class Adagrad(_PartitionedUpdate, keras.optimizers.Adagrad):
         value = np.float32(self.initial_accumulator_value)
         if value != 0:
             full = np.full(layout.shard_size, value, np.float32)
-            for r in _local_replicas(self._distribution_strategy, len(devices)):
+            for r in local_replicas(self._distribution_strategy, len(devices)):
                 store.write_shard(r, "accumulator", full)
         return store
 

@@ -86,8 +86,16 @@ class FlatShardUpdate(SplitShardUpdate):
     def _backend_apply_gradients(self, grads: list, trainable_variables: list) -> None:
         zs = self._zero
         self._zero_gate_tokens().clear()
-        if zs is None or zs.accumulation_steps == 1:
+        if zs is None or self.gradient_accumulation_steps:  # stock, or Keras's own
             super()._backend_apply_gradients(grads, trainable_variables)
+            self._zero_open_gate()
+            return
+        if zs.accumulation_steps == 1:
+            # Keras's _backend_apply_gradients without its EMA block: a partitioned
+            # average is advanced by the shard update itself (ema.py).
+            grads = self._clip_gradients(grads)
+            self._apply_weight_decay(trainable_variables)
+            self._backend_update_step(grads, trainable_variables, self.learning_rate)
             self._zero_open_gate()
             return
         n_acc = zs.accumulation_steps
@@ -301,7 +309,7 @@ class FlatShardUpdate(SplitShardUpdate):
         all_vars = [unwrap(v) for v in self._trainable_variables]
         replica = replica_id()
         param_shard = self._zero_param_shard(all_vars, replica)
-        scalars = self._zero_scalars(lr)
+        scalars = self._zero_step_scalars(lr)  # with the EMA's (ema.py)
         step = self._zero_step()
         if isinstance(zs.store, DeviceOptimizerState):
             mask = None
@@ -342,10 +350,11 @@ class FlatShardUpdate(SplitShardUpdate):
         gathered = comm.all_gather_flat(new_shard, zs.group)  # raw: one collective
         rows = tf.reshape(gathered, [n, layout.shard_size])
         chosen = []
+        assigned = self._zero_assigned(active)  # all on EMA overwrite steps (ema.py)
         for b in layout.buckets:
             bucket = tf.reshape(rows[:, b.shard_offset : b.shard_offset + b.piece_size], [-1])
             for i in range(b.var_start, b.var_end):
-                if active[i]:
+                if assigned[i]:
                     off = layout.offsets[i] - b.flat_offset
                     value = tf.reshape(bucket[off : off + layout.sizes[i]], layout.shapes[i])
                     chosen.append((value, all_vars[i]))
@@ -418,8 +427,6 @@ class FlatShardUpdate(SplitShardUpdate):
             wd, lr = np.float32(wd), np.float32(lr)
             for s, e in zs.layout.active_ranges(replica, decayed):
                 param[s:e] = param[s:e] - param[s:e] * wd * lr
-        ranges = zs.layout.active_ranges(replica, active)
-        step_fn = functools.partial(self._zero_host_step, scalars=scalars)
         self._zero_begin(replica, int(step))
-        zs.store.update(replica, ranges, param, grad, step_fn, step=int(step))
+        self._zero_store_update(replica, active, param, grad, scalars, int(step))  # ema.py
         return param, time.perf_counter() - start

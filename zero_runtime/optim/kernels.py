@@ -395,3 +395,37 @@ def lion_update(
     m *= beta_2
     np.multiply(grad, one_minus_beta_2, out=scratch2)
     m += scratch2
+
+
+def ema_update(
+    average: np.ndarray,
+    param: np.ndarray,
+    momentum: np.float32,
+    one_minus_momentum: np.float32,
+    overwrite: bool,
+    scratch: np.ndarray,
+    scratch2: np.ndarray,
+) -> None:
+    """Keras's model-weight EMA of a shard, in place (``BaseOptimizer.
+    _update_model_variables_moving_average``, then, on an overwrite step,
+    ``_overwrite_model_variables_with_average_value``), in Keras's order::
+
+        average = momentum * average + (1 - momentum) * param
+        param = average                                  # only when ``overwrite``
+
+    Args:
+        average: float32 ``[n]`` average, updated in place.
+        param: float32 ``[n]`` parameters after the step's update (overwritten by the
+            average when ``overwrite``).
+        momentum: ``float32(iterations != 0) * float32(ema_momentum)`` (0 on the first
+            step).
+        one_minus_momentum: ``float32(1) - momentum``.
+        overwrite: True on an ``ema_overwrite_frequency`` step.
+        scratch: float32 ``[n]`` work buffer (overwritten).
+        scratch2: float32 ``[n]`` work buffer (overwritten).
+    """
+    np.multiply(average, momentum, out=scratch)
+    np.multiply(param, one_minus_momentum, out=scratch2)
+    np.add(scratch, scratch2, out=average)
+    if overwrite:
+        np.copyto(param, average)

@@ -52,6 +52,7 @@ from zero_runtime.config import ZeroConfig
 from zero_runtime.lifecycle import ClosePhase, host_function, resources_of
 from zero_runtime.optim import kernels, registry
 from zero_runtime.optim.device_state import DeviceOptimizerState
+from zero_runtime.optim.ema import ShardEma
 from zero_runtime.optim.flat_update import FlatShardUpdate, iteration_gate
 from zero_runtime.optim.host_state import HostOptimizerState
 from zero_runtime.optim.keras_saving import KerasSaving, TrackedZeroStates
@@ -125,7 +126,9 @@ class ZeroOptimizerState:
         return sum(4 * int(a.shape[0]) for a in self.accumulators)
 
 
-class _PartitionedUpdate(KerasSaving, FlatShardUpdate, ShardedUpdate, TransactionalUpdate):
+class _PartitionedUpdate(
+    KerasSaving, ShardEma, FlatShardUpdate, ShardedUpdate, TransactionalUpdate
+):
     """Mixin holding the ZeRO update; combine with a Keras optimizer class.
 
     Lifecycle: unbuilt -> :meth:`build` (the ZeRO state, or stock Keras below the
@@ -133,6 +136,8 @@ class _PartitionedUpdate(KerasSaving, FlatShardUpdate, ShardedUpdate, Transactio
     stages 1-2, :class:`~zero_runtime.optim.shard_update.ShardedUpdate` at stage 3, each
     a transaction with NVMe states: :class:`~zero_runtime.optim.transaction.
     TransactionalUpdate`).
+
+    Keras's ``use_ema`` average is one more partitioned state (:class:`~.ema.ShardEma`).
 
     Subclasses define ``_zero_slots`` (names of state buffers), ``_zero_scalars(lr)``,
     ``_zero_host_step(slots, scratch, param, grad, scalars)`` (numpy, in place, one tile)
@@ -154,7 +159,8 @@ class _PartitionedUpdate(KerasSaving, FlatShardUpdate, ShardedUpdate, Transactio
         stock optimizer's slot variables).
 
         Raises:
-            NotImplementedError: ``amsgrad=True`` (Adam), or EMA with accumulation.
+            NotImplementedError: ``amsgrad=True`` (Adam); ``use_ema`` where the average
+                cannot be kept partitioned (:meth:`~.ema.ShardEma._zero_ema_refuse`).
             ValueError: a variable built inside ``strategy.zero_init()`` has no value yet
                 (the model was not passed through ``strategy.shard_model``); at stage 3,
                 unsharded variables the strategy cannot shard (``autoshard_stage3``).
@@ -214,7 +220,8 @@ class _PartitionedUpdate(KerasSaving, FlatShardUpdate, ShardedUpdate, Transactio
                     )
                 runtime.register_optimizer(self)
             return
-        _BaseOptimizer.build(self, variables)
+        self._zero_ema_refuse(variables, config, config.stage, _workers(strategy))
+        self._zero_keras_build(_BaseOptimizer.build, variables)
         with tf.init_scope():
             devices = tuple(strategy.extended.worker_devices)
             n = strategy.num_replicas_in_sync
@@ -232,10 +239,6 @@ class _PartitionedUpdate(KerasSaving, FlatShardUpdate, ShardedUpdate, Transactio
             )
             accumulators = []
             if config.gradient_accumulation_steps > 1:
-                if self.use_ema:
-                    raise NotImplementedError(
-                        "use_ema with gradient_accumulation_steps > 1 is not supported"
-                    )
                 size = layout.shard_size if stage >= 2 else layout.padded_total
                 for d in devices:
                     with tf.device(d):
@@ -275,11 +278,11 @@ class _PartitionedUpdate(KerasSaving, FlatShardUpdate, ShardedUpdate, Transactio
         (:mod:`zero_runtime.stage3.accumulation`, :mod:`zero_runtime.stage3.clipping`).
 
         Raises:
-            NotImplementedError: EMA (not implemented at stage 3).
+            NotImplementedError: ``use_ema`` with a row-paged embedding table
+                (:meth:`~.ema.ShardEma._zero_ema_refuse`).
         """
-        if self.use_ema:
-            raise NotImplementedError("stage 3 does not implement use_ema yet")
-        _BaseOptimizer.build(self, variables)
+        self._zero_ema_refuse(variables, config, 3, _workers(strategy))
+        self._zero_keras_build(_BaseOptimizer.build, variables)
         with tf.init_scope():
             devices = tuple(strategy.extended.worker_devices)
             layout = layout_from_sharded(self._zero3_variables, strategy.num_replicas_in_sync)
@@ -299,11 +302,11 @@ class _PartitionedUpdate(KerasSaving, FlatShardUpdate, ShardedUpdate, Transactio
     def _zero_make_store(self, config: ZeroConfig, layout: FlatLayout, devices: tuple[str, ...]):
         tier = config.offload_optimizer
         if tier == "none":
-            return DeviceOptimizerState(layout, self._zero_slots, devices)
+            return DeviceOptimizerState(layout, self._zero_store_slots(), devices)
         if tier == "nvme":
             store = NvmeOptimizerState(
                 layout,
-                self._zero_slots,
+                self._zero_store_slots(),
                 nvme_path=str(config.nvme_path),
                 sub_group_size=config.sub_group_size,
                 page_size_bytes=config.page_size_bytes,
@@ -323,7 +326,7 @@ class _PartitionedUpdate(KerasSaving, FlatShardUpdate, ShardedUpdate, Transactio
             if owner is not None:
                 owner.adopt(split, ClosePhase.OPTIMIZER_STATES, f"{self.name} split states")
             return split
-        return HostOptimizerState(layout, self._zero_slots)
+        return HostOptimizerState(layout, self._zero_store_slots())
 
     @property
     def zero_state(self) -> ZeroOptimizerState | MirroredOptimizerState:
@@ -441,8 +444,20 @@ class _PartitionedUpdate(KerasSaving, FlatShardUpdate, ShardedUpdate, Transactio
         exactly where Keras adds (``p - (-x) == p + x`` in IEEE arithmetic), and
         ``p - 0 == p`` where ``mask`` is False. The split update (Twin-Flow,
         :mod:`.split_state`) takes ``u`` itself so that a CPU host call can write
-        ``param - u`` straight into its output buffer (no copy of the device part)."""
-        return param - self._zero_device_delta(slots, param, grad, scalars, mask)
+        ``param - u`` straight into its output buffer (no copy of the device part).
+
+        ``scalars`` are :meth:`~.ema.ShardEma._zero_step_scalars`'s: with ``use_ema`` the
+        average of the whole shard follows (:meth:`~.ema.ShardEma._zero_ema_device`),
+        and the shard returned is the average on an overwrite step."""
+        own, ema = self._zero_split_scalars(scalars)
+        new = param - self._zero_device_delta(slots, param, grad, own, mask)
+        return new if ema is None else self._zero_ema_device(slots, new, ema)
+
+
+def _workers(strategy) -> int:
+    """Worker processes of ``strategy``'s job (1 without a cluster)."""
+    cluster = getattr(strategy, "cluster", None)
+    return cluster.num_workers if cluster is not None else 1
 
 
 def _plain_variable(initial: tf.Tensor) -> tf.Variable:

@@ -17,6 +17,19 @@ def local_copy(variable):
     return get() if get is not None else variable
 
 
+def local_replicas(strategy, n_local: int) -> range:
+    """The global ids of this process's replicas: ``rank * n_local + i`` (rank 0 in one
+    process), as the checkpoint's ``local`` (zero_runtime/optim/training_state.py).
+
+    Args:
+        strategy: the optimizer's strategy (its ``cluster`` gives the rank, if any).
+        n_local: replicas in this process.
+    """
+    cluster = getattr(strategy, "cluster", None)
+    rank = cluster.rank if cluster is not None else 0
+    return range(rank * n_local, (rank + 1) * n_local)
+
+
 def replica_id() -> int:
     """The static replica id of the current replica context.
 

@@ -72,7 +72,7 @@ class ShardedUpdate:
         order = self._zero3_variables
         grad_shard = tf.concat([grads[id(v)] for v in order], axis=0)  # (shard_size,)
         lr = self._zero_learning_rate()
-        scalars = self._zero_scalars(lr)
+        scalars = self._zero_step_scalars(lr)  # with the EMA's (ema.py)
         step = self._zero_step()
         wd = tf.cast(self.weight_decay if self.weight_decay else 0.0, tf.float32)
         lr32 = tf.cast(lr, tf.float32)
@@ -140,7 +140,7 @@ class ShardedUpdate:
             shards: their ``device_shard(replica)`` variables, same order.
             replica: the replica id.
             grad: float32 ``[shard_size]``, the reduced gradient shards concatenated.
-            scalars: the subclass's ``_zero_scalars`` (e.g. Adam's alpha).
+            scalars: ``_zero_step_scalars`` (e.g. Adam's alpha; the EMA's).
             step: int64 scalar, the optimizer step (read before the increment).
             wd: float32 scalar, the weight decay (0 without).
             lr: float32 scalar, the learning rate of the step.
@@ -223,7 +223,7 @@ class ShardedUpdate:
         self._zero_begin(replica, int(step))
         try:
             param = self._zero3_read(wd, lr, replica=replica, decay=True)
-            step_fn = functools.partial(self._zero_host_step, scalars=scalars)
+            step_fn = functools.partial(self._zero_tile_step, scalars=scalars)
             zs.store.update(
                 replica, ((0, zs.layout.shard_size),), param, grad, step_fn, step=int(step)
             )
@@ -247,10 +247,10 @@ class ShardedUpdate:
             grad: float32 ``[shard_size]``, the reduced gradient shards concatenated.
             wd: the weight decay (float32 scalar, 0 without).
             lr: the learning rate of the step (float32 scalar).
-            scalars: the subclass's ``_zero_scalars`` values.
+            scalars: ``_zero_step_scalars``'s values (the subclass's, the EMA's).
         """
         store = self._zero.store
-        step_fn = functools.partial(self._zero_host_step, scalars=scalars)
+        step_fn = functools.partial(self._zero_tile_step, scalars=scalars)
         wd, lr = np.float32(wd), np.float32(lr)
         off = 0
         for i, v in enumerate(variables):

@@ -300,7 +300,9 @@ class Accounting:
             row also has ``"optimizer_host_fraction"`` (the ratio: that fraction of each
             shard's states is on ``optimizer_tier``, the rest on the device). Stage-3
             variables come from the engines' pools as of the last step record
-            (``Stage3Engine.placement_rows``).
+            (``Stage3Engine.placement_rows``). An optimizer with Keras's ``use_ema`` adds
+            one row per variable for its average, ``"<name> (EMA average)"``
+            (``zero_runtime.optim.ema.ShardEma.zero_ema_rows``).
         """
         key = (offload_optimizer,) + tuple(
             (id(zs), id(zs.layout), zs.stage, _offload_ratio(zs))
@@ -318,6 +320,9 @@ class Accounting:
         opt_tier = OPTIMIZER_TIER[offload_optimizer]
         for opt in self.optimizers:
             zs = opt.zero_state
+            ema_rows = getattr(opt, "zero_ema_rows", None)  # use_ema's averages (optim/ema.py)
+            if ema_rows is not None:
+                rows.extend(ema_rows(opt_tier))
             if zs.stage >= 3:  # rows from the stage-3 engines' pools (placement)
                 continue
             layout = zs.layout
