@@ -13,16 +13,16 @@ from layers *below* its own, never sideways or up; function-level imports count 
 ``tests/test_layering.py`` checks this against :data:`LAYERS` (the table below is its
 text) and that ``zero_runtime/`` has no import circle::
 
-    command line   cli
-    launcher       launch
-    multi-worker   multiworker
-    strategy       strategy
-    engine         runtime, checkpoint
-    stage 3        stage3
-    optimizers     optim
-    shards         sharded_variable
-    services       memory, comm, telemetry, control, oom, estimator, capabilities, cluster_guard
-    foundations    config, devices, strategy_variants, lifecycle, oom_report, atomic_file
+  command line   cli
+  launcher       launch
+  multi-worker   multiworker
+  strategy       strategy
+  engine         runtime, checkpoint
+  stage 3        stage3
+  optimizers     optim
+  shards         sharded_variable
+  services       memory, comm, telemetry, control, oom, estimator, capabilities, cluster_guard
+  foundations    config, devices, strategy_variants, lifecycle, oom_report, atomic_file, preemption
 
 Only this package root may import from any layer (lazily, in ``__getattr__``). From
 ``tb_plugin`` the runtime imports only the data contract (``tb_plugin.metadata``) and its
@@ -50,7 +50,15 @@ __version__ = "0.1.0"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "foundations",
-        ("config", "devices", "strategy_variants", "lifecycle", "oom_report", "atomic_file"),
+        (
+            "config",
+            "devices",
+            "strategy_variants",
+            "lifecycle",
+            "oom_report",
+            "atomic_file",
+            "preemption",
+        ),
     ),
     (
         "services",

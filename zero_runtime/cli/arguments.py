@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import warnings
 from decimal import Decimal, InvalidOperation
@@ -42,12 +43,35 @@ def parse_count(text: str) -> int:
 
 def positive_int(text: str) -> int:
     """argparse type: an int >= 1."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an int >= 0."""
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, low: int) -> int:
+    """``int(text)``, which must be >= ``low``; else ``argparse.ArgumentTypeError``."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int {text!r}: expected an int >= 1") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"invalid value {value}: expected an int >= 1")
+        raise argparse.ArgumentTypeError(
+            f"invalid int {text!r}: expected an int >= {low}"
+        ) from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"invalid value {value}: expected an int >= {low}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}: expected a number > 0")
     return value
 
 

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from zero_runtime.cli.arguments import positive_int
+from zero_runtime.cli.arguments import non_negative_int, positive_float, positive_int
 from zero_runtime.cli.commands import Command, UsageError
 
 
@@ -17,6 +17,28 @@ def _launch_add_arguments(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=None,
         help="worker r listens on port PORT_BASE + r (default: free ports)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=non_negative_int,
+        default=0,
+        help="restart the whole worker group after a failure up to this many times "
+        "(default 0); needs --checkpoint-dir",
+    )
+    p.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="the job's checkpoint directory: locked while the job runs (a second job on "
+        "it is refused), passed to the workers as ZERO_RUNTIME_CHECKPOINT_DIR; restart "
+        "events go to DIR/restarts.jsonl",
+    )
+    p.add_argument(
+        "--preemption-grace",
+        type=positive_float,
+        default=30.0,
+        metavar="SECONDS",
+        help="after SIGTERM to a worker, seconds every worker has to save at an agreed "
+        "step and exit 42 (default 30)",
     )
     p.add_argument("script", help="a Python script (run with this interpreter) or a program")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -31,9 +53,18 @@ def _launch_run(args: argparse.Namespace) -> int:
             raise UsageError(f"script {args.script!r} not found")
         command = [sys.executable, *command]
     try:
-        return launch.launch(args.nproc, command, port_base=args.port_base)
-    except ValueError as exc:
+        return launch.launch(
+            args.nproc,
+            command,
+            port_base=args.port_base,
+            max_restarts=args.max_restarts,
+            checkpoint_dir=args.checkpoint_dir,
+            preemption_grace_seconds=args.preemption_grace,
+        )
+    except (ValueError, launch.DirectoryLockedError) as exc:
         raise UsageError(str(exc)) from None
+    except OSError as exc:  # the checkpoint directory is a file, or cannot be created
+        raise UsageError(f"--checkpoint-dir: {exc}") from None
 
 
 COMMAND = Command(

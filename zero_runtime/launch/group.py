@@ -1,20 +1,24 @@
-"""Local multi-worker launcher: N worker processes on 127.0.0.1 with the right ``TF_CONFIG``.
+"""One worker group: N worker processes on 127.0.0.1 with the right ``TF_CONFIG``, from
+start to the end of the last one.
 
-``zero-runtime launch --nproc 2 script.py [args]`` starts ``script.py`` N times, each with
-a ``TF_CONFIG`` that names the same N-worker cluster on loopback ports and its own task
-index (TensorFlow's MultiWorkerMirroredStrategy reads it), streams every worker's output
-prefixed by its rank, and, when one worker fails, stops all the others and exits with the
-failed worker's status. This is the single-machine counterpart of a cluster scheduler;
-the cluster format is TensorFlow's (``tf.distribute.cluster_resolver.TFConfigClusterResolver``).
+:func:`run_group` starts the command N times, each with a ``TF_CONFIG`` that names the
+same N-worker cluster on loopback ports and its own task index (TensorFlow's
+MultiWorkerMirroredStrategy reads it), streams every worker's output prefixed by its
+rank, and, when one worker fails, stops all the others and returns what failed
+(:class:`GroupOutcome`). The cluster format is TensorFlow's
+(``tf.distribute.cluster_resolver.TFConfigClusterResolver``).
 
-No worker outlives the launcher: SIGTERM or SIGINT to the launcher stops every worker
-(:func:`launch`), and a launcher killed outright (SIGKILL) takes its workers with it: each
-worker is started with ``PR_SET_PDEATHSIG`` = SIGKILL (Linux ``prctl``), so the kernel kills
-it when the launcher's thread that started it dies.
+No worker outlives the group: each is started in its own session and stopped with its
+whole process group (SIGTERM and SIGINT, then SIGKILL after
+:data:`TERMINATE_GRACE_SECONDS`), and a launcher killed outright (SIGKILL) takes its
+workers with it: each worker is started with ``PR_SET_PDEATHSIG`` = SIGKILL (Linux
+``prctl``), so the kernel kills it when the launcher's thread that started it dies.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import ctypes
 import ctypes.util
 import dataclasses
@@ -25,7 +29,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -37,11 +40,16 @@ from typing import IO
 #: ops) or SIGKILL; checkpoints are atomic (docs/checkpoint.md), so nothing is lost.
 TERMINATE_GRACE_SECONDS = 3.0
 
+#: Exit status of a worker that saved after a preemption signal and asks to be restarted
+#: (TensorFlow's PreemptionCheckpointHandler; ``zero_runtime.preemption``).
+PREEMPTED_EXIT_STATUS = 42
+
+#: Lines of each worker's output kept to name its failure.
+TAIL_LINES = 40
 
 #: A worker's own report that a peer failed (``multiworker.describe_failure``, printed by
 #: the failure hook as ``zero_runtime: worker rank R (host:port) <what it did>; ...``).
 _PEER_REPORT = re.compile(r"zero_runtime: (worker rank (\d+) \([^)]*\) [^;]*);")
-
 
 #: Signals the launcher forwards to its workers (it stops them all, then exits 128 + signal).
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -78,6 +86,8 @@ class Worker:
         blames: the peer this worker reported as failed (rank, description), if any: a
             stalled peer is still running when the worker that timed out exits, so the
             launcher names the stalled rank from this report.
+        tail: its last :data:`TAIL_LINES` output lines (to name its own failure).
+        started: ``time.time()`` when it was started, seconds since the epoch.
     """
 
     rank: int
@@ -86,6 +96,31 @@ class Worker:
     returncode: int | None = None
     blames: tuple[int, str] | None = None  # (peer rank, what it did), from its own output
     pump: threading.Thread | None = None  # copies its output, prefixed by rank
+    tail: collections.deque = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=TAIL_LINES)
+    )
+    started: float = dataclasses.field(default_factory=time.time)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupOutcome:
+    """How a worker group ended.
+
+    Attributes:
+        status: the job's exit status: 0 when every worker exited 0, else the first
+            failed worker's (a signal S gives ``128 + S``).
+        failed: the first worker that failed (its rank, returncode, output tail, blamed
+            peer), or None.
+        still_running: ranks that were running when the failure was seen (then stopped).
+        pids: every worker's pid, by rank.
+        ports: the TCP ports of the cluster, by rank.
+    """
+
+    status: int
+    failed: Worker | None
+    still_running: tuple[int, ...]
+    pids: tuple[int, ...]
+    ports: tuple[int, ...]
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -125,50 +160,40 @@ def tf_config(ports: Sequence[int], rank: int, host: str = "127.0.0.1") -> str:
     return json.dumps({"cluster": cluster, "task": {"type": "worker", "index": rank}})
 
 
-def launch(
-    nproc: int,
+def run_group(
     command: Sequence[str],
-    port_base: int | None = None,
-    out: IO[str] | None = None,
-    env: dict[str, str] | None = None,
-) -> int:
-    """Run ``command`` as ``nproc`` workers of one cluster; return the job's exit status.
+    ports: Sequence[int],
+    base_env: dict[str, str],
+    out: IO[str],
+    lock: threading.Lock,
+    preempted_wait_seconds: float,
+    extra_env: dict[str, str] | None = None,
+) -> GroupOutcome:
+    """Run ``command`` as one worker per port until every worker ended; return how.
 
     Args:
-        nproc: number of worker processes (int >= 1).
-        command: the program and its arguments, e.g. ``[sys.executable, "train.py"]``.
-        port_base: worker ``r`` listens on ``port_base + r``; None picks free ports.
-        out: where the rank-prefixed output goes (default ``sys.stdout``).
-        env: base environment for the workers (default ``os.environ``); each worker also
-            gets ``TF_CONFIG``, ``ZERO_RUNTIME_RANK`` and ``ZERO_RUNTIME_WORLD_SIZE``.
+        command: the program and its arguments.
+        ports: worker ``r`` listens on ``127.0.0.1:ports[r]``.
+        base_env: the workers' environment; each also gets ``TF_CONFIG``,
+            ``ZERO_RUNTIME_RANK``, ``ZERO_RUNTIME_WORLD_SIZE`` and ``extra_env``.
+        out: where the rank-prefixed output goes.
+        lock: serialises writes to ``out``.
+        preempted_wait_seconds: after a worker exits with :data:`PREEMPTED_EXIT_STATUS`,
+            seconds the others get to finish their own save and exit before they are
+            stopped.
+        extra_env: more variables for every worker.
 
     Returns:
-        0 when every worker exited 0; otherwise the status of the first worker that
-        failed (the others are stopped: SIGTERM and SIGINT, then SIGKILL after
-        ``TERMINATE_GRACE_SECONDS``). A worker killed by signal S gives ``128 + S``.
-        When the launcher itself receives one of :data:`FORWARDED_SIGNALS` (S; only
-        handled when ``launch`` runs in the main thread), every running worker is stopped
-        the same way and the status is ``128 + S``. Workers die with the thread that
-        started them (``PR_SET_PDEATHSIG`` = SIGKILL), e.g. when the launcher is SIGKILLed.
+        The :class:`GroupOutcome`. On a failure (non-zero exit or signal) the others are
+        stopped at once (SIGTERM and SIGINT to their process groups, SIGKILL after
+        :data:`TERMINATE_GRACE_SECONDS`), except after a preempted exit (above).
 
     Raises:
-        ValueError: ``nproc`` < 1, an empty command, or a port range outside 1..65535.
+        LauncherSignalError, KeyboardInterrupt: the launcher was signalled; every worker
+            of the group is stopped first (and that is printed).
     """
-    if nproc < 1:
-        raise ValueError(f"--nproc must be >= 1, got {nproc}")
-    if not command:
-        raise ValueError("no command to launch")
-    if port_base is None:
-        ports = free_ports(nproc)
-    else:
-        if not 1 <= port_base <= 65535 - (nproc - 1):
-            raise ValueError(f"--port-base {port_base} leaves no room for {nproc} ports")
-        ports = [port_base + r for r in range(nproc)]
-    out = out or sys.stdout
-    base_env = dict(os.environ if env is None else env)
-    lock = threading.Lock()
     workers: list[Worker] = []
-    restore = _forward_signals()
+    nproc = len(ports)
     try:
         for rank in range(nproc):
             worker_env = dict(
@@ -177,14 +202,15 @@ def launch(
                 ZERO_RUNTIME_RANK=str(rank),
                 ZERO_RUNTIME_WORLD_SIZE=str(nproc),
                 PYTHONUNBUFFERED="1",
+                **(extra_env or {}),
             )
-            workers.append(Worker(rank, _spawn(command, worker_env)))
-            pump = threading.Thread(
-                target=_pump, args=(workers[-1].process.stdout, workers[-1], out, lock), daemon=True
+            worker = Worker(rank, _spawn(command, worker_env))
+            workers.append(worker)
+            worker.pump = threading.Thread(
+                target=_pump, args=(worker.process.stdout, worker, out, lock), daemon=True
             )
-            workers[-1].pump = pump
-            pump.start()
-        status = _supervise(workers, out, lock)
+            worker.pump.start()
+        failed, running = _supervise(workers, out, lock, preempted_wait_seconds)
     except (LauncherSignalError, KeyboardInterrupt) as stop:
         signum = getattr(stop, "signum", signal.SIGINT)
         with lock:
@@ -193,14 +219,31 @@ def launch(
                 f"{sum(w.state is WorkerState.RUNNING for w in workers)} running worker(s)\n"
             )
             out.flush()
-        _stop_all(workers)
-        status = 128 + signum
-    finally:
-        restore()
+        _end(workers)
+        raise
+    except BaseException:
+        _end(workers)
+        raise
+    _end(workers)
+    status = 0 if failed is None else exit_status(failed.returncode)
+    return GroupOutcome(
+        status,
+        failed,
+        running,
+        tuple(w.process.pid for w in workers),
+        tuple(ports),
+    )
+
+
+def _end(workers: list[Worker]) -> None:
+    """Stop the running workers, kill what the others left in their process groups (a
+    child they started), and wait for the output pumps."""
+    _stop_all(workers)
+    for w in workers:
+        kill_group_leftovers(w.process.pid)
     for w in workers:
         if w.pump is not None:
             w.pump.join(timeout=5)
-    return status
 
 
 def _spawn(command: Sequence[str], env: dict[str, str]) -> subprocess.Popen:
@@ -225,7 +268,7 @@ def _spawn(command: Sequence[str], env: dict[str, str]) -> subprocess.Popen:
     )
 
 
-def _forward_signals() -> Callable[[], None]:
+def forward_signals() -> Callable[[], None]:
     """In the main thread, make :data:`FORWARDED_SIGNALS` raise :class:`LauncherSignalError`
     (once: a second signal during the stop is ignored, the stop is bounded anyway).
     Returns the function that restores the previous handlers (a no-op elsewhere: Python
@@ -254,13 +297,19 @@ def _pump(stream: IO[str], worker: Worker, out: IO[str], lock: threading.Lock) -
         report = _PEER_REPORT.search(line)
         if report and worker.blames is None:
             worker.blames = (int(report.group(2)), report.group(1))
+        if line.strip():
+            worker.tail.append(line.rstrip("\n"))
         with lock:
             out.write(f"[rank {rank}] {line}" if line.endswith("\n") else f"[rank {rank}] {line}\n")
             out.flush()
 
 
-def _supervise(workers: list[Worker], out: IO[str], lock: threading.Lock) -> int:
-    """Wait for the workers; on the first failure stop the rest. Returns the job status."""
+def _supervise(
+    workers: list[Worker], out: IO[str], lock: threading.Lock, preempted_wait_seconds: float
+) -> tuple[Worker | None, tuple[int, ...]]:
+    """Wait for the workers; on the first failure stop the rest (after a preempted exit,
+    give them ``preempted_wait_seconds`` to exit on their own first). Returns the first
+    failed worker (None: all exited 0) and the ranks still running when it failed."""
     while any(w.state is WorkerState.RUNNING for w in workers):
         for w in workers:
             if w.state is not WorkerState.RUNNING:
@@ -269,27 +318,47 @@ def _supervise(workers: list[Worker], out: IO[str], lock: threading.Lock) -> int
             if code is None:
                 continue
             w.state, w.returncode = WorkerState.EXITED, code
-            if code != 0:
-                if w.pump is not None:
-                    w.pump.join(timeout=2.0)  # its last lines may name a failed peer
-                cause = ""
-                if w.blames is not None:
-                    peer, what = w.blames
-                    alive = any(p.rank == peer and p.state is WorkerState.RUNNING for p in workers)
-                    cause = f" because {what}" + (" (it is still running)" if alive else "")
-                with lock:
-                    out.write(
-                        f"[launcher] rank {w.rank} exited with status {_status(code)}"
-                        f"{cause}; stopping the other workers\n"
-                    )
-                    out.flush()
-                _stop_all(workers)
-                return _status(code)
+            if code == 0:
+                continue
+            if w.pump is not None:
+                w.pump.join(timeout=2.0)  # its last lines may name a failed peer
+            running = tuple(p.rank for p in workers if p.state is WorkerState.RUNNING)
+            cause = ""
+            if w.blames is not None:
+                peer, what = w.blames
+                cause = f" because {what}" + (" (it is still running)" if peer in running else "")
+            elif code == PREEMPTED_EXIT_STATUS:
+                cause = " (preempted: saved a checkpoint)"
+            with lock:
+                out.write(
+                    f"[launcher] rank {w.rank} exited with status {exit_status(code)}"
+                    f"{cause}; stopping the other workers\n"
+                )
+                out.flush()
+            if code == PREEMPTED_EXIT_STATUS:
+                _wait_exit(workers, preempted_wait_seconds)
+            _stop_all(workers)
+            return w, running
         time.sleep(0.05)
-    return 0
+    return None, ()
+
+
+def _wait_exit(workers: list[Worker], seconds: float) -> None:
+    """Let the running workers exit on their own for up to ``seconds``."""
+    deadline = time.monotonic() + seconds
+    for w in workers:
+        if w.state is not WorkerState.RUNNING:
+            continue
+        try:
+            w.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            continue
+        w.state, w.returncode = WorkerState.EXITED, w.process.returncode
 
 
 def _stop_all(workers: list[Worker]) -> None:
+    """Stop every running worker's process group: SIGTERM and SIGINT, SIGKILL after
+    :data:`TERMINATE_GRACE_SECONDS`."""
     running = [w for w in workers if w.state is WorkerState.RUNNING]
     for w in running:
         _signal_group(w.process, signal.SIGTERM)
@@ -304,12 +373,37 @@ def _stop_all(workers: list[Worker]) -> None:
         w.state, w.returncode = WorkerState.STOPPED, w.process.returncode
 
 
+def kill_group_leftovers(pgid: int) -> list[int]:
+    """SIGKILL the processes left in the process group ``pgid`` of a worker that has
+    exited (children it started that are still running). Read from ``/proc``; the group
+    is only signalled when no process is its leader any more (a pid reused by a new
+    group leader is never touched). Returns the pids signalled."""
+    members, leader = [], False
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:  # field 5 of stat (after pid, comm, state, ppid)
+            leader = leader or int(entry) == pgid
+            members.append(int(entry))
+    if not members or leader:
+        return []
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+    return members
+
+
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):
         pass
 
 
-def _status(returncode: int) -> int:
+def exit_status(returncode: int) -> int:
+    """A process's exit status as a shell reports it: ``128 + S`` for signal S."""
     return 128 - returncode if returncode < 0 else returncode
