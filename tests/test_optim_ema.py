@@ -42,6 +42,8 @@ from zero_runtime.optim.host_state import HostOptimizerState
 from zero_runtime.optim.nvme_state import NvmeOptimizerState
 from zero_runtime.sharded_variable import ShardedVariable
 
+pytestmark = pytest.mark.slow  # trains models (about 3 min on 2 cores for the file)
+
 STEPS = 6
 BATCH = 16  # global batch per optimizer step
 MOMENTUM = 0.8
@@ -338,6 +340,20 @@ def test_estimator_counts_the_average():
         base = estimator.OPTIMIZER_STATE_BYTES[kind.removesuffix("_ema")]
         for precision, k in estimator.OPTIMIZER_STATE_BYTES[kind].items():
             assert k == base[precision] + 4
+
+
+def test_partial_offload_with_ema_is_refused(tmp_path):
+    """Partial optimizer offload (the device/host split store) keeps no average: refused
+    at build, naming the setting."""
+    strategy = _strategy(1, "cpu", tmp_path, offload_optimizer_ratio=0.5)
+    try:
+        with strategy.scope():
+            model = _model(norm=False)
+            opt = _adam(None)
+            with pytest.raises(NotImplementedError, match="offload_optimizer_ratio=1.0"):
+                opt.build(model.trainable_variables)
+    finally:
+        strategy.close()
 
 
 def test_row_paged_table_with_ema_is_refused(tmp_path):
