@@ -37,6 +37,7 @@ import tensorflow as tf
 
 from zero_runtime import comm, strategy_variants
 from zero_runtime.capabilities import IMPLEMENTED, IMPLEMENTED_STAGE3_PARAM, check_implemented
+from zero_runtime.checkpoint.data_resume import DataResume, resumable
 from zero_runtime.comm import REDUCE_SCATTER_IMPLS
 from zero_runtime.config import ZeroConfig
 from zero_runtime.config.paths import check_logdir, check_nvme_path
@@ -173,6 +174,9 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
         self.reduce_scatter_impl = reduce_scatter_impl
         self._collective_key_base = next(_COLLECTIVE_KEY_BASES)
         self.resources = Resources(f"{type(self).__name__}(stage={config.stage})")
+        #: Where ``fit``'s next training iterator starts after ``ZeroBackupAndRestore``
+        #: restored a mid-epoch backup (zero_runtime/checkpoint/data_resume.py).
+        self.data_resume = DataResume()
         self.device_info: DeviceInfo = self._init_distribute_base(config, num_cpu_replicas)
         # device_budget_bytes='auto': the starting budget from the device's capacity, and
         # the controller that holds the headroom from then on (runtime/headroom.py).
@@ -382,10 +386,23 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
             return super().run(fn, args=args, kwargs=kwargs, options=options)
 
     def experimental_distribute_dataset(self, dataset, options=None):
-        """As ``tf.distribute.Strategy``'s (Keras's fit/evaluate/predict call it first);
-        raises :class:`~zero_runtime.lifecycle.StrategyClosedError` after :meth:`close`."""
+        """As ``tf.distribute.Strategy``'s (Keras's fit/evaluate/predict call it first).
+
+        The result is TensorFlow's ``DistributedDataset`` whose ``iter()`` starts later
+        in the stream when :attr:`data_resume` says so (``ZeroBackupAndRestore`` resuming
+        mid-epoch; zero_runtime/checkpoint/data_resume.py); otherwise it iterates
+        exactly as TensorFlow's.
+
+        Raises:
+            zero_runtime.lifecycle.StrategyClosedError: after :meth:`close`.
+        """
         self.resources.check_open("distribute a dataset (fit, evaluate or predict)")
-        return super().experimental_distribute_dataset(dataset, options=options)
+        base = super()
+
+        def distribute(ds):
+            return base.experimental_distribute_dataset(ds, options=options)
+
+        return resumable(distribute(dataset), self.data_resume, dataset, distribute)
 
     def close(self) -> None:
         """Release everything the strategy created; idempotent (a second call is a no-op).

@@ -1,23 +1,40 @@
-"""ZeroBackupAndRestore: Keras ``BackupAndRestore`` semantics on sharded checkpoints.
+"""ZeroBackupAndRestore: Keras ``BackupAndRestore`` on sharded checkpoints, resuming at the
+saved step (mid-epoch) with the batches that followed it, and saving on preemption.
 
-Same contract as ``keras.callbacks.BackupAndRestore`` (keras/src/callbacks/
-backup_and_restore.py): at the start of ``fit`` the newest backup, if any, is restored
-(weights, optimizer states, step counter) and the completed epochs are skipped
-(``model._initial_epoch``, as Keras's callback sets it); a backup is saved at the end of
-every epoch (``save_freq='epoch'``) or every N batches; after ``fit`` completes the
-backup directory is deleted unless ``delete_checkpoint=False``. As in Keras, a batch-level
-backup resumes at the start of the epoch it was taken in (the epoch counts as not done).
+Contract of ``keras.callbacks.BackupAndRestore`` (keras/src/callbacks/backup_and_restore.py):
+at the start of ``fit`` the newest backup, if any, is restored (weights, optimizer states,
+step counter) and the completed epochs are skipped (``model._initial_epoch``, as Keras's
+callback sets it); a backup is saved at the end of every epoch (``save_freq='epoch'``) or
+every N batches; after ``fit`` completes the backups are deleted unless
+``delete_checkpoint=False``.
+
+Two differences from Keras's callback:
+
+- a batch-level backup resumes **at its batch**, not at the start of its epoch (Keras
+  redoes the interrupted epoch): the strategy's next training iterator starts after the
+  batches already trained (:mod:`zero_runtime.checkpoint.data_resume`), so the same
+  batches follow as in an uninterrupted run;
+- SIGTERM to any worker (:mod:`zero_runtime.preemption`) makes every worker back up at
+  the next step boundary they agree on, then exit 42 (restartable).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from typing import Any
 
 import keras
 
+from zero_runtime import preemption
+from zero_runtime.checkpoint import data_resume
+from zero_runtime.checkpoint import reader as rd
 from zero_runtime.checkpoint.manager import CheckpointManager
+
+#: Keras's note when an epoch's iterator ends before its step count (epoch_iterator.py);
+#: expected once in the epoch a backup resumes mid-way, so silenced there.
+_RAN_OUT = "Your input ran out of data"
 
 
 class ZeroBackupAndRestore(keras.callbacks.Callback):
@@ -25,11 +42,19 @@ class ZeroBackupAndRestore(keras.callbacks.Callback):
 
     Args:
         backup_dir: the backup root (the same on every worker); used by this callback only.
-        save_freq: ``'epoch'`` (default) or an int N >= 1: back up every N batches.
-        delete_checkpoint: delete ``backup_dir`` when ``fit`` ends normally (default True).
+        save_freq: ``'epoch'`` (default) or an int N >= 1: back up after every step whose
+            count since the job's first step is a multiple of N.
+        delete_checkpoint: delete the backups (published checkpoints, ``latest``,
+            temporary directories; the directory itself when nothing else is in it) when
+            ``fit`` ends normally (default True).
         max_to_keep: backups kept (default 1, as Keras keeps one; 2 is Keras's
             ``double_checkpoint``).
-        strategy: the strategy; default the current one at ``fit`` start.
+        strategy: the strategy; default the model's at ``fit`` start.
+
+    Attributes:
+        restored_epoch: the epoch ``fit`` resumed in (0 without a backup).
+        restored_batch: batches of that epoch the backup had trained (0: at its start).
+        steps: batches trained since the job's first step (restored, then counted).
 
     Raises:
         ValueError: empty ``backup_dir`` or a bad ``save_freq``.
@@ -57,9 +82,18 @@ class ZeroBackupAndRestore(keras.callbacks.Callback):
         self._strategy = strategy
         self._manager: CheckpointManager | None = None
         self._epoch = 0
-        self._batches_since_save = 0
-        #: the epoch fit resumed from (0 without a backup).
+        self._batch = 0  # batches of the current epoch trained
+        self._last_begin = 0
+        self._k = 0  # batches the current data iterator gave
+        self._iterators = 0  # data iterators counted so far (DataResume.iterators)
+        self._per_epoch: int | None = None
+        self._stop_at: int | None = None
+        self._plan: data_resume.DataResume | None = None
+        self._quiet: warnings.catch_warnings | None = None
+        self._watcher: preemption.PreemptionWatcher | None = None
         self.restored_epoch = 0
+        self.restored_batch = 0
+        self.steps = 0
 
     def _mgr(self) -> CheckpointManager:
         if self._manager is None:
@@ -70,47 +104,145 @@ class ZeroBackupAndRestore(keras.callbacks.Callback):
         return self._manager
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        """Restore the newest backup and skip the epochs it completed."""
+        """Restore the newest backup: skip its completed epochs and, for a mid-epoch
+        backup, start the data after its batches; take SIGTERM (preemption).
+
+        Raises:
+            zero_runtime.checkpoint.CheckpointError: a damaged backup or one of another
+                model (nothing is changed).
+            TypeError: a mid-epoch backup under a strategy that cannot move its data on
+                (not a ``ZeroInfinityStrategy``).
+        """
         manager = self._mgr()
-        self.restored_epoch = 0
-        if manager.latest is None:
-            return
-        result = manager.restore()
-        self.restored_epoch = int(result.client_state.get("epoch", 0))
-        self._epoch = self.restored_epoch
-        self.model._initial_epoch = self.restored_epoch  # as keras BackupAndRestore
+        self._watcher = manager.preemption_watcher()
+        self._plan = getattr(manager.strategy, "data_resume", None)
+        self._per_epoch = self.params.get("steps") if self.params else None
+        self.restored_epoch = self.restored_batch = self.steps = 0
+        self._batch = self._k = self._iterators = 0
+        self._stop_at = None
+        result = manager.restore() if manager.latest is not None else None
+        position = None
+        if result is not None:
+            state = result.client_state
+            per = self._per_epoch
+            self.restored_epoch = self._epoch = int(state.get("epoch", 0))
+            self.restored_batch = self._batch = int(state.get("batch", 0))
+            fallback = self.restored_epoch * per if per else result.step
+            self.steps = int(state.get("steps", fallback + self.restored_batch))
+            self._k = int(state.get("iterator_batches", self.restored_batch))
+            self.model._initial_epoch = self.restored_epoch  # as keras BackupAndRestore
+            if self._k or self.restored_batch:
+                position = data_resume.Position(self._k, self.restored_batch, per)
+                self._iterators = 1  # the first iterator is the resumed one
+                if per and self.params.get("epochs"):
+                    self._stop_at = int(self.params["epochs"]) * per
+        if self._plan is not None:
+            self._plan.watch(position)
+        elif self.restored_batch:
+            raise TypeError(
+                f"backup {result.tag!r} was taken at batch {self.restored_batch} of epoch "
+                f"{self.restored_epoch}; continuing its data needs a ZeroInfinityStrategy "
+                f"(got {type(manager.strategy).__name__})"
+            )
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        """Track the epoch a batch-level backup belongs to."""
+        """Track the epoch; in the epoch resumed mid-way, silence Keras's note that its
+        (shorter) iterator ran out."""
         self._epoch = epoch
+        if epoch == self.restored_epoch and self.restored_batch and self._batch:
+            self._quiet = warnings.catch_warnings()
+            self._quiet.__enter__()
+            warnings.filterwarnings("ignore", message=_RAN_OUT)
+        else:
+            self._batch = 0
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        """Note the first batch of this call (several with ``steps_per_execution``)."""
+        self._last_begin = batch
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        """Count the batches; back up at a preemption's agreed step (then exit 42) and
+        every ``save_freq`` steps; after a resume on an endless dataset, stop ``fit``
+        after the run's total steps."""
+        done = batch - self._last_begin + 1
+        before = self.steps
+        if self._plan is not None and self._plan.iterators != self._iterators:
+            self._iterators, self._k = self._plan.iterators, 0  # Keras made a new iterator
+        self._k += done
+        self._batch += done
+        self.steps += done
+        if self._watcher is not None and self._watcher.boundary(self.steps):
+            saved = self._save()
+            close = getattr(self._mgr().strategy, "close", None)
+            if close is not None:
+                close()  # flush the summaries, remove the NVMe files
+            self._watcher.exit(f"saved {saved.path} at step {self.steps}")
+        if self.save_freq != "epoch" and self.steps // self.save_freq > before // self.save_freq:
+            self._save()
+        if self._stop_at is not None and self.steps >= self._stop_at:
+            self.model.stop_training = True
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         """Back up after the epoch (``save_freq='epoch'``)."""
-        self._epoch = epoch + 1
+        self._loud()
+        self._epoch, self._batch = epoch + 1, 0
         if self.save_freq == "epoch":
             self._save()
 
-    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        """Back up every ``save_freq`` batches (int ``save_freq``)."""
-        if self.save_freq == "epoch":
-            return
-        self._batches_since_save += 1
-        if self._batches_since_save >= self.save_freq:
-            self._batches_since_save = 0
-            self._save()
+    def _save(self):
+        """Back up with the position: ``epoch`` and ``batch`` (batches of it trained),
+        ``steps`` (since the job's first step) and ``iterator_batches`` (batches the
+        current data iterator gave; 0 when Keras made a new one since the last batch)."""
+        if self._per_epoch:
+            epoch, batch = divmod(self.steps, self._per_epoch)
+        else:
+            epoch, batch = self._epoch, self._batch
+        fresh = self._plan is not None and self._plan.iterators != self._iterators
+        state = {
+            "epoch": epoch,
+            "batch": batch,
+            "steps": self.steps,
+            "iterator_batches": 0 if fresh else self._k,
+        }
+        return self._mgr().save(client_state=state)
 
-    def _save(self) -> None:
-        self._mgr().save(client_state={"epoch": self._epoch})
+    def _loud(self) -> None:
+        if self._quiet is not None:
+            self._quiet.__exit__(None, None, None)
+            self._quiet = None
 
     def on_train_end(self, logs: dict | None = None) -> None:
         """Delete the backups after a completed ``fit`` (unless told not to).
 
         Also clears the ``model._initial_epoch`` set at restore (Keras's own callback
-        leaves it set, so a later ``fit`` of the same model would silently skip epochs).
+        leaves it set, so a later ``fit`` of the same model would silently skip epochs)
+        and the strategy's data position.
         """
-        if self.restored_epoch and self.model is not None:
+        self._loud()
+        manager = self._mgr()
+        if self._plan is not None:
+            self._plan.clear()
+        if self.restored_epoch or self.restored_batch:
             self.model._initial_epoch = None
         if self.delete_checkpoint and os.path.isdir(self.backup_dir):
-            cluster = getattr(self._mgr().strategy, "cluster", None)
+            cluster = getattr(manager.strategy, "cluster", None)
             if cluster is None or cluster.is_chief:
-                shutil.rmtree(self.backup_dir, ignore_errors=True)
+                delete_checkpoints(self.backup_dir)
+
+
+def delete_checkpoints(root: str) -> None:
+    """Remove every checkpoint under ``root``: published tags, ``latest``, temporary
+    ``.tmp-*`` directories; then ``root`` itself when nothing else is left in it (a
+    launcher's ``restarts.jsonl`` stays)."""
+    for name in rd.published_tags(root):
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    for name in os.listdir(root):
+        if name.startswith(".tmp-"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    latest = os.path.join(root, "latest")
+    if os.path.exists(latest):
+        os.remove(latest)
+    try:
+        os.rmdir(root)
+    except OSError:
+        pass  # other files remain

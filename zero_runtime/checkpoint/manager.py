@@ -17,6 +17,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from zero_runtime import preemption
 from zero_runtime.checkpoint import reader as rd
 from zero_runtime.checkpoint import writer as wr
 from zero_runtime.optim.training_state import TrainingState
@@ -36,14 +37,24 @@ class CheckpointManager:
         max_to_keep: published checkpoints kept, int >= 1 or None for all (default 3).
         timeout_seconds: bound on waits for other workers during a save, seconds;
             default the strategy's ``collective_timeout_seconds`` (60 s without one).
+        save_every: :meth:`after_step` saves after every step count that is a multiple
+            of this, int >= 1; None (default): only on preemption.
 
     Attributes:
         last_save: the last :class:`~zero_runtime.checkpoint.writer.SaveResult` (bytes
             written, seconds), or None.
         last_restore: the last :class:`~zero_runtime.checkpoint.reader.RestoreResult`.
 
+    A custom loop that survives restarts and preemption (every worker runs it)::
+
+        manager = CheckpointManager("ckpt", model, strategy, save_every=100)
+        start = manager.restore_or_initialize()  # 0, or the step of `latest`
+        for step in range(start, total_steps):
+            train_step(batches[step])  # the data from `start` on: e.g. dataset.skip(start)
+            manager.after_step(step + 1)  # saves every 100; on SIGTERM: saves, exits 42
+
     Raises:
-        ValueError: ``max_to_keep`` < 1.
+        ValueError: ``max_to_keep`` or ``save_every`` < 1.
     """
 
     def __init__(
@@ -54,14 +65,21 @@ class CheckpointManager:
         optimizer: Any = None,
         max_to_keep: int | None = 3,
         timeout_seconds: float | None = None,
+        save_every: int | None = None,
     ) -> None:
         if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
             raise ValueError(f"max_to_keep must be an int >= 1 or None, got {max_to_keep!r}")
+        if save_every is not None and (
+            not isinstance(save_every, int) or isinstance(save_every, bool) or save_every < 1
+        ):
+            raise ValueError(f"save_every must be an int >= 1 or None, got {save_every!r}")
+        self.save_every = save_every
         self.directory = os.path.abspath(directory)
         self.model = model
         self.strategy = strategy if strategy is not None else tf.distribute.get_strategy()
         self._optimizer = optimizer
         self.max_to_keep = max_to_keep
+        self._watcher: preemption.PreemptionWatcher | None = None
         self.last_save: wr.SaveResult | None = None
         self.last_restore: rd.RestoreResult | None = None
         config = getattr(self.strategy, "config", None)
@@ -162,6 +180,57 @@ class CheckpointManager:
         record["replicas"] = int(self.strategy.num_replicas_in_sync)
         record["rank"] = cluster.rank if cluster is not None else 0
         runtime.record_checkpoint(record)
+
+    def preemption_watcher(self) -> preemption.PreemptionWatcher:
+        """This process's :class:`~zero_runtime.preemption.PreemptionWatcher` (installed
+        at the first call: SIGTERM handled from then on; main thread)."""
+        cluster = getattr(self.strategy, "cluster", None)
+        if cluster is None:
+            return preemption.watcher(0, 1)
+        return preemption.watcher(cluster.rank, cluster.num_workers)
+
+    def restore_or_initialize(self) -> int:
+        """Restore ``latest`` when there is one and take SIGTERM (preemption); returns the
+        number of training steps already done: the checkpoint's ``client_state["step"]``
+        (what :meth:`after_step` saves), else its optimizer step; 0 when nothing was
+        published. Every worker calls it, before the first step.
+
+        Raises:
+            CheckpointNotFoundError: ``latest`` names no loadable checkpoint.
+            CheckpointCorruptError: the checkpoint's files do not match its index.
+            CheckpointMismatchError: a checkpoint of another model (variable count or
+                shapes, optimizer slots); no variable is changed.
+        """
+        self._watcher = self.preemption_watcher()
+        if self.latest is None:
+            return 0
+        info = self.restore()
+        return int(info.client_state.get("step", info.step))
+
+    def after_step(self, step: int, client_state: dict | None = None) -> wr.SaveResult | None:
+        """Call after every training step, on every worker, with the number of steps done.
+
+        Saves (``client_state`` plus ``{"step": step}``) when ``step`` is a multiple of
+        ``save_every``. After a SIGTERM to any worker, every worker saves at the step
+        they agree on and exits with status 42 (``SystemExit``;
+        :mod:`zero_runtime.preemption`).
+
+        Returns:
+            The :class:`~zero_runtime.checkpoint.writer.SaveResult` of a save, else None.
+
+        Raises:
+            SystemExit: status 42 after the preemption save.
+            TimeoutError: a preemption whose agreement did not complete in its grace period.
+        """
+        state = {**(client_state or {}), "step": int(step)}
+        watcher = self._watcher or self.preemption_watcher()
+        self._watcher = watcher
+        if watcher.boundary(step):
+            saved = self.save(client_state=state)
+            watcher.exit(f"saved {saved.path} at step {step}")
+        if self.save_every and step % self.save_every == 0:
+            return self.save(client_state=state)
+        return None
 
     @property
     def latest(self) -> str | None:
