@@ -268,8 +268,10 @@ def test_model_optimizer_inferred_from_compile(keras):
     assert estimate_for_model(model, config, 1).tiers.device_bytes == 8 * 110
     model.compile(optimizer=keras.optimizers.RMSprop(), loss="mse")  # K = 4: mean square
     assert estimate_for_model(model, config, 1).tiers.device_bytes == 12 * 110
-    model.compile(optimizer=keras.optimizers.Adafactor(), loss="mse")
-    with pytest.raises(ValueError, match="cannot infer the optimizer-state size of Adafactor"):
+    model.compile(optimizer=keras.optimizers.Adafactor(), loss="mse")  # K = 4: velocity
+    assert estimate_for_model(model, config, 1).tiers.device_bytes == 12 * 110
+    model.compile(optimizer=keras.optimizers.Ftrl(), loss="mse")
+    with pytest.raises(ValueError, match="cannot infer the optimizer-state size of Ftrl"):
         estimate_for_model(model, config, 1)
     assert estimate_for_model(model, config, 1, optimizer="sgd").tiers.device_bytes == 880
 

@@ -375,12 +375,9 @@ def test_estimator_counts_each_optimizers_states():
         assert k["mixed"] == k["fp32"] + 4  # the fp32 master copy
 
 
-def test_adafactor_has_no_partitioned_form():
-    """Adafactor's second moment is factored into row and column statistics of each 2-D
-    variable, which a flat shard cannot hold: it is not registered (a Keras Adafactor
-    built inside the scope is refused at stages 1-3 by zero_runtime/optim/adopt.py)."""
-    assert keras.optimizers.Adafactor not in partitioned.PARTITIONED_FOR_KERAS
-    assert not {"adafactor", "Adafactor"} & set(partitioned.PARTITIONED_BY_NAME)
+def test_each_class_is_registered_by_its_names():
+    """Each Keras class maps to its partitioned class, and so do its names (Adafactor's
+    own partitioned form: tests/test_optim_adafactor.py)."""
     for keras_class, cls in PARTITIONED.items():
         assert partitioned.PARTITIONED_FOR_KERAS[getattr(keras.optimizers, keras_class)] is cls
         assert partitioned.PARTITIONED_BY_NAME[keras_class.lower()] is cls

@@ -81,6 +81,9 @@ adagrad                   8       4      (master), accumulator
 adamax                    12      8      (master), momentum, infinity norm
 nadam                     12      8      (master), momentum, variance
 lion                      8       4      (master), momentum
+adafactor                 8       4      (master), velocity (its factored row and
+                                         column statistics, O(rows + columns), not
+                                         counted)
 <kind>_ema                K + 4   K + 4  any of the above with Keras's ``use_ema=True``:
                                          its average (ZeRO partitions it as a state)
 ========================= ======= ====== ==============================================
@@ -135,6 +138,7 @@ OPTIMIZER_STATE_BYTES: Mapping[str, Mapping[str, int]] = {
     "adamax": {"mixed": 12, "fp32": 8},
     "nadam": {"mixed": 12, "fp32": 8},
     "lion": {"mixed": 8, "fp32": 4},
+    "adafactor": {"mixed": 8, "fp32": 4},
 }
 # Keras's ``use_ema=True``: one more fp32 state per parameter, the average (``<kind>_ema``).
 OPTIMIZER_STATE_BYTES = dict(OPTIMIZER_STATE_BYTES) | {

@@ -20,8 +20,8 @@ def optimizer_kind(optimizer: Any) -> str:
 
     Adam -> 'adam'; AdamW -> 'adamw'; SGD -> 'sgd_momentum' if its momentum is non-zero,
     else 'sgd'; RMSprop -> 'rmsprop', with '_centered' when ``centered`` and '_momentum'
-    when its momentum is > 0 (one more state each); Adagrad, Adamax, Nadam, Lion -> their
-    lower-case names. Matched by class name (the first known one in the class's MRO, so a
+    when its momentum is > 0 (one more state each); Adagrad, Adamax, Nadam, Lion, Adafactor
+    -> their lower-case names. Matched by class name (the first known one in the class's MRO, so a
     subclass counts as its base) so Keras is not imported here. With ``use_ema=True`` the
     key gets ``_ema`` (one more fp32 state, the average: 'adam_ema').
 
@@ -35,7 +35,17 @@ def optimizer_kind(optimizer: Any) -> str:
 
 def _base_kind(optimizer: Any) -> str:
     """:func:`optimizer_kind` without the ``_ema`` suffix."""
-    known = ("Adam", "AdamW", "SGD", "RMSprop", "Adagrad", "Adamax", "Nadam", "Lion")
+    known = (
+        "Adam",
+        "AdamW",
+        "SGD",
+        "RMSprop",
+        "Adagrad",
+        "Adamax",
+        "Nadam",
+        "Lion",
+        "Adafactor",
+    )
     # The first known class in the MRO: a user's subclass (that keeps the update) counts
     # as its base.
     name = next(
@@ -56,7 +66,7 @@ def _base_kind(optimizer: Any) -> str:
         momentum = float(getattr(optimizer, "momentum", 0.0) or 0.0)
         centered = "_centered" if getattr(optimizer, "centered", False) else ""
         return "rmsprop" + centered + ("_momentum" if momentum > 0.0 else "")
-    if name in ("Adagrad", "Adamax", "Nadam", "Lion"):
+    if name in ("Adagrad", "Adamax", "Nadam", "Lion", "Adafactor"):
         return name.lower()
     raise ValueError(
         f"cannot infer the optimizer-state size of {name}; pass optimizer= one of "
@@ -67,10 +77,9 @@ def _base_kind(optimizer: Any) -> str:
 
 def state_kind(optimizer: Any) -> str:
     """:func:`optimizer_kind`, or ``"adam"`` for an optimizer whose state size is not
-    modelled (Adafactor, Ftrl, a user's own class, Adam with ``amsgrad``): the runtime's
-    accounting and fallback size then count two fp32 states per parameter, which bounds
-    Adafactor's factored statistics and Ftrl's two slots (``"adam_ema"`` with
-    ``use_ema=True``)."""
+    modelled (Ftrl, a user's own class, Adam with ``amsgrad``): the runtime's accounting
+    and fallback size then count two fp32 states per parameter, which bounds Ftrl's two
+    slots (``"adam_ema"`` with ``use_ema=True``)."""
     try:
         return optimizer_kind(optimizer)
     except ValueError:

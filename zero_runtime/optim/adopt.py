@@ -15,12 +15,12 @@ hyperparameter the user gave it, and its ``build`` then partitions its states (Z
 instance's class changes, and only inside the strategy's scope.
 
 A class the runtime cannot partition (a stock Keras optimizer that has no partitioned form,
-such as ``Adafactor``, whose factored statistics need each whole 2-D variable, or a user
-subclass that overrides ``update_step``) is adopted into a subclass that refuses to build
-at stages 1-3 (:class:`Unpartitioned`): the error names the class and what is supported.
-Below ``mirrored_fallback_bytes`` (or at stage 0) it runs as stock Keras, as every
-optimizer does there, and the step records say so (``fallback_mirrored``). Nothing trains
-replicated while the config says it is partitioned.
+such as ``Ftrl``, or a user subclass that overrides ``update_step``) is adopted into a
+subclass that refuses to build at stages 1-3 (:class:`Unpartitioned`): the error names the
+class and what is supported. Below ``mirrored_fallback_bytes`` (or at stage 0) it runs as
+stock Keras, as every optimizer does there, and the step records say so
+(``fallback_mirrored``). Nothing trains replicated while the config says it is
+partitioned.
 
 ``keras.optimizers.LossScaleOptimizer`` is a wrapper: it is left as is, and its inner
 optimizer (built before it) is adopted on its own.

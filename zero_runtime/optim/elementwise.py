@@ -25,8 +25,7 @@ Two states are not plain zero-initialised per-element buffers in Keras:
   is advanced once per optimizer step, as Keras's ``Nadam._backend_update_step`` does,
   by :meth:`Nadam._zero_scalars` on each replica's copy (:meth:`Nadam._zero_u_product`).
 
-``Adafactor`` has no partitioned form: its second moment is factored into row and column
-statistics of each 2-D variable, which a flat shard of the variable cannot hold.
+``Adafactor``, whose update is not element-wise, is partitioned in :mod:`.adafactor`.
 
 Importing this module (``zero_runtime.optim`` does) registers the classes with Keras's
 serialization and the names ``"rmsprop"``/``"RMSprop"``, ``"adagrad"``/``"Adagrad"``,

@@ -1,11 +1,12 @@
 """The registry of partitioned optimizers: which Keras class has which ZeRO form.
 
-``zero_runtime.optim.partitioned`` (Adam, AdamW, SGD) and
-``zero_runtime.optim.elementwise`` (RMSprop, Adagrad, Adamax, Nadam, Lion) register their
-classes here; the strategy's scope maps the names (:data:`PARTITIONED_BY_NAME`) and
-adopts instances (:data:`PARTITIONED_FOR_KERAS`, ``zero_runtime.optim.adopt``). This
-module imports neither of them: the refusal text of a class with no partitioned form
-(:func:`refusal`) is here too, for the partitioned optimizer's ``build`` to raise.
+``zero_runtime.optim.partitioned`` (Adam, AdamW, SGD),
+``zero_runtime.optim.elementwise`` (RMSprop, Adagrad, Adamax, Nadam, Lion) and
+``zero_runtime.optim.adafactor`` register their classes here; the strategy's scope maps
+the names (:data:`PARTITIONED_BY_NAME`) and adopts instances (:data:`PARTITIONED_FOR_KERAS`,
+``zero_runtime.optim.adopt``). This module imports none of them: the refusal text of a
+class with no partitioned form (:func:`refusal`) is here too, for the partitioned
+optimizer's ``build`` to raise.
 """
 
 from __future__ import annotations
@@ -77,8 +78,6 @@ def refusal(cls: type, stage: int) -> str:
             "(update_step, _backend_update_step or build), which the partitioned "
             "update cannot run on a shard"
         )
-    elif user is keras.optimizers.Adafactor:
-        why = "Adafactor's factored second moments need each whole 2-D variable, not a shard"
     else:
         why = "the runtime has no partitioned update for this class"
     return (
