@@ -4,6 +4,7 @@ from zero_runtime.comm.buckets import reduce_buckets
 from zero_runtime.comm.collectives import (
     all_gather_flat,
     all_reduce_sum_flat,
+    all_reduce_sum_of_squares,
     broadcast_bytes,
     gather_local_shards,
     reduce_scatter_sum_flat,
@@ -27,6 +28,7 @@ __all__ = [
     "WorkerGroup",
     "all_gather_flat",
     "all_reduce_sum_flat",
+    "all_reduce_sum_of_squares",
     "broadcast_bytes",
     "gather_local_shards",
     "guard_strategy_collectives",

@@ -53,6 +53,34 @@ def all_reduce_sum_flat(flat: tf.Tensor, group: CollectiveGroup | None = None) -
     return ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.identity(flat))
 
 
+def all_reduce_sum_of_squares(
+    tensors: list[tf.Tensor], group: CollectiveGroup | None = None
+) -> tf.Tensor:
+    """The sum over replicas of the sum of squares of each replica's ``tensors``.
+
+    ``||G||^2`` of a tensor ``G`` split across the replicas (each replica passes its own
+    parts of it, every element in exactly one replica's parts; zero padding adds
+    nothing): the square of the global norm of ``tf.clip_by_global_norm``
+    (``sqrt(sum_t l2norm(t)^2)``, TensorFlow's ``clip_ops.global_norm``).
+
+    Args:
+        tensors: this replica's tensors, any shapes, float dtypes (squared in float32);
+            at least one. Every replica calls it as many times, in the same order.
+        group: as :func:`all_reduce_sum_flat` (None: the strategy's all-reduce).
+
+    Returns:
+        A float32 scalar, the same on every replica.
+
+    Raises:
+        ValueError: ``tensors`` is empty.
+        RuntimeError: called outside replica context.
+    """
+    if not tensors:
+        raise ValueError("all_reduce_sum_of_squares needs at least one tensor")
+    local = tf.add_n([tf.reduce_sum(tf.square(tf.cast(t, tf.float32))) for t in tensors])
+    return all_reduce_sum_flat(tf.reshape(local, [1]), group)[0]  # (1,) -> scalar
+
+
 def shard_of(flat: tf.Tensor, shard_size: int) -> tf.Tensor:
     """This replica's shard of a flat buffer.
 

@@ -56,6 +56,7 @@ from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGra
 
 from zero_runtime.sharded_variable import ShardedVariable
 from zero_runtime.stage3.branch_use import use_in_branch
+from zero_runtime.stage3.shard_norm import recorded_anchor
 from zero_runtime.stage3.unit_comm import gather_views, reduce_scatter_variables
 
 
@@ -132,6 +133,10 @@ class _StepState:
     # read is ordered by its input only, and a later backward's read, such as a
     # persistent tape's second gradient, must not see the updated shards).
     reads: list = dataclasses.field(default_factory=list)
+    # A user step's anchors the tapes watch ({id(v): float32 scalar}; None before the
+    # first model call): ``anchors`` then holds the recorded anchors the uses read
+    # (UnitRunner.record_user_anchors).
+    watched: dict | None = None
 
 
 class UnitRunner:
@@ -336,8 +341,21 @@ class UnitRunner:
         ``[shard_elements]``), else None."""
         if not self.user_step():
             return None
-        anchors = self.step_state().anchors or {}
+        state = self.step_state()
+        anchors = state.watched if state.watched is not None else state.anchors or {}
         return anchors.get(id(variable))
+
+    def record_user_anchors(self) -> None:
+        """In a user step, after the tapes watched the anchors (each model call): the
+        uses of this call read a recorded anchor of each sharded variable
+        (:func:`~zero_runtime.stage3.shard_norm.recorded_anchor`), so the gradient shards
+        the tape returns are known to ``tf.clip_by_global_norm``. A new one per call: a
+        tape begun after an earlier call still sees its anchor read."""
+        state = self.step_state()
+        if state.watched is None:
+            state.watched = dict(state.anchors)
+        for v in self.variables:
+            state.anchors[id(v)] = recorded_anchor(state.watched[id(v)], self.group)
 
     # -- the hooks -----------------------------------------------------------------------
     def hooked_call(self, unit: Unit, *args, **kwargs):

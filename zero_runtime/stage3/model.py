@@ -28,7 +28,7 @@ from zero_runtime.comm.buckets import replica_barrier
 from zero_runtime.lifecycle import host_function
 from zero_runtime.optim import backward_update
 from zero_runtime.optim.backward_update import BackwardShardUpdate
-from zero_runtime.stage3 import autoshard, loss_scaling
+from zero_runtime.stage3 import autoshard, loss_scaling, shard_norm
 from zero_runtime.stage3.accumulation import ShardAccumulator
 from zero_runtime.stage3.clipping import clip_shards, clipping_active
 from zero_runtime.stage3.engine import Stage3Engine
@@ -221,8 +221,9 @@ class ShardedModel(keras.Model):
 
         Raises:
             ValueError: a gradient whose shape is not its variable's shard (a gradient
-                computed outside the step's tape), naming the variable; gradients clipped
-                by ``tf.clip_by_global_norm`` (see :func:`_refuse_local_norm_clipping`).
+                computed outside the step's tape), naming the variable; gradients scaled
+                by TensorFlow's own norm of shards
+                (:func:`~zero_runtime.stage3.shard_norm.refuse_local_norm`).
             NotImplementedError: loss scaling with accumulation or a row-paged table
                 (:func:`~zero_runtime.stage3.loss_scaling.check_supported`).
         """
@@ -246,7 +247,7 @@ class ShardedModel(keras.Model):
                     "tape.gradient returned inside the same step"
                 )
             given[id(v)] = tf.cast(g, tf.float32)
-        _refuse_local_norm_clipping(list(given.values()))
+        shard_norm.refuse_local_norm(list(given.values()))
         full = {
             id(v): given.get(id(v), tf.zeros([v.shard_elements], tf.float32))
             for v in self.engine.variables
@@ -438,38 +439,3 @@ def _end_step(engine: Stage3Engine, replica: int, step: np.ndarray) -> np.int64:
         return np.int64(step)
     engine.end_step(replica, int(step))
     return np.int64(step)
-
-
-#: Ops searched above each gradient for ``tf.clip_by_global_norm`` (its name scope).
-_CLIP_SEARCH_OPS = 64
-
-
-def _refuse_local_norm_clipping(grads: list) -> None:
-    """Raise when a custom loop clipped its stage-3 gradients with ``tf.clip_by_global_norm``.
-
-    At stage 3 the tape's gradients are each replica's shards of the reduced gradient, so
-    ``tf.clip_by_global_norm`` would compute the norm of this replica's shards only (and
-    under ``MirroredStrategy`` it computes each replica's local gradient norm): neither is
-    the norm of the step's gradient, and the result would train differently without a
-    word. The optimizer's own clipping computes the norm over every replica's shards
-    (:func:`zero_runtime.stage3.clipping.clip_shards`).
-
-    Raises:
-        ValueError: naming the fix (``global_clipnorm=`` on the optimizer).
-    """
-    seen, todo = set(), [g.op for g in grads]
-    while todo and len(seen) < _CLIP_SEARCH_OPS * max(1, len(grads)):
-        op = todo.pop()
-        if op.name in seen:
-            continue
-        seen.add(op.name)
-        if "clip_by_global_norm" in op.name:
-            raise ValueError(
-                "stage 3: the gradients passed to apply_gradients were clipped with "
-                "tf.clip_by_global_norm, but at stage 3 each replica's gradients are its "
-                "shards of the reduced gradient, so that norm is not the step's gradient "
-                "norm. Clip in the optimizer instead: keras.optimizers.Adam(..., "
-                "global_clipnorm=C) (the norm over every replica's shards; clipnorm and "
-                "clipvalue work too)"
-            )
-        todo.extend(t.op for t in op.inputs)

@@ -226,6 +226,7 @@ class UnitsPath:
             self.schedule.begin(replica)
         for v in runner.variables + runner.tables:
             tape_lib.variable_accessed(v)
+        runner.record_user_anchors()  # tf.clip_by_global_norm tells its shards (shard_norm.py)
         return self._model_call(x, training)
 
     def user_end(self, replica: int) -> None:
