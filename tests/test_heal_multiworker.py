@@ -25,6 +25,8 @@ import numpy as np
 import pytest
 from test_launch import _alive
 
+pytestmark = [pytest.mark.slow]  # ~75 s: three 2-worker start-ups and a reference run
+
 JOB = os.path.join(os.path.dirname(__file__), "helpers", "heal_job.py")
 SEED = int(os.environ.get("ZERO_RUNTIME_HEAL_SEED", "42"))
 SAVE_EVERY = 2
