@@ -140,6 +140,62 @@ def test_frozen_weights_are_in_the_stage3_tier_record(cpu_devices):
         strategy.close()
 
 
+def _phases(strategy) -> tuple[list, list[np.ndarray]]:
+    """The transfer-learning guide's phases: fit, freeze ``d0`` and recompile with a new
+    optimizer, fit, unfreeze and recompile, fit. Returns (losses, weights)."""
+    x, y = _data()
+    losses = []
+    with strategy.scope():
+        model = _functional()
+    for lr, frozen in ((1e-2, False), (1e-3, True), (1e-4, False)):
+        with strategy.scope():
+            model.get_layer("d0").trainable = not frozen
+            model.compile(optimizer=keras.optimizers.Adam(lr), loss="mse")
+        history = model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+        losses += history.history["loss"]
+    return losses, model.get_weights()
+
+
+def test_freezing_and_unfreezing_between_phases_trains_like_mirrored(cpu_devices):
+    """A layer frozen after stage-3 training (and unfrozen again), each phase recompiled
+    with a new optimizer: the optimizer is planned over the trainable weights and the
+    frozen layer keeps its weights, as under MirroredStrategy."""
+    ref_losses, ref_weights = _phases(Mirrored(cpu_devices))
+    strategy = zero_runtime.ZeroInfinityStrategy(CONFIG)
+    try:
+        losses, weights = _phases(strategy)
+    finally:
+        strategy.close()
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert max(_rel(w, r) for w, r in zip(weights, ref_weights)) <= 1e-4  # docs/parity.md
+
+
+def test_unfreezing_a_layer_frozen_when_sharded_is_refused_naming_the_fix():
+    """A layer frozen when the model was sharded stays replicated; unfrozen later, the
+    next fit is refused before its first step, naming shard_model before freezing."""
+    strategy = zero_runtime.ZeroInfinityStrategy(CONFIG)
+    x, y = _data()
+    try:
+        with strategy.scope():
+            model = _sequential()  # "frozen" frozen at the first fit
+            model.compile(optimizer="adam", loss="mse")
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+        before = model.get_weights()
+        with strategy.scope():
+            model.get_layer("frozen").trainable = True
+            model.compile(optimizer="adam", loss="mse")
+        with pytest.raises(
+            ValueError,
+            match=r"frozen \(first: '[\w/]*frozen/kernel'\).*"
+            r"strategy\.shard_model\(model\)",
+        ):
+            model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+        for w, b in zip(model.get_weights(), before):
+            np.testing.assert_array_equal(w, b)
+    finally:
+        strategy.close()
+
+
 class NoisyDense(keras.layers.Layer):
     """Owns a kernel and draws dropout masks inside its own call (a unit stage 3 refuses:
     its recomputed forward in backward would draw other masks)."""

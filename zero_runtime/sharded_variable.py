@@ -170,6 +170,13 @@ class _KerasProtocol(_KerasTFVariable):
         """The name ``tf.train.Checkpoint`` records the variable under (its path)."""
         return self.path
 
+    @property
+    def _unique_id(self) -> str:
+        """The key Keras's TensorFlow optimizers give a variable's storage (``_var_key``
+        of an alias, :func:`redirect`, reads it: a LossScaleOptimizer keeps the variables
+        it was built over): unique per object."""
+        return f"zero_sharded_{id(self):x}"
+
     def _serialize_to_tensors(self) -> dict:
         """``tf.train.Checkpoint`` saving: the logical value, gathered on demand (float32
         ``shape``), under the name a ``tf.Variable`` uses, so the checkpoint holds what a

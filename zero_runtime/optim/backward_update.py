@@ -145,9 +145,18 @@ class BackwardShardUpdate:
             A float32 scalar 0.0 that exists once the shard is copied to the host and
             its update queued; the caller must use it (it is a stateless host call:
             Grappler prunes unused ones).
+
+        A variable the optimizer does not update (a layer frozen after the model was
+        sharded: ``layer.trainable = False``, then a new optimizer over the trainable
+        rest) is left out with its piece of ``shard``, as Keras leaves it unchanged.
         """
+        kept = [i for i, v in enumerate(variables) if id(v) in self._offset]
+        if len(kept) < len(variables):
+            pieces = tf.split(shard, [v.shard_elements for v in variables])
+            shard = tf.concat([pieces[i] for i in kept] or [tf.zeros([0])], axis=0)
+            variables = [variables[i] for i in kept]
         fn = functools.partial(self._host_enqueue, tuple(variables))
-        # Stateless, ordered by its inputs only: see zero_runtime.stage3.block_step._host_call.
+        # Stateless, ordered by its inputs only: see zero_runtime.stage3.unit_comm's docstring.
         done = host_function(
             fn,
             [shard, after, self.step, *self._scalars],

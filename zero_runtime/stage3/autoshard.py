@@ -74,7 +74,8 @@ def trainer_to_shard(optimizer, variables: list) -> keras.Model:
         ValueError: the optimizer is built inside a traced function (the model was
             created outside ``strategy.scope()``, so Keras builds it in the first step)
             or by code other than Keras's ``fit``/``evaluate`` (a custom loop); the
-            message names the first variable and the supported forms.
+            message names the first variable and the supported forms. Or the model is
+            sharded already and some of ``variables`` are not (:func:`_refuse_unfrozen`).
     """
     first = getattr(variables[0], "path", variables[0].name) if variables else None
     head = (
@@ -92,7 +93,9 @@ def trainer_to_shard(optimizer, variables: list) -> keras.Model:
             f"{head} inside a traced step: create the model inside strategy.scope(), so "
             "that fit/evaluate shard it before the first step"
         )
-    model = find_trainer(optimizer) or find_model_of(variables)
+    model = find_trainer(optimizer) or find_model_of(variables) or find_model_of(variables, True)
+    if getattr(model, "_zero_stage3_sharded", False):
+        _refuse_unfrozen(model, variables)
     if model is None:
         raise ValueError(
             f"{head}, and no Keras model holding them was found: build the optimizer "
@@ -103,9 +106,34 @@ def trainer_to_shard(optimizer, variables: list) -> keras.Model:
     return model
 
 
-def find_model_of(variables: list) -> keras.Model | None:
+def _refuse_unfrozen(model: keras.Model, variables: list) -> None:
+    """Raise for an optimizer built over weights of a sharded ``model`` that were not
+    sharded: frozen (``trainable = False``) when the model was sharded, so replicated
+    (docs/zero_stages.md, "Frozen weights at stage 3"), and unfrozen since.
+
+    Raises:
+        ValueError: naming the first such weight and the fix (shard the model while
+            those layers are trainable; freezing and unfreezing then work).
+    """
+    from zero_runtime.sharded_variable import ShardedVariable
+
+    plain = [v for v in variables if not isinstance(v, ShardedVariable)]
+    first = getattr(plain[0], "path", plain[0].name) if plain else None
+    raise ValueError(
+        f"stage 3: model {model.name!r} was sharded while {len(plain)} of the weights "
+        f"now trainable were frozen (first: {first!r}): frozen weights stay replicated, "
+        "and the sharded model cannot take them in later. Shard the model while every "
+        "layer you will train is trainable: call strategy.shard_model(model) (inside "
+        "strategy.scope()) before setting layer.trainable = False; freezing and "
+        "unfreezing its layers afterwards work, each compile planning the optimizer "
+        "over the trainable weights"
+    )
+
+
+def find_model_of(variables: list, sharded: bool = False) -> keras.Model | None:
     """The outermost ``keras.Model`` that holds every one of ``variables`` (a custom
-    loop's ``optimizer.build(model.trainable_variables)``, or a head's variables only).
+    loop's ``optimizer.build(model.trainable_variables)``, or a head's variables only);
+    ``sharded``: among the models stage 3 has sharded already (default: the others).
 
     Looks at the models the calling frames name (their locals and globals: a tutorial's
     ``model``, a GAN's ``generator``), then, if none holds them, at every live model
@@ -122,7 +150,7 @@ def find_model_of(variables: list) -> keras.Model | None:
     def best(candidates) -> keras.Model | None:
         found, seen = None, set()
         for m in candidates:
-            if id(m) in seen or getattr(m, "_zero_stage3_sharded", False):
+            if id(m) in seen or getattr(m, "_zero_stage3_sharded", False) != sharded:
                 continue
             seen.add(id(m))
             ids = {id(v) for v in m.trainable_variables}

@@ -288,8 +288,10 @@ class ShardedModel(keras.Model):
         engine = self.engine
         n = engine.config.gradient_accumulation_steps
         lso, opt = loss_scaling.split(opt)
+        # The variables the optimizer updates (a layer frozen after sharding is left out:
+        # its gradient shard neither counts in a clipping norm nor is applied, as in Keras).
+        variables = opt._zero3_variables  # noqa: SLF001
         if lso is not None:  # mixed_float16 (check_supported: n == 1, no row-paged tables)
-            variables = engine.variables
             shards = [grads[id(v)] for v in variables]
             return loss_scaling.apply_scaled(
                 lso, variables, shards, engine.group, clock, lambda: self._end_micro_step_op([])
@@ -302,12 +304,11 @@ class ShardedModel(keras.Model):
                 "stage 3: gradient accumulation and clipping are not implemented with "
                 "row-paged embedding tables; raise embedding_row_paging_threshold"
             )
-        variables = engine.variables
         sizes = [v.shard_elements for v in variables]
         flat = tf.concat([grads[id(v)] for v in variables], axis=0)  # (shard_size,)
         is_update = tf.equal((opt.iterations + 1) % n, 0)
         if n > 1:
-            if self.accumulator is None:
+            if self.accumulator is None or self.accumulator.shard_size != sum(sizes):
                 self.accumulator = ShardAccumulator(
                     sum(sizes), n, engine.devices, engine.config.offload_optimizer
                 )
