@@ -252,7 +252,9 @@ class PreemptionWatcher:
     def exit(self, what: str) -> NoReturn:
         """Print ``what`` (e.g. where the checkpoint went) and exit with
         :data:`PREEMPTED_EXIT_STATUS` (``SystemExit``: ``finally`` blocks and ``atexit``
-        handlers run, the grace period's alarm stays armed)."""
+        handlers run). The grace period's alarm is cancelled first: the checkpoint is
+        saved, and the exit (closing the runtime, the exit barrier) is bounded on its own."""
+        signal.setitimer(signal.ITIMER_REAL, 0)
         print(
             f"zero_runtime: rank {self.rank} preempted: {what}; exiting {PREEMPTED_EXIT_STATUS}",
             file=sys.stderr,
