@@ -110,3 +110,38 @@ def test_each_way_a_preemption_ends(healed):
     assert resumed[2] == (sent[1] - 1) // SAVE_EVERY * SAVE_EVERY
     assert resumed[3] == (sent[2] - 1) // SAVE_EVERY * SAVE_EVERY
     assert healed["events"][-1] == {**healed["events"][-1], "status": 0, "restarts": 3}
+
+
+def test_a_latest_of_another_model_is_one_line_and_not_restarted(tmp_path):
+    """The worker's restore refuses it before any variable or file changes; the launcher
+    says so on one line and does not restart (a restart would fail the same way)."""
+    import keras
+
+    from zero_runtime.checkpoint import CheckpointManager
+
+    strategy = job.strategy_for(2, "cpu")
+    with strategy.scope():
+        other = keras.Sequential([keras.Input((job.FEATURES,)), keras.layers.Dense(job.CLASSES)])
+        other.compile(optimizer="adam", loss="mse")
+    x, y = job.data()
+    other.train_on_batch(x[:8], y[:8])
+    root = tmp_path / "ckpt"
+    CheckpointManager(str(root), other, strategy).save()
+    strategy.close()
+    before = {p: os.stat(root / p).st_mtime_ns for p in os.listdir(root)}
+    (tmp_path / "out").mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "zero_runtime.cli", "launch", "--nproc", "1"]
+        + ["--max-restarts", "3", "--checkpoint-dir", str(root), JOB, str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[launcher]")]
+    assert lines[-1].startswith(
+        "[launcher] rank 0: exited with status 1: CheckpointMismatchError: "
+    )
+    assert lines[-1].endswith("; not restarted: a restart would fail the same way")
+    assert "restart 1/3" not in proc.stdout
+    assert {p: os.stat(root / p).st_mtime_ns for p in os.listdir(root)} == before
