@@ -269,25 +269,40 @@ def test_gradient_accumulation_averages_once_per_optimizer_step(stage, tier, cpu
     assert worst <= ACCUM_BOUND
 
 
-@pytest.mark.parametrize(("stage", "tier"), [(1, "none"), (3, "nvme")])
-def test_checkpoint_restores_the_averages(stage, tier, reference, tmp_path):
-    """Save after 3 steps of the tape loop (``strategy.save_checkpoint``), restore into a
-    fresh model and optimizer: the last 3 steps and the finalized weights repeat the
-    uninterrupted run bitwise (and so Keras's)."""
+CKPT_CASES = [(1, "none", "sharded"), (3, "nvme", "sharded"), (3, "cpu", "tf.train.Checkpoint")]
+
+
+@pytest.mark.parametrize(
+    ("stage", "tier", "kind"), CKPT_CASES, ids=[f"s{s}-{t}-{k}" for s, t, k in CKPT_CASES]
+)
+def test_checkpoint_restores_the_averages(stage, tier, kind, reference, tmp_path):
+    """Save after 3 steps of the tape loop (``strategy.save_checkpoint``, or TensorFlow's
+    ``tf.train.Checkpoint(model=..., optimizer=...)``: the states gathered into Keras's
+    layout), restore into a fresh model and optimizer: the last 3 steps and the finalized
+    weights repeat the uninterrupted run bitwise (and so Keras's)."""
     half = STEPS // 2
+    prefix = str(tmp_path / "tf" / "ckpt")
     strategy = _strategy(stage, tier, tmp_path / "a")
     try:
         loop = _Loop(strategy, FREQ)
         loop.train(0, half)
-        strategy.save_checkpoint(str(tmp_path / "ckpt"), loop.model)
+        if kind == "sharded":
+            strategy.save_checkpoint(str(tmp_path / "ckpt"), loop.model)
+        else:
+            path = tf.train.Checkpoint(model=loop.model, optimizer=loop.optimizer).save(prefix)
         want = loop.train(half, STEPS - half), loop.finalize()
     finally:
         strategy.close()
     strategy = _strategy(stage, tier, tmp_path / "b")
     try:
         loop = _Loop(strategy, FREQ)
-        info = strategy.load_checkpoint(str(tmp_path / "ckpt"), loop.model)
-        assert info.step == half
+        if kind == "sharded":
+            info = strategy.load_checkpoint(str(tmp_path / "ckpt"), loop.model)
+            assert info.step == half
+        else:
+            ckpt = tf.train.Checkpoint(model=loop.model, optimizer=loop.optimizer)
+            ckpt.restore(path).assert_existing_objects_matched()
+        assert int(loop.optimizer.iterations.numpy()) == half
         got = loop.train(half, STEPS - half), loop.finalize()
     finally:
         strategy.close()
