@@ -376,6 +376,7 @@ def test_optimizer_host_budget_bounds_the_nvme_store_and_changes_no_result(tmp_p
     y = rng.standard_normal((48, 256)).astype("float32")
     runs = {}
     for allowance in (None, budget):
+        (tmp_path / f"nvme{allowance}").mkdir()
         strategy = zero_runtime.ZeroInfinityStrategy(
             {
                 "stage": 2,
@@ -385,7 +386,6 @@ def test_optimizer_host_budget_bounds_the_nvme_store_and_changes_no_result(tmp_p
                 "optimizer_host_budget_bytes": allowance,
             }
         )
-        (tmp_path / f"nvme{allowance}").mkdir()
         with strategy.scope():
             keras.utils.set_random_seed(0)
             model = keras.Sequential([keras.Input((256,)), keras.layers.Dense(256)])
