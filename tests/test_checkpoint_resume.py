@@ -143,3 +143,36 @@ def test_custom_loop_resumes_from_restore_or_initialize(strategy, tmp_path):
         manager.after_step(step + 1)
     for got, w in zip(model.get_weights(), want, strict=True):
         np.testing.assert_array_equal(got, w)
+
+
+def test_data_distributed_before_fit_is_not_tracked_and_not_resumed_mid_epoch(strategy, tmp_path):
+    """A ``DistributedDataset`` passed to ``fit`` bypasses the strategy's resumable one:
+    the callback stops watching at the first batch (so the validation data, which the
+    strategy distributes, is never taken for the training data), and resuming such a
+    ``fit`` mid-epoch is refused naming the fix."""
+    x, y = _arrays()
+
+    def per_replica(ctx):
+        batch = ctx.get_per_replica_batch_size(job.GLOBAL_BATCH)
+        data = tf.data.Dataset.from_tensor_slices((x, y))
+        return data.shard(ctx.num_input_pipelines, ctx.input_pipeline_id).batch(batch)
+
+    def fit(model, callbacks):
+        data = strategy.distribute_datasets_from_function(per_replica)
+        return model.fit(
+            data,
+            epochs=EPOCHS,
+            steps_per_epoch=PER_EPOCH,
+            validation_data=(x, y),
+            verbose=0,
+            callbacks=callbacks,
+        )
+
+    backup = str(tmp_path / "backup")
+    model = job.build(strategy)
+    with pytest.raises(RuntimeError, match=f"crashed after step {CRASH_AFTER}"):
+        fit(model, [ZeroBackupAndRestore(backup, save_freq=SAVE_EVERY), Crash(CRASH_AFTER)])
+    assert strategy.data_resume.iterators == 0  # unbound: validation data never taken
+    resumed = job.build(strategy, seed=99)
+    with pytest.raises(NotImplementedError, match="distributed before fit"):
+        fit(resumed, [ZeroBackupAndRestore(backup, save_freq=SAVE_EVERY)])

@@ -111,6 +111,7 @@ class PreemptionWatcher:
         self._context = context
         self._thread: threading.Thread | None = None
         self._installed = False
+        self._previous: Any = None
 
     @property
     def requested(self) -> bool:
@@ -119,7 +120,7 @@ class PreemptionWatcher:
 
     def install(self) -> None:
         """Take SIGTERM (main thread only; elsewhere a ``RuntimeError``) and, with several
-        workers, start the watcher thread. Idempotent."""
+        workers, start the watcher thread (once). Idempotent while installed."""
         if self._installed:
             return
         if threading.current_thread() is not threading.main_thread():
@@ -127,14 +128,25 @@ class PreemptionWatcher:
                 "the preemption watcher must be installed from the main thread (Python "
                 "delivers signals there): create the checkpoint manager or start fit there"
             )
-        signal.signal(signal.SIGTERM, self._on_sigterm)
-        if self.num_workers > 1:
+        self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        if self.num_workers > 1 and self._thread is None:
             self._thread = threading.Thread(
                 target=self._watch, name=f"zero-preemption-{self.rank}", daemon=True
             )
             self._thread.start()
             atexit.register(self._release_watchers)
         self._installed = True
+
+    def uninstall(self) -> None:
+        """Give SIGTERM back (the handler before :meth:`install`; its default action when
+        that one was not Python's, e.g. TensorFlow's notifier) unless a preemption is
+        under way. The watcher thread stays (a later :meth:`install` reuses it)."""
+        if not self._installed or self.signalled_at is not None:
+            return
+        if threading.current_thread() is threading.main_thread():
+            previous = self._previous if self._previous is not None else signal.SIG_DFL
+            signal.signal(signal.SIGTERM, previous)
+            self._installed = False
 
     def _ctx(self) -> Any:
         if self._context is None:
@@ -264,8 +276,8 @@ class PreemptionWatcher:
 
 
 def watcher(rank: int, num_workers: int, grace_seconds: float | None = None) -> PreemptionWatcher:
-    """This process's installed :class:`PreemptionWatcher` (created and installed at the
-    first call; main thread).
+    """This process's :class:`PreemptionWatcher`, installed (created at the first call;
+    installed again after :meth:`PreemptionWatcher.uninstall`; main thread).
 
     Args:
         rank: this worker's rank (0 in one process).
@@ -281,6 +293,6 @@ def watcher(rank: int, num_workers: int, grace_seconds: float | None = None) -> 
         if found is None:
             grace = grace_seconds_from_env() if grace_seconds is None else float(grace_seconds)
             found = PreemptionWatcher(rank, num_workers, grace)
-            found.install()
             _WATCHERS[(rank, num_workers)] = found
+        found.install()
         return found

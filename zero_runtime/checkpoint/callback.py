@@ -166,6 +166,8 @@ class ZeroBackupAndRestore(keras.callbacks.Callback):
         after the run's total steps."""
         done = batch - self._last_begin + 1
         before = self.steps
+        if self._plan is not None and not self._plan.iterators:
+            self._not_ours()  # fit's data did not come through the strategy
         if self._plan is not None and self._plan.iterators != self._iterators:
             self._iterators, self._k = self._plan.iterators, 0  # Keras made a new iterator
         self._k += done
@@ -182,6 +184,24 @@ class ZeroBackupAndRestore(keras.callbacks.Callback):
         if self._stop_at is not None and self.steps >= self._stop_at:
             self.model.stop_training = True
 
+    def _not_ours(self) -> None:
+        """``fit``'s training data was distributed before ``fit`` (a ``DistributedDataset``
+        was passed): its position cannot be tracked, nor continued after a mid-epoch
+        backup.
+
+        Raises:
+            NotImplementedError: this ``fit`` resumes a mid-epoch backup.
+        """
+        self._plan.clear()
+        self._plan = None
+        if self.restored_batch:
+            raise NotImplementedError(
+                f"resuming fit at batch {self.restored_batch} of epoch {self.restored_epoch}: "
+                "its data was distributed before fit (a DistributedDataset), so the batches "
+                "after the backup cannot be chosen: pass the tf.data.Dataset (or arrays) to "
+                "fit and let the strategy distribute it"
+            )
+
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         """Back up after the epoch (``save_freq='epoch'``)."""
         self._loud()
@@ -197,13 +217,11 @@ class ZeroBackupAndRestore(keras.callbacks.Callback):
             epoch, batch = divmod(self.steps, self._per_epoch)
         else:
             epoch, batch = self._epoch, self._batch
-        fresh = self._plan is not None and self._plan.iterators != self._iterators
-        state = {
-            "epoch": epoch,
-            "batch": batch,
-            "steps": self.steps,
-            "iterator_batches": 0 if fresh else self._k,
-        }
+        if self._plan is None:  # not tracked: a new iterator per epoch assumed
+            position = batch
+        else:
+            position = 0 if self._plan.iterators != self._iterators else self._k
+        state = {"epoch": epoch, "batch": batch, "steps": self.steps, "iterator_batches": position}
         return self._mgr().save(client_state=state)
 
     def _loud(self) -> None:
@@ -220,6 +238,8 @@ class ZeroBackupAndRestore(keras.callbacks.Callback):
         """
         self._loud()
         manager = self._mgr()
+        if self._watcher is not None:
+            self._watcher.uninstall()  # SIGTERM back to what it was before fit
         if self._plan is not None:
             self._plan.clear()
         if self.restored_epoch or self.restored_batch:
