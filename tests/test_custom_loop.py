@@ -19,6 +19,7 @@ every trainable variable.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 
@@ -419,8 +420,11 @@ def test_variables_read_before_the_build_stand_for_their_shards(tmp_path):
         np.testing.assert_array_equal(h, w)
 
 
-def _gan_run(strategy):
-    """Two models and two optimizers in one step (a GAN on 12-D points)."""
+def _gan_run(strategy, first: str | None = None):
+    """Two models and two optimizers in one step (a GAN on 12-D points): two tapes, both
+    gradients taken before either update; or, with ``first`` ("generator" or
+    "discriminator"), one persistent tape and that model's update applied before the
+    other model's gradient is taken."""
     x, _ = data("residual")
     dist_ds = strategy.experimental_distribute_dataset(
         tf.data.Dataset.from_tensor_slices(x).batch(GLOBAL)
@@ -440,7 +444,13 @@ def _gan_run(strategy):
 
     def train_step(real):
         noise = tf.random.stateless_normal([tf.shape(real)[0], 4], seed=[1, 2])
-        with tf.GradientTape() as g_tape, tf.GradientTape() as d_tape:
+        if first is None:
+            g_tape, d_tape = tf.GradientTape(), tf.GradientTape()
+        else:  # one persistent tape for both losses
+            g_tape = d_tape = tf.GradientTape(persistent=True)
+        with contextlib.ExitStack() as stack:
+            for tape in {id(t): t for t in (g_tape, d_tape)}.values():
+                stack.enter_context(tape)
             fake = generator(noise, training=True)
             real_out = discriminator(real, training=True)
             fake_out = discriminator(fake, training=True)
@@ -451,10 +461,20 @@ def _gan_run(strategy):
                 bce(tf.ones_like(real_out), real_out) + bce(tf.zeros_like(fake_out), fake_out),
                 global_batch_size=GLOBAL,
             )
-        g_grads = g_tape.gradient(g_loss, generator.trainable_variables)
-        d_grads = d_tape.gradient(d_loss, discriminator.trainable_variables)
-        g_opt.apply_gradients(zip(g_grads, generator.trainable_variables))
-        d_opt.apply_gradients(zip(d_grads, discriminator.trainable_variables))
+        steps = [
+            (g_tape, g_loss, generator, g_opt),
+            (d_tape, d_loss, discriminator, d_opt),
+        ]
+        if first == "discriminator":
+            steps.reverse()
+        grads = []
+        for tape, loss, model, opt in steps:
+            grads.append(tape.gradient(loss, model.trainable_variables))
+            if first is not None:  # this model's update before the other's gradient
+                opt.apply_gradients(zip(grads[-1], model.trainable_variables))
+        if first is None:
+            for (_, _, model, opt), g in zip(steps, grads):
+                opt.apply_gradients(zip(g, model.trainable_variables))
         return g_loss, d_loss
 
     @tf.function
@@ -467,14 +487,30 @@ def _gan_run(strategy):
     return losses, weights
 
 
-def test_gan_two_models_two_optimizers(tmp_path):
-    ref = _gan_run(Mirrored(("/cpu:0", "/cpu:1")))
+@pytest.mark.parametrize("first", [None, "generator"])
+def test_gan_two_models_two_optimizers(first, tmp_path):
+    """Both gradients before both updates; or a persistent tape with the generator's
+    update applied before the discriminator's gradient is taken (its backward runs
+    through the generator's uses without needing them): as under MirroredStrategy."""
+    ref = _gan_run(Mirrored(("/cpu:0", "/cpu:1")), first)
     strategy = zero_strategy(3, "cpu", "cpu", tmp_path)
     try:
-        got = _gan_run(strategy)
+        got = _gan_run(strategy, first)
     finally:
         strategy.close()
     _compare(3, got, ref)
+
+
+def test_a_gradient_through_a_model_already_updated_in_the_step_is_refused(tmp_path):
+    """A persistent tape whose discriminator is updated before the generator's gradient
+    is taken through it: the discriminator's backward would gather its updated shards
+    (Mirrored differentiates the forward's values), so the step stops naming the fix."""
+    strategy = zero_strategy(3, "cpu", "cpu", tmp_path)
+    try:
+        with pytest.raises(Exception, match="Take every gradient first, then apply"):
+            _gan_run(strategy, "discriminator")
+    finally:
+        strategy.close()
 
 
 # -- telemetry and whole reads around a custom loop ------------------------------------------

@@ -54,6 +54,7 @@ import tensorflow as tf
 from keras.src.backend.common.variables import AutocastScope, get_autocast_scope
 from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
 
+from zero_runtime.lifecycle import host_function
 from zero_runtime.sharded_variable import ShardedVariable
 from zero_runtime.stage3.branch_use import use_in_branch
 from zero_runtime.stage3.shard_norm import recorded_anchor
@@ -137,6 +138,9 @@ class _StepState:
     # first model call): ``anchors`` then holds the recorded anchors the uses read
     # (UnitRunner.record_user_anchors).
     watched: dict | None = None
+    # A user step whose gradients were applied (UnitRunner.end(applied=True)): kept
+    # until the next step begins, so that a later backward through its uses is refused.
+    applied: bool = False
 
 
 class UnitRunner:
@@ -308,9 +312,14 @@ class UnitRunner:
             state.uses.get(id(v)) == 1 and id(v) not in state.shared for v in variables
         )
 
-    def end(self, replica: int) -> None:
-        """End the replica's traced forward."""
-        self._steps.pop(replica, None)
+    def end(self, replica: int, applied: bool = False) -> None:
+        """End the replica's traced forward; ``applied``: a user step whose update is
+        traced (its state stays until the next step begins: :meth:`gather` refuses a
+        later backward through its uses)."""
+        state = self._steps.pop(replica, None)
+        if applied and state is not None:
+            state.applied = True
+            self._steps[replica] = state
 
     def in_step(self) -> bool:
         """True inside a traced forward of this runner on the current replica.
@@ -328,7 +337,7 @@ class UnitRunner:
         if state.user and not _within(state.graph):
             del self._steps[int(rid)]
             return False
-        return True
+        return not state.applied
 
     def user_step(self) -> bool:
         """True inside a user's step (a custom loop's tape) on the current replica."""
@@ -545,6 +554,8 @@ class UnitRunner:
 
             def grad(*dys):
                 dys = [tf.zeros_like(o) if d is None else d for o, d in zip(outs, dys[: len(outs)])]
+                if state.applied:  # a tape.gradient taken after this step's update
+                    return _after_apply(unit, tensors, dys, n_anchor, n_state)
                 views2 = self.gather(unit, replica, self._backward_dep(state, dys), gather_dtype)
                 float_in = [k for k, t in enumerate(tensors) if t.dtype.is_floating]
                 with tf.GradientTape() as tape:
@@ -596,7 +607,15 @@ class UnitRunner:
         """The unit's views on this replica, read after ``dep``: one read of its shards,
         one all-gather (:func:`~zero_runtime.stage3.unit_comm.gather_views`; ``dtype``
         None gathers float32, a 16-bit dtype name half the bytes). One float32 tensor
-        per original, of its logical shape."""
+        per original, of its logical shape.
+
+        Raises:
+            ValueError: a backward's gather after the user step's gradients were applied
+                (:func:`_refuse_after_apply`).
+        """
+        applied = self._steps.get(replica)
+        if applied is not None and applied.applied:
+            _refuse_after_apply(unit)
         views = gather_views(
             unit.variables, replica, dep, self.group, self.num_shards, self.schedule, dtype
         )
@@ -626,6 +645,58 @@ class UnitRunner:
         for v, a, b in zip(state_vars, old, new):
             if b is not None and b is not a:
                 v.assign(b)
+
+
+def _after_apply(unit: Unit, tensors: list, dys: list, n_anchor: int, n_state: int) -> tuple:
+    """A use's backward traced after its model's gradients were applied in the step.
+
+    A tape.gradient over other sources may run through the use without needing its
+    gradients (a persistent tape's second model: TensorFlow's tape calls the backward
+    of every recorded op on the way to the loss); they are then pruned, never run. A
+    gradient that is used raises :func:`_refuse_after_apply`'s error when it runs.
+
+    Returns:
+        The use's input gradients (float inputs: their shapes; others None), its
+        anchors' (float32 ``[shard_elements]``) and None for its state inputs.
+    """
+    dep = tf.concat([tf.cast(tf.reshape(d, [-1])[:1], tf.float32) for d in dys], 0)
+    # Stateless: pruned with its consumers when nothing needs them.
+    fail = host_function(
+        functools.partial(_raise_after_apply, unit), [dep], tf.float32, stateful=False
+    )
+    fail.set_shape([])
+    dxs = [tf.zeros_like(t) + fail if t.dtype.is_floating else None for t in tensors]
+    pieces = [tf.fill([v.shard_elements], fail) for v in unit.variables]
+    return (*dxs, *pieces, *([None] * n_state))
+
+
+def _raise_after_apply(unit: Unit, _dep) -> None:
+    _refuse_after_apply(unit)
+
+
+def _refuse_after_apply(unit: Unit) -> None:
+    """Raise for a backward through a use whose model's gradients were applied earlier
+    in the step (a persistent tape: one optimizer applied before another's gradients
+    were taken through this model).
+
+    The use's backward gathers the weights again (ZeRO-3 keeps no gathered copy), and
+    the update already traced would have changed them, whereas TensorFlow's tape under
+    MirroredStrategy differentiates the values the forward read.
+
+    Raises:
+        ValueError: naming the layer and the fix (every tape.gradient before the first
+            apply_gradients).
+    """
+    what = unit.layer.name if unit.layer is not None else unit.variables[0].path
+    raise ValueError(
+        f"stage 3: a tape.gradient goes back through {what!r} after apply_gradients "
+        "updated its model's shards in this step (a persistent tape, or two tapes, with "
+        "one optimizer applied before another's gradients were taken). Its backward "
+        "gathers the weights again, which would read the updated values instead of the "
+        "forward's. Take every gradient first, then apply: grads_a = "
+        "tape.gradient(loss_a, ...); grads_b = tape.gradient(loss_b, ...); then "
+        "opt_a.apply_gradients(...); opt_b.apply_gradients(...)"
+    )
 
 
 def compute_dtype() -> str | None:

@@ -231,7 +231,7 @@ class UnitsPath:
 
     def user_end(self, replica: int) -> None:
         """End the replica's user step (after its update is traced)."""
-        self.runner.end(replica)
+        self.runner.end(replica, applied=True)
         self.schedule.end(replica)
 
     def forward(self, x, training: bool):
