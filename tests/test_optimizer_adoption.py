@@ -143,6 +143,32 @@ def test_unsupported_class_runs_stock_where_the_strategy_is_plain_data_parallel(
             strategy.close()
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_keras_gradient_accumulation_is_refused_naming_the_config_key(stage):
+    """Keras's own gradient_accumulation_steps (whose update runs inside a tf.cond, which
+    fails under MirroredStrategy too) is refused when the optimizer is built, before
+    anything is sharded or trained, naming ZeroConfig(gradient_accumulation_steps=N)."""
+    strategy = _strategy(stage)
+    try:
+        with strategy.scope():
+            model = _model()
+            model.compile(
+                optimizer=keras.optimizers.Adam(0.01, gradient_accumulation_steps=2), loss="mse"
+            )
+        before = model.get_weights()
+        with pytest.raises(
+            NotImplementedError,
+            match=rf"Keras's own gradient accumulation cannot run at ZeRO stage {stage}.*"
+            r"ZeroConfig\(gradient_accumulation_steps=2\)",
+        ):
+            model.fit(X, Y, batch_size=8, epochs=1, verbose=0)
+        assert not any(type(v).__name__ == "ShardedVariable" for v in model.weights)
+        for w, b in zip(model.get_weights(), before):
+            np.testing.assert_array_equal(w, b)
+    finally:
+        strategy.close()
+
+
 def test_refusal_text_for_each_reason():
     class OwnUpdateAdam(keras.optimizers.Adam):
         def update_step(self, gradient, variable, learning_rate):

@@ -161,6 +161,9 @@ class _PartitionedUpdate(
         Raises:
             NotImplementedError: ``amsgrad=True`` (Adam); ``use_ema`` where the average
                 cannot be kept partitioned (:meth:`~.ema.ShardEma._zero_ema_refuse`).
+            NotImplementedError: Keras's own ``gradient_accumulation_steps`` at stages
+                1-3, naming ``ZeroConfig(gradient_accumulation_steps=N)``; raised before
+                anything is built or sharded.
             ValueError: a variable built inside ``strategy.zero_init()`` has no value yet
                 (the model was not passed through ``strategy.shard_model``); at stage 3,
                 unsharded variables the strategy cannot shard (``autoshard_stage3``).
@@ -183,6 +186,8 @@ class _PartitionedUpdate(
             return
         if not self._zero_supported:
             self._zero_refuse_unsupported(variables, config)
+        if self.gradient_accumulation_steps and config.stage >= 1:
+            raise NotImplementedError(_keras_accumulation_refusal(self, config.stage))
         if config.stage == 3 and not all(isinstance(v, ShardedVariable) for v in variables):
             # Stage 3 through plain compile/fit (also a model built in zero_init()): the
             # strategy shards the model that is building this optimizer
@@ -458,6 +463,26 @@ def _workers(strategy) -> int:
     """Worker processes of ``strategy``'s job (1 without a cluster)."""
     cluster = getattr(strategy, "cluster", None)
     return cluster.num_workers if cluster is not None else 1
+
+
+def _keras_accumulation_refusal(optimizer, stage: int) -> str:
+    """The message refusing Keras's own ``gradient_accumulation_steps`` at ZeRO stage
+    ``stage`` (1-3). Keras applies the accumulated update inside a ``tf.cond`` (its
+    ``BaseOptimizer.apply``), where the partitioned update's collectives and merge_call
+    cannot run (stock Keras under ``MirroredStrategy`` fails there too, Keras 3.15); at
+    stage 3 Keras would also keep a whole-shape accumulator per sharded variable. The
+    runtime accumulates itself (``ZeroConfig.gradient_accumulation_steps``)."""
+    n = optimizer.gradient_accumulation_steps
+    return (
+        f"{type(optimizer).__name__}(gradient_accumulation_steps={n}): Keras's own "
+        f"gradient accumulation cannot run at ZeRO stage {stage} (Keras applies the "
+        "update inside a tf.cond, where the partitioned update's collectives cannot run; "
+        "under MirroredStrategy it fails as well). Accumulate with the runtime instead: "
+        f"ZeroConfig(gradient_accumulation_steps={n}) (the average of {n} micro-batches, "
+        "reduced once and applied as one step; learning-rate schedules and bias "
+        "corrections count those steps), and build the optimizer without "
+        "gradient_accumulation_steps"
+    )
 
 
 def _plain_variable(initial: tf.Tensor) -> tf.Variable:
