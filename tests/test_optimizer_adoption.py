@@ -143,6 +143,29 @@ def test_unsupported_class_runs_stock_where_the_strategy_is_plain_data_parallel(
             strategy.close()
 
 
+@pytest.mark.parametrize("form", ["fit", "optimizer.build"])
+def test_a_model_created_outside_the_scope_is_refused_naming_the_fix(stage1, form):
+    """A model built before ``with strategy.scope():`` (its variables plain, not
+    mirrored) with its optimizer inside: refused when the optimizer is built, naming the
+    first variable and the fix, as MirroredStrategy refuses it (not an empty
+    AssertionError from the update)."""
+    model = _model()
+    with stage1.scope():
+        opt = keras.optimizers.Adam(0.01)
+        model.compile(optimizer=opt, loss="mse")
+    with pytest.raises(
+        ValueError,
+        match=r"created outside strategy\.scope\(\) \(first: '[\w/]*kernel'\): create "
+        r"the model inside `with strategy\.scope\(\):`",
+    ):
+        if form == "fit":
+            model.fit(X, Y, batch_size=8, epochs=1, verbose=0)
+        else:
+            with stage1.scope():
+                opt.build(model.trainable_variables)
+    assert not opt.built
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_keras_gradient_accumulation_is_refused_naming_the_config_key(stage):
     """Keras's own gradient_accumulation_steps (whose update runs inside a tf.cond, which

@@ -164,6 +164,8 @@ class _PartitionedUpdate(
             NotImplementedError: Keras's own ``gradient_accumulation_steps`` at stages
                 1-3, naming ``ZeroConfig(gradient_accumulation_steps=N)``; raised before
                 anything is built or sharded.
+            ValueError: at stages 0-2, a variable created outside ``strategy.scope()``
+                (:func:`_refuse_outside_scope`).
             ValueError: a variable built inside ``strategy.zero_init()`` has no value yet
                 (the model was not passed through ``strategy.shard_model``); at stage 3,
                 unsharded variables the strategy cannot shard (``autoshard_stage3``).
@@ -188,6 +190,8 @@ class _PartitionedUpdate(
             self._zero_refuse_unsupported(variables, config)
         if self.gradient_accumulation_steps and config.stage >= 1:
             raise NotImplementedError(_keras_accumulation_refusal(self, config.stage))
+        if config.stage < 3:
+            _refuse_outside_scope(strategy, variables)
         if config.stage == 3 and not all(isinstance(v, ShardedVariable) for v in variables):
             # Stage 3 through plain compile/fit (also a model built in zero_init()): the
             # strategy shards the model that is building this optimizer
@@ -463,6 +467,33 @@ def _workers(strategy) -> int:
     """Worker processes of ``strategy``'s job (1 without a cluster)."""
     cluster = getattr(strategy, "cluster", None)
     return cluster.num_workers if cluster is not None else 1
+
+
+def _refuse_outside_scope(strategy, variables: list) -> None:
+    """Raise when ``variables`` (Keras variables) were not created in ``strategy``'s
+    scope (a model built before ``with strategy.scope():``, its optimizer inside).
+
+    At stages 0-2 each replica updates the replicated (mirrored) variables the scope
+    creates; a plain variable has one copy, which the replicas' updates cannot assign.
+    MirroredStrategy refuses such a model too (``fit``: 'Need to be inside "with
+    strategy.scope()"'; a loop: a ``colocate_vars_with`` error).
+
+    Raises:
+        ValueError: naming the first such variable and the fix.
+    """
+    outside = [
+        v
+        for v in variables
+        if not strategy.extended.variable_created_in_scope(getattr(v, "value", v))
+    ]
+    if outside:
+        first = getattr(outside[0], "path", outside[0].name)
+        raise ValueError(
+            f"{len(outside)} of the {len(variables)} variables the optimizer is built over "
+            f"were created outside strategy.scope() (first: {first!r}): create the model "
+            "inside `with strategy.scope():` (as MirroredStrategy requires), and build or "
+            "compile its optimizer there"
+        )
 
 
 def _keras_accumulation_refusal(optimizer, stage: int) -> str:
