@@ -29,6 +29,9 @@ setup(
         "numpy>=1.24",
         # CRC-32C page checksums of the NVMe tier (LGPL-2.1-or-later, used unmodified).
         "crc32c>=2.3",
+        # The host optimizer's fused kernels (zero_runtime/optim/numba_kernels.py;
+        # BSD-2-Clause). Without it the NumPy kernels run, with a warning.
+        "numba>=0.60",
     ],
     extras_require={
         "cpu": ["tensorflow-cpu>=2.16"],

@@ -11,7 +11,7 @@ import pytest
 
 from zero_runtime.memory import PageState
 from zero_runtime.memory.access import PageAccess
-from zero_runtime.optim import kernels
+from zero_runtime.optim import fused, kernels
 from zero_runtime.optim.host_state import HostOptimizerState
 from zero_runtime.optim.layout import FlatLayout
 from zero_runtime.optim.nvme_state import (
@@ -466,3 +466,185 @@ def test_step_journals_copy_the_values_into_buffers_the_next_step_reuses():
     assert len(written) == 1
     np.testing.assert_array_equal(written[0], np.arange(n, dtype=np.float32) + 1.0)
     assert journals.host_bytes == 0
+
+
+# -- the fused (numba) kernels ----------------------------------------------------------
+# Each case: (slot buffers, scalars, the kernel called on (param, grad, slots, scratch)).
+# Data: normals over several magnitudes, with exact zeros (negative ones too) in the
+# gradient, so that sign(0), max(0, |g|) and 0-steps are covered; 5 steps per case.
+_F = np.float32
+FUSED_CASES = {
+    "adam": (2, lambda p, g, s, t: kernels.adam_update(p, g, *s, ALPHA, B1, B2, EPS, *t)),
+    "sgd": (0, lambda p, g, s, t: kernels.sgd_update(p, g, _F(0.05), t[0])),
+    "sgd_momentum": (
+        1,
+        lambda p, g, s, t: kernels.sgd_momentum_update(p, g, *s, _F(0.05), _F(0.9), False, *t),
+    ),
+    "sgd_nesterov": (
+        1,
+        lambda p, g, s, t: kernels.sgd_momentum_update(p, g, *s, _F(0.05), _F(0.9), True, *t),
+    ),
+    "rmsprop": (
+        1,
+        lambda p, g, s, t: kernels.rmsprop_update(
+            p, g, s[0], None, None, _F(0.01), _F(0.9), _F(1 - 0.9), _F(0), EPS, *t
+        ),
+    ),
+    "rmsprop_centered_momentum": (
+        3,
+        lambda p, g, s, t: kernels.rmsprop_update(
+            p, g, *s, _F(0.01), _F(0.8), _F(1 - 0.8), _F(0.6), EPS, *t
+        ),
+    ),
+    "adagrad": (1, lambda p, g, s, t: kernels.adagrad_update(p, g, *s, _F(0.05), EPS, *t)),
+    "adamax": (
+        2,
+        lambda p, g, s, t: kernels.adamax_update(
+            p, g, *s, _F(0.02), B1, _F(0.999), _F(0.19), EPS, *t
+        ),
+    ),
+    "nadam": (
+        2,
+        lambda p, g, s, t: kernels.nadam_update(
+            p, g, *s, _F(0.01), B1, B2, _F(0.9), _F(0.1), _F(0.07), _F(0.13), _F(0.002), EPS, *t
+        ),
+    ),
+    "lion": (
+        1,
+        lambda p, g, s, t: kernels.lion_update(
+            p, g, *s, _F(0.001), _F(0.9), _F(1) - _F(0.9), _F(0.99), _F(1) - _F(0.99), *t
+        ),
+    ),
+    "ema": (1, lambda p, g, s, t: kernels.ema_update(s[0], p, _F(0.99), _F(0.01), False, *t)),
+    "ema_overwrite": (
+        1,
+        lambda p, g, s, t: kernels.ema_update(s[0], p, _F(0.99), _F(0.01), True, *t),
+    ),
+}
+
+
+@pytest.fixture
+def restore_backend():
+    """Put the process's host-kernel backend back as it was after the test."""
+    before = fused.backend_info()
+    yield
+    fused.use(before["backend"], before.get("threads"))
+
+
+@np.errstate(invalid="ignore")  # centered RMSprop: sqrt of a negative d is NaN in both
+def _run_kernel(backend: str, case: str, threads: int = 1) -> list[np.ndarray]:
+    """5 steps of ``case`` on the ``backend``'s kernels; every buffer at the end."""
+    fused.use(backend, threads if backend == "numba" else None)
+    nslots, kernel = FUSED_CASES[case]
+    rng = np.random.default_rng(11)
+    n = 10_007  # not a multiple of any vector width
+    scale = np.float32(10.0) ** rng.integers(-6, 3, n).astype(np.float32)
+    param = rng.standard_normal(n, dtype=np.float32) * scale
+    slots = [np.abs(rng.standard_normal(n, dtype=np.float32)) * _F(1e-3) for _ in range(nslots)]
+    scratch = (np.empty(n, np.float32), np.empty(n, np.float32))
+    for _ in range(5):
+        grad = rng.standard_normal(n, dtype=np.float32) * scale
+        grad[::7] = 0.0
+        grad[3::7] = -0.0
+        kernel(param, grad, slots, scratch)
+    return [param, *slots]
+
+
+@pytest.mark.parametrize("case", sorted(FUSED_CASES))
+def test_fused_kernels_are_bitwise_the_numpy_kernels(case, restore_backend):
+    """Each numba kernel is the NumPy kernel's operations in its order, in one pass:
+    every output bit equal (signed zeros included), with 1 and 2 threads."""
+    want = _run_kernel("numpy", case)
+    for threads in (1, 2):
+        got = _run_kernel("numba", case, threads)
+        for w, g in zip(want, got):
+            np.testing.assert_array_equal(g.view(np.uint32), w.view(np.uint32))
+
+
+@pytest.mark.parametrize("case", ["adam", "adamw", "adamw_ema"])
+def test_fused_adam_is_bitwise_keras(case, restore_backend):
+    """The fused host Adam against Keras's own ``Adam``/``AdamW`` on one variable, 6
+    steps: AdamW's decoupled weight decay applied before the kernel as Keras applies it
+    (``variable -= variable * wd * lr`` in TensorFlow), ``alpha`` computed in TensorFlow
+    as Keras's ``update_step`` does, and, with ``use_ema``, the average by
+    :func:`kernels.ema_update` with :func:`zero_runtime.optim.ema.ema_scalars` (overwrite
+    every 4 steps): parameters, moments and average bitwise equal."""
+    import keras
+    import tensorflow as tf
+
+    from zero_runtime.optim.ema import ema_scalars
+
+    assert fused.use("numba")["backend"] in ("numba", "numpy")
+    kw = {"learning_rate": 0.01, "beta_1": 0.8, "beta_2": 0.95, "epsilon": 1e-6}
+    if case != "adam":
+        kw["weight_decay"] = 0.05
+    if case == "adamw_ema":
+        kw.update(use_ema=True, ema_momentum=0.9, ema_overwrite_frequency=4)
+    ref = (keras.optimizers.Adam if case == "adam" else keras.optimizers.AdamW)(**kw)
+    rng = np.random.default_rng(5)
+    n = 4099
+    var = keras.Variable(rng.standard_normal(n, dtype=np.float32))
+    ref.build([var])
+    param = var.numpy().copy()
+    m, v, average = (np.zeros(n, np.float32) for _ in range(3))
+    scratch = (np.empty(n, np.float32), np.empty(n, np.float32))
+    lr = tf.constant(kw["learning_rate"], tf.float32)
+    for step in range(6):
+        grad = rng.standard_normal(n, dtype=np.float32)
+        grad[::5] = 0.0
+        ref.apply([tf.constant(grad)], [var])
+        if "weight_decay" in kw:
+            decayed = tf.constant(param)
+            param = (decayed - decayed * tf.constant(kw["weight_decay"], tf.float32) * lr).numpy()
+        t = tf.constant(step + 1, tf.float32)
+        b1_power, b2_power = tf.pow(_F(kw["beta_1"]), t), tf.pow(_F(kw["beta_2"]), t)
+        alpha = (lr * tf.sqrt(1 - b2_power) / (1 - b1_power)).numpy()
+        kernels.adam_update(
+            param,
+            grad,
+            m,
+            v,
+            _F(alpha),
+            _F(1 - kw["beta_1"]),
+            _F(1 - kw["beta_2"]),
+            _F(kw["epsilon"]),
+            *scratch,
+        )
+        if case == "adamw_ema":
+            momentum, rest, overwrite = (
+                s.numpy() for s in ema_scalars(tf.constant(step, tf.int64), 0.9, 4)
+            )
+            kernels.ema_update(average, param, momentum, rest, bool(overwrite), *scratch)
+        np.testing.assert_array_equal(param.view(np.uint32), var.numpy().view(np.uint32))
+    np.testing.assert_array_equal(m, ref._momentums[0].numpy())  # noqa: SLF001
+    np.testing.assert_array_equal(v, ref._velocities[0].numpy())  # noqa: SLF001
+    if case == "adamw_ema":
+        keras_average = ref._model_variables_moving_average[0].numpy()  # noqa: SLF001
+        np.testing.assert_array_equal(average, keras_average)
+
+
+def test_the_backend_is_reported_and_numpy_is_chosen_only_without_numba(monkeypatch, caplog):
+    """``backend_info`` names the backend (the run record's ``host_optimizer``); with numba
+    not importable the NumPy kernels run and a warning names the cause and the fix;
+    ``ZERO_RUNTIME_HOST_OPTIMIZER=numba`` then raises instead."""
+    import sys
+
+    import numba
+
+    monkeypatch.setattr(fused, "_info", None)
+    monkeypatch.setattr(fused, "_module", None)
+    monkeypatch.setitem(sys.modules, "numba", None)  # ``import numba`` raises ImportError
+    with caplog.at_level("WARNING", logger="zero_runtime.optim.fused"):
+        info = fused.backend_info()
+    assert info["backend"] == "numpy" and "pip install numba" in info["reason"]
+    assert fused.active() is None
+    assert any("pip install numba" in r.getMessage() for r in caplog.records)
+    monkeypatch.setattr(fused, "_info", None)
+    monkeypatch.setenv(fused.BACKEND_ENV, "numba")
+    with pytest.raises(RuntimeError, match="pip install numba"):
+        fused.active()
+    monkeypatch.setitem(sys.modules, "numba", numba)
+    monkeypatch.setattr(fused, "_info", None)
+    monkeypatch.delenv(fused.BACKEND_ENV)
+    info = fused.backend_info()
+    assert info["backend"] == "numba" and info["threading_layer"] in fused.THREADSAFE_LAYERS

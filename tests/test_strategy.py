@@ -226,6 +226,12 @@ def test_telemetry_events_every_step(zero_run):
     assert run_info["stage"] == 1
     assert run_info["device_is_standin"] is True
     assert run_info["num_replicas"] == strategy.num_replicas_in_sync
+    # Written again once the host store chose its kernels: the backend in use.
+    from zero_runtime.optim import fused
+
+    last_info = acc.Tensors(metadata.TAG_RUN_INFO)[-1]
+    last_info = json.loads(tensor_util.make_ndarray(last_info.tensor_proto).item())
+    assert last_info["host_optimizer"] == fused.backend_info()
 
 
 def test_keras_sparse_adam_is_not_dense_adam():

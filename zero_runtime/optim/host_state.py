@@ -3,8 +3,8 @@
 ZeRO stage 1 (Rajbhandari et al., SC20, section 5.1, "P_os"): each data-parallel replica
 holds only its shard of the optimizer states. With optimizer offload to the host
 (ZeRO-Offload, Ren et al., USENIX ATC 2021, section 4.1) those shards live in CPU memory
-and the update runs on the CPU, tile by tile (``kernels.TILE_ELEMENTS``) so that every
-pass of the update stays in the cache.
+and the update runs on the CPU, tile by tile (``kernels.tile_elements()``) so that every
+pass of the NumPy update stays in the cache (the fused one makes a single pass).
 
 Every optimizer-state store (:class:`HostOptimizerState` here,
 :class:`~zero_runtime.optim.nvme_state.NvmeOptimizerState`,
@@ -98,7 +98,7 @@ class HostOptimizerState:
         layout: the flat layout of the optimizer's trainable variables.
         slot_names: names of the per-element state buffers (e.g. ``("momentum",
             "velocity")`` for Adam; empty for plain SGD).
-        tile: elements per update tile (default ``kernels.TILE_ELEMENTS``).
+        tile: elements per update tile (default ``kernels.tile_elements()``).
 
     Shards are allocated lazily, the first time a replica updates, so a worker process
     only ever holds the shards of its own replicas. Thread-safe: replicas update from
@@ -111,10 +111,11 @@ class HostOptimizerState:
         self,
         layout: FlatLayout,
         slot_names: tuple[str, ...],
-        tile: int = kernels.TILE_ELEMENTS,
+        tile: int | None = None,
     ) -> None:
         self.layout = layout
         self.slot_names = tuple(slot_names)
+        tile = kernels.tile_elements() if tile is None else tile
         self.tile = max(1, min(tile, layout.shard_size))
         self._shards: dict[int, ReplicaShard] = {}
         self._lock = threading.Lock()

@@ -1,4 +1,9 @@
-"""Host (numpy) update kernels, bit-for-bit equal to Keras 3's TensorFlow updates.
+"""Host update kernels, bit-for-bit equal to Keras 3's TensorFlow updates.
+
+Each kernel runs numba's fused version (:mod:`zero_runtime.optim.numba_kernels`: one
+pass over the elements, the same operations in the same order, bitwise equal) when
+:func:`zero_runtime.optim.fused.active` says so, and otherwise the NumPy body below (one
+pass per operation, through the two scratch buffers, which the fused kernels ignore).
 
 Each kernel updates one shard in place. The operation order follows Keras's own
 ``update_step`` (for Adam ``m += (g - m) * (1 - beta_1)``, not the textbook
@@ -12,11 +17,31 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from zero_runtime.optim import fused
+
 #: Elements per tile of a host update (float32: 256 KiB per buffer, 1.75 MiB for the
 #: seven buffers of an Adam tile). Measured on the 2-core development machine
 #: (bench/bench_host_adam.py): whole-array passes reach ~0.3 of the copy-bandwidth bound,
 #: tiles of 16-256 Ki elements 0.45-0.6, so every pass over a tile hits the cache.
 TILE_ELEMENTS = 65_536
+
+#: Elements per tile of a fused (numba) host update (1 MiB per buffer). The fused kernel
+#: makes one pass, so a tile needs no cache residency; what it pays per tile is the call
+#: (~5-10 us: Python, numba's dispatch, the threading layer's launch), ~20% of a 64 Ki
+#: tile at the bandwidth bound. Measured (bench/bench_host_adam.py, 2 cores): 0.55-0.65 of
+#: the bound at 64 Ki, 0.75-0.9 at 256 Ki and 1 Mi; the smaller of the two keeps the EMA's
+#: second pass over a tile's parameters in the cache.
+FUSED_TILE_ELEMENTS = 262_144
+
+
+def tile_elements() -> int:
+    """Elements per host-update tile for the kernels in use: :data:`FUSED_TILE_ELEMENTS`
+    with numba's (:func:`zero_runtime.optim.fused.active`), else :data:`TILE_ELEMENTS`.
+
+    Raises:
+        as :func:`zero_runtime.optim.fused.active`.
+    """
+    return FUSED_TILE_ELEMENTS if fused.active() is not None else TILE_ELEMENTS
 
 
 #: Alignment of a host update's output buffer, bytes: TensorFlow's CPU allocator's
@@ -24,6 +49,16 @@ TILE_ELEMENTS = 65_536
 #: output tensor's buffer as is; any other is copied (measured: numpy's own allocations
 #: here are 32 bytes off).
 ALIGN_BYTES = 64
+
+
+#: The fused RMSprop's stand-in for an absent buffer (never indexed then).
+_NONE = np.empty(0, np.float32)
+
+
+def _f32(*scalars) -> list[np.float32]:
+    """The kernels' scalars as float32 (a Python float would make numba compute in
+    float64)."""
+    return [np.float32(s) for s in scalars]
 
 
 def aligned_empty(n: int) -> np.ndarray:
@@ -70,6 +105,9 @@ def adam_update(
         scratch: float32 ``[n]`` work buffer (contents overwritten).
         scratch2: float32 ``[n]`` work buffer (contents overwritten).
     """
+    if (fk := fused.active()) is not None:  # one fused pass (fused.py)
+        fk.adam(param, grad, m, v, *_f32(alpha, one_minus_beta_1, one_minus_beta_2, epsilon))
+        return
     np.subtract(grad, m, out=scratch)
     scratch *= one_minus_beta_1
     m += scratch
@@ -109,6 +147,9 @@ def sgd_momentum_update(
         scratch: float32 ``[n]`` work buffer (overwritten).
         scratch2: float32 ``[n]`` work buffer (overwritten).
     """
+    if (fk := fused.active()) is not None:  # one fused pass (fused.py)
+        fk.sgd_momentum(param, grad, m, *_f32(lr, momentum), bool(nesterov))
+        return
     np.multiply(grad, lr, out=scratch)
     m *= momentum
     m -= scratch
@@ -129,6 +170,9 @@ def sgd_update(param: np.ndarray, grad: np.ndarray, lr: np.float32, scratch: np.
         lr: float32 learning rate.
         scratch: float32 ``[n]`` work buffer.
     """
+    if (fk := fused.active()) is not None:  # one fused pass (fused.py)
+        fk.sgd(param, grad, *_f32(lr))
+        return
     np.multiply(grad, lr, out=scratch)
     param -= scratch
 
@@ -184,6 +228,18 @@ def rmsprop_update(
         scratch: float32 ``[n]`` work buffer (overwritten).
         scratch2: float32 ``[n]`` work buffer (overwritten).
     """
+    if (fk := fused.active()) is not None:  # one fused pass (fused.py)
+        fk.rmsprop(
+            param,
+            grad,
+            velocity,
+            _NONE if momentum_buf is None else momentum_buf,
+            _NONE if average_grad is None else average_grad,
+            *_f32(lr, rho, one_minus_rho, momentum, epsilon),
+            momentum_buf is not None,
+            average_grad is not None,
+        )
+        return
     velocity *= rho
     np.multiply(grad, grad, out=scratch)
     scratch *= one_minus_rho
@@ -232,6 +288,9 @@ def adagrad_update(
         scratch: float32 ``[n]`` work buffer (overwritten).
         scratch2: float32 ``[n]`` work buffer (overwritten).
     """
+    if (fk := fused.active()) is not None:  # one fused pass (fused.py)
+        fk.adagrad(param, grad, accumulator, *_f32(lr, epsilon))
+        return
     np.multiply(grad, grad, out=scratch)
     accumulator += scratch
     np.add(accumulator, epsilon, out=scratch)
@@ -274,6 +333,11 @@ def adamax_update(
         scratch: float32 ``[n]`` work buffer (overwritten).
         scratch2: float32 ``[n]`` work buffer (overwritten).
     """
+    if (fk := fused.active()) is not None:  # one fused pass (fused.py)
+        fk.adamax(
+            param, grad, m, u, *_f32(lr, one_minus_beta_1, beta_2, one_minus_beta_1_power, epsilon)
+        )
+        return
     np.subtract(grad, m, out=scratch)
     scratch *= one_minus_beta_1
     m += scratch
@@ -334,6 +398,25 @@ def nadam_update(
         scratch: float32 ``[n]`` work buffer (overwritten).
         scratch2: float32 ``[n]`` work buffer (overwritten).
     """
+    if (fk := fused.active()) is not None:  # one fused pass (fused.py)
+        fk.nadam(
+            param,
+            grad,
+            m,
+            v,
+            *_f32(
+                lr,
+                one_minus_beta_1,
+                one_minus_beta_2,
+                u_t_1,
+                one_minus_u_product_t_1,
+                one_minus_u_t,
+                one_minus_u_product_t,
+                one_minus_beta_2_power,
+                epsilon,
+            ),
+        )
+        return
     np.subtract(grad, m, out=scratch)
     scratch *= one_minus_beta_1
     m += scratch
@@ -386,6 +469,9 @@ def lion_update(
         scratch: float32 ``[n]`` work buffer (overwritten).
         scratch2: float32 ``[n]`` work buffer (overwritten).
     """
+    if (fk := fused.active()) is not None:  # one fused pass (fused.py)
+        fk.lion(param, grad, m, *_f32(lr, beta_1, one_minus_beta_1, beta_2, one_minus_beta_2))
+        return
     np.multiply(m, beta_1, out=scratch)
     np.multiply(grad, one_minus_beta_1, out=scratch2)
     scratch += scratch2
@@ -424,6 +510,9 @@ def ema_update(
         scratch: float32 ``[n]`` work buffer (overwritten).
         scratch2: float32 ``[n]`` work buffer (overwritten).
     """
+    if (fk := fused.active()) is not None:  # one fused pass (fused.py)
+        fk.ema(average, param, *_f32(momentum, one_minus_momentum), bool(overwrite))
+        return
     np.multiply(average, momentum, out=scratch)
     np.multiply(param, one_minus_momentum, out=scratch2)
     np.add(scratch, scratch2, out=average)

@@ -207,7 +207,7 @@ class NvmeOptimizerState(StateTransactions):
             (warning); results are the same (the update is elementwise).
         nvme_budget_bytes: bytes the pool may write under ``nvme_path``, or None.
         prefix: tensor-id prefix in the pool (unique per optimizer).
-        tile: elements per update tile (default ``kernels.TILE_ELEMENTS``).
+        tile: elements per update tile (default ``kernels.tile_elements()``).
 
     Raises:
         ValueError: ``sub_group_size`` < 1 or a bad pool argument.
@@ -226,7 +226,7 @@ class NvmeOptimizerState(StateTransactions):
         host_budget_bytes: int | None = None,
         nvme_budget_bytes: int | None = None,
         prefix: str = "opt",
-        tile: int = kernels.TILE_ELEMENTS,
+        tile: int | None = None,
     ) -> None:
         if sub_group_size < 1:
             raise ValueError(f"sub_group_size must be >= 1, got {sub_group_size}")
@@ -238,6 +238,7 @@ class NvmeOptimizerState(StateTransactions):
         self.sub_group_size = window.sub_group_size
         self.journal_host_limit = window.journal_host_limit
         self.prefix = prefix
+        tile = kernels.tile_elements() if tile is None else tile
         self.tile = max(1, min(tile, self.sub_group_size))
         self.pool = PagedBufferPool(
             host_budget_bytes=window.pool_host_bytes,

@@ -32,6 +32,7 @@ from zero_runtime.config import TUNABLE_KEYS, ZeroConfig, validate_tunable_updat
 from zero_runtime.devices import DeviceInfo
 from zero_runtime.memory import host_malloc
 from zero_runtime.memory.trace import TRACE_DIR, TraceWriter
+from zero_runtime.optim import fused
 from zero_runtime.runtime import accounting
 from zero_runtime.runtime.accounting import Accounting
 from zero_runtime.runtime.clock import StepClock, StepEnd
@@ -122,6 +123,7 @@ class ZeroRuntime(RuntimeReports):
         self.host_margin_bytes = oom.host_margin_bytes()
         oom.install_excepthook(self)
         self._run_info_impl: str | None = None  # the reduce-scatter run_info last named
+        self._run_info_host: dict | None = None  # the host kernels run_info last named
         self._device_capacity = device_capacity_bytes(device)  # bytes, None: unknown
         self._write_run_info()
 
@@ -380,9 +382,11 @@ class ZeroRuntime(RuntimeReports):
     # -- summaries and lifecycle ---------------------------------------------------------
     def _write_run_info(self, only_if_changed: bool = False) -> None:
         impl = self.accounting.reduce_scatter_impl()
-        if self.summaries is None or (only_if_changed and impl == self._run_info_impl):
+        host = fused.resolved_info()  # chosen when a host or NVMe store was built
+        changed = impl != self._run_info_impl or host != self._run_info_host
+        if self.summaries is None or (only_if_changed and not changed):
             return
-        self._run_info_impl = impl
+        self._run_info_impl, self._run_info_host = impl, host
         self.summaries.run_info(
             self.config,
             self.num_replicas,
@@ -391,6 +395,7 @@ class ZeroRuntime(RuntimeReports):
             impl,
             None if self.headroom is None else self.headroom.describe(),
             self._device_capacity,
+            host,
         )
 
     def flush(self) -> None:

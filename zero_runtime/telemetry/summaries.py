@@ -46,6 +46,7 @@ class RunSummaries:
         reduce_scatter_impl: str | None = None,
         device_budget: Mapping[str, Any] | None = None,
         device_capacity_bytes: int | None = None,
+        host_optimizer: Mapping[str, Any] | None = None,
     ) -> None:
         """``memory_hierarchy/run_info`` at step 0 (at start and whenever it changes): the
         stage, replicas, devices and the nature of the device tier, the config, whether
@@ -58,7 +59,10 @@ class RunSummaries:
         and, when known, ``device_capacity_bytes``: the device's memory, bytes, the limit
         TensorFlow's allocator enforces (a GPU's total memory by NVML; on the CPU stand-in
         the allocator's cap ``TF_CPU_BFC_MEM_LIMIT_IN_MB``; absent when unknown or
-        unset)."""
+        unset) and, once an optimizer keeps states on the host or NVMe,
+        ``host_optimizer``: the host update kernels in use
+        (:func:`zero_runtime.optim.fused.backend_info`: ``backend`` 'numba' with its
+        version, threading layer and threads per call, or 'numpy' with the ``reason``)."""
         info = {
             "stage": config.stage,
             "num_replicas": num_replicas,
@@ -76,6 +80,8 @@ class RunSummaries:
             info["device_budget"] = dict(device_budget)
         if device_capacity_bytes is not None:
             info["device_capacity_bytes"] = int(device_capacity_bytes)
+        if host_optimizer is not None:
+            info["host_optimizer"] = dict(host_optimizer)
         self._writer.json(metadata.TAG_RUN_INFO, 0, info)
 
     def estimate(self, estimate: Mapping[str, Any]) -> None:
