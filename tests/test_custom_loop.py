@@ -163,13 +163,14 @@ OPTS = {
 }
 
 
-def zero_strategy(stage: int, param: str = "none", opt: str = "cpu", tmp_path=None):
+def zero_strategy(stage: int, param: str = "none", opt: str = "cpu", tmp_path=None, **extra):
     config = dict(
         stage=stage,
         offload_optimizer=opt,
         mirrored_fallback_bytes=0,
         page_size_bytes=65536,
         collective_timeout_seconds=60,
+        **extra,
     )
     if stage == 3:
         config["offload_param"] = param
@@ -418,6 +419,56 @@ def test_variables_read_before_the_build_stand_for_their_shards(tmp_path):
     _compare(3, got, ref)
     for h, w in zip(held, got[1]):
         np.testing.assert_array_equal(h, w)
+
+
+def _whole_shaped_accumulator(model, optimizer, compute_loss, batch):
+    """``_accumulated`` with the accumulators made by ``tf.zeros_like(v)`` (whole-shaped)."""
+    x, y = batch
+    per = tf.shape(x)[0] // ACCUM
+    acc = [tf.zeros_like(v) for v in model.trainable_variables]
+    for i in range(ACCUM):
+        with tf.GradientTape() as tape:
+            loss = compute_loss(y[i * per : (i + 1) * per], model(x[i * per : (i + 1) * per]))
+        acc = [a + g for a, g in zip(acc, tape.gradient(loss, model.trainable_variables))]
+    optimizer.apply_gradients(zip(acc, model.trainable_variables))
+    return loss
+
+
+def _runtime_accumulation(model, optimizer, compute_loss, batch):
+    """What the refusal names: every micro-batch's gradients applied, each micro-batch's
+    loss averaged over its own examples; ZeroConfig(gradient_accumulation_steps=ACCUM)
+    averages them and updates once."""
+    x, y = batch
+    per = tf.shape(x)[0] // ACCUM
+    total = 0.0
+    for i in range(ACCUM):
+        xi, yi = x[i * per : (i + 1) * per], y[i * per : (i + 1) * per]
+        with tf.GradientTape() as tape:
+            loss = compute_loss(yi, model(xi, training=True), GLOBAL // ACCUM)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        total += loss / ACCUM
+    return total
+
+
+def test_whole_shaped_accumulators_are_explained_and_runtime_accumulation_works(tmp_path):
+    """Stage 3: accumulators made by tf.zeros_like(v) meet the tape's gradient shards;
+    the step stops naming ZeroConfig(gradient_accumulation_steps=N), and that loop (an
+    apply_gradients per micro-batch) equals one step on the whole batch under Mirrored."""
+    make = _built_adam(lambda m: m.trainable_variables)
+    strategy = zero_strategy(3, "cpu", "cpu", tmp_path)
+    try:
+        with pytest.raises(ValueError, match=r"ZeroConfig\(gradient_accumulation_steps=N\)"):
+            _run(strategy, residual, _whole_shaped_accumulator, make)
+    finally:
+        strategy.close()
+    ref = _run(Mirrored(("/cpu:0", "/cpu:1")), residual, _plain, make)
+    strategy = zero_strategy(3, "cpu", "cpu", tmp_path, gradient_accumulation_steps=ACCUM)
+    try:
+        got = _run(strategy, residual, _runtime_accumulation, make)
+    finally:
+        strategy.close()
+    _compare(3, got, ref)
 
 
 def _gan_run(strategy, first: str | None = None):

@@ -377,13 +377,24 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
 
         Raises:
             zero_runtime.lifecycle.StrategyClosedError: after :meth:`close`.
-            ValueError: that stage-3 case, naming the model, its optimizer and what to pass.
+            ValueError: that stage-3 case, naming the model, its optimizer and what to pass;
+                at stage 3, a gradient shard combined with a whole-shaped tensor in the
+                step (:func:`zero_runtime.stage3.shard_norm.explain_shape_error`).
         """
         self.resources.check_open("run a step")
         if self.config.stage == 3:
             _refuse_unsharded_keras_step(fn)
         with self.resources.tracing():  # gradient registrations, released by close()
-            return super().run(fn, args=args, kwargs=kwargs, options=options)
+            try:
+                return super().run(fn, args=args, kwargs=kwargs, options=options)
+            except ValueError as exc:
+                if self.config.stage == 3:
+                    from zero_runtime.stage3.shard_norm import explain_shape_error
+
+                    clear = explain_shape_error(exc)
+                    if clear is not None:
+                        raise clear from exc
+                raise
 
     def experimental_distribute_dataset(self, dataset, options=None):
         """As ``tf.distribute.Strategy``'s (Keras's fit/evaluate/predict call it first).

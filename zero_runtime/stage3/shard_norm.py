@@ -72,6 +72,12 @@ _SCALINGS = {"Mul": (0, 1), "MulNoNan": (0, 1), "RealDiv": (0,), "Div": (0,), "D
 _MAX_DEPTH = 64
 #: Ops searched above a tensor for a recorded shard it was computed from (per tensor).
 _SEARCH_OPS = 64
+#: The name of the op each gradient shard a user's tape returns comes from (its identity).
+SHARD_OP_NAME = "zero3_gradient_shard"
+#: TensorFlow's shape-mismatch messages (an elementwise op, an assign) at trace time.
+_SHAPE_MISMATCH = re.compile(
+    r"Dimensions must be equal|Shapes must be equal rank|are incompatible|Incompatible shapes"
+)
 #: The name of the op ``tensorflow.python.ops.clip_ops.global_norm`` returns.
 _TF_NORM_OP = re.compile(r"global_norm(_\d+)?")
 
@@ -96,7 +102,7 @@ def recorded_anchor(anchor: tf.Tensor, group) -> tf.Tensor:
     @tf.custom_gradient
     def mark(a):
         def grad(dy):
-            shard = tf.identity(dy, name="zero3_gradient_shard")
+            shard = tf.identity(dy, name=SHARD_OP_NAME)
             _record(shard, group)
             return shard
 
@@ -299,3 +305,29 @@ def install() -> None:
             current = getattr(module, attr, None)
             if current is not None and not getattr(current, "_zero_true_norm", False):
                 setattr(module, attr, wrap(current))
+
+
+def explain_shape_error(exc: BaseException) -> ValueError | None:
+    """The error to raise instead of ``exc`` when it is TensorFlow's shape mismatch
+    between a gradient shard and another tensor, traced in a stage-3 user step (an
+    accumulator of the variable's whole shape, ``tf.zeros_like(v)``, plus a shard);
+    None for any other error.
+
+    The shard is float32 ``[shard_elements]`` (the module docstring), the whole-shaped
+    tensor under ``MirroredStrategy`` would have matched the replica's whole gradient.
+    ``ZeroInfinityStrategy.run`` raises the result ``from exc``.
+    """
+    text = str(exc)
+    if SHARD_OP_NAME not in text or not _SHAPE_MISMATCH.search(text):
+        return None
+    return ValueError(
+        "stage 3: tape.gradient returns each sharded variable's gradient shard (float32 "
+        "[shard_elements], this replica's rows of the reduced gradient), and the step "
+        "combined one with a tensor of another shape, such as an accumulator made with "
+        "tf.zeros_like(v) over model.trainable_variables (the variable's whole shape). "
+        "Let the runtime accumulate: ZeroConfig(gradient_accumulation_steps=N), and call "
+        "optimizer.apply_gradients on every micro-batch's gradients, each micro-batch's "
+        "loss averaged over its own examples (it averages the N micro-batches' shards "
+        "and updates once every N calls; or keep accumulators shaped like the gradients, "
+        f"tf.zeros_like(g)). TensorFlow's error: {text}"
+    )
