@@ -378,6 +378,9 @@ def run_trial(spec: dict, callbacks: tuple = ()) -> dict:
             {"step": r.step, "timing": dict(r.timing), "pages": dict(r.pages)}
             for r in strategy.runtime.recorder.last()
         ]
+        # The whole run's page counters of each pool apart (page_totals): where the
+        # bytes went, clean page-outs (writes avoided) and bytes read/written per kind.
+        out["page_totals"] = page_totals(engine.pool, sharded.optimizer.zero_state.store)
         sharded.close()
         strategy.close()
     return out
@@ -398,6 +401,24 @@ def engine_keys(spec: dict) -> dict:
     return {
         "tile_size": max(1, spec["pool_device_bytes"] // 128),
         "activation_checkpointing": True,
+    }
+
+
+def page_totals(param_pool, store) -> dict:
+    """The page counters since creation (``zero_runtime.memory.PoolTotals.as_dict``) of
+    the stage-3 parameter pool (``param_pool``: the engine's ``PagedBufferPool``) and of
+    the optimizer store's pool (``NvmeOptimizerState.pool``), each apart:
+    ``{"param_pool": {...}, "optimizer_store": {...} or None}``; None for a store without
+    pages (``offload_optimizer='cpu'``: numpy buffers). Each has the summed PageCounters
+    fields (page moves and bytes by direction, evictions, stalls, I/O seconds),
+    ``clean_page_outs`` and ``writes_avoided_bytes`` (pages that left the host with no
+    write, their NVMe copy current), and ``read_bytes_by_kind`` / ``written_bytes_by_kind``
+    (bytes read from / written to NVMe per tensor kind). ``runtime_steps`` has the two
+    pools' counters summed, per step."""
+    store_pool = getattr(store, "pool", None)
+    return {
+        "param_pool": param_pool.totals().as_dict(),
+        "optimizer_store": None if store_pool is None else store_pool.totals().as_dict(),
     }
 
 

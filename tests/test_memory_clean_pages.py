@@ -205,3 +205,98 @@ def test_fork_hands_a_clean_tensors_host_copy_over_and_keeps_its_nvme_copy(tmp_p
     np.testing.assert_array_equal(pool.read("new"), changed)
     np.testing.assert_array_equal(pool.read("old"), data)
     pool.close()
+
+
+def _mixed_kinds_run(pool: PagedBufferPool) -> list:
+    """Two steps and an open third on a host of 2 pages: a 'param' tensor of 2 pages and
+    an 'optimizer' tensor of 1 page paged out, read back in turn (clean victims), the
+    optimizer page written (dirty) and paged out again. Returns the closed steps'
+    counters."""
+    p, o = values(2 * F32_PER_PAGE, 7), values(F32_PER_PAGE, 8)
+    pool.allocate("p", p.shape, np.float32, kind="param")
+    pool.allocate("o", o.shape, np.float32, kind="optimizer")
+    for tid, d in (("p", p), ("o", o)):
+        pool.write(tid, d)
+        pool.evict(tid, "nvme")
+    steps = [pool.step_boundary(0)]
+    for tid, d in (("p", p), ("o", o), ("p", p)):
+        assert np.array_equal(pool.acquire(tid), d)
+        pool.release(tid)
+    steps.append(pool.step_boundary(1))
+    got = pool.acquire("o", writable=True)  # read in again, then written: dirty
+    got += 1
+    pool.release("o")
+    pool.evict("o", "nvme")  # written
+    return steps
+
+
+def test_pool_totals_sum_the_steps_and_split_the_moves_by_kind(tmp_path):
+    """``PagedBufferPool.totals``: every step's counters summed, the open step's
+    included and untouched by ``step_boundary``, and the page moves by tensor kind:
+    per kind the bytes read from and written to NVMe, and the clean page-outs (writes
+    avoided) that left the host with no write."""
+    with make_pool(tmp_path, host=2, nvme=8) as pool:
+        closed = _mixed_kinds_run(pool)
+        totals = pool.totals()
+        open_step = pool.step_boundary(2)
+        assert pool.totals() == totals  # closing a step changes no total
+    steps = [*closed, open_step]
+    for name in ("h2n_pages", "h2n_bytes", "n2h_pages", "n2h_bytes", "h2n_clean_pages"):
+        assert getattr(totals.counters, name) == sum(getattr(c, name) for c in steps), name
+    assert totals.counters.evictions == sum(c.evictions for c in steps)
+    page = PS
+    param, opt = totals.by_kind["param"], totals.by_kind["optimizer"]
+    # Written once each at step 0; the optimizer page again after its write.
+    assert (param["h2n_pages"], param["h2n_bytes"]) == (2, 2 * page)
+    assert (opt["h2n_pages"], opt["h2n_bytes"]) == (2, 2 * page)
+    # Read: p's 2 pages, then o (a p page evicted clean), then p's evicted page again
+    # (o evicted clean), then o again (a p page evicted clean).
+    assert (param["n2h_pages"], param["n2h_bytes"]) == (3, 3 * page)
+    assert (opt["n2h_pages"], opt["n2h_bytes"]) == (2, 2 * page)
+    assert (param["h2n_clean_pages"], opt["h2n_clean_pages"]) == (2, 1)
+    for name in ("h2n_pages", "n2h_bytes", "h2n_clean_bytes"):
+        assert param[name] + opt[name] == getattr(totals.counters, name), name
+    assert param["h2n_clean_pages"] + opt["h2n_clean_pages"] == totals.counters.h2n_clean_pages
+    summary = totals.as_dict()
+    assert summary["writes_avoided_bytes"] == totals.counters.h2n_clean_bytes
+    assert summary["clean_page_outs"] == totals.counters.h2n_clean_pages
+    assert summary["read_bytes_by_kind"] == {"param": 3 * page, "optimizer": 2 * page}
+    assert summary["written_bytes_by_kind"] == {"param": 2 * page, "optimizer": 2 * page}
+    assert "grad" not in summary["by_kind"]
+
+
+def test_bench_max_model_reports_each_pools_totals(tmp_path):
+    """bench_max_model's ``page_totals``: the parameter pool's and the NVMe optimizer
+    store's totals apart (the store's pool), None for a host store (no pages)."""
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from zero_runtime.optim.host_state import HostOptimizerState
+    from zero_runtime.optim.layout import FlatLayout
+    from zero_runtime.optim.nvme_state import NvmeOptimizerState
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    try:
+        import bench_max_model
+    finally:
+        sys.path.pop(0)
+    layout = FlatLayout.from_variables([SimpleNamespace(shape=(4 * F32_PER_PAGE,), path="w")], 2)
+    nvme = tmp_path / "opt"
+    nvme.mkdir()
+    store = NvmeOptimizerState(layout, ("m",), str(nvme), F32_PER_PAGE, PS)
+    with make_pool(tmp_path, host=2, nvme=8) as pool:
+        _mixed_kinds_run(pool)
+        n = layout.shard_size
+        step = lambda slots, scratch, p, g: np.add(slots["m"], g, out=slots["m"])  # noqa: E731
+        for s in range(2):
+            store.update(0, ((0, n),), np.zeros(n, np.float32), np.ones(n, np.float32), step)
+            store.step_boundary(s)
+        got = bench_max_model.page_totals(pool, store)
+        assert got["param_pool"] == pool.totals().as_dict()
+        assert got["optimizer_store"] == store.pool.totals().as_dict()
+        assert set(got["optimizer_store"]["by_kind"]) == {"optimizer"}
+        assert got["optimizer_store"]["written_bytes_by_kind"]["optimizer"] >= 2 * PS
+        host = HostOptimizerState(layout, ("m",))
+        assert bench_max_model.page_totals(pool, host)["optimizer_store"] is None
+    store.close()

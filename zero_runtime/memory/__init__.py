@@ -28,7 +28,7 @@ slot-only tiers of :mod:`.sim_tiers` (what-if, ``docs/tuning.md``). See
 ``docs/paging.md``.
 """
 
-from zero_runtime.memory.counters import PageCounters, TierUsage
+from zero_runtime.memory.counters import PageCounters, PoolTotals, TierUsage
 from zero_runtime.memory.errors import (
     Holder,
     NvmeFullError,
@@ -72,6 +72,7 @@ __all__ = [
     "PagingError",
     "PoolClosedError",
     "PoolOutOfMemoryError",
+    "PoolTotals",
     "ShardStorage",
     "TensorInfo",
     "TierUsage",

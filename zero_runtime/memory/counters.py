@@ -60,29 +60,89 @@ class PageCounters:
         return tuple(float(getattr(self, f.name)) for f in dataclasses.fields(self))
 
 
+@dataclasses.dataclass(frozen=True)
+class PoolTotals:
+    """A pool's page counters since it was created (``PagedBufferPool.totals``): every
+    step's :class:`PageCounters` summed, and the page moves split by the kind of the
+    tensor moved.
+
+    Attributes:
+        counters: the steps' :class:`PageCounters` summed, the open step's included
+            (``h2n_clean_pages``: clean evictions and clean moves down, each a write
+            avoided; ``h2n_clean_bytes``: the bytes not written).
+        by_kind: tensor kind ('param', 'grad', 'optimizer', 'activation', 'other') ->
+            ``{"<direction>_pages": count, "<direction>_bytes": bytes}`` for every
+            direction of :data:`DIRECTIONS` (``n2h``: read from NVMe; ``h2n``: written
+            to NVMe; ``h2n_clean``: left the host with no write); a kind never moved is
+            absent.
+    """
+
+    counters: PageCounters
+    by_kind: dict[str, dict[str, int]]
+
+    def as_dict(self) -> dict:
+        """A JSON-ready copy: the summed counters' fields, ``"by_kind"``, and the figures
+        that say where the bytes went: ``clean_page_outs`` (pages that left the host
+        with no write, their NVMe copy current: clean evictions and clean moves down),
+        ``writes_avoided_bytes`` (their bytes), ``read_bytes_by_kind`` and
+        ``written_bytes_by_kind`` (kind -> bytes read from / written to NVMe)."""
+        return {
+            **dataclasses.asdict(self.counters),
+            "by_kind": {k: dict(v) for k, v in self.by_kind.items()},
+            "clean_page_outs": self.counters.h2n_clean_pages,
+            "writes_avoided_bytes": self.counters.h2n_clean_bytes,
+            "read_bytes_by_kind": {k: v["n2h_bytes"] for k, v in self.by_kind.items()},
+            "written_bytes_by_kind": {k: v["h2n_bytes"] for k, v in self.by_kind.items()},
+        }
+
+
+def _zeros() -> dict[str, float]:
+    return {f.name: f.default for f in dataclasses.fields(PageCounters)}
+
+
 class CounterAccumulator:
-    """Mutable counters for the open step; not thread-safe (the pool's lock guards it)."""
+    """Mutable counters for the open step, and their totals since creation; not
+    thread-safe (the pool's lock guards it)."""
 
     def __init__(self) -> None:
         self._values: dict[str, float] = {}
-        self.reset()
+        self.reset(totals=True)
 
-    def reset(self) -> None:
-        """Zero every counter."""
-        self._values = {f.name: f.default for f in dataclasses.fields(PageCounters)}
+    def reset(self, totals: bool = False) -> None:
+        """Zero every counter of the open step (and, with ``totals``, the totals too)."""
+        self._values = _zeros()
+        if totals:
+            self._totals = _zeros()
+            self._by_kind: dict[str, dict[str, int]] = {}
 
-    def move(self, direction: str, payload_bytes: int) -> None:
-        """Count one page moved in ``direction`` (one of :data:`DIRECTIONS`)."""
-        self._values[f"{direction}_pages"] += 1
-        self._values[f"{direction}_bytes"] += payload_bytes
+    def move(self, direction: str, payload_bytes: int, kind: str = "other") -> None:
+        """Count one page of a ``kind`` tensor moved in ``direction`` (one of
+        :data:`DIRECTIONS`), ``payload_bytes`` of it."""
+        for values in (self._values, self._totals):
+            values[f"{direction}_pages"] += 1
+            values[f"{direction}_bytes"] += payload_bytes
+        per_kind = self._by_kind.get(kind)
+        if per_kind is None:
+            per_kind = self._by_kind[kind] = {
+                f"{d}_{unit}": 0 for d in DIRECTIONS for unit in ("pages", "bytes")
+            }
+        per_kind[f"{direction}_pages"] += 1
+        per_kind[f"{direction}_bytes"] += payload_bytes
 
     def add(self, name: str, amount: float = 1) -> None:
         """Add ``amount`` to counter ``name`` (a :class:`PageCounters` field)."""
         self._values[name] += amount
+        self._totals[name] += amount
 
     def snapshot(self) -> PageCounters:
         """Return the current values as a frozen :class:`PageCounters`."""
         return PageCounters(**self._values)
+
+    def totals(self) -> PoolTotals:
+        """The totals since creation (or the last ``reset(totals=True)``), a copy."""
+        return PoolTotals(
+            PageCounters(**self._totals), {k: dict(v) for k, v in self._by_kind.items()}
+        )
 
 
 @dataclasses.dataclass(frozen=True)

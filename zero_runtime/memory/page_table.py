@@ -401,5 +401,5 @@ class PageTable:
         self._state_counts[to] += 1
         direction = LEGAL[(frm, to)]
         if direction is not None:
-            self._counters.move(direction, page.payload)
+            self._counters.move(direction, page.payload, self._tensors[page.tensor_id].kind)
         return direction

@@ -46,7 +46,7 @@ import numpy as np
 import psutil
 
 from zero_runtime.memory.core import PoolCore
-from zero_runtime.memory.counters import PageCounters
+from zero_runtime.memory.counters import PageCounters, PoolTotals
 from zero_runtime.memory.errors import PoolClosedError
 from zero_runtime.memory.io import IoJob
 from zero_runtime.memory.page_table import (
@@ -593,6 +593,13 @@ class PagedBufferPool(PoolHints, PoolViews):
         with self._p.cond:
             self._p.release(self._entry(tensor_id))
             self._trace("R", tensor_id)
+
+    def totals(self) -> PoolTotals:
+        """The page counters since the pool was created: every step's summed (the open
+        step's so far included) and the page moves by tensor kind (:class:`PoolTotals`).
+        ``step_boundary`` does not reset them."""
+        with self._p.cond:
+            return self._p.counters.totals()
 
     def step_boundary(self, step: int) -> PageCounters:
         """Close step ``step``: return its counters, zero them, restart peaks and the order.

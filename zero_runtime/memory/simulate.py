@@ -194,7 +194,7 @@ def _restore(core: PoolCore, start: Mapping[str, Any], page_size: int) -> dict[s
         entry.acquired_tier = acquired_tier
         core.table.note_pins(entry)
         itemsize[tid] = int(size) or 1
-    core.counters.reset()  # restoring a clean page counted a read-in
+    core.counters.reset(totals=True)  # restoring a clean page counted a read-in
     core.table.resume_tick(int(start["tick"]))
     core.policy.resume(start["order"], int(start["cursor"]))
     for tier in core.tiers.values():
