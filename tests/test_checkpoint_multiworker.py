@@ -86,6 +86,7 @@ def test_stage3_two_workers_save_and_restore_on_two_workers_and_one_replica(job_
         "stage": 3,
         "offload_optimizer": "nvme",
         "offload_param": "nvme",
+        "gradient_accumulation_steps": 1,
     }
     # each worker wrote only its own replica's shard file (it holds only those shards)
     assert {n: (f.rank, f.replica) for n, f in index.files.items()} == {

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -31,7 +32,8 @@ rank = int(os.environ["ZERO_RUNTIME_RANK"])
 attempt = int(os.environ["ZERO_RUNTIME_RESTART_COUNT"])
 port = int(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"][rank].rsplit(":", 1)[1])
 if rank == 0:
-    keys = ("ZERO_RUNTIME_CHECKPOINT_DIR", "ZERO_RUNTIME_PREEMPTION_GRACE_SECONDS")
+    keys = ("ZERO_RUNTIME_CHECKPOINT_DIR", "ZERO_RUNTIME_PREEMPTION_GRACE_SECONDS",
+            "ZERO_RUNTIME_WORLD_SIZE", "ZERO_RUNTIME_MAX_WORLD_SIZE")
     with open(os.path.join(marks, f"attempt{attempt}"), "w") as f:
         json.dump({k: os.environ.get(k) for k in keys}, f)
 print("rank", rank, "pid", os.getpid(), "attempt", attempt, flush=True)
@@ -61,6 +63,39 @@ if mode == "usage" and rank == 0:
 if mode == "preempted" and attempt == 0:
     time.sleep(0.2 + 0.8 * rank)  # rank 1 still saving when rank 0 exits 42
     sys.exit(42)
+if mode == "elastic":  # shrink 2 -> 1 (rank 1 killed twice), grow 1 -> 2 (SIGUSR1)
+    from zero_runtime import progress
+    world = int(os.environ["ZERO_RUNTIME_WORLD_SIZE"])
+    saved_file = os.path.join(marks, "saved")
+    start = int(open(saved_file).read()) if os.path.exists(saved_file) else 0
+    step = start
+    def preempted(signum, frame):  # a preemption: save the step, exit 42
+        with open(saved_file, "w") as f:
+            f.write(str(step))
+        sys.exit(42)
+    signal.signal(signal.SIGTERM, preempted)
+    progress.report(start, resumed=True, rank=rank)
+    while True:
+        time.sleep(0.1)
+        step += 1
+        progress.report(step, rank=rank)
+        if rank == 0 and step % 2 == 0:
+            with open(saved_file, "w") as f:
+                f.write(str(step))
+        if attempt < 2 and rank == 1 and step == start + 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if world == 1 and step == start + 2:
+            os.kill(os.getppid(), signal.SIGUSR1)  # the launcher: grow back
+        if attempt == 3 and step == start + 2:
+            break
+if mode == "preemptible":  # saves and exits 42 on SIGTERM
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(42))
+    print("waiting pid", os.getpid(), flush=True)
+    time.sleep(60)
+if mode == "deaf":  # ignores SIGTERM (TensorFlow's notifier takes it before our handler)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print("waiting pid", os.getpid(), flush=True)
+    time.sleep(60)
 print("rank", rank, "done", flush=True)
 """
 
@@ -130,6 +165,8 @@ def test_a_killed_worker_restarts_the_group_and_leaves_no_orphan_or_held_port(wo
     assert env == {
         "ZERO_RUNTIME_CHECKPOINT_DIR": str(ckpt),
         "ZERO_RUNTIME_PREEMPTION_GRACE_SECONDS": "7",
+        "ZERO_RUNTIME_WORLD_SIZE": "2",
+        "ZERO_RUNTIME_MAX_WORLD_SIZE": "2",
     }
 
 
@@ -224,6 +261,14 @@ def test_bad_input_is_one_line_before_any_worker_starts(worker, tmp_path):
         (["--max-restarts", "2"], "--max-restarts needs --checkpoint-dir DIR"),
         (["--preemption-grace", "0"], "expected a number > 0"),
         (["--checkpoint-dir", str(ckpt / "latest")], "is not a directory"),
+        (["--min-nproc", "3"], "--min-nproc 3 must be between 1 and --nproc 2 (it is above"),
+        (["--min-nproc", "1"], "--min-nproc 1 below --nproc 2 needs --max-restarts >= 1"),
+        (
+            ["--nproc", "3", "--min-nproc", "2", "--max-restarts", "1", "--checkpoint-dir", "x"],
+            "--min-nproc 2: no world size from 2 to 2 divides --nproc 3",
+        ),
+        (["--shrink-after", "0"], "argument --shrink-after: invalid value 0"),
+        (["--logdir", str(ckpt / "latest")], "--logdir"),
     ]
     for args, message in cases:
         proc = _cli("--nproc", "2", *args, script, "ok", str(marks))
@@ -263,3 +308,106 @@ def test_the_lock_is_released_when_its_holder_is_killed(tmp_path):
         proc.wait()
     launch.dir_lock.DirectoryLock(str(ckpt)).acquire().release()  # no stale lock
     assert os.listdir(ckpt) == []
+
+
+def test_a_rank_that_keeps_failing_shrinks_the_job_and_sigusr1_grows_it_back(worker, tmp_path):
+    """Rank 1 killed in two groups in a row (--shrink-after 2) -> the next group runs 1
+    worker (--min-nproc 1); SIGUSR1 to the launcher preempts it (it saves, exits 42) and
+    the next group runs 2 again, not counted as a restart. The events say why, and the
+    steps and seconds each change lost, from rank 0's progress reports."""
+    script, marks = worker
+    ckpt, logdir = tmp_path / "ckpt", tmp_path / "logs"
+    status, log = _run(
+        script, "elastic", marks, ckpt, 3, min_nproc=1, shrink_after=2, logdir=str(logdir)
+    )
+    assert status == 0, log
+    events = _events(ckpt)
+    kinds = [e["event"] for e in events if e["event"] != "resume"]
+    assert kinds == [
+        "start",
+        "restart",
+        "start",
+        "restart",
+        "resize",
+        "start",
+        "resize",
+        "start",
+        "exit",
+    ], log
+    starts = [e for e in events if e["event"] == "start"]
+    assert [(e["attempt"], e["nproc"]) for e in starts] == [(0, 2), (1, 2), (2, 1), (3, 2)]
+    shrink, grow = [e for e in events if e["event"] == "resize"]
+    assert (shrink["from_nproc"], shrink["to_nproc"]) == (2, 1)
+    assert shrink["reason"] == "rank 1 failed 2 time(s) in a row (--shrink-after 2, --min-nproc 1)"
+    assert (grow["from_nproc"], grow["to_nproc"], grow["reason"]) == (2 - 1, 2, "asked (SIGUSR1)")
+    assert events[-1]["restarts"] == 2  # the grow is not a restart
+    assert "[launcher] resize 2 -> 1 workers: rank 1 failed 2 time(s) in a row" in log
+    assert "[launcher] SIGUSR1 (grow): preempting 1 worker(s)" in log
+    world = [json.loads((marks / f"attempt{a}").read_text()) for a in range(4)]
+    assert [w["ZERO_RUNTIME_WORLD_SIZE"] for w in world] == ["2", "2", "1", "2"]
+    assert {w["ZERO_RUNTIME_MAX_WORLD_SIZE"] for w in world} == {"2"}
+    # each group resumed where the last save (or the grow's preemption save) left it
+    resumes = [e for e in events if e["event"] == "resume"]
+    assert [e["attempt"] for e in resumes] == [0, 1, 2, 3]
+    assert resumes[0]["cause"] is None and resumes[0]["steps_lost"] is None
+    assert resumes[1]["cause"].startswith("restart 1/3 after rank 1: killed by SIGKILL")
+    assert "resize 2 -> 1 workers" in resumes[2]["cause"]
+    assert resumes[3]["cause"] == "resize 1 -> 2 workers: asked (SIGUSR1)"
+    assert resumes[3]["steps_lost"] == 0  # the grow saved where it stopped
+    for e in resumes[1:3]:
+        assert 0 <= e["steps_lost"] <= 2 and 0 < e["seconds_lost"] < 30, e
+        assert 0 < e["restart_seconds"] < 30, e
+    goodput = events[-1]["goodput"]
+    assert goodput["useful_steps"] == resumes[-1]["step"] + 2
+    assert goodput["all_steps"] >= goodput["useful_steps"]
+    assert 0 < goodput["time_ratio"] < 1 and 0 < goodput["steps_ratio"] <= 1
+    # the tab's copy in the log directory: the same lines
+    assert (logdir / "memory_hierarchy_restarts.jsonl").read_text() == (
+        ckpt / "restarts.jsonl"
+    ).read_text()
+
+
+def test_sigterm_to_the_launcher_preempts_the_workers_and_ends_the_job(worker, tmp_path):
+    """SIGTERM to the launcher is forwarded as a preemption: each worker saves (here:
+    exits 42 at once) and the launcher exits 42 without a restart; a second SIGTERM
+    stops workers that did not react (status 143)."""
+    script, marks = worker
+    for mode, want in (("preemptible", 42), ("deaf", 143)):
+        ckpt = tmp_path / f"ckpt_{mode}"
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "zero_runtime.cli", "launch", "--nproc", "2"]
+            + ["--max-restarts", "3", "--checkpoint-dir", str(ckpt), "--preemption-grace", "20"]
+            + [script, mode, str(marks)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        lines, waiting = [], 0
+        try:
+            for line in launcher.stdout:
+                lines.append(line)
+                waiting += "waiting pid" in line
+                if waiting == 2:
+                    break
+            pids = [int(ln.split()[-1]) for ln in lines if "waiting pid" in ln]
+            launcher.send_signal(signal.SIGTERM)
+            if mode == "deaf":
+                time.sleep(1.0)
+                launcher.send_signal(signal.SIGTERM)  # the second one stops them at once
+            rest, _ = launcher.communicate(timeout=30)
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+        log = "".join(lines) + rest
+        assert launcher.returncode == want, log
+        assert "[launcher] SIGTERM: preempting 2 worker(s)" in log
+        assert [p for p in pids if _alive(p)] == []
+        assert "restart 1/3" not in log
+        if mode == "preemptible":
+            assert (
+                "[launcher] received SIGTERM: every worker saved and exited 42; not restarted"
+                in log
+            )
+        else:
+            assert "[launcher] received SIGTERM; stopping 2 running worker(s)" in log

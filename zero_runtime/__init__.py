@@ -22,6 +22,7 @@ text) and that ``zero_runtime/`` has no import circle::
   optimizers     optim
   shards         sharded_variable
   services       memory, comm, telemetry, control, oom, estimator, capabilities, cluster_guard
+  elasticity     progress, elastic
   foundations    config, devices, strategy_variants, lifecycle, oom_report, atomic_file, preemption
 
 Only this package root may import from any layer (lazily, in ``__getattr__``). From
@@ -60,6 +61,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "preemption",
         ),
     ),
+    ("elasticity", ("progress", "elastic")),
     (
         "services",
         (

@@ -27,7 +27,7 @@ from typing import Any
 
 import keras
 
-from zero_runtime import preemption
+from zero_runtime import preemption, progress
 from zero_runtime.checkpoint import data_resume
 from zero_runtime.checkpoint import reader as rd
 from zero_runtime.checkpoint.manager import CheckpointManager
@@ -43,7 +43,12 @@ class ZeroBackupAndRestore(keras.callbacks.Callback):
     Args:
         backup_dir: the backup root (the same on every worker); used by this callback only.
         save_freq: ``'epoch'`` (default) or an int N >= 1: back up after every step whose
-            count since the job's first step is a multiple of N.
+            count since the job's first step is a multiple of N. With gradient
+            accumulation (``ZeroConfig.gradient_accumulation_steps`` = A) the steps are
+            optimizer steps (A batches each): backups and a preemption's agreed step fall
+            on optimizer-step boundaries only, so a backup holds no partial gradient sum
+            and a job resized by ``zero-runtime launch --min-nproc`` (another A) resumes
+            at the same example (:mod:`zero_runtime.elastic`).
         delete_checkpoint: delete the backups (published checkpoints, ``latest``,
             temporary directories; the directory itself when nothing else is in it) when
             ``fit`` ends normally (default True).
@@ -91,6 +96,7 @@ class ZeroBackupAndRestore(keras.callbacks.Callback):
         self._plan: data_resume.DataResume | None = None
         self._quiet: warnings.catch_warnings | None = None
         self._watcher: preemption.PreemptionWatcher | None = None
+        self._accumulation = 1  # the strategy's gradient_accumulation_steps
         self.restored_epoch = 0
         self.restored_batch = 0
         self.steps = 0
@@ -105,13 +111,18 @@ class ZeroBackupAndRestore(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         """Restore the newest backup: skip its completed epochs and, for a mid-epoch
-        backup, start the data after its batches; take SIGTERM (preemption).
+        backup, start the data after its batches; take SIGTERM (preemption). A backup
+        taken at another gradient accumulation (a resized job) continues at the same
+        example (:meth:`_rescaled`). Tells ``zero-runtime launch`` where training resumed
+        (:meth:`~zero_runtime.preemption.PreemptionWatcher.resumed`).
 
         Raises:
             zero_runtime.checkpoint.CheckpointError: a damaged backup or one of another
                 model (nothing is changed).
             TypeError: a mid-epoch backup under a strategy that cannot move its data on
                 (not a ``ZeroInfinityStrategy``).
+            ValueError: a backup of another gradient accumulation whose position or
+                global batch does not convert (:meth:`_rescaled`).
         """
         manager = self._mgr()
         self._watcher = manager.preemption_watcher()
@@ -120,10 +131,14 @@ class ZeroBackupAndRestore(keras.callbacks.Callback):
         self.restored_epoch = self.restored_batch = self.steps = 0
         self._batch = self._k = self._iterators = 0
         self._stop_at = None
-        result = manager.restore() if manager.latest is not None else None
+        self._accumulation = rd.accumulation_of(manager.strategy)
+        result = state = None
+        if manager.latest is not None:  # the position is checked before anything changes
+            index = rd.CheckpointReader(rd.resolve(manager.directory, None)).index
+            state = self._rescaled(dict(index.client_state), index.tag)
+            result = manager.restore()
         position = None
         if result is not None:
-            state = result.client_state
             per = self._per_epoch
             self.restored_epoch = self._epoch = int(state.get("epoch", 0))
             self.restored_batch = self._batch = int(state.get("batch", 0))
@@ -136,6 +151,7 @@ class ZeroBackupAndRestore(keras.callbacks.Callback):
                 self._iterators = 1  # the first iterator is the resumed one
                 if per and self.params.get("epochs"):
                     self._stop_at = int(self.params["epochs"]) * per
+        progress.report(self.steps // self._accumulation, resumed=True, rank=self._watcher.rank)
         if self._plan is not None:
             self._plan.watch(position)
         elif self.restored_batch:
@@ -144,6 +160,42 @@ class ZeroBackupAndRestore(keras.callbacks.Callback):
                 f"{self.restored_epoch}; continuing its data needs a ZeroInfinityStrategy "
                 f"(got {type(manager.strategy).__name__})"
             )
+
+    def _rescaled(self, state: dict, tag: str) -> dict:
+        """The backup's position in batches of this run: a backup taken at gradient
+        accumulation N (``state["accumulation"]``) restored at N' counts its batches x
+        N'/N (the same examples: the global batch per optimizer step is kept across world
+        sizes, :mod:`zero_runtime.elastic`).
+
+        Raises:
+            ValueError: the position is not a whole number of this run's batches, or the
+                batches per epoch do not scale with the accumulation (the global batch
+                changed between the runs); the message names the numbers.
+        """
+        before = int(state.get("accumulation", self._accumulation))
+        now = self._accumulation
+        if before == now:
+            return state
+        scaled = dict(state)
+        for key in ("batch", "steps", "iterator_batches"):
+            if key in state:
+                value = int(state[key]) * now
+                if value % before:
+                    raise ValueError(
+                        f"backup {tag!r} was taken at {key}={state[key]} with "
+                        f"gradient_accumulation_steps={before}, not at an optimizer-step "
+                        f"boundary: it cannot continue with gradient_accumulation_steps={now}"
+                    )
+                scaled[key] = value // before
+        per_before, per = state.get("per_epoch"), self._per_epoch
+        if per_before and per and per * before != int(per_before) * now:
+            raise ValueError(
+                f"backup {tag!r} had {per_before} batches per epoch at "
+                f"gradient_accumulation_steps={before}; this fit has {per} at {now}: the "
+                "global batch (fit's batch_size x gradient_accumulation_steps) must stay "
+                "the same across a resize (zero_runtime.elastic.batch_plan)"
+            )
+        return scaled
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         """Track the epoch; in the epoch resumed mid-way, silence Keras's note that its
@@ -173,13 +225,20 @@ class ZeroBackupAndRestore(keras.callbacks.Callback):
         self._k += done
         self._batch += done
         self.steps += done
-        if self._watcher is not None and self._watcher.boundary(self.steps):
-            saved = self._save()
-            close = getattr(self._mgr().strategy, "close", None)
-            if close is not None:
-                close()  # flush the summaries, remove the NVMe files
-            self._watcher.exit(f"saved {saved.path} at step {self.steps}")
-        if self.save_freq != "epoch" and self.steps // self.save_freq > before // self.save_freq:
+        a = self._accumulation  # saves and the preemption at optimizer-step boundaries only
+        if not self.steps % a and self._watcher is not None:  # (no partial gradient sum)
+            progress.report(self.steps // a, rank=self._watcher.rank)  # launch's goodput
+            if self._watcher.boundary(self.steps // a):
+                saved = self._save()
+                close = getattr(self._mgr().strategy, "close", None)
+                if close is not None:
+                    close()  # flush the summaries, remove the NVMe files
+                self._watcher.exit(f"saved {saved.path} at step {self.steps // a}")
+        if (
+            self.save_freq != "epoch"
+            and not self.steps % a
+            and self.steps // a // self.save_freq > before // a // self.save_freq
+        ):
             self._save()
         if self._stop_at is not None and self.steps >= self._stop_at:
             self.model.stop_training = True
@@ -211,8 +270,11 @@ class ZeroBackupAndRestore(keras.callbacks.Callback):
 
     def _save(self):
         """Back up with the position: ``epoch`` and ``batch`` (batches of it trained),
-        ``steps`` (since the job's first step) and ``iterator_batches`` (batches the
-        current data iterator gave; 0 when Keras made a new one since the last batch)."""
+        ``steps`` (since the job's first step), ``iterator_batches`` (batches the
+        current data iterator gave; 0 when Keras made a new one since the last batch),
+        ``accumulation`` (the strategy's ``gradient_accumulation_steps``: a restore at
+        another one converts the batch counts, :meth:`_rescaled`) and ``per_epoch``
+        (Keras's steps per epoch, or None)."""
         if self._per_epoch:
             epoch, batch = divmod(self.steps, self._per_epoch)
         else:
@@ -222,6 +284,7 @@ class ZeroBackupAndRestore(keras.callbacks.Callback):
         else:
             position = 0 if self._plan.iterators != self._iterators else self._k
         state = {"epoch": epoch, "batch": batch, "steps": self.steps, "iterator_batches": position}
+        state.update(accumulation=self._accumulation, per_epoch=self._per_epoch)
         return self._mgr().save(client_state=state)
 
     def _loud(self) -> None:

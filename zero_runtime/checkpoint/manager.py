@@ -17,7 +17,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from zero_runtime import preemption
+from zero_runtime import preemption, progress
 from zero_runtime.checkpoint import reader as rd
 from zero_runtime.checkpoint import writer as wr
 from zero_runtime.optim.training_state import TrainingState
@@ -193,7 +193,8 @@ class CheckpointManager:
         """Restore ``latest`` when there is one and take SIGTERM (preemption); returns the
         number of training steps already done: the checkpoint's ``client_state["step"]``
         (what :meth:`after_step` saves), else its optimizer step; 0 when nothing was
-        published. Every worker calls it, before the first step.
+        published. Every worker calls it, before the first step. Rank 0 tells
+        ``zero-runtime launch`` where training resumed (:mod:`zero_runtime.progress`).
 
         Raises:
             CheckpointNotFoundError: ``latest`` names no loadable checkpoint.
@@ -202,17 +203,20 @@ class CheckpointManager:
                 shapes, optimizer slots); no variable is changed.
         """
         self._watcher = self.preemption_watcher()
-        if self.latest is None:
-            return 0
-        info = self.restore()
-        return int(info.client_state.get("step", info.step))
+        start = 0
+        if self.latest is not None:
+            info = self.restore()
+            start = int(info.client_state.get("step", info.step))
+        progress.report(start, resumed=True, rank=self._watcher.rank)  # launch's goodput
+        return start
 
     def after_step(self, step: int, client_state: dict | None = None) -> wr.SaveResult | None:
         """Call after every training step, on every worker, with the number of steps done.
 
         Saves (``client_state`` plus ``{"step": step}``) when ``step`` is a multiple of
-        ``save_every``. After a SIGTERM to any worker, every worker saves at the step
-        they agree on and exits with status 42 (``SystemExit``;
+        ``save_every``. Rank 0 reports the step to ``zero-runtime launch``
+        (:mod:`zero_runtime.progress`). After a SIGTERM to any worker, every worker saves
+        at the step they agree on and exits with status 42 (``SystemExit``;
         :mod:`zero_runtime.preemption`).
 
         Returns:
@@ -225,6 +229,7 @@ class CheckpointManager:
         state = {**(client_state or {}), "step": int(step)}
         watcher = self._watcher or self.preemption_watcher()
         self._watcher = watcher
+        progress.report(step, rank=watcher.rank)  # zero-runtime launch's goodput
         if watcher.boundary(step):
             saved = self.save(client_state=state)
             watcher.exit(f"saved {saved.path} at step {step}")

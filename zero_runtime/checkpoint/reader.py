@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import os
 import time
+from typing import Any
 
 import numpy as np
 
@@ -292,6 +293,41 @@ class RestoreResult:
     client_state: dict
 
 
+def accumulation_of(strategy: Any) -> int:
+    """The strategy's ``gradient_accumulation_steps`` (1 without a ZeroConfig)."""
+    return int(getattr(getattr(strategy, "config", None), "gradient_accumulation_steps", 1))
+
+
+def rescaled_iterations(state: TrainingState, index: ix.CheckpointIndex) -> int | None:
+    """The optimizer's ``iterations`` to restore when the checkpoint was saved at another
+    gradient accumulation (a job resized by ``zero-runtime launch --min-nproc``:
+    :mod:`zero_runtime.elastic`), else None (the saved value as it is).
+
+    ``iterations`` counts micro-steps; the optimizer step is ``iterations // N`` for
+    accumulation N (zero_runtime/optim/partitioned.py). A checkpoint of ``u`` optimizer
+    steps saved at N (``iterations = u x N``) restores at N' as ``u x N'``, so the
+    learning-rate schedule, bias correction and the accumulation boundary continue.
+    The saved N is the index's ``world.gradient_accumulation_steps`` (1 when absent).
+
+    Raises:
+        CheckpointMismatchError: the accumulation differs and the checkpoint was saved in
+            the middle of an accumulation (``iterations`` not a multiple of N: the partial
+            gradient sum is not in the checkpoint), before any variable changes.
+    """
+    saved = int(index.world.get("gradient_accumulation_steps") or 1)
+    now = accumulation_of(state.strategy)
+    if state.optimizer is None or saved == now:
+        return None
+    if index.step % saved:
+        raise CheckpointMismatchError(
+            f"checkpoint {index.tag!r} was saved after {index.step} micro-steps with "
+            f"gradient_accumulation_steps={saved}, in the middle of an accumulation: it can "
+            f"only be restored with gradient_accumulation_steps={saved} (save at optimizer-"
+            "step boundaries: ZeroBackupAndRestore and CheckpointManager.after_step do)"
+        )
+    return index.step // saved * now
+
+
 def check_compatible(state: TrainingState, index: ix.CheckpointIndex) -> None:
     """Raise :class:`CheckpointMismatchError` naming the first variable, slot or count of
     the checkpoint that does not fit ``state``. With no optimizer (``state.optimizer`` is
@@ -355,6 +391,7 @@ def restore(state: TrainingState, reader: CheckpointReader) -> RestoreResult:
     start = time.perf_counter()
     index = reader.index
     check_compatible(state, index)
+    iterations = rescaled_iterations(state, index)
     reader.verify()
     for i, v in enumerate(state.params):
         v.assign(reader.read(f"param/{i}"))
@@ -383,6 +420,8 @@ def restore(state: TrainingState, reader: CheckpointReader) -> RestoreResult:
         del values
     for name, v in state.replicated:
         v.assign(reader.read(name))
+    if iterations is not None:
+        state.optimizer.iterations.assign(iterations)
     return RestoreResult(
         path=reader.path,
         tag=index.tag,

@@ -364,6 +364,7 @@ def _make_index(
         "stage": getattr(config, "stage", None),
         "offload_optimizer": getattr(config, "offload_optimizer", None),
         "offload_param": getattr(config, "offload_param", None),
+        "gradient_accumulation_steps": getattr(config, "gradient_accumulation_steps", 1),
     }
     partition: dict[str, Any] = {
         "kind": state.kind,

@@ -40,6 +40,28 @@ def _launch_add_arguments(p: argparse.ArgumentParser) -> None:
         help="after SIGTERM to a worker, seconds every worker has to save at an agreed "
         "step and exit 42 (default 30)",
     )
+    p.add_argument(
+        "--min-nproc",
+        type=positive_int,
+        default=None,
+        help="continue with fewer workers (down to this many; sizes that divide --nproc) "
+        "when a rank keeps failing; SIGUSR1 to the launcher grows the job back to --nproc "
+        "(default: --nproc, never shrink); needs --max-restarts",
+    )
+    p.add_argument(
+        "--shrink-after",
+        type=positive_int,
+        default=2,
+        metavar="R",
+        help="with --min-nproc: shrink after R failures in a row blamed on one rank (default 2)",
+    )
+    p.add_argument(
+        "--logdir",
+        default=None,
+        help="the job's TensorBoard log directory (the one the script writes to): restart "
+        "events and goodput also go to LOGDIR/memory_hierarchy_restarts.jsonl for the "
+        "Memory Hierarchy tab; passed to the workers as ZERO_RUNTIME_LOGDIR",
+    )
     p.add_argument("script", help="a Python script (run with this interpreter) or a program")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -60,10 +82,15 @@ def _launch_run(args: argparse.Namespace) -> int:
             max_restarts=args.max_restarts,
             checkpoint_dir=args.checkpoint_dir,
             preemption_grace_seconds=args.preemption_grace,
+            min_nproc=args.min_nproc,
+            shrink_after=args.shrink_after,
+            logdir=args.logdir,
         )
     except (ValueError, launch.DirectoryLockedError) as exc:
         raise UsageError(str(exc)) from None
-    except OSError as exc:  # the checkpoint directory is a file, or cannot be created
+    except NotADirectoryError as exc:  # the checkpoint directory or the logdir is a file
+        raise UsageError(str(exc)) from None
+    except OSError as exc:  # the checkpoint directory cannot be created
         raise UsageError(f"--checkpoint-dir: {exc}") from None
 
 

@@ -46,7 +46,10 @@ def all_reduce_sum_flat(flat: tf.Tensor, group: CollectiveGroup | None = None) -
         RuntimeError: called outside replica context.
     """
     ctx = _replica_context()
-    if group is not None and ctx.num_replicas_in_sync > 1:
+    if group is not None and ctx.num_replicas_in_sync == 1:
+        return tf.identity(flat)  # one replica: the sum; the strategy's call (merge_call)
+        # would fail inside tf.cond (gradient accumulation's update on a one-replica job)
+    if group is not None:
         return _raw(ctx, group, "all_reduce", flat, _reduce_v2)
     # tf.identity: a tf.function argument passed straight to all_reduce fails under
     # MultiWorkerMirroredStrategy ("destinations can not be empty", TF_NOTES section 1a).
@@ -181,7 +184,9 @@ def all_gather_flat(shard: tf.Tensor, group: CollectiveGroup | None = None) -> t
     ctx = _replica_context()
     if shard.dtype == tf.bfloat16:
         return _all_gather_bf16(shard, group)
-    if group is not None and ctx.num_replicas_in_sync > 1:
+    if group is not None and ctx.num_replicas_in_sync == 1:
+        return tf.identity(shard)  # one replica: its shard is the whole (see all_reduce)
+    if group is not None:
         return _raw(ctx, group, "all_gather", shard, gen_collective_ops.collective_gather_v2)
     return ctx.all_gather(tf.identity(shard), axis=0)
 

@@ -24,6 +24,7 @@ import ctypes.util
 import dataclasses
 import enum
 import json
+import math
 import os
 import re
 import signal
@@ -51,8 +52,11 @@ TAIL_LINES = 40
 #: the failure hook as ``zero_runtime: worker rank R (host:port) <what it did>; ...``).
 _PEER_REPORT = re.compile(r"zero_runtime: (worker rank (\d+) \([^)]*\) [^;]*);")
 
-#: Signals the launcher forwards to its workers (it stops them all, then exits 128 + signal).
+#: Signals the launcher forwards to its workers (it stops them all, then exits 128 + signal;
+#: a first SIGTERM preempts them instead when the launcher restarts: :func:`forward_signals`).
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+#: The signal that asks a shrunk job to grow back to its full size.
+GROW_SIGNAL = signal.SIGUSR1
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
@@ -64,6 +68,32 @@ class LauncherSignalError(Exception):
     def __init__(self, signum: int) -> None:
         super().__init__(f"received {signal.Signals(signum).name}")
         self.signum = signum
+
+
+class Requests:
+    """What was asked of the launcher by signal while a group runs (set by the handlers of
+    :func:`forward_signals`, read by :func:`run_group`'s supervision loop).
+
+    Attributes:
+        stop: SIGTERM arrived: preempt the workers (each saves at an agreed step and
+            exits 42), then end the job without a restart.
+        grow: SIGUSR1 arrived: run the job at its full size again (docs/multiworker.md).
+        can_grow: whether the running group is below the full size (set by the launcher
+            before each group); a ``grow`` request at full size is dropped.
+    """
+
+    def __init__(self) -> None:
+        self.stop = False
+        self.grow = False
+        self.can_grow = False
+
+    def preempting(self) -> str | None:
+        """``"stop"`` or ``"grow"`` when the running group must be preempted, else None."""
+        if self.stop:
+            return "stop"
+        if self.grow and self.can_grow:
+            return "grow"
+        return None
 
 
 class WorkerState(enum.Enum):
@@ -114,6 +144,11 @@ class GroupOutcome:
         still_running: ranks that were running when the failure was seen (then stopped).
         pids: every worker's pid, by rank.
         ports: the TCP ports of the cluster, by rank.
+        ended_at: ``time.time()`` when the first failure was seen (or the last worker
+            exited), seconds since the epoch.
+        preempted: ``"stop"`` or ``"grow"`` when the launcher preempted the group itself
+            (:class:`Requests`), else None.
+        returncodes: every worker's exit status as ``Popen.returncode``, by rank.
     """
 
     status: int
@@ -121,6 +156,9 @@ class GroupOutcome:
     still_running: tuple[int, ...]
     pids: tuple[int, ...]
     ports: tuple[int, ...]
+    ended_at: float = 0.0
+    preempted: str | None = None
+    returncodes: tuple[int | None, ...] = ()
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -168,6 +206,8 @@ def run_group(
     lock: threading.Lock,
     preempted_wait_seconds: float,
     extra_env: dict[str, str] | None = None,
+    requests: Requests | None = None,
+    tick: Callable[[], None] | None = None,
 ) -> GroupOutcome:
     """Run ``command`` as one worker per port until every worker ended; return how.
 
@@ -182,6 +222,13 @@ def run_group(
             seconds the others get to finish their own save and exit before they are
             stopped.
         extra_env: more variables for every worker.
+        requests: the launcher's signal requests (:class:`Requests`): when
+            :meth:`Requests.preempting` says so, every running worker gets SIGTERM (a
+            preemption: each saves at an agreed step and exits 42) and up to
+            ``preempted_wait_seconds`` + :data:`TERMINATE_GRACE_SECONDS` to exit before
+            it is stopped.
+        tick: called about every 50 ms while the workers run (the launcher reads their
+            progress there).
 
     Returns:
         The :class:`GroupOutcome`. On a failure (non-zero exit or signal) the others are
@@ -210,7 +257,9 @@ def run_group(
                 target=_pump, args=(worker.process.stdout, worker, out, lock), daemon=True
             )
             worker.pump.start()
-        failed, running = _supervise(workers, out, lock, preempted_wait_seconds)
+        failed, running, preempted = _supervise(
+            workers, out, lock, preempted_wait_seconds, requests or Requests(), tick
+        )
     except (LauncherSignalError, KeyboardInterrupt) as stop:
         signum = getattr(stop, "signum", signal.SIGINT)
         with lock:
@@ -224,14 +273,20 @@ def run_group(
     except BaseException:
         _end(workers)
         raise
+    ended_at = time.time()
     _end(workers)
     status = 0 if failed is None else exit_status(failed.returncode)
+    if failed is None and preempted is not None:  # stopped before any worker exited
+        status = 128 + signal.SIGTERM
     return GroupOutcome(
         status,
         failed,
         running,
         tuple(w.process.pid for w in workers),
         tuple(ports),
+        ended_at=ended_at,
+        preempted=preempted,
+        returncodes=tuple(w.process.returncode for w in workers),
     )
 
 
@@ -268,21 +323,37 @@ def _spawn(command: Sequence[str], env: dict[str, str]) -> subprocess.Popen:
     )
 
 
-def forward_signals() -> Callable[[], None]:
-    """In the main thread, make :data:`FORWARDED_SIGNALS` raise :class:`LauncherSignalError`
-    (once: a second signal during the stop is ignored, the stop is bounded anyway).
-    Returns the function that restores the previous handlers (a no-op elsewhere: Python
-    only delivers signals to the main thread)."""
+def forward_signals(requests: Requests | None = None) -> Callable[[], None]:
+    """In the main thread, take the launcher's signals. Returns the function that
+    restores the previous handlers (a no-op elsewhere: Python only delivers signals to
+    the main thread).
+
+    - SIGTERM, the first time and with ``requests``: sets ``requests.stop`` (the running
+      group is preempted: its workers save at an agreed step and exit 42; then the job
+      ends). Otherwise, and a second SIGTERM:
+    - SIGTERM, SIGINT, SIGHUP (:data:`FORWARDED_SIGNALS`) raise
+      :class:`LauncherSignalError` (once: a later signal during the stop is ignored, the
+      stop is bounded anyway): every worker is stopped at once;
+    - SIGUSR1 (:data:`GROW_SIGNAL`) with ``requests``: sets ``requests.grow``.
+    """
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     raised = []
 
     def handler(signum, frame) -> None:
+        if signum == signal.SIGTERM and requests is not None and not requests.stop:
+            requests.stop = True
+            return
         if not raised:
             raised.append(signum)
             raise LauncherSignalError(signum)
 
+    def grow(signum, frame) -> None:
+        requests.grow = True
+
     previous = {sig: signal.signal(sig, handler) for sig in FORWARDED_SIGNALS}
+    if requests is not None:
+        previous[GROW_SIGNAL] = signal.signal(GROW_SIGNAL, grow)
 
     def restore() -> None:
         for sig, old in previous.items():
@@ -305,12 +376,47 @@ def _pump(stream: IO[str], worker: Worker, out: IO[str], lock: threading.Lock) -
 
 
 def _supervise(
-    workers: list[Worker], out: IO[str], lock: threading.Lock, preempted_wait_seconds: float
-) -> tuple[Worker | None, tuple[int, ...]]:
+    workers: list[Worker],
+    out: IO[str],
+    lock: threading.Lock,
+    preempted_wait_seconds: float,
+    requests: Requests,
+    tick: Callable[[], None] | None,
+) -> tuple[Worker | None, tuple[int, ...], str | None]:
     """Wait for the workers; on the first failure stop the rest (after a preempted exit,
-    give them ``preempted_wait_seconds`` to exit on their own first). Returns the first
-    failed worker (None: all exited 0) and the ranks still running when it failed."""
+    give them ``preempted_wait_seconds`` to exit on their own first). Preempt them when
+    ``requests`` asks (SIGTERM to each; those still running after
+    ``preempted_wait_seconds`` + :data:`TERMINATE_GRACE_SECONDS` are stopped). Returns
+    the first failed worker (None: all exited 0, or were stopped), the ranks still
+    running when it failed, and the launcher's own preemption (``"stop"``, ``"grow"``)
+    or None."""
+    preempted, deadline = None, math.inf
     while any(w.state is WorkerState.RUNNING for w in workers):
+        if tick is not None:
+            tick()
+        if requests.grow and not requests.can_grow:
+            requests.grow = False
+            _say_locked(out, lock, "[launcher] SIGUSR1: the job already runs at its full size")
+        asked = requests.preempting()
+        if asked is not None and preempted is None:
+            preempted = asked
+            deadline = time.monotonic() + preempted_wait_seconds + TERMINATE_GRACE_SECONDS
+            running = [w for w in workers if w.state is WorkerState.RUNNING]
+            why = "SIGTERM" if asked == "stop" else "SIGUSR1 (grow)"
+            _say_locked(
+                out,
+                lock,
+                f"[launcher] {why}: preempting {len(running)} worker(s): each saves at a "
+                f"step they agree on and exits {PREEMPTED_EXIT_STATUS} (grace "
+                f"{preempted_wait_seconds:g} s)",
+            )
+            for w in running:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(w.process.pid, signal.SIGTERM)
+        if time.monotonic() > deadline:
+            _say_locked(out, lock, "[launcher] the grace period ran out; stopping the workers")
+            _stop_all(workers)
+            return None, (), preempted
         for w in workers:
             if w.state is not WorkerState.RUNNING:
                 continue
@@ -338,9 +444,15 @@ def _supervise(
             if code == PREEMPTED_EXIT_STATUS:
                 _wait_exit(workers, preempted_wait_seconds)
             _stop_all(workers)
-            return w, running
+            return w, running, preempted
         time.sleep(0.05)
-    return None, ()
+    return None, (), preempted
+
+
+def _say_locked(out: IO[str], lock: threading.Lock, line: str) -> None:
+    with lock:
+        out.write(line + "\n")
+        out.flush()
 
 
 def _wait_exit(workers: list[Worker], seconds: float) -> None:

@@ -48,6 +48,9 @@ NOT_RESTARTABLE_ERRORS = (
 
 #: The events file's name in the checkpoint directory.
 EVENTS_FILE = "restarts.jsonl"
+#: Its copy in the job's TensorBoard log directory (``launch --logdir``), which the
+#: Memory Hierarchy tab reads (``tb_plugin.metadata.RESTARTS_FILE``, the same name).
+LOGDIR_EVENTS_FILE = "memory_hierarchy_restarts.jsonl"
 
 # "pkg.mod.SomeError: message" as Python prints an exception's last traceback line.
 _EXCEPTION_LINE = re.compile(r"^(?:\[rank \d+\] )?([A-Za-z_][\w.]*(?:Error|Exception|Exit)): (.*)$")
@@ -133,15 +136,20 @@ def describe(outcome: GroupOutcome) -> Failure | None:
 
 
 class EventLog:
-    """Restart events as JSON lines in ``path`` (appended; nothing is written before the
-    first restart: the events before it are held until then).
+    """Restart events as JSON lines in ``path`` and, when given, ``mirror`` (appended;
+    nothing is written before the first restart: the events before it are held until
+    then).
 
-    Each line is one object with ``event`` (``"start"``, ``"restart"``, ``"exit"``) and
-    ``time`` (seconds since the epoch); see :meth:`start`, :meth:`restart`, :meth:`exit`.
+    Each line is one object with ``event`` (``"start"``, ``"restart"``, ``"resize"``,
+    ``"resume"``, ``"exit"``) and ``time`` (seconds since the epoch); see :meth:`start`,
+    :meth:`restart`, :meth:`resize`, :meth:`resume`, :meth:`exit`. ``mirror`` is the
+    file the Memory Hierarchy tab reads in the run's log directory
+    (``tb_plugin.metadata.RESTARTS_FILE``).
     """
 
-    def __init__(self, path: str | None) -> None:
+    def __init__(self, path: str | None, mirror: str | None = None) -> None:
         self.path = path
+        self.mirror = mirror
         self._held: list[dict[str, Any]] = []
         self._open = False
 
@@ -151,28 +159,53 @@ class EventLog:
         if self.path is None or not (flush or self._open):
             return
         self._open = True
-        with open(self.path, "a", encoding="utf-8") as f:
-            for held in self._held:
-                f.write(json.dumps(held, sort_keys=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        lines = "".join(json.dumps(held, sort_keys=False) + "\n" for held in self._held)
+        for path in (self.path, self.mirror):
+            if path is None:
+                continue
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(lines)
+                f.flush()
+                os.fsync(f.fileno())
         self._held = []
 
     def start(self, attempt: int, nproc: int, ports: tuple[int, ...]) -> None:
-        """A worker group starts: ``attempt`` (0 first, then the restart count), its size
-        and ports."""
+        """A worker group starts: ``attempt`` (0 first, then one more for each restart or
+        resize), its size and ports."""
         self._emit({"event": "start", "attempt": attempt, "nproc": nproc, "ports": list(ports)})
 
-    def restart(self, attempt: int, max_restarts: int, failure: Failure) -> None:
+    def resize(self, attempt: int, from_nproc: int, to_nproc: int, reason: str) -> None:
+        """The next group (``attempt``) runs ``to_nproc`` workers instead of
+        ``from_nproc``, for ``reason`` (one line)."""
+        record = {"event": "resize", "attempt": attempt, "from_nproc": from_nproc}
+        record.update(to_nproc=to_nproc, reason=reason)
+        self._emit(record, flush=True)
+
+    def resume(self, record: dict[str, Any]) -> None:
+        """A group resumed and completed its first step (or ended before one): the
+        fields of :meth:`zero_runtime.launch.goodput.Ledger.resume_record`."""
+        self._emit({"event": "resume", **record})
+
+    def restart(
+        self, attempt: int, max_restarts: int, failure: Failure, last_step: int | None = None
+    ) -> None:
         """The group failed and restart ``attempt`` (1-based) of ``max_restarts`` follows:
         ``rank``, ``reported_by``, ``pid``, ``exit_status``, ``signal``, ``cause``,
-        ``uptime_seconds`` of the failure."""
+        ``uptime_seconds`` of the failure, and ``last_step``: the last step the group
+        reported done (None when it reported none)."""
         record = {"event": "restart", "restart": attempt, "max_restarts": max_restarts}
         record.update(dataclasses.asdict(failure))
         record.pop("restartable")
         record["uptime_seconds"] = round(failure.uptime_seconds, 3)
+        record["last_step"] = last_step
         self._emit(record, flush=True)
 
-    def exit(self, status: int, restarts: int, reason: str) -> None:
-        """The job ends with ``status`` after ``restarts`` restarts, for ``reason``."""
-        self._emit({"event": "exit", "status": status, "restarts": restarts, "reason": reason})
+    def exit(
+        self, status: int, restarts: int, reason: str, goodput: dict[str, Any] | None = None
+    ) -> None:
+        """The job ends with ``status`` after ``restarts`` restarts, for ``reason``, with
+        its ``goodput`` (:meth:`zero_runtime.launch.goodput.Ledger.goodput`)."""
+        record = {"event": "exit", "status": status, "restarts": restarts, "reason": reason}
+        if goodput is not None:
+            record["goodput"] = goodput
+        self._emit(record)
