@@ -2,8 +2,9 @@
 
 :mod:`zero_runtime.optim.kernels` asks :func:`active` at each call; with the numba backend
 each kernel is one compiled pass over the tile (:mod:`zero_runtime.optim.numba_kernels`),
-bitwise equal to the NumPy kernels. Measured by ``bench/bench_host_adam.py``: the NumPy
-Adam reaches 0.25-0.6 of the memory-bandwidth bound, the fused one about 0.9.
+bitwise equal to the NumPy kernels. Measured by ``bench/bench_host_adam.py`` (2 cores
+shared at load ~4): the NumPy Adam reaches 0.26-0.31 of the memory-bandwidth bound, the
+fused one 0.78-0.85.
 
 The backend is chosen once per process, at the first host update (numba's import and
 its threading layer cost about a second then, its compiled kernels are cached on disk):
@@ -19,10 +20,11 @@ replicas' updates launch kernels from several threads at once) raises ``RuntimeE
 naming the fix rather than falling back.
 
 ``ZERO_RUNTIME_HOST_OPTIMIZER_THREADS`` (default :data:`DEFAULT_THREADS`) sets the numba
-threads of one kernel call. Measured on 2 cores (``bench/bench_host_adam.py``): one thread
-reaches the bandwidth bound, and the replicas' updates already run concurrently, one per
-core; a second thread per call adds a wake-up of ~0.2 ms per call (a 64 Ki-element tile
-takes ~0.05 ms) and oversubscribes the cores.
+threads of one kernel call. Measured on 2 shared cores (``bench/bench_host_adam.py``): one
+thread per call reaches 0.8-0.85 of the bandwidth bound, and the replicas' updates
+already run concurrently, one per core; a second thread per call costs a wake-up of up
+to ~0.2 ms on loaded cores (a 256 Ki-element tile takes ~0.15 ms), which halved one
+caller's rate in most rounds, and oversubscribes the cores when both replicas update.
 """
 
 from __future__ import annotations

@@ -28,9 +28,9 @@ TILE_ELEMENTS = 65_536
 #: Elements per tile of a fused (numba) host update (1 MiB per buffer). The fused kernel
 #: makes one pass, so a tile needs no cache residency; what it pays per tile is the call
 #: (~5-10 us: Python, numba's dispatch, the threading layer's launch), ~20% of a 64 Ki
-#: tile at the bandwidth bound. Measured (bench/bench_host_adam.py, 2 cores): 0.55-0.65 of
-#: the bound at 64 Ki, 0.75-0.9 at 256 Ki and 1 Mi; the smaller of the two keeps the EMA's
-#: second pass over a tile's parameters in the cache.
+#: tile at the bandwidth bound. Measured (bench/bench_host_adam.py, 2 shared cores): 0.55-0.78
+#: of the bound at 64 Ki, 0.75-0.9 at 256 Ki and 1 Mi; the smaller of the two keeps the
+#: EMA's second pass over a tile's parameters in the cache.
 FUSED_TILE_ELEMENTS = 262_144
 
 
