@@ -143,6 +143,29 @@ def test_unsupported_class_runs_stock_where_the_strategy_is_plain_data_parallel(
             strategy.close()
 
 
+def test_placement_describes_the_current_optimizers_after_a_recompile():
+    """A recompile with a new optimizer replaces the old one's placement rows (one row
+    per variable, the new optimizer's); a second model's optimizer, over other
+    variables, adds its own."""
+    strategy = _strategy(1)
+    try:
+        with strategy.scope():
+            model, other = _model(), _model()
+            model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        model.fit(X, Y, batch_size=8, epochs=1, verbose=0)
+        with strategy.scope():
+            model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9), loss="mse")
+            other.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        model.fit(X, Y, batch_size=8, epochs=1, verbose=0)
+        other.fit(X, Y, batch_size=8, epochs=1, verbose=0)
+        names = [r["name"] for r in strategy.runtime.placement()["variables"]]
+        expected = [v.path for m in (model, other) for v in m.trainable_variables]
+        assert sorted(names) == sorted(expected)
+        assert strategy.runtime.accounting.optimizers == [model.optimizer, other.optimizer]
+    finally:
+        strategy.close()
+
+
 @pytest.mark.parametrize("form", ["fit", "optimizer.build"])
 def test_a_model_created_outside_the_scope_is_refused_naming_the_fix(stage1, form):
     """A model built before ``with strategy.scope():`` (its variables plain, not

@@ -59,8 +59,16 @@ class Accounting:
 
     # -- registration --------------------------------------------------------------------
     def add_optimizer(self, optimizer: Any) -> None:
-        """Count ``optimizer``'s parameters, gradients and state store from now on."""
+        """Count ``optimizer``'s parameters, gradients and state store from now on.
+
+        An optimizer registered before over any of the same variables (the model's
+        previous optimizer: Keras's recompile with a new one, a fine-tuning phase) is no
+        longer counted: the placement rows, the tiers and the step's collectives describe
+        the optimizers that train the variables now. Optimizers over disjoint variables
+        (a GAN's two) are all counted."""
+        held = _variable_ids(optimizer)
         with self._lock:
+            self.optimizers = [o for o in self.optimizers if not _variable_ids(o) & held]
             self.optimizers.append(optimizer)
 
     def add_stage3_engine(self, engine: Any) -> None:
@@ -351,6 +359,12 @@ class Accounting:
                     }
                 )
         return rows
+
+
+def _variable_ids(optimizer: Any) -> set[int]:
+    """``id`` of each variable ``optimizer`` was built over (Keras's
+    ``_trainable_variables``: Keras variables at stages 0-2, ShardedVariables at 3)."""
+    return {id(v) for v in getattr(optimizer, "_trainable_variables", ())}
 
 
 def _offload_ratio(zero_state: Any) -> float:
