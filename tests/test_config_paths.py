@@ -1,6 +1,7 @@
 """The paths a run writes to are checked when the strategy is created
-(zero_runtime/config/paths.py): a bad ``nvme_path`` or ``logdir`` is one clear error
-before anything trains, and nothing is created in its place."""
+(zero_runtime/config/paths.py): a missing ``nvme_path`` or ``logdir`` is created, and one
+that cannot be used (a file, a read-only disk) is one clear error before anything trains,
+with nothing written in its place."""
 
 from __future__ import annotations
 
@@ -22,10 +23,10 @@ def _nvme_config(path: str, key: str) -> ZeroConfig:
 def test_bad_nvme_path_refused_when_the_strategy_is_created(tmp_path, key):
     a_file = tmp_path / "a_file"
     a_file.write_text("data")
-    missing = tmp_path / "missing"
+    under_file = a_file / "nvme"
     cases = {
         str(a_file): "is a file, not a directory",
-        str(missing): r"does not exist \(create it first: mkdir -p\)",
+        str(under_file): r"cannot create .* \(Not a directory\)",
     }
     for path, why in cases.items():
         with pytest.raises(
@@ -35,7 +36,6 @@ def test_bad_nvme_path_refused_when_the_strategy_is_created(tmp_path, key):
         assert info.value.key == "nvme_path"
         assert info.value.value == path
     assert a_file.read_text() == "data"  # nothing written in its place
-    assert not missing.exists()
 
 
 def test_read_only_nvme_path_and_logdir_refused(tmp_path):
@@ -52,11 +52,13 @@ def test_read_only_nvme_path_and_logdir_refused(tmp_path):
         faults.unmount(ro)
 
 
-def test_good_paths_accepted(tmp_path):
-    assert check_nvme_path(str(tmp_path)) == str(tmp_path)
+def test_missing_directories_are_created(tmp_path):
+    nvme = tmp_path / "disk" / "nvme"
+    assert check_nvme_path(str(nvme)) == str(nvme)
+    assert nvme.is_dir()  # with its parents, as DeepSpeed creates its swap folders
     logdir = tmp_path / "logs" / "run1"
     assert check_logdir(str(logdir)) == str(logdir)
-    assert logdir.is_dir()  # created, as TensorBoard's writers would
+    assert logdir.is_dir()
 
 
 def test_bad_logdir_refused_when_the_strategy_is_created(tmp_path):

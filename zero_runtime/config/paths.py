@@ -6,10 +6,12 @@ another (the what-if view, the estimator). So the strategy checks them when it i
 (:class:`~zero_runtime.strategy.ZeroInfinityStrategy`), before the first step: a bad
 ``nvme_path`` or log directory is one line at once, not a traceback at the first step.
 
-- :func:`check_nvme_path`: the NVMe tier's directory must exist, be a directory and be
-  writable (the slab file is created in it, :class:`~zero_runtime.memory.io.SlabFile`).
-- :func:`check_logdir`: the run's log directory is created if missing; it must end up a
-  writable directory.
+- :func:`check_nvme_path`: the NVMe tier's directory (the slab file is created in it,
+  :class:`~zero_runtime.memory.io.SlabFile`) and
+- :func:`check_logdir`: the run's log directory
+
+are created if missing (with their parents); each must end up a directory this process
+can write.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from zero_runtime.config.errors import ZeroConfigError
 
 
 def check_nvme_path(path: str) -> str:
-    """Check that ``path`` can hold the NVMe tier's files.
+    """Check that ``path`` can hold the NVMe tier's files, creating it if missing (with
+    its parents, as DeepSpeed creates its swap folders).
 
     Args:
         path: the config's ``nvme_path`` (str, relative to the working directory or
@@ -30,27 +33,11 @@ def check_nvme_path(path: str) -> str:
         The absolute path.
 
     Raises:
-        ZeroConfigError: (``key='nvme_path'``) ``path`` does not exist, is not a
-            directory, or this process cannot create files in it; the message names the
-            path, what is wrong and what is accepted.
+        ZeroConfigError: (``key='nvme_path'``) ``path`` is a file, cannot be created, or
+            this process cannot create files in it; the message names the path, what is
+            wrong and what is accepted.
     """
-    full = os.path.abspath(path)
-    accepted = "an existing directory this process can write, on a local disk"
-    problem = None
-    if not os.path.exists(full):
-        problem = "does not exist (create it first: mkdir -p)"
-    elif not os.path.isdir(full):
-        problem = "is a file, not a directory"
-    elif not os.access(full, os.W_OK | os.X_OK):
-        problem = "is not writable by this process"
-    if problem is not None:
-        raise ZeroConfigError(
-            f"nvme_path={path!r} is invalid: {full} {problem}; expected {accepted}",
-            key="nvme_path",
-            value=path,
-            accepted=accepted,
-        )
-    return full
+    return _writable_directory(path, "nvme_path", ZeroConfigError)
 
 
 def check_logdir(path: str) -> str:
@@ -66,19 +53,27 @@ def check_logdir(path: str) -> str:
         ValueError: ``path`` is a file, cannot be created, or is not writable; the
             message names the path and the cause.
     """
+    return _writable_directory(path, "logdir", ValueError)
+
+
+def _writable_directory(path: str, name: str, error: type[ValueError]) -> str:
+    """``path`` made absolute, created if missing, checked writable (see the callers)."""
     full = os.path.abspath(path)
+    accepted = "a directory this process can create and write, on a local disk"
+    problem = None
     if os.path.exists(full) and not os.path.isdir(full):
-        raise ValueError(f"logdir={path!r} is invalid: {full} is a file, not a directory")
-    try:
-        os.makedirs(full, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(
-            f"logdir={path!r} is invalid: cannot create {full} ({exc.strerror}); pass a "
-            "directory this process can write"
-        ) from exc
-    if not os.access(full, os.W_OK | os.X_OK):
-        raise ValueError(
-            f"logdir={path!r} is invalid: {full} is not writable by this process; pass a "
-            "directory this process can write"
-        )
-    return full
+        problem = f"{full} is a file, not a directory"
+    else:
+        try:
+            os.makedirs(full, exist_ok=True)
+        except OSError as exc:
+            problem = f"cannot create {full} ({exc.strerror})"
+        else:
+            if not os.access(full, os.W_OK | os.X_OK):
+                problem = f"{full} is not writable by this process"
+    if problem is None:
+        return full
+    message = f"{name}={path!r} is invalid: {problem}; expected {accepted}"
+    if error is ZeroConfigError:
+        raise ZeroConfigError(message, key=name, value=path, accepted=accepted)
+    raise error(message)
