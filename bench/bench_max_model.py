@@ -23,17 +23,15 @@ Sides:
   variable at a time (``zero_runtime/stage3/construction.py``). ``offload_optimizer``
   is 'cpu' (host Adam; the host budget holds its states). Parameter shards are pages of
   the runtime's pool on NVMe (a file under ``--nvme-path``); ``device_budget_bytes`` =
-  ``--pool-device-fraction`` (default 1/4) of the device budget (see below),
-  ``host_budget_bytes`` = the host budget (default 4 GiB) minus the host optimizer
-  states, ``max_reuse_distance=0`` (a block is released after each use),
-  ``persistence_threshold=0`` (nothing stays gathered all step), 64 KiB pages.
-  ``--engine units``: the GPT runs on the units path
-  (zero_runtime/stage3/units_path.py) with memory-centric tiling (``tile_size`` = the
-  pool's device share // 128 elements) and ``activation_checkpointing`` (each transformer
-  block keeps its input only and is recomputed in backward), each unit's gradient shard,
-  tiled kernels included, handed to the host optimizer during backward; no int
-  ``device_budget_bytes`` (it would keep the chain on the block engine), 1 MiB pages.
-  ``--engine blocks`` (default): the block engine. Smaller tiles lower the device peak
+  ``--pool-device-fraction`` (default 1/4) of the device budget (see below): the engine
+  refuses a model whose step's device plan (gathered units, shards, row caches:
+  zero_runtime/stage3/device_plan.py) exceeds it; ``host_budget_bytes`` = the host budget
+  (default 4 GiB) minus the host optimizer states, 1 MiB pages. The GPT runs by units
+  (zero_runtime/stage3/units_path.py) with memory-centric tiling (``tile_size`` = that
+  device budget // 128 elements, what ``'auto'`` derives) and ``activation_checkpointing``
+  (each transformer block keeps its input only and is recomputed in backward), each
+  unit's gradient shard, tiled kernels included, handed to the host optimizer during
+  backward. Smaller tiles lower the device peak
   but add tiled kernels to the traced graph, and with them host memory: at k = 22
   (1,048,315,392 parameters, d_model 1408, 44 blocks), tiles of 1M elements
   (``--pool-device-fraction 0.5``) took the process past 24 GB RSS, so the large runs use
@@ -66,16 +64,12 @@ regions*, and stage 3 interleaves hundreds of long-lived 64 KiB page tensors (th
 device tier) with multi-MB transients, so fragmentation exhausts the regions long before
 the in-use bytes reach the budget.
 
-Stage-3 pool budget vs the allocator budget: the pool's device tier holds only the
-gathered parameter buffers (``max_reuse_distance=0`` frees each block's after its use), but
-a step also allocates TensorFlow tensors outside the pool: per gathering replica the
-all-gather output, the gathered values handed to the graph, the block's full parameter
-gradient and its all-reduce (the CPU reduce-scatter path), activations. Measured at k=11
-on the block engine (whole-step peaks, blocks updated during backward): pool device peak
-51 MB, allocator step peak 215 MB, i.e. ~3.2x the pool's bytes outside it. So the pool
-gets a fraction of the budget (``--pool-device-fraction``, default 0.25) and the rest is
-headroom for those tensors; the allocator cap is what enforces the total. (The engine does
-not account the tensors outside its pool.)
+Stage-3 device budget vs the allocator budget: the engine's device plan counts the
+gathered units (two at once) and the device-tier pages, but a step also allocates
+TensorFlow tensors it does not plan: a unit's full parameter gradient and its all-reduce
+(the CPU reduce-scatter path), the views' copies, activations. So the engine gets a
+fraction of the budget (``--pool-device-fraction``, default 0.25) and the rest is
+headroom for those tensors; the allocator's measured peak is what the fit rule judges.
 
 Host budget (stage 3): with ``offload_optimizer='cpu'`` (default) the host optimizer
 states (``optimizer.zero_state.store.nbytes``, numpy buffers outside the pool, 8
@@ -363,15 +357,11 @@ def run_trial(spec: dict, callbacks: tuple = ()) -> dict:
         out["staging_idle_bytes"] = staging.POOL.idle_bytes
         # Gradient copies queued for the host update in backward (bounded per replica).
         out["queued_gradient_peak_bytes"] = backward_update.peak_queued_bytes(sharded.optimizer)
-        if engine.runner is None:  # the block engine
-            out["max_block_elements"] = max(b.elements for b in engine.blocks)
-            out["blocks"] = len(engine.blocks)
-            out["peak_live_elements"] = list(engine.peak_live)
-        else:
-            out["max_block_elements"] = max_unit_gradient_elements(engine)
-            out["units"] = len(engine.runner.units)
-            out["tiled_layers"] = len(engine.tile_plans)
-            out["checkpointed_blocks"] = len(engine.units.blocks)
+        out["max_block_elements"] = max_unit_gradient_elements(engine)
+        out["units"] = len(engine.runner.units)
+        out["tiled_layers"] = len(engine.tile_plans)
+        out["checkpointed_blocks"] = len(engine.units.blocks)
+        out["device_plan_bytes"] = engine.device_plan.total
         # The runtime's own per-step figures (both pools, parameters and optimizer
         # states, summed): page moves by direction, clean evictions, stalls, I/O time.
         out["runtime_steps"] = [
@@ -387,18 +377,12 @@ def run_trial(spec: dict, callbacks: tuple = ()) -> dict:
 
 
 def engine_keys(spec: dict) -> dict:
-    """The ZeroConfig keys that pick the stage-3 engine (``spec["engine"]``).
-
-    ``units``: the units path (zero_runtime/stage3/units_path.py) with
-    memory-centric tiling (``tile_size`` = the pool's device share // 128, what
-    ``'auto'`` derives from that budget) and activation checkpointing; no int
-    ``device_budget_bytes`` (an int one keeps a chain on the block engine:
-    zero_runtime/stage3/path_choice.py). ``blocks``: the block engine, the pool's device
-    tier bounded by ``spec["pool_device_bytes"]`` (default).
-    """
-    if spec.get("engine", "blocks") == "blocks":
-        return {"device_budget_bytes": spec["pool_device_bytes"]}
+    """The stage-3 ZeroConfig keys of the device side: ``device_budget_bytes`` =
+    ``spec["pool_device_bytes"]`` (the engine refuses a step whose device plan exceeds
+    it), memory-centric tiling (``tile_size`` = that budget // 128, what ``'auto'``
+    derives) and activation checkpointing."""
     return {
+        "device_budget_bytes": spec["pool_device_bytes"],
         "tile_size": max(1, spec["pool_device_bytes"] // 128),
         "activation_checkpointing": True,
     }
@@ -462,7 +446,6 @@ def trial_spec(side: str, cfg: dict, args, nvme_dir: str, timeout: float) -> dic
             else None
         ),
         "offload_optimizer": args.offload_optimizer,
-        "engine": args.engine,
         "timeout": timeout,
     }
 
@@ -532,15 +515,11 @@ def pool_host_bytes(cfg: dict, args) -> int:
 
 
 def page_bytes(args) -> int:
-    """The stage-3 pools' page size, bytes: ``--page-kib`` KiB, or by default ``PAGE``
-    (64 KiB) for the block engine (the committed max_model.json's) and 1 MiB for the
-    units path, whose steps at 64 KiB spend their time in per-page bookkeeping (trial
-    k=6, NVMe parameters and optimizer: 6.7-7.0 s per step at 64 KiB, 2.5-3.2 s at 1 MiB,
-    same loss and device peak)."""
-    kib = getattr(args, "page_kib", 0) or (
-        1024 if getattr(args, "engine", "blocks") == "units" else 64
-    )
-    return kib * 1024
+    """The stage-3 pools' page size, bytes: ``--page-kib`` KiB, by default 1 MiB: at
+    64 KiB the steps spend their time in per-page bookkeeping (trial k=6, NVMe parameters
+    and optimizer: 6.7-7.0 s per step at 64 KiB, 2.5-3.2 s at 1 MiB, same loss and device
+    peak)."""
+    return (getattr(args, "page_kib", 0) or 1024) * 1024
 
 
 def judge(rec: dict, args) -> tuple[bool, str]:
@@ -686,24 +665,17 @@ def parser() -> argparse.ArgumentParser:
         help="stage 3's optimizer states: host Adam ('cpu') or NVMe, streamed ('nvme')",
     )
     ap.add_argument(
-        "--engine",
-        choices=("units", "blocks"),
-        default="blocks",
-        help="stage 3's engine: the units path with tiles and activation checkpointing, "
-        "or the block engine (engine_keys)",
-    )
-    ap.add_argument(
         "--page-kib",
         type=int,
         default=0,
-        help="stage-3 page size in KiB (0: 64 for --engine blocks, 1024 for units; page_bytes)",
+        help="stage-3 page size in KiB (0: 1024; page_bytes)",
     )
     ap.add_argument(
         "--pool-device-fraction",
         type=float,
         default=0.25,
-        help="share of the device budget given to the stage-3 pool; the rest is headroom "
-        "for the step's tensors outside the pool (module docstring)",
+        help="share of the device budget given to the stage-3 engine (its device_budget_bytes"
+        "); the rest is headroom for the step's tensors it does not plan (module docstring)",
     )
     return ap
 
@@ -767,13 +739,9 @@ def main() -> None:
         f"offload_optimizer={args.offload_optimizer}, built inside "
         f"strategy.zero_init() (partitioned construction), {page_bytes(args) // 1024} KiB pages, "
         "max_reuse_distance=0, "
-        f"persistence_threshold=0, engine={args.engine}: "
-        + (
-            f"pool device_budget_bytes = {args.pool_device_fraction} x the device budget"
-            if args.engine == "blocks"
-            else f"tile_size = {args.pool_device_fraction} x the device budget // 128 "
-            "elements, activation_checkpointing=True"
-        ),
+        f"persistence_threshold=0, by units: device_budget_bytes = "
+        f"{args.pool_device_fraction} x the device budget, tile_size = that // 128 "
+        "elements, activation_checkpointing=True",
         "device_measure": "BFC CPU allocator peak in-use bytes during the trained steps "
         "(both logical CPU replicas; includes the pool's device-tier pages). Cap on "
         f"{'both sides' if args.cap_stage3 else 'mirrored'} from construction on: "

@@ -8,7 +8,7 @@ One process, 2 replicas (logical CPU devices), the chain of ``bench_step_time.py
 - ``mirrored``: MirroredStrategy, Keras Adam on dense gradients (the parity reference);
 - ``stage3_nvme``: ZeRO stage 3, ``offload_param='nvme'`` and ``offload_optimizer='nvme'``
   under a temporary directory on the same disk as fio's file, default budgets (the
-  pool's host window holds the two largest blocks' shards: every other page of
+  pool's host window holds the four largest units' shards: every other page of
   parameters and optimizer states is on NVMe, so each step reads and writes them).
 
 Both are warmed up (traced), then timed interleaved, ``--rounds`` rounds of ``--steps``
@@ -111,8 +111,6 @@ def main() -> None:
         models["stage3_nvme"] = common.build_trained(
             strategy, lambda: keras.optimizers.get("adam"), ds
         )
-        engine = strategy.runtime.accounting.stage3_engines[-1]
-        path = "units" if engine.runner is not None else "blocks"
         pages = capture_pages(strategy)
         times: dict[str, list[float]] = {k: [] for k in models}
         moved: list[dict[str, float]] = []
@@ -140,7 +138,6 @@ def main() -> None:
         **common.run_header(load_before, note),
         "replicas": len(common.DEVICES.devices),
         "model_params": models["mirrored"].count_params(),
-        "stage3_path": path,
         "global_batch": args.batch,
         "rounds": args.rounds,
         "steps_per_round": args.steps,

@@ -5,11 +5,9 @@ One process, 2 replicas (logical CPU devices). Two models of about 2.1M float32
 parameters, the model of ``bench_step_time.py`` (``_common.build_model``: embedding
 2000 x 64, three Dense 768, a LayerNormalization, a Dense 10 head):
 
-- ``chain``: that Sequential; stage 3 runs it by units too, its config needing nothing
-  only the block engine does (zero_runtime/stage3/path_choice.py; the results'
-  ``stage3_path`` says which path each configuration took);
+- ``chain``: that Sequential;
 - ``residual``: the same layers, functional, with ``h + Dense(h)`` around the third Dense
-  768; not a chain, so stage 3 runs it by units (zero_runtime/stage3/gather.py).
+  768. Stage 3 runs both by units (zero_runtime/stage3/gather.py).
 
 Each model is trained under MirroredStrategy (Keras Adam on dense gradients, as the
 parity references) and ZeRO stage 3 with parameters and optimizer states on the device
@@ -72,7 +70,6 @@ def main() -> None:
     load_before = os.getloadavg()
     ds = common.make_data(args.steps, args.batch)
     models, strategies = {}, []
-    paths: dict[str, dict[str, str]] = {m: {} for m in MODELS}  # which stage-3 path ran
     for mname, build in MODELS.items():
         mirrored = tf.distribute.MirroredStrategy(list(common.DEVICES.devices))
         models[(mname, "mirrored")] = common.build_trained(
@@ -81,12 +78,9 @@ def main() -> None:
         for cname, cfg in STAGE3.items():
             strategy = zero_runtime.ZeroInfinityStrategy(cfg)
             strategies.append(strategy)
-            model = common.build_trained(
+            models[(mname, cname)] = common.build_trained(
                 strategy, lambda: keras.optimizers.get("adam"), ds, build=build
             )
-            engine = strategy.runtime.accounting.stage3_engines[-1]
-            paths[mname][cname] = "units" if engine.runner is not None else "blocks"
-            models[(mname, cname)] = model
     keys = list(models)
     times: dict[tuple[str, str], list[float]] = {k: [] for k in keys}
     for r in range(args.rounds):
@@ -105,7 +99,6 @@ def main() -> None:
         "context": args.note,
         "replicas": len(common.DEVICES.devices),
         "model_params": {m: b().count_params() for m, b in MODELS.items()},
-        "stage3_path": paths,
         "global_batch": args.batch,
         "rounds": args.rounds,
         "steps_per_round": args.steps,

@@ -397,7 +397,7 @@ def main() -> None:
             strategies[name] = strategy
             models[name] = build_trained(strategy, lambda: keras.optimizers.get("adam"), ds)
             data[name] = ds
-        paths = {}
+        stage3: list[str] = []  # the stage-3 configurations' names
         for suffix, policy in POLICIES.items():
             if suffix:
                 models[f"mirrored{suffix}"] = build_under_policy(
@@ -414,25 +414,24 @@ def main() -> None:
                     policy, strategy, lambda: keras.optimizers.get("adam"), ds
                 )
                 data[name] = ds3
-                engine = strategy.runtime.accounting.stage3_engines[-1]
-                paths[name] = "units" if engine.runner is not None else "blocks"
+                stage3.append(name)
         names = list(models)
         times: dict[str, list[float]] = {n: [] for n in names}
-        records: dict[str, list] = {n: [] for n in paths}
+        records: dict[str, list] = {n: [] for n in stage3}
         mirrored_halves: list[list[float]] = [[], []]
         for r in range(args.rounds):
             for name in names if r % 2 == 0 else reversed(names):
-                runtime = strategies[name].runtime if name in paths else None
+                runtime = strategies[name].runtime if name in stage3 else None
                 t, recs = timed_fit(models[name], data[name], runtime)
                 times[name] += t
-                if name in paths:
+                if name in stage3:
                     records[name] += recs
                 if name == "mirrored":
                     mirrored_halves[2 * r // args.rounds] += t
         # After the timed rounds, so no median step is a profiled one.
         ds_profile = make_data(args.profile_steps, args.batch)
         profiled = {
-            n: profiled_records(strategies[n].runtime, models[n], ds_profile) for n in paths
+            n: profiled_records(strategies[n].runtime, models[n], ds_profile) for n in stage3
         }
         for strategy in strategies.values():
             strategy.close()
@@ -468,7 +467,6 @@ def main() -> None:
             "fio_bytes_per_second": {"before_after": fio, "used": rates["fio"]},
             "pool_io_depth": depth,
         },
-        "stage3_path": paths,
         "stage3": _stage3_results(medians, records, profiled, rates),
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

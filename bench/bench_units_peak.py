@@ -1,20 +1,18 @@
-"""Stage 3's device step peak per parameter: the block path vs the units path, untiled and
-tiled: can the units path with memory-centric tiling train a larger model than the block
-path under the same device budget?
+"""Stage 3's device step peak per parameter, untiled, tiled and with activation
+checkpointing: how far memory-centric tiling and checkpointing lower it under one device
+budget.
 
 Family: ``bench_max_model.family_config(k)`` (``demo.model.build_gpt``, ``d_model = 64 k``,
 ``2 k`` blocks, batch 4 x 32 tokens, Adam), built inside ``strategy.zero_init()``, stage 3
 with parameters on NVMe and optimizer states on the host, 64 KiB pages, the pool's device
-budget 64 MiB (a quarter of bench_max_model's 256 MiB, as there). Three configurations
-per ``k``, each one training step in a fresh process with the BFC allocator
+budget 64 MiB (a quarter of bench_max_model's 256 MiB, as there; a step whose device plan
+exceeds it is refused: zero_runtime/stage3/device_plan.py). Three configurations per
+``k``, each one training step in a fresh process with the BFC allocator
 (``TF_CPU_ALLOCATOR_USE_BFC=true``; the step's allocator peak over both replicas, as
 bench_max_model measures it):
 
-- ``blocks``: the Sequential GPT, run block by block (zero_runtime/stage3/engine.py);
-  each block's gradient shard is handed to the host optimizer during backward;
-- ``units``: the same GPT nested in a functional model with a residual logit branch (an
-  ``Embedding`` of width 8 and a ``Dense`` head, 4096 parameters), so it runs by units
-  (zero_runtime/stage3/gather.py), ``tile_size`` None (no tiling);
+- ``units``: the GPT, run by units (zero_runtime/stage3/gather.py), each unit's gradient
+  shard handed to the host optimizer during backward, ``tile_size`` None (no tiling);
 - ``units_tiled``: the same, ``tile_size='auto'``, from the budget (64 MiB // 128 = 524288
   elements: from k = 6 on, the MLP kernels and the head tile).
 - ``units_tiled_ckpt``: the same with ``activation_checkpointing`` (each transformer
@@ -45,7 +43,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench_max_model import family_config, machine  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "units_peak.json"
-MODES = ("blocks", "units", "units_tiled", "units_tiled_ckpt")
+MODES = ("units", "units_tiled", "units_tiled_ckpt")
 POOL_DEVICE_BYTES = 64 << 20
 MIB = 1 << 20
 
@@ -85,11 +83,6 @@ def run_trial(spec: dict) -> dict:
     )
     with strategy.zero_init():
         model = build_gpt(cfg, seed=0)
-        if mode != "blocks":  # nested in a DAG: run by units
-            tokens = keras.Input((cfg.seq_len,), dtype="int32")
-            side = keras.layers.Embedding(cfg.vocab_size, 8, name="side_emb")(tokens)
-            side = keras.layers.Dense(cfg.vocab_size, name="side_head")(side)
-            model = keras.Model(tokens, keras.layers.Add()([model(tokens), side]))
     with strategy.scope():
         sharded = strategy.shard_model(model)
         sharded.compile(
@@ -108,7 +101,7 @@ def run_trial(spec: dict) -> dict:
         "step_peak_bytes": peak,
         "peak_bytes_per_param": round(peak / params, 2),
         "step_seconds_with_trace": round(seconds, 1),
-        "runs_by_units": engine.runner is not None,
+        "device_plan_bytes": engine.device_plan.total,
         "tiled_layers": len(engine.tile_plans),
     }
     strategy.close()

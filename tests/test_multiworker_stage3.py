@@ -150,8 +150,6 @@ def test_two_workers_match_one_process_with_two_replicas(name, runs):
             worst = max(worst, _max_rel(got, want))
         worst = max(worst, _max_rel(rec["losses"], ref["losses"]))
     print(f"{name}: max relative difference to one process (losses, weights) {worst:.3g}")
-    if name.startswith("s3_units"):
-        assert {r["path"] for r in (ref, *runs["workers"][name])} == {"units"}
 
 
 @pytest.mark.parametrize("name", sorted(STAGE3_TIERS))

@@ -525,60 +525,35 @@ def test_uncaught_tensorflow_oom_writes_postmortem_through_excepthook(tmp_path):
     assert failed["bytes"] == 4 << 40  # parsed from "shape[1099511627776] and type float"
 
 
-STAGE3_GATHER_OOM = """
-import json, sys
-import keras, numpy as np, tensorflow as tf
-import zero_runtime
-strategy = zero_runtime.ZeroInfinityStrategy(
-    {"stage": 3, "offload_param": "cpu", "offload_optimizer": "cpu", "page_size_bytes": 65536,
-     "persistence_threshold": 0, "device_budget_bytes": 65536,
-     "collective_timeout_seconds": 30},
-    logdir=sys.argv[1],
-)
-with strategy.scope():
-    # Block 0's kernel gathered: 128 x 256 float32 = 128 KiB = 2 pages per replica, over the
-    # device tier's 1 page (its shards, 1 page per replica, are on the host).
-    model = keras.Sequential([keras.Input((128,)), keras.layers.Dense(256), keras.layers.Dense(4)])
-    sharded = strategy.shard_model(model)
-    sharded.compile(optimizer="adam", loss="mse")
-x = np.ones((8, 128), np.float32)
-try:
-    sharded.fit(x, np.ones((8, 4), np.float32), batch_size=8, epochs=1, verbose=0)
-except tf.errors.ResourceExhaustedError as exc:
-    print(json.dumps({"type": type(exc).__name__, "message": str(exc)}))
-    sys.exit(3)
-"""
-
-
-def test_pool_oom_inside_a_stage3_gather_writes_postmortem(tmp_path):
-    """A stage-3 block whose gathered parameters exceed the device budget: the pool's OOM
-    inside the gather (a host callback of Keras's train step) writes the post-mortem, JSON
-    and summary, before the ResourceExhaustedError reaches fit's caller."""
-    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="false", TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run(
-        [sys.executable, "-c", STAGE3_GATHER_OOM, str(tmp_path)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+def test_a_stage3_unit_above_the_device_budget_is_refused_before_training(tmp_path):
+    """A stage-3 unit whose gathered parameters exceed the device budget (a Dense 128 x 256
+    kernel, 128 KiB gathered per replica, two units at once on two replicas, against a
+    64 KiB budget) is refused when the model is sharded, naming the figures and the
+    fixes, before anything is replaced: no step starts that would run out of memory in a
+    gather (the gathered units are TensorFlow tensors the device plan counts,
+    zero_runtime/stage3/device_plan.py)."""
+    strategy = zero_runtime.ZeroInfinityStrategy(
+        {
+            "stage": 3,
+            "offload_param": "cpu",
+            "offload_optimizer": "cpu",
+            "page_size_bytes": 65536,
+            "device_budget_bytes": 65536,
+        },
+        logdir=str(tmp_path),
     )
-    assert proc.returncode == 3, proc.stderr[-3000:]
-    caught = json.loads(proc.stdout.strip().splitlines()[-1])
-    path = tmp_path / oom.OOM_FILENAME
-    assert f"post-mortem: {path}" in caught["message"]  # the message says where it is
-    report = json.loads(path.read_text())
-    failed = report["failed_request"]
-    assert failed["tier"] == "device" and failed["error_type"] == "PoolOutOfMemoryError"
-    assert failed["bytes"] > 0 and failed["tensor"]  # the gathered buffer it could not place
-    device = report["tiers"]["device"]
-    assert device["capacity_bytes"] == 65536
-    assert device["used_bytes"] + failed["bytes"] > device["capacity_bytes"]
-    assert report["advice"]  # which setting would have made it fit
-    # The same report as a summary in the run's event file.
-    acc = EventAccumulator(str(tmp_path), size_guidance={"tensors": 0})
-    acc.Reload()
-    events = acc.Tensors("memory_hierarchy/oom")
-    assert len(events) == 1
-    summary = json.loads(tensor_util.make_ndarray(events[0].tensor_proto).item())
-    assert summary["failed_request"] == failed
+    try:
+        with strategy.scope():
+            model = keras.Sequential(
+                [keras.Input((128,)), keras.layers.Dense(256), keras.layers.Dense(4)]
+            )
+            with pytest.raises(ValueError) as caught:
+                strategy.shard_model(model)
+    finally:
+        strategy.close()
+    message = str(caught.value)
+    gathered = 2 * 2 * 4 * (128 * 256 + 256)  # 2 units x 2 replicas x the Dense 128 x 256
+    assert f"needs {oom.fmt_bytes(gathered)}" in message
+    assert "device_budget_bytes=65536 (64.00 KiB)" in message
+    assert "tile_size='auto'" in message and f"device_budget_bytes >= {gathered}" in message
+    assert not any(v.__class__.__name__ == "ShardedVariable" for v in model.weights)

@@ -1,15 +1,15 @@
-"""ZeRO stage 3 (per-block gather, sharded parameters) with Keras fit.
+"""ZeRO stage 3 (sharded parameters, gathered per unit use) with Keras fit.
 
 Parity: stage 3 x offload_param none / cpu / nvme with optimizer states on the host, and
-offload_param cpu / none with device optimizer states, nvme + NVMe optimizer states (the
-units path; NVMe parameters prefetched along the recorded reads, stage3/schedule.py), and
-host parameters and states, and NVMe parameters and states, on the block engine (kept
-there by a device budget that never binds), against MirroredStrategy with Keras's own
-Adam given dense gradients (tests/helpers/reference_optimizers.py), on a GPT-style
+offload_param cpu / none with device optimizer states, nvme + NVMe optimizer states (NVMe
+parameters prefetched along the recorded reads, stage3/schedule.py), and host parameters
+and states under an int device budget with tiles, against MirroredStrategy with Keras's
+own Adam given dense gradients (tests/helpers/reference_optimizers.py), on a GPT-style
 keras.Sequential (embedding, causal self-attention + MLP block with layer norms, final
-layer norm, dense head), 20 steps, bound 1e-5 relative. Memory (the block engine): the
-pool's measured device-tier peak in each step is at most the two largest blocks'
-gathered parameters plus the persistent ones, per replica.
+layer norm, dense head), 20 steps, bound 1e-5 relative. Device budget: a budget below
+the step's device plan is refused before anything is sharded, naming the figures and
+the fixes; with ``tile_size='auto'`` the same budget holds the step (the pool's measured
+device peak plus the gathered units within it).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers.any_models import BLOCK_ENGINE_BUDGET
 from helpers.reference_optimizers import DenseGradAdam
 
 import zero_runtime
@@ -109,12 +108,11 @@ def _fit_stage3(config: dict, optimizer=None, make_model=_model, ds=None):
     [
         ("none", "cpu", None),
         ("cpu", "cpu", None),
-        ("cpu", "cpu", BLOCK_ENGINE_BUDGET),  # the block engine's update during backward
+        ("cpu", "cpu", 1 << 20),  # an int device budget: tiles ('auto'), device plan
         ("nvme", "cpu", None),
         ("cpu", "none", None),
         ("none", "none", None),
         ("nvme", "nvme", None),
-        ("nvme", "nvme", BLOCK_ENGINE_BUDGET),  # the block engine's NVMe prefetch
     ],
 )
 def test_stage3_parity_with_mirrored(offload_param, offload_optimizer, budget, reference, tmp_path):
@@ -126,7 +124,8 @@ def test_stage3_parity_with_mirrored(offload_param, offload_optimizer, budget, r
         "nvme_path": str(tmp_path),
         "page_size_bytes": PAGE,
         "collective_timeout_seconds": 20,
-        "persistence_threshold": 100,  # the layer norms' and small biases stay persistent
+        "persistence_threshold": 100,  # a permission: units gather small ones with the rest
+        "tile_size": "auto" if budget else None,
     }
     strategy, model, sharded, losses = _fit_stage3(config)
     engine = sharded.engine
@@ -136,17 +135,11 @@ def test_stage3_parity_with_mirrored(offload_param, offload_optimizer, budget, r
         {"none": "device", "cpu": "host", "nvme": "nvme"}[offload_param]
     }
     assert all(v.state(r) is not ShardState.GATHERED for v in variables for r in (0, 1))
-    # A chain runs by units unless its config needs the block engine (path_choice):
-    # here an int device budget (NVMe parameters run by units).
-    blocks = budget is not None
-    assert engine.path == ("blocks" if blocks else "units"), engine.block_reasons
-    if blocks:
-        assert any(v.persistent for v in variables) and not all(v.persistent for v in variables)
-        # The access order observed in the first step is the plan's gather order.
-        gathered = [u for u, g in zip(engine.plan.uses, engine.plan.gathers) if g]
-        assert engine.recorded_order == gathered
-    else:  # the units path gathers a unit's small parameters in its one all-gather
-        assert not any(v.persistent for v in variables) and engine.runner is not None
+    # A unit gathers its small parameters in its one all-gather.
+    assert not any(v.persistent for v in variables)
+    if budget is not None:  # 'auto': tiles of 1 MiB // 128 elements (none this small)
+        assert engine.device_plan.total <= budget
+        assert all(p + engine.device_plan.gathered <= budget for p in engine.device_peaks)
     store = sharded.optimizer.zero_state.store  # optimizer-state shards on their tier
     assert store.tier == {"none": "device", "cpu": "host", "nvme": "nvme"}[offload_optimizer]
     if offload_param == "nvme":
@@ -173,58 +166,49 @@ def test_stage3_parity_with_mirrored(offload_param, offload_optimizer, budget, r
         np.testing.assert_allclose(w, r, rtol=RTOL, atol=ATOL)
 
 
-# Blocks of several pages each (mlp kernels 128 x 512 = 4 pages of 64 KiB), so that the
-# bound (two blocks) is far below all blocks; biases and layer norms are persistent.
-BIG = GPTConfig(vocab_size=64, seq_len=16, d_model=128, n_heads=4, n_layers=4, d_ff=512)
-BIG_STEPS = 4
+# Units of several pages each (mlp kernels 128 x 512 = 4 pages of 64 KiB).
+BIG = GPTConfig(vocab_size=64, seq_len=16, d_model=128, n_heads=4, n_layers=1, d_ff=512)
+BIG_STEPS = 2
+BIG_BUDGET = 768 << 10  # bytes: below 2 gathered mlp units x 2 replicas (1.01 MiB)
+TILE = 32768  # elements: the mlp kernels (65536) in 2 tiles
 
 
-def test_stage3_device_tier_holds_at_most_two_blocks(tmp_path):
-    """Measured by the pool: in every step the device tier's peak is at most
-    (the two largest blocks' gathered pages + the persistent pages) x local replicas,
-    with the parameter shards offloaded to the host and max_reuse_distance=0."""
+def test_device_budget_below_the_plan_is_refused_and_tiles_make_it_fit(tmp_path):
+    """An int device budget below the step's device plan (2 gathered units x 2 replicas,
+    the largest an mlp kernel of 128 x 512) is refused before anything is sharded, naming
+    the figures and the fixes; with a tile_size the mlp kernels run as 2 column tiles and
+    the same budget holds every step: the pool's measured device peak plus the gathered
+    units (the plan's bound) within it, the tiers record's capacity the budget."""
     config = {
         "stage": 3,
         "offload_param": "cpu",
         "offload_optimizer": "cpu",
         "page_size_bytes": PAGE,
-        "persistence_threshold": 1000,
-        "max_reuse_distance": 0,
-        "device_budget_bytes": BLOCK_ENGINE_BUDGET,  # never binds: the block engine
+        "device_budget_bytes": BIG_BUDGET,
     }
+    strategy = zero_runtime.ZeroInfinityStrategy(config)
+    with strategy.scope():
+        model = build_gpt(BIG, seed=1)
+    with pytest.raises(ValueError, match=r"needs 1\.01 MiB.*device_budget_bytes=786432.*tile_size"):
+        strategy.shard_model(model)
+    assert not any(isinstance(v, ShardedVariable) for v in model.trainable_variables)
+    strategy.close()
+
     rng = np.random.RandomState(0)
     x = rng.randint(0, BIG.vocab_size, size=(BIG_STEPS * BATCH, BIG.seq_len)).astype("int32")
     ds = tf.data.Dataset.from_tensor_slices((x, x)).batch(BATCH)
     strategy, model, sharded, losses = _fit_stage3(
-        config, make_model=lambda: build_gpt(BIG, seed=1), ds=ds
+        {**config, "tile_size": TILE}, make_model=lambda: build_gpt(BIG, seed=1), ds=ds
     )
     engine = sharded.engine
-    n = engine.num_shards
-
-    def pages(v) -> int:  # gathered buffer of one replica, whole pages
-        return -(-4 * v.padded_rows * v.row_elements // PAGE)
-
-    per_block = sorted(
-        sum(pages(v) for v in b.variables if not v.persistent) for b in engine.blocks
-    )
-    persistent = sum(pages(v) for v in engine.variables if v.persistent)
-    bound = n * (sum(per_block[-2:]) + persistent) * PAGE
-    everything = n * (sum(per_block) + persistent) * PAGE
-    peaks = engine.device_peaks
+    plan, peaks, records = engine.device_plan, engine.device_peaks, engine.last_step
     sharded.close()
     strategy.close()
-    print(
-        f"device peaks {sorted(set(peaks))} bound {bound} everything gathered {everything} "
-        f"peak live elements {engine.peak_live}"
-    )
-    assert len(peaks) == BIG_STEPS and len(losses) == BIG_STEPS
-    assert 0 < max(peaks) <= bound
-    # The bound is a real limit here: two blocks are about half of all blocks' pages.
-    assert bound < everything and sum(per_block[-2:]) < 0.55 * sum(per_block)
-    assert (
-        max(engine.peak_live)
-        <= max(b.elements for b in engine.blocks) + sorted(b.elements for b in engine.blocks)[-2]
-    )
+    print(f"device plan {plan.describe()}; pool device peaks {peaks}")
+    assert len(losses) == BIG_STEPS and len(peaks) == BIG_STEPS
+    assert engine.tile_plans and plan.total <= BIG_BUDGET
+    assert all(p + plan.gathered <= BIG_BUDGET for p in peaks)
+    assert records.usage["device"].capacity_bytes + records.reserved_bytes == BIG_BUDGET
 
 
 def test_shard_model_drops_the_replicated_originals(tmp_path, cpu_devices):

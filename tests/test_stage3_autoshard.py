@@ -240,7 +240,7 @@ def _float64() -> keras.Model:
     [
         (_noisy, NotImplementedError, "layer 'noisy' owns weights and draws random numbers"),
         (_gru_dropout, NotImplementedError, "layer 'gru_cell' owns weights and draws random"),
-        (_float64, ValueError, r"float32 weights; '[\w/]*d0/kernel' is float64"),
+        (_float64, ValueError, r"float32 weights; '[\w/]*d0/kernel' of layer 'd0' is float64"),
     ],
     ids=["dropout_in_unit", "rnn_dropout", "float64"],
 )

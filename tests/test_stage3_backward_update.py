@@ -1,14 +1,13 @@
 """Stage 3: the optimizer update in backward (zero_runtime/optim/backward_update.py).
 
-With optimizer states on the host or NVMe, each block's parameter shards are updated as
-soon as the block's gradient shard is reduced. The chains here stay on the block engine
-through an int device budget that never binds (``am.BLOCK_ENGINE_BUDGET``; without it
-they run by units, whose update during backward the last test covers). Values: exactly
-(bitwise) the end-of-step update's, which the parity tests of tests/test_stage3.py tie
+With optimizer states on the host or NVMe, each unit's parameter shards are updated as
+soon as the unit's gradient shard is reduced (an original read by one use; the others,
+such as a tied table, after the backward). Values: exactly (bitwise) the end-of-step
+update's, which the parity tests of tests/test_stage3.py tie
 to MirroredStrategy; the end-of-step path is forced with ``clipvalue=1e9`` (clipping
 needs every shard first and changes no value at that bound). Covered: Adam with a
 learning-rate schedule, AdamW (decoupled weight decay), SGD with momentum; host and NVMe
-states; persistent (gathered all step) variables. Memory: one step's allocator peak,
+states; a chain and a tied DAG. Memory: one step's allocator peak,
 measured in a fresh process, drops by at least the gradient shards' bytes (4 bytes x
 parameters over the replicas) that the end-of-step update keeps on the device until the
 step's end.
@@ -64,9 +63,7 @@ def _train(offload: str, kind: str, end_of_step: bool, tmp_path, peak: bool = Fa
             "offload_optimizer": offload,
             "nvme_path": str(tmp_path),
             "page_size_bytes": 65536,
-            "persistence_threshold": 100,  # biases and norms stay gathered all step
-            "sub_group_size": 1000,  # several NVMe sub-groups, crossing blocks
-            "device_budget_bytes": am.BLOCK_ENGINE_BUDGET,  # the block engine
+            "sub_group_size": 1000,  # several NVMe sub-groups, crossing units
         }
     )
     with strategy.scope():
@@ -193,13 +190,11 @@ def _chain() -> keras.Model:
     )
 
 
-@pytest.mark.parametrize("path", ["blocks", "units"])
-def test_a_step_that_fails_in_backward_leaves_the_model_usable(path, tmp_path, cpu_devices):
+def test_a_step_that_fails_in_backward_leaves_the_model_usable(tmp_path, cpu_devices):
     """A step raising in backward (after d1 and d2 queued their updates): train_on_batch
     raises the TF error; recover (run by train_on_batch) waits for the queued updates
     and resets every shard, so the weights are stable, a checkpoint restores in the same
-    process and training from it equals training from it in a fresh model. On the block
-    engine and by units."""
+    process and training from it equals training from it in a fresh model."""
     rng = np.random.RandomState(0)
     x = rng.standard_normal((6, 8, 6)).astype("float32")
     y = rng.standard_normal((6, 8, 3)).astype("float32")
@@ -209,8 +204,6 @@ def test_a_step_that_fails_in_backward_leaves_the_model_usable(path, tmp_path, c
             "offload_param": "cpu",
             "offload_optimizer": "cpu",
             "page_size_bytes": 65536,
-            "persistence_threshold": 10,
-            "device_budget_bytes": am.BLOCK_ENGINE_BUDGET if path == "blocks" else None,
         }
     )
 
@@ -223,7 +216,7 @@ def test_a_step_that_fails_in_backward_leaves_the_model_usable(path, tmp_path, c
     sharded = build()
     for i in range(2):
         sharded.train_on_batch(x[i], y[i])
-    assert sharded.update_in_backward is True and sharded.engine.path == path
+    assert sharded.update_in_backward is True
     ckpt = str(tmp_path / "ckpt")
     strategy.save_checkpoint(ckpt, sharded)
     poisoned = x[2].copy()
@@ -254,14 +247,13 @@ def test_a_step_that_fails_in_backward_leaves_the_model_usable(path, tmp_path, c
 
 def test_gradient_bytes_accounting_is_one_block_shard(tmp_path, cpu_devices):
     """The runtime's device gradient bytes with the update in backward: the largest
-    block's shard per replica, not every shard."""
+    unit's shard per replica, not every shard."""
     strategy = zero_runtime.ZeroInfinityStrategy(
         {
             "stage": 3,
             "offload_param": "cpu",
             "offload_optimizer": "cpu",
             "page_size_bytes": 65536,
-            "device_budget_bytes": am.BLOCK_ENGINE_BUDGET,  # the block engine
         }
     )
     with strategy.scope():
@@ -296,7 +288,6 @@ def _train_units(end_of_step: bool) -> tuple:
         x, y = am.gpt_data()
         hist = model.fit(x, y, batch_size=am.BATCH, epochs=2, verbose=0, shuffle=False)
         (engine,) = strategy.runtime.accounting.stage3_engines
-        assert engine.path == "units"
         return (
             hist.history["loss"],
             model.get_weights(),

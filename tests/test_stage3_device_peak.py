@@ -84,7 +84,6 @@ def test_a_units_step_peaks_at_a_few_units_whatever_the_depth(kind, tmp_path):
                 f"{t['op'].split('/')[-1]} {t['requested_bytes']}" for t in rec["live_at_peak"][:4]
             )
         )
-    assert shallow["path"] == deep["path"] == "units"
     assert deep["units"] == 25 and shallow["units"] == 9
     for rec in (shallow, deep):
         # The replay of the allocator's events finds the allocator's own peak.

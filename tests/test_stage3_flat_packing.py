@@ -145,16 +145,14 @@ def _odd_data():
 
 @pytest.mark.slow
 def test_a_kernel_split_along_another_axis_trains_like_mirrored(cpu_devices):
-    """The block path (a Sequential chain, kept there by an int device budget that never
-    binds) with a kernel sharded along axis 1."""
+    """A Sequential chain with a kernel sharded along axis 1."""
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     reference = _fit(Mirrored(cpu_devices), _odd_chain, _odd_data, loss).get_weights()
-    config = {**CONFIG, "page_size_bytes": 64 << 10, "device_budget_bytes": am.BLOCK_ENGINE_BUDGET}
+    config = {**CONFIG, "page_size_bytes": 64 << 10}
     strategy = zero_runtime.ZeroInfinityStrategy(config)
     try:
         model = _fit(strategy, _odd_chain, _odd_data, loss)
         (engine,) = strategy.runtime.accounting.stage3_engines
-        assert engine.runner is None  # the block path
         assert [v.shard_dim for v in engine.variables] == [1, 0, 0, 0]
         weights = model.get_weights()
     finally:

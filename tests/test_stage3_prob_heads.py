@@ -36,18 +36,15 @@ again (:func:`zero_runtime.stage3.gather.keras_logits_positions`).
   (no unit, so its logits were never hidden; it trains at stage 3 in
   ``tests/test_parity_matrix.py``), ResNet50 (23.6M parameters) and ConvNeXtTiny (27.8M)
   (28 images, batches of 8, 8, 8 and 4; ~55 s and ~67 s for their two runs).
-- :func:`test_heads_train_like_mirrored_on_other_stage3_paths`: the other stage-3 paths
-  whose outputs were ``tf.custom_gradient`` outputs without the logits, fixed the same
-  way: the block engine (an int ``device_budget_bytes``: a block's use, and the
-  forward-only pass's release dependency ``h + 0.0``), an activation-checkpointed block
-  (the softmax and sigmoid heads inside one layer) and a tiled ``Dense`` (a 4-column
-  sigmoid head, ``tile_size`` 32; a softmax never tiles). Within :data:`REL` of Mirrored
-  (bitwise equal, measured; tiled 1.3e-7 apart), and on the block engine the softmax
-  head's evaluate and predict within :data:`REL` of stock Keras with the trained weights
-  (the sigmoid's measured once, left out for time). Unfixed, the first loss was 12.4
-  against 20.4 (softmax) and 6.29 against 6.66 (sigmoid) on the block engine and
-  checkpointed, 4.66 against 5.02 tiled; the block engine's evaluate read 4.47 against
-  6.57 (softmax) and 2.96 against 3.33 (sigmoid).
+- :func:`test_heads_train_like_mirrored_on_other_stage3_paths`: the other stage-3 forms
+  whose outputs are ``tf.custom_gradient`` outputs, which keep the logits the same way:
+  an int ``device_budget_bytes`` (the device plan; evaluate and predict of the softmax
+  head too), an activation-checkpointed block (the softmax and sigmoid heads inside one
+  layer) and a tiled ``Dense`` (a 4-column sigmoid head, ``tile_size`` 32; a softmax
+  never tiles). Within :data:`REL` of Mirrored (bitwise equal, measured; tiled 1.3e-7
+  apart), and the softmax head's evaluate and predict within :data:`REL` of stock Keras
+  with the trained weights. Without the logits, the first loss was 12.4 against 20.4
+  (softmax) and 6.29 against 6.66 (sigmoid) checkpointed, 4.66 against 5.02 tiled.
 
 Measure: per-step losses (Keras's running mean, after each batch) within :data:`REL`
 relative; per variable ``max |w - r| / max |r|`` (``helpers.any_models.rel``) within
@@ -64,7 +61,7 @@ import time
 import keras
 import numpy as np
 import pytest
-from helpers import any_models as am
+from helpers import applications as apps
 from helpers.mirrored import Mirrored
 
 import zero_runtime
@@ -74,24 +71,13 @@ BATCH = 8  # global: 4 per replica on the tests' 2 replicas
 SAMPLES = 20  # the small models': batches of 8, 8 and 4 (a smaller last batch)
 IMAGES = 12  # the applications': batches of 8 and 4
 LEARNING_RATE = 0.05
-REL = 1e-5  # stage 3: losses and weights, relative
-NO_GRAD_ABS = 1e-6  # stage 3: a weight Mirrored does not move, absolute
 CONFIGS = {
     1: {"stage": 1, "offload_optimizer": "none"},
     2: {"stage": 2, "offload_optimizer": "cpu"},
     3: {"stage": 3, "offload_param": "cpu", "offload_optimizer": "cpu"},
 }
-#: Scale of the small models' inputs: their heads' logits then reach tens, so some
-#: probabilities saturate and the clipped fallback's loss and gradient differ.
-INPUT_SCALE = 20.0
-
-
-def _dense_head(activation: str, units: int) -> keras.Model:
-    """``(B, 6) -> Dense(16, relu) -> Dense(units, activation)`` probabilities."""
-    keras.utils.set_random_seed(21)
-    x = keras.Input((6,))
-    h = keras.layers.Dense(16, activation="relu", name="hidden")(x)
-    return keras.Model(x, keras.layers.Dense(units, activation=activation, name="head")(h))
+#: stage 3: losses and weights, relative; a weight Mirrored does not move, absolute
+REL, NO_GRAD_ABS = apps.REL, apps.NO_GRAD_ABS
 
 
 class TrackedSoftmax(keras.layers.Layer):
@@ -152,43 +138,25 @@ def _multilabel_data() -> tuple[np.ndarray, np.ndarray]:
 
 
 def _head_data(classes: int | None) -> tuple[np.ndarray, np.ndarray]:
-    """:data:`SAMPLES` inputs ``float32 (n, 6)``; labels ``int32 (n,)`` in
-    ``[0, classes)``, or ``float32 (n, 1)`` in {0, 1} with ``classes`` None."""
-    rng = np.random.RandomState(22)
-    x = (INPUT_SCALE * rng.standard_normal((SAMPLES, 6))).astype("float32")
-    if classes is None:
-        return x, rng.randint(0, 2, (SAMPLES, 1)).astype("float32")
-    return x, rng.randint(0, classes, (SAMPLES,)).astype("int32")
+    """``helpers.applications.head_data``'s :data:`SAMPLES` inputs and labels."""
+    return apps.head_data(SAMPLES, classes)
 
 
-def _application(name: str) -> keras.Model:
-    """A ``keras.applications`` model, untrained, ``(B, 32, 32, 3)`` -> 10 class
-    probabilities (its default softmax head)."""
-    keras.utils.set_random_seed(5)
-    apps, shape = keras.applications, (32, 32, 3)
-    if name == "mobilenet_v2":
-        return apps.MobileNetV2(weights=None, alpha=0.35, input_shape=shape, classes=10)
-    return apps.EfficientNetB0(weights=None, input_shape=shape, classes=10)
-
-
-def _image_data() -> tuple[np.ndarray, np.ndarray]:
-    """:data:`IMAGES` images ``float32 (n, 32, 32, 3)`` in [0, 255), labels ``int32
-    (n,)`` in [0, 10)."""
-    rng = np.random.RandomState(0)
-    x = rng.uniform(0.0, 255.0, (IMAGES, 32, 32, 3)).astype("float32")
-    return x, rng.randint(0, 10, (IMAGES,)).astype("int32")
-
-
-#: The families :func:`test_applications_train_like_mirrored` trains (module docstring).
-APPLICATIONS = ("mobilenet_v2",)
+#: The families :func:`test_applications_train_like_mirrored` trains (module docstring;
+#: ``helpers.applications.FAMILIES``).
+APPLICATIONS = ("mobilenet_v2", "resnet_small", "efficientnet_small", "convnext_small")
 SPARSE_CE, BINARY_CE = "sparse_categorical_crossentropy", "binary_crossentropy"
 #: name: (build, data, loss)
 MODELS = {
-    "softmax": (functools.partial(_dense_head, "softmax", 5), lambda: _head_data(5), SPARSE_CE),
-    "sigmoid": (functools.partial(_dense_head, "sigmoid", 1), lambda: _head_data(None), BINARY_CE),
+    "softmax": (functools.partial(apps.dense_head, "softmax", 5), lambda: _head_data(5), SPARSE_CE),
+    "sigmoid": (
+        functools.partial(apps.dense_head, "sigmoid", 1),
+        lambda: _head_data(None),
+        BINARY_CE,
+    ),
     "tracked_softmax": (_tracked_head, lambda: _head_data(5), SPARSE_CE),
     # multi-label: 4 sigmoid columns, so that a tile_size can tile the head's kernel
-    "sigmoid4": (functools.partial(_dense_head, "sigmoid", 4), _multilabel_data, BINARY_CE),
+    "sigmoid4": (functools.partial(apps.dense_head, "sigmoid", 4), _multilabel_data, BINARY_CE),
     "block_softmax": (
         functools.partial(_block_head, "softmax", 5),
         lambda: _head_data(5),
@@ -200,7 +168,11 @@ MODELS = {
         BINARY_CE,
     ),
     **{
-        name: (functools.partial(_application, name), _image_data, SPARSE_CE)
+        name: (
+            functools.partial(apps.application, name),
+            functools.partial(apps.image_data, IMAGES),
+            SPARSE_CE,
+        )
         for name in APPLICATIONS
     },
 }
@@ -257,8 +229,8 @@ def reference(cpu_devices):
 
 def _zero_run(name: str, stage: int, extra: dict | None = None, forward: bool = False) -> Run:
     """Train ``name`` at ``stage`` (:data:`CONFIGS`, updated with ``extra``); check the
-    stage it ran. At stage 3 ``run.engine`` is ``(path, checkpointed block names, tiled
-    kernel paths)``; with ``forward`` the trained model's evaluate and predict on the
+    stage it ran. At stage 3 ``run.engine`` is ``(checkpointed block names, tiled kernel
+    paths)``; with ``forward`` the trained model's evaluate and predict on the
     fit's data are ``run.forward``."""
     strategy = zero_runtime.ZeroInfinityStrategy({**CONFIGS[stage], **(extra or {})})
     try:
@@ -269,9 +241,9 @@ def _zero_run(name: str, stage: int, extra: dict | None = None, forward: bool = 
         if stage == 3:
             assert all(isinstance(v, ShardedVariable) for v in model.trainable_variables)
             (engine,) = strategy.runtime.accounting.stage3_engines
-            blocks = [b.layer.name for b in engine.units.blocks] if engine.units else []
+            blocks = [b.layer.name for b in engine.units.blocks]
             tiled = sorted(p.kernel.path for p in engine.tile_plans.values())
-            run.engine = (engine.path, blocks, tiled)
+            run.engine = (blocks, tiled)
         if forward:
             x, y = MODELS[name][1]()
             run.forward = (
@@ -283,28 +255,13 @@ def _zero_run(name: str, stage: int, extra: dict | None = None, forward: bool = 
         strategy.close()
 
 
-def _assert_same_variables(run: Run, ref: Run) -> None:
-    """The same variables in the same order: names and shapes (a layer Keras names
-    itself, EfficientNet's ``Normalization``, is ``normalization_1`` in the second run)."""
-    assert [p.rsplit("/", 1)[-1] for p in run.paths] == [p.rsplit("/", 1)[-1] for p in ref.paths]
-    assert [w.shape for w in run.weights] == [r.shape for r in ref.weights]
-
-
 def _assert_close(run: Run, ref: Run) -> float:
-    """Assert stage 3's tolerances (module docstring); return the worst relative weight
-    difference."""
-    _assert_same_variables(run, ref)
+    """Assert stage 3's tolerances (module docstring; ``helpers.applications.compare``);
+    return the worst relative weight difference."""
     assert len(run.losses) == len(ref.losses) >= 2
-    np.testing.assert_allclose(run.losses, ref.losses, rtol=REL, atol=0.0)
-    worst = 0.0
-    for path, w, r, w0 in zip(run.paths, run.weights, ref.weights, ref.initial):
-        if np.max(np.abs(r - w0)) <= NO_GRAD_ABS:  # no gradient: rounding noise only
-            assert np.max(np.abs(w - r)) <= NO_GRAD_ABS, path
-            continue
-        d = am.rel(w, r)
-        assert d <= REL, (path, d)
-        worst = max(worst, d)
-    return worst
+    diff = apps.compare(run, ref)
+    assert diff.within_bounds(), diff
+    return diff.weight_rel
 
 
 @pytest.mark.slow
@@ -323,17 +280,18 @@ def test_heads_train_like_mirrored(name, stage, reference):
 
 
 @pytest.mark.slow
-def test_applications_train_like_mirrored(reference):
-    """MobileNetV2 at stage 3 (36-44 s on 2 cores, the Mirrored reference included)."""
-    for name in APPLICATIONS:
-        start = time.perf_counter()
-        ref = reference(name)
-        run = _zero_run(name, 3)
-        worst = _assert_close(run, ref)
-        print(
-            f"{name}: losses {run.losses} vs {ref.losses}, worst weight {worst:.3g}, "
-            f"{time.perf_counter() - start:.0f} s"
-        )
+@pytest.mark.parametrize("name", APPLICATIONS)
+def test_applications_train_like_mirrored(name, reference):
+    """A ``keras.applications`` family at stage 3, the Mirrored reference included in
+    the time (module docstring)."""
+    start = time.perf_counter()
+    ref = reference(name)
+    run = _zero_run(name, 3)
+    worst = _assert_close(run, ref)
+    print(
+        f"{name}: losses {run.losses} vs {ref.losses}, worst weight {worst:.3g}, "
+        f"{time.perf_counter() - start:.0f} s"
+    )
 
 
 def _stock_forward(name: str, weights: list) -> tuple:
@@ -351,23 +309,19 @@ def _stock_forward(name: str, weights: list) -> tuple:
     )
 
 
-#: The other stage-3 paths a softmax/sigmoid head runs on: name -> (config keys, models,
-#: the expected ``Run.engine``). The block engine (an int ``device_budget_bytes``);
+#: The other stage-3 forms a softmax/sigmoid head runs in: name -> (config keys, models,
+#: the expected ``Run.engine``). An int ``device_budget_bytes`` (the device plan);
 #: activation checkpointing (a block holding both ``Dense`` units); tiling (``tile_size``
 #: 32 elements: the head's 16x4 kernel runs as two tiles of 2 columns, the hidden 6x16
 #: one as four; a softmax never tiles, the softmax mixing the columns).
 PATHS = {
-    "blocks": (
-        {"device_budget_bytes": am.BLOCK_ENGINE_BUDGET},
-        ("softmax", "sigmoid"),
-        ("blocks", [], []),
-    ),
+    "budget": ({"device_budget_bytes": 8 << 20}, ("softmax",), ([], [])),
     "checkpointed": (
         {"activation_checkpointing": True},
         ("block_softmax", "block_sigmoid"),
-        ("units", ["block"], []),
+        (["block"], []),
     ),
-    "tiled": ({"tile_size": 32}, ("sigmoid4",), ("units", [], ["head/kernel", "hidden/kernel"])),
+    "tiled": ({"tile_size": 32}, ("sigmoid4",), ([], ["head/kernel", "hidden/kernel"])),
 }
 #: A model whose Mirrored reference is another's: the same layers and initial weights
 #: (the same seed and build order), in one block.
@@ -379,13 +333,12 @@ SAME_AS = {"block_softmax": "softmax", "block_sigmoid": "sigmoid"}
     ("path", "name"), [(path, name) for path, (_, names, _) in PATHS.items() for name in names]
 )
 def test_heads_train_like_mirrored_on_other_stage3_paths(path, name, reference):
-    """Stage 3 on the block engine, with activation checkpointing and tiled: within
-    :data:`REL` of Mirrored, as by units; the softmax head on the block engine also
-    evaluate (loss and crossentropy metric) and predict within :data:`REL` of stock Keras
-    with the same weights. Each of these paths returned its outputs without their logits (module
-    docstring), and trained as with the clipped fallback."""
+    """Stage 3 under an int device budget, with activation checkpointing and tiled:
+    within :data:`REL` of Mirrored; the softmax head under the budget also evaluate (loss
+    and crossentropy metric) and predict within :data:`REL` of stock Keras with the same
+    weights (module docstring)."""
     extra, _, engine = PATHS[path]
-    forward = (path, name) == ("blocks", "softmax")  # the sigmoid's: measured once (4.4 s)
+    forward = (path, name) == ("budget", "softmax")
     run = _zero_run(name, 3, extra, forward=forward)
     assert run.engine == engine
     ref = reference(SAME_AS.get(name, name))

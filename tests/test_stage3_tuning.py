@@ -3,11 +3,12 @@
 - ``PagedBufferPool.set_device_budget``: shrinking the device tier moves the excess pages
   down (least recently used first, counted as d2h moves and evictions), refuses when
   pinned pages cannot move, and growing makes room again.
-- A running stage-3 job (2 CPU replicas, parameter shards on the host, blocks kept
-  gathered from forward to backward): ``device_budget_bytes`` lowered by a control
-  request at one step and raised at a later one. The event files show the requests
-  applied at the expected steps, the device capacity following them, and the page moves
-  per step (h2d + d2h) rising while the budget is low and falling back after.
+- A running stage-3 job (2 CPU replicas, parameter shards on the host, a row-paged
+  embedding table whose touched row pages the device tier caches):
+  ``device_budget_bytes`` lowered by a control request at one step and raised at a later
+  one. The event files show the requests applied at the expected steps, the device
+  capacity following them, and the page moves per step (h2d + d2h) rising while the
+  budget is low (the row cache no longer holds the touched pages) and falling back after.
 """
 
 from __future__ import annotations
@@ -79,18 +80,18 @@ STEPS = 14
 BATCH = 16
 LOWER_AT_BATCH, RAISE_AT_BATCH = 3, 8  # requests written after these steps end ...
 LOW_FROM, HIGH_FROM = 5, 10  # ... are polled at the next boundary, in effect from these
-LOW, HIGH = 16 * PAGE, 64 * PAGE  # all gathered buffers of a step need 28 pages
+LOW, HIGH = 16 * PAGE, 64 * PAGE  # a step touches about 20 row pages (10 per replica)
+VOCAB, SEQ = 20_000, 8  # table 20 000 x 16: 10 row pages of 1024 rows per replica
 
 
 def _model() -> keras.Model:
-    """Four Dense blocks: kernels (64,256) (256,256) (256,256) (256,10), float32."""
+    """Embedding(20 000, 16) (row-paged) -> Flatten -> Dense(10), float32."""
     keras.utils.set_random_seed(2)
     return keras.Sequential(
         [
-            keras.Input((64,)),
-            keras.layers.Dense(256, activation="relu"),
-            keras.layers.Dense(256, activation="relu"),
-            keras.layers.Dense(256, activation="relu"),
+            keras.Input((SEQ,), dtype="int32"),
+            keras.layers.Embedding(VOCAB, 16),
+            keras.layers.Flatten(),
             keras.layers.Dense(10),
         ]
     )
@@ -103,12 +104,9 @@ def test_lowering_device_budget_moves_more_pages_and_raising_it_back_fewer(tmp_p
         "offload_param": "cpu",
         "offload_optimizer": "cpu",
         "page_size_bytes": PAGE,
-        "persistence_threshold": 300,  # biases persistent, kernels sharded
-        "max_reuse_distance": 10**9,  # keep every block gathered from forward to backward
+        "embedding_row_paging_threshold": 100_000,
         "collective_timeout_seconds": 30,
-        # HIGH never binds (28 pages); an int budget keeps the chain on the block engine,
-        # whose gathered buffers are the pool's device pages (path_choice)
-        "device_budget_bytes": HIGH,
+        "device_budget_bytes": HIGH,  # holds every touched row page: nothing moves
     }
     strategy = zero_runtime.ZeroInfinityStrategy(config, logdir=run)
     with strategy.scope():
@@ -118,7 +116,7 @@ def test_lowering_device_budget_moves_more_pages_and_raising_it_back_fewer(tmp_p
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
     engine = sharded.engine
-    assert all(engine.plan.keep[: len(engine.blocks)])  # forward uses keep their block
+    assert len(engine.row_paged) == 1 and engine.device_plan.total < LOW
 
     class RequestAtBatch(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
@@ -128,14 +126,15 @@ def test_lowering_device_budget_moves_more_pages_and_raising_it_back_fewer(tmp_p
                 control.write_request(run, {"device_budget_bytes": HIGH})
 
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((STEPS * BATCH, 64)).astype("float32")  # [N, 64]
+    x = rng.integers(0, VOCAB, size=(STEPS * BATCH, SEQ)).astype("int32")  # [N, SEQ]
     y = rng.integers(0, 10, size=(STEPS * BATCH,)).astype("int32")  # [N]
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
     sharded.fit(ds, epochs=1, verbose=0, shuffle=False, callbacks=[RequestAtBatch()])
     final_capacity = engine.pool.usage()["device"].capacity_bytes
+    outside = engine.device_plan.outside_pool
     sharded.close()
     strategy.close()
-    assert final_capacity == HIGH
+    assert final_capacity == (HIGH - outside) // PAGE * PAGE
 
     acc = EventAccumulator(run, size_guidance={"tensors": 0})
     acc.Reload()
@@ -168,7 +167,9 @@ def test_lowering_device_budget_moves_more_pages_and_raising_it_back_fewer(tmp_p
     before, low, after = moves[:LOW_FROM], moves[LOW_FROM:HIGH_FROM], moves[HIGH_FROM:]
     assert capacity[LOW_FROM:HIGH_FROM] == [LOW] * len(low)
     assert capacity[HIGH_FROM:] == [HIGH] * len(after)
-    assert max(peak[LOW_FROM:HIGH_FROM]) <= LOW < max(peak[:LOW_FROM])
-    assert min(low) > max(before)  # every low-budget step moves more than any before
-    assert max(after) < min(low)  # and fewer again once the budget is raised
-    assert sum(before) == 0 and sum(after) == 0  # everything fits: nothing moves
+    # (The step the budget shrinks in still peaks at the cache it had before.)
+    assert max(peak[LOW_FROM + 1 : HIGH_FROM]) <= LOW < max(peak[:LOW_FROM])
+    # The first steps page the touched rows in; then the cache holds them: nothing moves.
+    assert before[0] > 0 and sum(before[2:]) == 0
+    assert min(low) > 0  # every low-budget step moves row pages in and out
+    assert sum(after[2:]) == 0 and max(after[2:]) < min(low)  # warm again, nothing moves

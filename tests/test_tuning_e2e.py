@@ -198,8 +198,8 @@ def test_the_device_budget_set_in_the_tab_moves_pages_in_a_stage3_job(
     low = [m for s, m in moves.items() if low_step <= s < high_step]
     after = [m for s, m in moves.items() if s > high_step]  # the raise step itself may move
     assert before and low and after, moves
-    # All gathered blocks fit the default budget: no page moves; at 1 MiB they spill to the
-    # host and come back every step; at 4 MiB they fit again.
+    # Every touched row page fits the job's 4 MiB budget: no page moves; at 1 MiB they
+    # spill to the host and come back every step; at 4 MiB they fit again.
     assert max(before) == 0, moves
     assert min(low) > 0, moves
     assert sum(after) / len(after) < sum(low) / len(low), moves

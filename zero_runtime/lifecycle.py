@@ -25,7 +25,7 @@ small :class:`_HostCall` instead, which finds the callback in its owner's table;
 table is cleared by ``close()``, after which a traced step that still runs raises
 :class:`StrategyClosedError`.
 
-Gradient registrations. ``tf.custom_gradient`` in graph mode (stage 3's per-block
+Gradient registrations. ``tf.custom_gradient`` in graph mode (stage 3's per-use
 backward, TensorFlow's own ``ReplicaContext.all_gather``) registers its gradient function
 under a fresh name in TensorFlow's process-wide gradient registry, never removed
 (``tensorflow/python/ops/custom_gradient.py``, ``_graph_mode_decorator``); the function

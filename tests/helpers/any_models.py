@@ -34,11 +34,6 @@ STAGE3_HOST_CONFIG = {
     "page_size_bytes": 65536,
     "collective_timeout_seconds": 30,
 }
-#: An int device budget (bytes) far above any test model's gathered parameters: it never
-#: binds, but an int ``device_budget_bytes`` keeps a chain on the block engine
-#: (zero_runtime/stage3/path_choice.py). For the tests about the block engine itself
-#: (its pool, plan, persistence, update during backward); every other chain runs by units.
-BLOCK_ENGINE_BUDGET = 1 << 30
 
 
 class TiedHead(keras.layers.Layer):

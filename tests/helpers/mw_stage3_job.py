@@ -157,7 +157,6 @@ def stage3_record(strategy, steps: int = STEPS, dag: bool = False) -> dict:
         "optimizer_tier": sharded.optimizer.zero_state.store.tier,
         "local_replica_ids": list(sharded.engine.local_replicas),
         "variables": len(sharded.engine.variables),
-        "path": "units" if sharded.engine.runner is not None else "blocks",
         # pool tensors of parameter shards ("p/<var>/r<replica>", or the flat space's
         # chunks "p/params#<id>/c<k>/r<replica>" on host/NVMe): this process's only
         "shard_tensors": sorted(

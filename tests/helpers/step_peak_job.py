@@ -49,11 +49,6 @@ def main(out_path: str, mode: str) -> None:
             "offload_param": "cpu",
             "offload_optimizer": "cpu",
             "page_size_bytes": 65536,
-            "persistence_threshold": 0,
-            "max_reuse_distance": 0,
-            # an int budget that never binds keeps the chain on the block engine, whose
-            # update during backward this measures (zero_runtime/stage3/path_choice.py)
-            "device_budget_bytes": 1 << 30,
         }
     )
     with strategy.zero_init():

@@ -98,7 +98,6 @@ def main(out_path: str, kind: str, depth: int, offload: str) -> None:
         "unit_bytes": 4 * (WIDTH * WIDTH + WIDTH),
         "units": len(engine.units.runner.units),
         "params": int(model.count_params()),
-        "path": engine.path,
         "loss": float(hist.history["loss"][-1]),
     }
     strategy.close()

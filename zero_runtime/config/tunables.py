@@ -102,7 +102,7 @@ TUNABLE_KEYS: Mapping[str, Tunable] = MappingProxyType(
                 "elements",
                 0,
                 _MAX_ELEMENTS,
-                "parameters with fewer elements stay replicated",
+                "parameters with fewer elements may stay gathered (a permission)",
                 "rebuild (stage 3's traced plan)",
             ),
             Tunable(
@@ -110,7 +110,7 @@ TUNABLE_KEYS: Mapping[str, Tunable] = MappingProxyType(
                 "elements",
                 1,
                 _MAX_ELEMENTS,
-                "max gathered parameter elements resident per replica",
+                "max gathered parameter elements per replica (stage 3 tiles or refuses)",
                 "rebuild (stage 3's traced plan)",
             ),
             Tunable(
@@ -118,7 +118,7 @@ TUNABLE_KEYS: Mapping[str, Tunable] = MappingProxyType(
                 "elements",
                 0,
                 _MAX_ELEMENTS,
-                "keep a parameter gathered if reused within this many elements",
+                "a parameter may stay gathered if reused within this many elements",
                 "rebuild (stage 3's traced plan)",
             ),
             Tunable(

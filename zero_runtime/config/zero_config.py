@@ -60,15 +60,21 @@ class ZeroConfig:
         nvme_budget_bytes: bytes the runtime may write under ``nvme_path``, int >= 1, or None
             (default) meaning unbounded (the file system's free space).
             Must be >= ``page_size_bytes``.
-        persistence_threshold: parameters with fewer elements than this stay replicated
-            (not partitioned), elements, int >= 0. Default 100_000 (DeepSpeed's
-            ``stage3_param_persistence_threshold`` default 1e5).
+        persistence_threshold: parameters with fewer elements than this *may* stay
+            gathered (DeepSpeed's ``stage3_param_persistence_threshold``, default 1e5),
+            elements, int >= 0. A permission, not a bound: stage 3 gathers a unit's small
+            parameters in the unit's one all-gather, per use. Default 100_000.
         prefetch_bucket_size: elements of parameters fetched ahead of use, int >= 0; 0
             disables prefetch. Default 50_000_000 (DeepSpeed's 5e7).
         max_live_parameters: upper bound on gathered (unsharded) parameter elements resident
-            per replica at once, int >= 1. Default 1_000_000_000 (DeepSpeed's 1e9).
-        max_reuse_distance: a released parameter is kept gathered if it will be reused within
-            this many elements of other parameters' use, int >= 0. Default 1_000_000_000.
+            per replica at once, int >= 1. Default 1_000_000_000 (DeepSpeed's 1e9). At
+            stage 3 two units may be gathered at once, so a ``Dense`` / ``EinsumDense`` /
+            ``Embedding`` kernel above half of it runs as column tiles, and a unit that
+            cannot tile below it is refused (``zero_runtime/stage3/device_plan.py``).
+        max_reuse_distance: a parameter *may* stay gathered if it will be reused within
+            this many elements of other parameters' use (DeepSpeed's
+            ``stage3_max_reuse_distance``), int >= 0. A permission, not a bound: stage 3
+            gathers each unit per use. Default 1_000_000_000.
         reduce_bucket_size: elements per gradient reduce(-scatter) bucket, int >= 1.
             Default 500_000_000 (DeepSpeed's 5e8).
         allgather_bucket_size: elements per parameter all-gather bucket, int >= 1.

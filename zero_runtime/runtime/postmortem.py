@@ -443,8 +443,9 @@ def model_facts(acct: Any, config: ZeroConfig) -> advice_mod.Evidence:
     Returns:
         An :class:`~zero_runtime.runtime.advice.Evidence` with ``num_params`` (Ψ, trainable
         elements), ``local_replicas``, ``optimizer`` and, at stage 3, the units (each
-        block's gathered bytes: ``N * shard_elements`` float32 per variable rounded up to
-        pages, as the pool allocates them), ``shard_bytes`` and ``persistent_bytes``.
+        unit's gathered bytes: ``N * shard_elements`` float32 per variable rounded up to
+        pages), ``shard_bytes`` and ``persistent_bytes`` (0: the units path keeps no
+        parameter gathered between uses).
     """
     from zero_runtime import estimator
 
@@ -455,19 +456,18 @@ def model_facts(acct: Any, config: ZeroConfig) -> advice_mod.Evidence:
 
     units, shard_bytes, persistent_bytes, stage3_params = [], 0, 0, 0
     for engine in acct.live_stage3_engines():
-        for block in engine.blocks:
+        seen: set[int] = set()  # a tied original counts once in the model's figures
+        for unit in engine.runner.units:
             gathered = elements = 0
-            for v in block.variables:
-                n = v.num_shards * v.shard_elements
-                stage3_params += int(math.prod(v.shape))
-                if v.persistent:
-                    persistent_bytes += pages(4 * math.prod(v.shape))
-                    continue
-                gathered += pages(4 * n)
+            for v in unit.variables:
+                gathered += pages(4 * v.num_shards * v.shard_elements)
                 elements += int(math.prod(v.shape))
-                shard_bytes += pages(4 * v.shard_elements)
+                if id(v) not in seen:
+                    seen.add(id(v))
+                    stage3_params += int(math.prod(v.shape))
+                    shard_bytes += pages(4 * v.shard_elements)
             if gathered:
-                units.append(advice_mod.Unit(block.layer.name, gathered, elements))
+                units.append(advice_mod.Unit(unit.layer.name, gathered, elements))
     kind = "adam"
     if acct.optimizers:
         kind = estimator.state_kind(acct.optimizers[0])

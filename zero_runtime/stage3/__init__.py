@@ -1,5 +1,6 @@
-"""ZeRO stage 3: sharded parameters, run block by block (chains, :mod:`.engine`) or unit
-by unit (any other model, :mod:`.gather`).
+"""ZeRO stage 3: sharded parameters, gathered unit by unit in the model's own call
+(:mod:`.engine`, :mod:`.gather`), for any Keras model and every training form (``fit``,
+``train_step`` in ``strategy.run``, a user's own ``tf.GradientTape``).
 
 Public API::
 
@@ -12,8 +13,7 @@ Public API::
 ``ShardedModel.train_step`` also runs inside ``strategy.run`` for custom loops.
 """
 
-from zero_runtime.stage3.block_plan import BlockPlan
 from zero_runtime.stage3.engine import Stage3Engine
 from zero_runtime.stage3.model import ShardedModel
 
-__all__ = ["BlockPlan", "ShardedModel", "Stage3Engine"]
+__all__ = ["ShardedModel", "Stage3Engine"]

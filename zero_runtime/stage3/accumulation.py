@@ -95,7 +95,7 @@ class ShardAccumulator:
                 write = acc.assign(new)
             with tf.control_dependencies([write]):
                 return tf.where(is_update, total, tf.zeros_like(total))
-        # Stateless, ordered by data only (block_step._host_call explains why: a stateful host
+        # Stateless, ordered by data only (unit_comm's docstring explains why: a stateful host
         # call of replica 1 would wait for replica 0's collectives); its output is used.
         out = host_function(
             functools.partial(self._host_step, replica % len(self._host)),

@@ -12,12 +12,12 @@ up move. Vocabulary (the rest as in :mod:`zero_runtime.sharded_variable`):
   'nvme' -> NVMe).
 - *hot / cold*: a row page a step looked up is acquired on the device tier and stays
   there after its release until the pool's eviction moves it down (least recently used
-  first: row pages are not in the engine's access order, so the pool ranks them by LRU
-  and ahead of the dense blocks' buffers). Cold pages wait on the host or NVMe.
+  first). Cold pages wait on the host or NVMe.
 - *touched rows*: the unique ids of all replicas' batches in a step, ``U`` (sorted),
   padded with -1 to ``K = N * L`` entries (``L`` = ids per replica).
 
-A step on replica ``r`` (the layer is one block of the engine's chain):
+A step on replica ``r`` (the layer is a unit of the units path, its lookup
+:meth:`RowPagedEmbedding.use` inside the model's own call):
 
 1. forward: its ids ``(L,)`` are all-gathered (:func:`zero_runtime.comm.all_gather_flat`)
    so every replica computes the same ``U``; replica ``r`` acquires on the device tier
@@ -29,8 +29,9 @@ A step on replica ``r`` (the layer is one block of the engine's chain):
 2. backward: the output gradient is summed per touched row
    (``unsorted_segment_sum``, the same accumulation TensorFlow's densified
    ``IndexedSlices`` uses) and all-reduced: the summed gradient of the touched rows,
-   ``(K, C)``, identical on every replica. The whole table never moves and no dense
-   ``(V, C)`` gradient exists.
+   ``(K, C)``, identical on every replica: the gradient of the table's anchor, which
+   ``fit``'s step and a user's ``tape.gradient`` both receive. The whole table never
+   moves and no dense ``(V, C)`` gradient exists.
 3. update (:meth:`RowPagedEmbedding.apply_update`): replica ``r`` updates its own touched
    rows with the optimizer's host kernel (Keras's operation order,
    :mod:`zero_runtime.optim.kernels`) and optimizer states that exist for touched row
@@ -50,11 +51,13 @@ the table between steps (``get_weights``, saving) gathers the other workers' sha
 ``gather_remote`` (:func:`zero_runtime.comm.gather_local_shards`), as
 :class:`~zero_runtime.sharded_variable.ShardedVariable` does.
 
-Default budgets (:func:`row_paging_budget`): when ``device_budget_bytes`` is not given, the
-stage-3 engine reserves for a row-paged table a *row cache* on the device tier (not the
-table): ``max(ROW_CACHE_MIN_PAGES, ceil(pages_per_shard / ROW_CACHE_DIVISOR))`` row pages
-per local replica, at most the whole shard; the table's row pages count on their own
-tier, and ``MAX_ROW_STATE_SLOTS`` optimizer-state pages per row page on the state tier.
+Default budgets (:func:`row_paging_budget`): when ``device_budget_bytes`` is not given,
+the stage-3 engine reserves for a row-paged table a *row cache* on the device tier (not
+the table; an int budget needs ``ROW_CACHE_MIN_PAGES`` per local replica,
+:mod:`zero_runtime.stage3.device_plan`): ``max(ROW_CACHE_MIN_PAGES, ceil(pages_per_shard
+/ ROW_CACHE_DIVISOR))`` row pages per local replica, at most the whole shard; the
+table's row pages count on their own tier, and ``MAX_ROW_STATE_SLOTS`` optimizer-state
+pages per row page on the state tier.
 """
 
 from __future__ import annotations
@@ -347,7 +350,7 @@ class RowStats:
 
 
 class RowPagedEmbedding:
-    """One row-paged ``Embedding`` block of the stage-3 engine (see the module docstring).
+    """One row-paged ``Embedding`` unit of the stage-3 engine (see the module docstring).
 
     Args:
         layer: the ``keras.layers.Embedding`` (``row_paging_applies`` is True).
@@ -398,24 +401,6 @@ class RowPagedEmbedding:
         self._alloc_lock = threading.Lock()
 
     # -- graph side (replica context) ------------------------------------------------------
-    def block(self, x, anchor, replica: int):
-        """The layer's output for this replica's ids ``x`` (int, any shape ``S``), float32
-        ``S + (C,)``, with a custom gradient that all-reduces the touched rows' gradient
-        and keeps it for :meth:`apply_update`. ``anchor``: the engine's scalar whose
-        gradient orders the backward (returned as 0)."""
-
-        @tf.custom_gradient
-        def run(x, anchor):
-            y, uniq, inv_local = self._lookup(x, replica)
-
-            def grad(dy):
-                self._pending[replica] = (uniq, self._row_gradient(dy, uniq, inv_local))
-                return None, tf.zeros_like(anchor)
-
-            return y, grad
-
-        return run(x, anchor)
-
     def use(self, x, anchor, replica: int):
         """One use of the table in a units-path step (the model's own call): the layer's
         output for this replica's ids ``x`` (int, any shape ``S``), float32 ``S + (C,)``.
@@ -473,7 +458,7 @@ class RowPagedEmbedding:
             functools.partial(self._fetch_rows, replica),
             [all_ids],
             [tf.int32, tf.int32, tf.float32],
-            stateful=False,  # ordered by data only (see block_step._host_call)
+            stateful=False,  # ordered by data only (see unit_comm's docstring)
             name="zero3_fetch_rows",
         )
         width = self.table.row_elements

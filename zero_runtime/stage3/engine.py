@@ -1,36 +1,22 @@
-"""Per-block execution of a model whose parameters are sharded (ZeRO stage 3).
+"""The stage-3 engine: a model's parameters sharded, its units run per use (ZeRO stage 3).
 
-The model runs as a sequence of *blocks*: the layers of a ``keras.Sequential`` (a
-functional model's top-level layers, which must form a chain) whose config needs this
-engine (:mod:`zero_runtime.stage3.path_choice`; other models run by units,
-:mod:`zero_runtime.stage3.units_path`). Every trainable weight
-is replaced by a :class:`~zero_runtime.sharded_variable.ShardedVariable` whose shards live
-in one paged pool. In a training step, on each replica (TF_NOTES section 5, the
-``tf.custom_gradient`` path):
+Every layer of the model that owns trainable weights directly is a *unit*
+(:mod:`zero_runtime.stage3.units`); its weights are replaced by
+:class:`~zero_runtime.sharded_variable.ShardedVariable` objects whose shards live on the
+tier ``offload_param`` selects, and its ``call`` is hooked so that each use inside a
+step gathers it by one all-gather and reduce-scatters its gradient in backward
+(:mod:`zero_runtime.stage3.gather`, driven by :mod:`zero_runtime.stage3.units_path`):
+the model's own call runs, under ``fit``, ``train_step`` in ``strategy.run`` and a
+user's own ``tf.GradientTape`` alike. An ``Embedding`` at or above
+``embedding_row_paging_threshold`` elements is row-paged
+(:mod:`zero_runtime.stage3.embedding`), a ``Dense``/``EinsumDense``/``Embedding`` wider
+than the tile budget runs as column tiles (:mod:`zero_runtime.stage3.tiling`), and
+blocks may be checkpointed (:mod:`zero_runtime.stage3.checkpointing`).
 
-- forward, block i: its shards are read from the pool (paged in from host/NVMe), one
-  all-gather per block (:func:`zero_runtime.comm.all_gather_flat`) assembles the full
-  parameters into gathered buffers on the pool's device tier, the layer runs through
-  ``layer.stateless_call`` with those values, and the buffers are released unless the
-  plan keeps them (``max_reuse_distance``). Only the block's input is kept for backward.
-- backward, block i: the parameters are gathered again (unless kept), the block's
-  forward is recomputed from its saved input under a tape, and the parameter gradients
-  are reduce-scattered at once (one collective per block), leaving the replica only the
-  reduced gradient of its own shards (ZeRO, Rajbhandari et al., SC20, section 5.3).
-
-The schedule is static (:class:`BlockPlan`): uses in the order F0..F(L-1), B(L-1)..B0;
-the order actually traced in the first step is recorded and checked against it, and it
-drives prefetch: when a use starts, the shards of the next uses that gather, up to
-``prefetch_bucket_size`` elements, are prefetched by the pool (NVMe -> host).
-Parameters with fewer than ``persistence_threshold`` elements are *persistent*: gathered
-once per step and kept until the optimizer updates them. At most
-``max_live_parameters`` non-persistent elements are gathered at once per replica.
-
-This module builds the engine (shards, pool, plan, units path) and owns its lifecycle,
-step boundaries, live config and placement rows. The block engine's step is
-:mod:`zero_runtime.stage3.block_step`, its schedule :mod:`zero_runtime.stage3.block_plan`,
-the default tier budgets :mod:`zero_runtime.stage3.pool_sizing`, and which models form a
-chain :mod:`zero_runtime.stage3.chain`.
+This module builds the engine (the device plan, the pool, the shards, the units path)
+and owns its lifecycle, step boundaries, live config and placement rows. The device
+tier's plan and its refusals are :mod:`zero_runtime.stage3.device_plan`, the default
+tier budgets :mod:`zero_runtime.stage3.pool_sizing`.
 """
 
 from __future__ import annotations
@@ -41,7 +27,6 @@ import threading
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from zero_runtime import comm
 from zero_runtime.config import ZeroConfig
@@ -53,7 +38,9 @@ from zero_runtime.lifecycle import (
 )
 from zero_runtime.memory import (
     FlatShardSpace,
+    PageCounters,
     PoolOutOfMemoryError,
+    TierUsage,
 )
 from zero_runtime.memory.flat_store import SPACE_TIERS
 from zero_runtime.sharded_variable import (
@@ -62,28 +49,45 @@ from zero_runtime.sharded_variable import (
     ShardState,
     least_padding_dim,
 )
-from zero_runtime.stage3 import construction, path_choice, placement, tiling
+from zero_runtime.stage3 import construction, device_plan, placement, tiling
 from zero_runtime.stage3 import units as units_mod
-from zero_runtime.stage3.block_plan import BlockPlan, PoolStep, shard_blocks
-from zero_runtime.stage3.block_step import BlockSteps, _replica_id
-from zero_runtime.stage3.chain import _chain_or_none, _replace_variable
 from zero_runtime.stage3.gather import UnitRunner
-from zero_runtime.stage3.pool_sizing import gathered_pages, size_pool
+from zero_runtime.stage3.pool_sizing import size_pool
 from zero_runtime.stage3.step_clock import OutsideStepClock
-from zero_runtime.stage3.units_path import UnitsPath
+from zero_runtime.stage3.units_path import UnitsPath, replica_id
 
 log = logging.getLogger(__name__)
 
 
-class Stage3Engine(BlockSteps):
-    """Shards a model's parameters and runs it block by block (ZeRO stage 3).
+@dataclasses.dataclass(frozen=True)
+class PoolStep:
+    """The stage-3 pool at the end of one step (see :meth:`Stage3Engine.close_step`).
 
-    A ``keras.Sequential`` or a functional chain (no BatchNormalization, dropout or shared
-    weights) whose config needs the block engine
-    (:func:`~zero_runtime.stage3.path_choice.block_engine_reasons`:
-    row-paged tables, an int device budget, a tight
-    ``max_live_parameters``) runs block by block (below); any other model runs by units:
-    the model's own call with every layer that owns weights hooked (:attr:`runner`,
+    Attributes:
+        step: the 0-based step.
+        usage: ``{"device"|"host"|"nvme": TierUsage}``, bytes; ``peak_bytes`` is the
+            step's peak.
+        counters: the step's page moves (d2h/h2d/h2n/n2h pages and bytes), evictions,
+            prefetch hits/misses, stall and I/O seconds.
+        gathered_bytes: the step's gathered parameters on the device tier, outside the
+            pool (:attr:`DevicePlan.gathered`: the plan's bound, not a reading), bytes.
+        reserved_bytes: the device tier's capacity outside the pool (gathered and
+            frozen weights: the budget minus the pool's device capacity), bytes.
+    """
+
+    step: int
+    usage: dict[str, TierUsage]
+    counters: PageCounters
+    gathered_bytes: int = 0
+    reserved_bytes: int = 0
+
+
+class Stage3Engine:
+    """Shards a model's parameters and runs its units per use (ZeRO stage 3).
+
+    Any Keras model (Sequential, functional DAGs with several inputs and outputs, nested
+    and subclassed models, tied weights, BatchNormalization): the model's own call with
+    every layer that owns weights hooked (:attr:`runner`,
     :mod:`zero_runtime.stage3.gather`).
 
     Args:
@@ -92,33 +96,34 @@ class Stage3Engine(BlockSteps):
         strategy: the :class:`~zero_runtime.strategy.ZeroInfinityStrategy` (stage 3).
 
     Attributes:
-        pool: the paged pool holding shards (tier from ``offload_param``) and gathered
-            buffers (device tier).
-        path: ``'blocks'`` (the block engine) or ``'units'`` (the units path).
-        block_reasons: why a chain runs on the block engine (one sentence each; empty
-            for a model run by units).
-        blocks: the :class:`Block` list (empty for a model run by units).
-        runner: the :class:`UnitRunner` of a model run by units, else None.
-        units: the :class:`~zero_runtime.stage3.units_path.UnitsPath` of a model run by
-            units (shards its units, runs its passes), else None.
-        plan: the :class:`BlockPlan`.
-        recorded_order: the ``(phase, block)`` uses traced in the first step.
+        pool: the paged pool holding shards (tier from ``offload_param``), row-paged
+            tables' row pages and their row states.
+        runner: the :class:`UnitRunner` (the hooks).
+        units: the :class:`~zero_runtime.stage3.units_path.UnitsPath` (shards the units,
+            runs the passes).
+        row_paged: ``{unit index: RowPagedEmbedding}`` of the row-paged tables.
+        tile_plans: ``{id(kernel): TilePlan}`` of the tiled units.
+        device_plan: the :class:`~zero_runtime.stage3.device_plan.DevicePlan`: the
+            device tier a step needs (shards, frozen weights, gathered units, row caches).
         device_peaks: the pool's device-tier peak bytes of every finished step.
         default_device_budget: the device tier's capacity (bytes) when
-            ``device_budget_bytes`` is None: every gathered buffer + slack (+ the shards
-            with ``offload_param='none'``); a row-paged table counts its row cache, not
-            the table (``embedding.row_paging_budget``, docs/zero_stages.md).
+            ``device_budget_bytes`` is None: the pool's default (device-tier shards, row
+            caches and states, slack; ``pool_sizing.size_pool``) + the plan's gathered
+            units and frozen weights.
         last_step: the :class:`PoolStep` of the last closed step (None before).
         clock: the :class:`~zero_runtime.stage3.step_clock.OutsideStepClock` (the step
-            boundary of device-tier units steps under ``fit``, reported from Python).
+            boundary of device-tier steps under ``fit``, reported from Python).
         state: OPEN, then CLOSED after :meth:`close` (the strategy's ``close()`` closes
             it, phase ``MODELS``: :mod:`zero_runtime.lifecycle`).
 
     Raises:
-        ValueError: an unbuilt model, a non-float32 weight, or a block above
-            ``max_live_parameters``.
+        ValueError: an unbuilt model, a non-float32 weight, an int
+            ``device_budget_bytes`` below the step's device plan, or a unit above
+            ``max_live_parameters`` that does not tile
+            (:mod:`zero_runtime.stage3.device_plan`).
         NotImplementedError: a unit that draws random numbers in its own call
-            (:func:`zero_runtime.stage3.units.plan_units`).
+            (:func:`zero_runtime.stage3.units.plan_units`), a weight constraint, a tied
+            row-paged table.
     """
 
     def __init__(self, model: keras.Model, strategy) -> None:
@@ -135,45 +140,33 @@ class Stage3Engine(BlockSteps):
         self.local_replicas = tuple(
             getattr(strategy, "local_replica_ids", range(len(self.devices)))
         )
-        layers = _chain_or_none(model)
-        # A chain runs by units too unless its config needs the block engine
-        # (zero_runtime/stage3/path_choice.py): the units path is the fast one.
-        self.block_reasons = (
-            () if layers is None else path_choice.block_engine_reasons(layers, config)
-        )
-        if not self.block_reasons:
-            layers = None
-        self.path = "units" if layers is None else "blocks"
-        log.info(
-            "stage 3: model %r runs %s%s",
-            model.name,
-            "by units" if layers is None else "on the block engine: ",
-            "; ".join(self.block_reasons),
-        )
-        # Any other model (a DAG, nested or subclassed, tied weights, BatchNormalization):
-        # units hooked in the model's own call (zero_runtime/stage3/gather.py). Every
-        # refusal comes before anything is replaced: a refused model is left unchanged.
-        specs = units_mod.plan_units(model) if layers is None else None
+        local = len(self.local_replicas)
+        # Every refusal comes before anything is replaced: a refused model is unchanged.
+        specs = units_mod.plan_units(model)
         self.model = model
-        self.runner: UnitRunner | None = None
-        self.units: UnitsPath | None = None
-        self.tile_plans: dict[int, tiling.TilePlan] = {}  # id(kernel) -> its tiles
         # Frozen (non-trainable) weights are not sharded: replicated on every replica's
         # device like MirroredStrategy's, and counted on that tier (placement_rows).
         self.frozen = tuple(v for v in model.weights if not v.trainable)
+        self.device_plan = device_plan.plan_device(
+            specs, config, self.num_shards, local, self.frozen_bytes
+        )
+        device_plan.check_max_live(specs, config, self.num_shards)
+        device_plan.check_budget(self.device_plan, config, model.name)
+        log.info("stage 3: model %r needs %s", model.name, self.device_plan.describe())
         self.resources = resources_of(strategy)  # the owner of the pool and host calls
         if self.resources is not None:
             self.resources.check_open(f"shard model {model.name!r}")
         self.state = LifecycleState.OPEN
         self.tier = PARAM_TIER[config.offload_param]
-        self.pool, self.default_device_budget = size_pool(
-            layers if specs is None else [u.layer for u in specs],
+        self.pool, pool_default = size_pool(
+            [u.layer for u in specs],
             config,
             self.tier,
             self.num_shards,
-            len(self.local_replicas),
-            units=specs is not None,
+            local,
+            self.device_plan.outside_pool,
         )
+        self.default_device_budget = pool_default + self.device_plan.outside_pool
         # Host/NVMe shards are packed into one flat space per replica (page-sized chunks):
         # page rounding costs at most one page per replica, not a page per variable.
         self.space = (
@@ -183,67 +176,39 @@ class Stage3Engine(BlockSteps):
         )
         if self.resources is not None:
             self.resources.adopt(self, ClosePhase.MODELS, f"stage-3 engine of {model.name!r}")
-        remote = len(self.local_replicas) < self.num_shards  # shards on other workers
+        remote = local < self.num_shards  # shards on other workers
         # Multi-worker: the group of the eager all-gather that reads a variable outside a
         # step (created here, in the same order on every worker, like every group key).
         self._worker_group = (
             comm.WorkerGroup.create(
                 self.devices[0],
-                self.num_shards // len(self.local_replicas),
+                self.num_shards // local,
                 config.collective_timeout_seconds,
             )
             if remote
             else None
         )
-        # The block engine's blocks (row-paged embedding tables among them); none by units.
-        self.blocks, self.row_paged = shard_blocks(self, layers or [], remote)
-        blocks = self.blocks
-        self.plan = BlockPlan.make(
-            {b.index: b.elements for b in blocks if b.variables},
-            config.max_reuse_distance,
-            config.max_live_parameters,
-        )
         impl = getattr(strategy, "reduce_scatter_impl", None)
         if impl is None and not any("gpu" in d.lower() for d in self.devices):
-            # Measured: the all_to_all reduce-scatter times out in this backward (blocks
+            # Measured: the all_to_all reduce-scatter times out in this backward (units
             # with 3-D activations) on CPU; the all-reduce + slice path does not. Each
-            # replica then holds one block's reduced gradient transiently (see docs).
+            # replica then holds one unit's reduced gradient transiently (see docs).
             impl = "all_reduce"
         self.group = comm.CollectiveGroup.create(
             self.devices,
             impl,
             timeout_seconds=config.collective_timeout_seconds,
         )
-        if specs is not None:
-            self.units = UnitsPath(self, model, specs, remote, _replace_variable, _replica_id)
-            self.runner = self.units.runner
-            self.tile_plans = self.units.tile_plans
-            self.row_paged = self.units.row_paged
-        self.recorded_order: list[tuple[str, int]] = []
-        self._order_frozen = False
+        self.units = UnitsPath(self, model, specs, remote)
+        self.runner: UnitRunner = self.units.runner
+        self.tile_plans: dict[int, tiling.TilePlan] = self.units.tile_plans
+        self.row_paged = self.units.row_paged
         self._lock = threading.Lock()
-        self._oom_lock = threading.Lock()  # one post-mortem for the replicas' gather OOMs
-        self._oom_written: tuple[str | None, dict] | None = None  # (path, report)
-        self._live = [0] * self.num_shards  # gathered non-persistent elements per replica
-        self.peak_live = [0] * self.num_shards
         self.device_peaks: list[int] = []
         self._steps_done: dict[int, int] = {}
-        self._grad_pieces: dict[tuple[int, int], list[tf.Tensor]] = {}
-        self._prev_release: dict[int, tf.Tensor] = {}  # trace-time: last backward release
-        # Set when a step is traced: True when blocks are updated during backward (the
+        # Set when a step is traced: True when units are updated during backward (the
         # gradient shard moves to the host optimizer at once; see forward_backward).
         self.update_in_backward: bool | None = None
-        # One entry per chunk read (a chunk shared by several variables is acquired once
-        # per variable), so the pool's position in the order follows the acquires.
-        self.pool.set_access_order(
-            [
-                pid
-                for _, b in self.plan.uses
-                for v in blocks[b].variables
-                for r in self.local_replicas
-                for pid in v.page_ids(r)
-            ]
-        )
         self.last_step: PoolStep | None = None
         self.clock = OutsideStepClock(self)  # device-tier steps' boundary, from Python
         runtime = getattr(strategy, "runtime", None)
@@ -283,63 +248,72 @@ class Stage3Engine(BlockSteps):
 
     @property
     def max_block_shard_elements(self) -> int:
-        """Elements of the largest block's (unit's) gradient shard (one replica), float32."""
-        if self.runner is not None:
-            return max(u.shard_elements for u in self.runner.units)
-        return max((sum(v.shard_elements for v in b.variables) for b in self.blocks), default=0)
+        """Elements of the largest unit's gradient shard (one replica), float32."""
+        return max(u.shard_elements for u in self.runner.units)
 
     @property
     def min_device_budget(self) -> int:
-        """Bytes the pool's device tier must be able to pin at once in a step, all local
-        replicas: on the block engine the gathered buffers of the two largest blocks
-        (every variable of a block is read from the device tier when the block runs, and
-        a block's backward overlaps the next block's gather), plus the shards when they
-        live on the device (``offload_param='none'``). Other gathered copies (persistent
-        parameters, kept blocks) may move down to the host under pressure. The units
-        path's gathered views are TensorFlow tensors outside the pool: only its
-        device-tier shards count. A budget below this fails at a gather
-        (``PoolOutOfMemoryError``)."""
-        page = self.pool.page_size
-        local = len(self.local_replicas)
-        shards = 0
-        if self.tier == "device":
-            shards = sum(local * max(1, -(-4 * v.shard_elements // page)) for v in self.variables)
-        if self.runner is not None:
-            return shards * page
-        blocks = sorted(
-            sum(gathered_pages(tuple(v.shape), self.num_shards, local, page) for v in b.variables)
-            for b in self.blocks
-        )
-        return (shards + sum(blocks[-2:])) * page
+        """Bytes a step needs on the device tier, all local replicas: the device plan's
+        total (:attr:`DevicePlan.total`: device-tier shards, frozen weights,
+        ``UNITS_LIVE`` gathered units, minimum row caches). An int
+        ``device_budget_bytes`` below it is refused; ``device_budget_bytes='auto'``
+        never goes below it."""
+        return self.device_plan.total
 
     @property
     def variables(self) -> list[ShardedVariable]:
-        """Every sharded variable, block by block (unit by unit, each once)."""
-        if self.runner is not None:
-            return self.runner.variables
-        return [v for b in self.blocks for v in b.variables]
+        """Every sharded variable, unit by unit (each once; row-paged tables excluded)."""
+        return self.runner.variables
 
     def in_step(self) -> bool:
         """True while this engine's own traced forward runs on the current replica (its
         tape is then the step's, not a user's)."""
-        return self.runner is not None and self.runner.in_step() and not self.runner.user_step()
+        return self.runner.in_step() and not self.runner.user_step()
 
-    # -- optimizer side --------------------------------------------------------------------
-    def release_persistent(self, replica: int) -> None:
-        """Release the replica's persistent gathered copies (before their shards change)."""
-        for v in self.variables:
-            if v.state(replica) is ShardState.GATHERED:
-                v.release(replica)
+    # -- the step (replica context) --------------------------------------------------------
+    def forward_backward(self, x, loss_fn, training: bool = True, update=None):
+        """Run forward and backward on this replica; return ``(y_pred, loss, grads)``
+        (:meth:`~zero_runtime.stage3.units_path.UnitsPath.forward_backward`).
 
-    def end_micro_step(self, replica: int) -> None:
-        """Called per replica after a micro-step that only accumulated gradients
-        (``gradient_accumulation_steps`` > 1): releases the replica's persistent gathered
-        copies (the update releases them otherwise) and stops recording the access order
-        (one forward/backward is recorded; the pool's step closes at the update)."""
-        self.release_persistent(replica)
-        with self._lock:
-            self._order_frozen = True
+        Args:
+            x: the replica's input batch.
+            loss_fn: ``y_pred -> scalar loss`` (runs under the tape).
+            training: passed to the model's call.
+            update: a :class:`~zero_runtime.optim.backward_update.BackwardShardUpdate`
+                for this replica, or None (default): the update during backward.
 
+        Returns:
+            ``y_pred``, the loss, and the gradients: without ``update``,
+            ``{id(variable): float32 [shard_elements]}``, the replica's reduced gradient
+            shard of every variable; with ``update``, a float32 scalar 0.0 that exists
+            once every update is queued.
+
+        Raises:
+            RuntimeError: outside replica context or with a non-static replica id.
+        """
+        replica = replica_id()
+        # Telemetry: the collectives this step's trace issues, counted by their real
+        # dtype over the local replicas (traced one after the other).
+        if replica == self.local_replicas[0]:
+            self.group.start_tally()
+        try:
+            self.update_in_backward = update is not None
+            return self.units.forward_backward(x, loss_fn, training, update)
+        finally:
+            if replica == self.local_replicas[-1]:
+                self.group.stop_tally()
+
+    def user_forward(self, x, training: bool = False):
+        """The model's call under a user's own ``tf.GradientTape`` (a custom loop), on
+        this replica: :meth:`~zero_runtime.stage3.units_path.UnitsPath.user_forward`."""
+        return self.units.user_forward(x, training)
+
+    def forward(self, x, training: bool = False):
+        """Forward only on this replica (evaluate, predict): the model's own call, its
+        units gathered per use."""
+        return self.units.forward(x, training)
+
+    # -- step boundaries -------------------------------------------------------------------
     def end_step(self, replica: int, step: int) -> None:
         """Called once per replica after its update; the last one closes the pool's step
         (:meth:`close_step`), unless the runtime's step record already did."""
@@ -368,9 +342,15 @@ class Stage3Engine(BlockSteps):
             if last is not None and last.step == step:
                 return last
             usage = self.pool.usage()
-            record = PoolStep(step, usage, self.pool.step_boundary(step))
+            capacity = usage["device"].capacity_bytes or 0
+            record = PoolStep(
+                step,
+                usage,
+                self.pool.step_boundary(step),
+                gathered_bytes=self.device_plan.gathered,
+                reserved_bytes=max(0, self._device_budget() - capacity),
+            )
             self.device_peaks.append(usage["device"].peak_bytes)
-            self._order_frozen = True
             self.last_step = record
             return record
 
@@ -378,18 +358,28 @@ class Stage3Engine(BlockSteps):
         """Follow a live config change (called by the runtime after an applied control
         request, at a step boundary).
 
-        ``device_budget_bytes`` becomes the pool's device-tier capacity (None: the
-        :attr:`default_device_budget`); shrinking moves pages down to the host
-        (``PagedBufferPool.set_device_budget``). ``prefetch_bucket_size`` applies from
-        the next prefetch. The traced plan's keys (``persistence_threshold``,
-        ``max_live_parameters``, ``max_reuse_distance``) do not change a running job.
+        ``device_budget_bytes`` (None: the :attr:`default_device_budget`) minus what the
+        step holds outside the pool (:attr:`DevicePlan.outside_pool`: gathered units,
+        frozen weights) becomes the pool's device-tier capacity; shrinking moves pages
+        down to the host (``PagedBufferPool.set_device_budget``). ``prefetch_bucket_size``
+        applies from the next prefetch. The traced plan's keys (``tile_size``,
+        ``max_live_parameters``) do not change a running job.
 
-        A budget the pool cannot shrink to now (pinned pages) is logged and left as it
-        was; a budget below one block's gathered pages fails at that block's next gather
-        with ``PoolOutOfMemoryError``.
+        A budget below the device plan (:attr:`min_device_budget`), or one the pool
+        cannot shrink to now (pinned pages), is logged and not applied.
         """
-        budget = config.device_budget_bytes
-        budget = self.default_device_budget if budget is None else budget
+        self.config = dataclasses.replace(
+            self.config, device_budget_bytes=config.device_budget_bytes
+        )
+        budget = self._device_budget()
+        if budget < self.device_plan.total:
+            log.warning(
+                "stage 3: device budget %d not applied: the step needs %s",
+                budget,
+                self.device_plan.describe(),
+            )
+            return
+        budget -= self.device_plan.outside_pool
         page = self.pool.page_size
         if budget // page != self.pool.device_tier.capacity_bytes // page:
             try:
@@ -401,6 +391,12 @@ class Stage3Engine(BlockSteps):
         self.config = dataclasses.replace(
             self.config, prefetch_bucket_size=config.prefetch_bucket_size
         )
+
+    def _device_budget(self) -> int:
+        """The device tier's capacity in bytes: ``device_budget_bytes`` when an int, else
+        :attr:`default_device_budget`."""
+        budget = self.config.device_budget_bytes
+        return budget if isinstance(budget, int) else self.default_device_budget
 
     def placement_rows(self, optimizer_tier: str) -> list[dict]:
         """One placement row per sharded variable, row-paged table and frozen weight
@@ -416,11 +412,11 @@ class Stage3Engine(BlockSteps):
     def recover(self) -> dict[str, int]:
         """Return every local replica's variables to SHARDED/RELEASED after a failed step.
 
-        A step aborted by an error (a collective timeout, a pool OOM in a gather, a
-        failed host update) leaves some variables GATHERING or GATHERED: the host calls
-        that would have finished or released them never run, and the next gather or a
-        checkpoint restore would raise ``ShardStateError``. Frees their gathered buffers
-        and zeroes the live-element counters; the shards are unchanged.
+        A step aborted by an error (a collective timeout, a pool OOM in a host read, a
+        failed host update) may leave a variable GATHERING or GATHERED (an on-demand
+        read cut short), and the next read or a checkpoint restore would raise
+        ``ShardStateError``; it also forgets the per-step counts of the aborted step. The
+        shards are unchanged.
 
         Returns:
             ``{"gathering": n, "gathered": m}``: how many (variable, replica) pairs were
@@ -433,7 +429,6 @@ class Stage3Engine(BlockSteps):
                 if before in (ShardState.GATHERING, ShardState.GATHERED):
                     counts[before.value] += 1
         with self._lock:
-            self._live = [0] * self.num_shards
             self._steps_done.clear()
         return counts
 
@@ -453,8 +448,9 @@ class Stage3Engine(BlockSteps):
         if self.state is LifecycleState.CLOSED:
             return
         self.state = LifecycleState.CLOSED
-        if self.runner is not None:
-            self.runner.remove()
+        runner = self.__dict__.get("runner")  # None: the units path refused the model
+        if runner is not None:
+            runner.remove()
         if self.space is not None:
             self.space.close()
         self.pool.close()

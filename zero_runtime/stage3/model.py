@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 
 class ShardedModel(keras.Model):
-    """Trains ``model`` block by block with sharded parameters (ZeRO stage 3).
+    """Trains ``model`` with sharded parameters, unit by unit (ZeRO stage 3).
 
     Args:
         model: a built Keras model (Sequential, functional or subclassed), created
@@ -55,7 +55,7 @@ class ShardedModel(keras.Model):
 
     Compile with a partitioned optimizer (``"adam"``, ``"adamw"``, ``"sgd"`` inside the
     scope) and any Keras loss; metrics work as in Keras. With optimizer states on the host
-    or NVMe and neither accumulation nor clipping, each block's parameter shards are
+    or NVMe and neither accumulation nor clipping, each unit's parameter shards are
     updated during backward as soon as its gradient shard is reduced
     (:mod:`zero_runtime.optim.backward_update`; ``update_in_backward`` says which path
     the traced step took); otherwise after the whole backward. Gradient accumulation
@@ -64,12 +64,11 @@ class ShardedModel(keras.Model):
     :mod:`zero_runtime.stage3.clipping`) are done on gradient shards, and so is the
     loss scaling of a ``mixed_float16`` policy (Keras's ``LossScaleOptimizer`` around the
     partitioned optimizer: :mod:`zero_runtime.stage3.loss_scaling`; the update then runs
-    after the backward, without accumulation). A model that is not
-    a chain (a DAG, nested or subclassed, tied weights, BatchNormalization), or a chain
-    whose config does not need the block engine, runs by units
-    (:mod:`zero_runtime.stage3.gather`); with the update in backward there, an original
-    read by one use is updated when that use's gradient shard is reduced, the others
-    (tied, in control flow, tiled) after the whole backward. Not
+    after the backward, without accumulation). Every model runs by units (a Sequential,
+    a DAG, nested or subclassed, tied weights, BatchNormalization;
+    :mod:`zero_runtime.stage3.gather`); with the update in backward, an original read by
+    one use is updated when that use's gradient shard is reduced, the others (tied, in
+    control flow, tiled) after the whole backward. Not
     implemented at stage 3: EMA, accumulation or clipping with row-paged embedding
     tables, loss scaling with accumulation or row-paged embedding tables, a layer that
     owns weights and draws random numbers in its own ``call``.
@@ -114,7 +113,7 @@ class ShardedModel(keras.Model):
 
     @property
     def update_in_backward(self) -> bool | None:
-        """True when the traced train step updates each block's shards during backward
+        """True when the traced train step updates each unit's shards during backward
         (zero_runtime/optim/backward_update.py), False when at the step's end, None
         before the first step is traced."""
         return self.engine.update_in_backward
@@ -127,7 +126,7 @@ class ShardedModel(keras.Model):
         return self.train_function
 
     def call(self, inputs, training: bool | None = None):
-        """Forward pass. In replica context with several replicas, block by block with
+        """Forward pass. In replica context with several replicas, unit by unit with
         gathers; otherwise the wrapped model (its weights gather on demand)."""
         ctx = tf.distribute.get_replica_context()
         if ctx is not None and ctx.num_replicas_in_sync > 1 and tf.inside_function():
@@ -135,7 +134,7 @@ class ShardedModel(keras.Model):
         return self.inner(inputs, training=training)
 
     def train_step(self, data):
-        """One stage-3 step on this replica's batch: forward/backward per block, the
+        """One stage-3 step on this replica's batch: forward/backward per unit use, the
         gradient shards' update, Keras's loss tracker and metrics (as Keras's train_step)."""
         return self.train_step_for(self, data)
 
@@ -168,7 +167,7 @@ class ShardedModel(keras.Model):
             tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group)
         )
         # With host/NVMe optimizer states (and no accumulation, clipping or loss scaling)
-        # each block's shards are updated during backward (optim/backward_update.py).
+        # each unit's shards are updated during backward (optim/backward_update.py).
         in_backward = backward_update.supported(opt)
         update = BackwardShardUpdate(opt, replica) if in_backward else None
         # Device tier under fit: no host call in the step; its boundary is reported from
@@ -327,25 +326,14 @@ class ShardedModel(keras.Model):
             opt.iterations.assign_add(1)  # outside the cond: a mirrored update (merge_call)
             return tf.identity(done)
 
-    def _end_micro_step_op(self, after: list[tf.Tensor]) -> tf.Tensor:
+    @staticmethod
+    def _end_micro_step_op(after: list[tf.Tensor]) -> tf.Tensor:
         """Graph, in a ``tf.cond`` branch without an update (a micro-step that only
-        accumulated, or a step skipped by loss scaling): once ``after`` (the step's
-        gradient tensors, a data input; none inside a branch taken on a predicate that
-        reads them) exist, end the replica's micro-step
-        (``Stage3Engine.end_micro_step``: persistent copies released, the recorded access
-        order frozen; the pool's step closes at the next update). Returns int64 -1."""
-        replica = int(
-            tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group)
-        )
-        out = host_function(
-            functools.partial(_micro_step_end, self.engine, replica),
-            [after[0] if after else tf.zeros([0])],
-            tf.int64,
-            stateful=True,
-            name="zero3_micro_step_end",
-        )
-        out.set_shape([])
-        return out
+        accumulated, or a step skipped by loss scaling): int64 -1 once ``after`` (the
+        step's gradient tensors; none inside a branch taken on a predicate that reads
+        them) exist. The pool's step closes at the next update."""
+        with tf.control_dependencies(after):
+            return tf.constant(-1, tf.int64)
 
     def get_config(self) -> dict:
         """Not serialisable as a wrapper: save ``sharded.inner`` (its weights gather)."""
@@ -354,13 +342,13 @@ class ShardedModel(keras.Model):
     def recover(self) -> dict[str, int]:
         """Make the model usable again after a step that raised part-way.
 
-        Waits for block updates the failed step had queued (they may still be writing
+        Waits for unit updates the failed step had queued (they may still be writing
         parameter shards: :func:`zero_runtime.optim.backward_update.settle`), then
         returns every variable to SHARDED/RELEASED (:meth:`Stage3Engine.recover`), so
         the weights can be read, saved, restored or trained again. ``fit``,
         ``train_on_batch``, ``evaluate`` and ``predict`` call it when they raise; call it
         yourself after an error in a custom loop (``strategy.run(sharded.train_step)``).
-        The parameters are then a mix: the blocks whose update ran are updated, the
+        The parameters are then a mix: the units whose update ran are updated, the
         others not; restore a checkpoint to continue from a consistent state.
 
         Returns:
@@ -407,7 +395,7 @@ class ShardedModel(keras.Model):
     def close(self) -> None:
         """Release what this model holds before its strategy closes; idempotent.
 
-        Stops its optimizer's update threads (after their queued block updates:
+        Stops its optimizer's update threads (after their queued unit updates:
         :func:`zero_runtime.optim.backward_update.close`), then closes the engine's pool
         (prefetch and I/O threads, pages, NVMe slab file). The weights are lost (save a
         checkpoint first); ``fit``/``evaluate``/``predict`` then raise
@@ -428,11 +416,6 @@ def _identity_keeping_logits(t: tf.Tensor) -> tf.Tensor:
     if logits is not None:
         out._keras_logits = logits  # noqa: SLF001
     return out
-
-
-def _micro_step_end(engine: Stage3Engine, replica: int, _grad: np.ndarray) -> np.int64:
-    engine.end_micro_step(replica)
-    return np.int64(-1)
 
 
 def _end_step(engine: Stage3Engine, replica: int, step: np.ndarray) -> np.int64:

@@ -1,19 +1,21 @@
 """Default tier budgets of the stage-3 engine's paged pool.
 
-:func:`size_pool` sizes the pool before any shard exists, from the layers' weight shapes:
-the device tier holds every gathered buffer + slack (+ the shards when
-``offload_param='none'``), the host tier the shards (packed in the flat space on
-host/NVMe, :mod:`zero_runtime.memory.flat_store`) or, with NVMe, a window of the two
-largest blocks (the four largest units on the units path); a row-paged table counts its
-row cache and row states (:func:`~zero_runtime.stage3.embedding.row_paging_budget`). Given budgets
-(``device_budget_bytes``, ``host_budget_bytes``) are used as they are.
+:func:`size_pool` sizes the pool before any shard exists, from the units' weight shapes.
+The pool holds the parameter shards (on the tier ``offload_param`` selects; on host/NVMe
+packed in the flat space, :mod:`zero_runtime.memory.flat_store`), the row-paged tables'
+row pages and row optimizer states (:func:`~zero_runtime.stage3.embedding.row_paging_budget`);
+the gathered units are TensorFlow tensors outside it
+(:mod:`zero_runtime.stage3.device_plan`). Defaults: the device tier holds the device-tier
+shards, the row caches and device row states + slack; the host tier the host shards (or,
+with device shards, the row pages a smaller device tier moves down) + slack, or with
+NVMe a window of the four largest units. A given ``device_budget_bytes``
+less what the step holds outside the pool becomes its device capacity; a given
+``host_budget_bytes`` is used as it is.
 """
 
 from __future__ import annotations
 
 import math
-
-import psutil
 
 from zero_runtime.config import ZeroConfig
 from zero_runtime.memory import PagedBufferPool
@@ -24,111 +26,90 @@ from zero_runtime.stage3.embedding import STATE_TIER, row_paging_applies, row_pa
 SLACK_PAGES = 8  # pages added to default tier budgets (rounding, transient placement)
 
 
-def gathered_pages(shape: tuple[int, ...], num_shards: int, local: int, page: int) -> int:
-    """Pages of one float32 variable's gathered buffers over ``local`` replicas: its
-    ``num_shards`` shards of ``ceil(shape[d] / num_shards)`` rows each along the axis
-    ``d`` that ``Stage3Engine.shard_variable`` splits (:func:`least_padding_dim`),
-    rounded up to ``page`` bytes per replica."""
-    shape = tuple(shape) or (1,)
-    d = least_padding_dim(shape, num_shards)
-    rows = -(-shape[d] // num_shards)
-    rest = math.prod(shape[:d] + shape[d + 1 :])
-    return local * max(1, -(-4 * num_shards * rows * rest // page))
-
-
 def size_pool(
     layers: list,
     config: ZeroConfig,
     tier: str,
     num_shards: int,
     local: int,
-    units: bool,
+    outside_bytes: int,
 ) -> tuple[PagedBufferPool, int]:
-    """The stage-3 pool for ``layers`` and the device budget it was given.
+    """The stage-3 pool for the units' ``layers`` and its device-tier capacity.
 
     Args:
-        layers: the blocks' layers (a chain) or the units' layers (units path).
+        layers: the units' layers.
         config: the ZeRO config (page size, budgets, ``offload_param`` /
             ``offload_optimizer``, NVMe path and budget).
         tier: the parameter shards' tier, ``'device'``, ``'host'`` or ``'nvme'``.
         num_shards: replicas the parameters are sharded over.
-        local: replicas whose shards and buffers this process's pool holds.
-        units: True on the units path (its NVMe host window: four units), False on the
-            block engine (two blocks).
+        local: replicas whose shards this process's pool holds.
+        outside_bytes: device-tier bytes the step holds outside the pool (gathered
+            units, frozen weights: :attr:`DevicePlan.outside_pool`), subtracted from an
+            int ``device_budget_bytes``.
 
     Returns:
-        ``(pool, device_budget_bytes)``: the :class:`PagedBufferPool` and its device-tier
-        capacity in bytes (the engine's ``default_device_budget`` when
-        ``device_budget_bytes`` is None).
+        ``(pool, device_bytes)``: the :class:`PagedBufferPool` and its device-tier
+        capacity in bytes (at least one page).
     """
     page = config.page_size_bytes
     n = num_shards
-    local = local  # replicas whose shards and buffers this pool holds
 
     def pages(elements: int) -> int:
         return max(1, -(-4 * elements // page))
 
-    per_block_shard_pages, per_block_gathered_pages = [], []
-    window_pages = []  # per block, what an NVMe-tier step holds on the host at once
+    window_pages = []  # per unit, what an NVMe-tier step holds on the host at once
     state_tier = STATE_TIER[config.offload_optimizer]
     state_tier = "host" if state_tier == "nvme" and tier != "nvme" else state_tier
     row_states = dict.fromkeys(("device", "host", "nvme"), 0)  # row optimizer pages
-    row_shard_pages = []  # per row-paged table, its row pages
+    row_shard_pages = row_cache_pages = 0  # the row-paged tables' row pages, caches
     packed_elements = 0  # shard elements of one replica in the flat space (host/NVMe)
+    own_pages = 0  # shards stored one pool tensor per variable (the device tier)
     for layer in layers:
         if row_paging_applies(layer, config):
-            # A row-paged table is never gathered whole: its row pages on their tier,
-            # a row cache on the device, its row states (embedding.row_paging_budget).
+            # Never gathered whole: its row pages on their tier, a row cache on the
+            # device, its row states (embedding.row_paging_budget).
             b = row_paging_budget(tuple(layer.embeddings.shape), page, n, local)
-            row_shard_pages.append(b.shard_pages)
-            per_block_shard_pages.append(b.shard_pages)
-            per_block_gathered_pages.append(b.cache_pages)
+            row_shard_pages += b.shard_pages
+            row_cache_pages += b.cache_pages
             window_pages.append(b.cache_pages)
             row_states[state_tier] += b.state_pages
             continue
-        shard_pages = gathered = elements = 0
+        elements = 0
         for v in layer.trainable_variables:
             shape = tuple(v.shape) or (1,)
-            d = 0  # the axis shard_variable splits (see shard_variable)
+            d = least_padding_dim(shape, n)  # the axis shard_variable splits
             rows = -(-shape[d] // n)
-            rest = math.prod(shape[:d] + shape[d + 1 :])
-            shard_pages += local * pages(rows * rest)
-            gathered += gathered_pages(shape, n, local, page)
-            elements += rows * rest
+            shard = rows * math.prod(shape[:d] + shape[d + 1 :])
+            own_pages += local * pages(shard)
+            elements += shard
         packed_elements += elements
-        if tier in SPACE_TIERS:
-            # Packed in the flat space: the block's range, + one chunk it may straddle.
-            shard_pages = local * (pages(elements) + 1) if elements else 0
-        per_block_shard_pages.append(shard_pages)
-        per_block_gathered_pages.append(gathered)
-        window_pages.append(shard_pages)
-    all_shards = sum(per_block_shard_pages)
+        # Packed in the flat space: the unit's range, + one chunk it may straddle.
+        window_pages.append(local * (pages(elements) + 1) if elements else 0)
+    shards = own_pages + row_shard_pages
     if tier in SPACE_TIERS:  # the flat space: whole chunks, one partial per replica
-        all_shards = sum(row_shard_pages) + local * pages(packed_elements)
-    all_gathered = sum(per_block_gathered_pages)
+        shards = row_shard_pages + local * pages(packed_elements)
     device = config.device_budget_bytes
     if device is None:
-        device_pages = all_gathered + SLACK_PAGES + (all_shards if tier == "device" else 0)
+        device_pages = (shards if tier == "device" else row_cache_pages) + SLACK_PAGES
         device = (device_pages + row_states["device"]) * page
+    else:
+        device = max(page, (device - outside_bytes) // page * page)
     host = config.host_budget_bytes
     if host is None:
         if tier == "nvme":
-            # A window: the two largest blocks' shards (the block in use and the one
-            # prefetched next) + slack. prefetch_bucket_size is not added: a deeper
-            # prefetch competes for this window (the pool evicts LRU host pages to
-            # NVMe) instead of growing the default host reservation.
-            # On the units path the four largest units': the unit read, the previous
-            # one until its update in backward, and room for the prefetch of the next
-            # ones (stage3/schedule.py: half of what the two leave).
-            window = sorted(window_pages)[-4 if units else -2 :]
+            # A window: the four largest units' shards (the unit read, the previous one
+            # until its update in backward, and room for the prefetch of the next ones,
+            # stage3/schedule.py: half of what the two leave) + slack.
+            # prefetch_bucket_size is not added: a deeper prefetch competes for this
+            # window (the pool evicts LRU host pages to NVMe) instead of growing the
+            # default host reservation.
+            window = sorted(window_pages)[-4:]
             host = (sum(window) + SLACK_PAGES + row_states["host"]) * page
         else:
-            # The shards + room for gathered buffers the pool moves down under device
-            # pressure (a device budget below them, given or lowered live), capped so
-            # the reservation stays within half of the memory available now.
-            base = all_shards + SLACK_PAGES + row_states["host"]
-            room = psutil.virtual_memory().available // 2 // page - base
-            host = (base + max(0, min(all_gathered, room))) * page
+            # The host shards; with device shards, room for the row pages a smaller
+            # device tier moves down (least recently used first).
+            base = shards if tier == "host" else row_shard_pages
+            host = (base + SLACK_PAGES + row_states["host"]) * page
     pool = PagedBufferPool(
         host_budget_bytes=host,
         page_size_bytes=page,

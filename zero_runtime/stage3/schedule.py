@@ -7,8 +7,7 @@ of a tiled unit, ``tiling._read_tile``). With ``offload_param='nvme'`` a page th
 on the host makes that call wait for the disk. This module records the order of a traced
 pass's reads on each replica, with the pool tensors (flat-space chunks,
 ``ShardedVariable.page_ids``) each one reads; from then on every read first queues
-``pool.prefetch`` (NVMe -> host) of the pages of the reads that follow it, as the block
-engine does along its recorded order (``block_step._prefetch_after``), then reads. The
+``pool.prefetch`` (NVMe -> host) of the pages of the reads that follow it, then reads. The
 prefetch rides in the read's own host call: no host call is added, and the prefetch
 thread pages in while the step computes.
 
@@ -22,20 +21,19 @@ A forward-only pass (evaluate, predict) has its own, shorter order. Units and ti
 alike: a tile's read is a read of its kernel's pages (every tile of a row-major shard
 touches all of them), its bias read another.
 
-How far ahead, from read ``k``: the reads ``k+1, k+2, ...`` in order, each whose pages are
-not already counted (the current read's, or an earlier one's) costing its shard elements,
-while the sum stays within ``prefetch_bucket_size`` elements (the block engine's rule;
-0 disables prefetch), and their new pages within half of what the replica's share of the
-pool's host tier (its capacity over the local replicas) leaves beside the pages of the
-current and the previous read (a read that does not fit: its first pages). The previous
-read's pages stay because in backward its unit is updated after its reduce-scatter,
-which may come after this read: the request names them first, so the prefetch thread
-does not evict them (it never evicts the tensors it brings). Half, because the host tier
-is full in a step that pages: each page brought in first writes a changed one back, and
-both hold a slot until that write ends. Deeper requests were measured to evict, by LRU,
-pages used before the ones they bring (``tests/test_stage3_units_nvme.py``: more page-ins
-than without prefetch).
-"""
+How far ahead, from read ``k``: the reads ``k+1, k+2, ...`` in order, each whose pages
+are not already counted (the current read's, or an earlier one's) costing its shard
+elements, while the sum stays within ``prefetch_bucket_size`` elements (0 disables
+prefetch), and their new pages within half of what the replica's share of the pool's
+host tier (its capacity over the local replicas) leaves beside the pages of the current
+and the previous read (a read that does not fit: its first pages). The previous read's
+pages stay because in backward its unit is updated after its reduce-scatter, which may
+come after this read: the request names them first, so the prefetch thread does not
+evict them (it never evicts the tensors it brings). Half, because the host tier is full
+in a step that pages: each page brought in first writes a changed one back, and both
+hold a slot until that write ends. Deeper requests were measured to evict, by LRU, pages
+used before the ones they bring (``tests/test_stage3_units_nvme.py``: more page-ins than
+without prefetch)."""
 
 from __future__ import annotations
 

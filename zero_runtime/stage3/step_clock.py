@@ -23,8 +23,7 @@ With shards on the host or NVMe (or gradient accumulation) the step keeps its ru
 clock and pool boundary in the graph (its shards are read and written by host calls
 anyway), but the wrapper still replaces the watchdog's per-collective callbacks by the
 call's one deadline. A custom loop (``strategy.run(model.train_step)`` in the user's
-``tf.function``) has no wrapper: its step keeps every in-graph callback. The block path
-(chains) is not wrapped.
+``tf.function``) has no wrapper: its step keeps every in-graph callback.
 """
 
 from __future__ import annotations
@@ -100,8 +99,6 @@ class OutsideStepClock:
 
         @functools.wraps(train_function)
         def stepped(*args, **kwargs):
-            if self.engine.runner is None:  # the block path: its in-graph callbacks
-                return train_function(*args, **kwargs)
             opt = getattr(trainer.optimizer, "inner_optimizer", trainer.optimizer)  # LSO
             before = int(opt.iterations.numpy()) if opt.built and self.eligible else None
             seconds = self.engine.config.collective_timeout_seconds

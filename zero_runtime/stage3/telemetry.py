@@ -1,26 +1,32 @@
 """Stage-3 tier accounting: the tiers record built from the stage-3 pool's page table.
 
 At stage 3 no parameter is replicated: a replica holds its shards (on the tier
-``offload_param`` selects) and, while a block runs, gathered buffers on the device tier.
-Both are pages of the engine's :class:`~zero_runtime.memory.PagedBufferPool`, so the
-runtime's ``memory_hierarchy/tiers`` record takes them from the pool's accounting
+``offload_param`` selects; pages of the engine's
+:class:`~zero_runtime.memory.PagedBufferPool`, reserved there when they are device
+variables) and, while a unit runs, its gathered parameters on the device tier
+(TensorFlow tensors outside the pool, at most ``UNITS_LIVE`` units:
+:mod:`zero_runtime.stage3.device_plan`). The runtime's ``memory_hierarchy/tiers`` record
+takes them from the pool's accounting and the engine's device plan
 (:class:`~zero_runtime.stage3.engine.PoolStep`) instead of counting the model as
 replicated (``Psi * 4 * replicas``). Everything here is bytes.
 
 Per tier (``T`` = the pool's pages on the tier at the step boundary, ``P`` = its peak
 during the step, ``base`` = the partitioned optimizer's own record of the tier):
 
-- device: ``param`` = T's 'param' pages (gathered buffers still held; shards with
-  ``offload_param='none'``); ``grad`` = the reduced gradient shards the step hands to the
+- device: ``param`` = T's 'param' pages (shards with ``offload_param='none'``, the
+  row-paged tables' cached row pages); ``gathered`` = the step's gathered units, the
+  device plan's bound (``UNITS_LIVE`` x the largest unit x local replicas; freed by the
+  step's end, so in ``peak`` only); ``grad`` = the reduced gradient shards the step hands to the
   optimizer, ``4 * shard_size`` per local replica (ZeRO, SC20, section 5.3), held by
   TensorFlow; with the update in backward (zero_runtime/optim/backward_update.py) one
   block's shard at a time, ``4 * max_block_shard_elements`` per local replica
   (``ZeroRuntime.grad_bytes``); frozen (non-trainable) weights, replicated on every
   replica's device and not in the pool, are added to ``param``; ``optimizer`` = base's
   device optimizer states + T's 'optimizer' pages; ``other`` = T's other kinds;
-  ``used`` = their sum; ``peak`` = P + grad + optimizer;
-  ``capacity`` = the pool's device capacity (``device_budget_bytes``, or the engine's
-  default). Activations held by TensorFlow are not in the pool and not counted.
+  ``used`` = their sum; ``peak`` = P + gathered + grad + optimizer + frozen;
+  ``capacity`` = the pool's device capacity + what the budget keeps outside the pool
+  for gathered units and frozen weights (``reserved_bytes``): ``device_budget_bytes``,
+  or the engine's default. Activations held by TensorFlow are not counted.
 - host and nvme: base's optimizer states and scratch + T's pages ('param' = the shards
   and gathered buffers the pool moved down); peak = base's peak + P; capacity = base's.
 """
@@ -68,6 +74,9 @@ def stage3_tiers(
             used += u.used_bytes
             peak += u.peak_bytes
             capacity += u.capacity_bytes if u.capacity_bytes is not None else math.inf
+            if name == "device":  # outside the pool (engine.PoolStep)
+                peak += r.gathered_bytes
+                capacity += r.reserved_bytes
             for kind, nbytes in u.bytes_by_kind.items():
                 if kind in _PARAM_KINDS:
                     param += nbytes

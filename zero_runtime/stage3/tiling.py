@@ -436,7 +436,7 @@ class _Tile:
                 functools.partial(_read_tile, *read),
                 [*deps, not_foldable()],  # (unit_comm.not_foldable)
                 tf.float32,
-                stateful=False,  # ordered by ``dep`` only (see block_step._host_call)
+                stateful=False,  # ordered by ``dep`` only (see unit_comm's docstring)
                 name="zero3_tile_shard",
             )
         piece.set_shape([kernel.rows * math.prod(rest)])  # (R * n_j * ...,)

@@ -1,11 +1,23 @@
 """The collectives of one unit use on one replica: its shards read, all-gathered and cut
 into views; its view gradients reduce-scattered (the units path,
-:mod:`zero_runtime.stage3.gather`; the block engine and the tiles use the reduce-scatter).
+:mod:`zero_runtime.stage3.gather`; the tiles use the reduce-scatter).
 
 Stateless functions, FSDP2-style: the caller (:class:`~zero_runtime.stage3.gather.UnitRunner`,
-:mod:`~zero_runtime.stage3.tiling`, :mod:`~zero_runtime.stage3.block_step`) owns the step
-state and the order. Shapes: ``N`` replicas, ``E`` the unit's shard elements (float32,
-the sum of its originals' ``shard_elements``); a view has its original's logical shape.
+:mod:`~zero_runtime.stage3.tiling`) owns the step state and the order. Shapes: ``N``
+replicas, ``E`` the unit's shard elements (float32, the sum of its originals'
+``shard_elements``); a view has its original's logical shape.
+
+**Host calls in a step are stateless** (``host_function(..., stateful=False)``), ordered
+by data dependencies only. TensorFlow's automatic control dependencies run *stateful*
+ops in program order, and the replicas of a MirroredStrategy step are traced one after
+the other into one graph, so a stateful host call of replica 1 would wait for every
+stateful op of replica 0, including the all-gathers that wait for replica 1 (a deadlock,
+seen as a collective timeout). Each call takes a data-dependent input (the use's input,
+and :func:`not_foldable`), so it is neither constant-folded nor merged, and runs when its
+inputs exist; a call made for its side effect must feed a value that is used (Grappler
+prunes control dependencies on stateless ops). The strategy the step is traced under
+owns the function (:func:`zero_runtime.lifecycle.host_function`), so the graph does not
+keep it alive.
 """
 
 from __future__ import annotations
@@ -59,7 +71,7 @@ def gather_views(
             functools.partial(_read_shards, variables, replica, prefetch),
             [dep, not_foldable()],
             tf.float32,
-            stateful=False,  # ordered by ``dep`` only (see block_step._host_call)
+            stateful=False,  # ordered by ``dep`` only (the module docstring)
             name="zero3_unit_shards",
         )
     shard.set_shape([e])
@@ -151,8 +163,7 @@ def reduce_scatter_variables(variables, grads: list, group, raw: bool = False) -
         group: the :class:`~zero_runtime.comm.CollectiveGroup`.
         raw: with the group's ``'all_reduce'`` implementation, all-reduce through the
             group's raw ``CollectiveReduceV2`` (ordered by the replica's token like the
-            all-gathers) rather than the strategy's ``merge_call``. Default False (the
-            block path's choice).
+            all-gathers) rather than the strategy's ``merge_call``. Default False.
 
     Returns:
         float32 ``[E]``, ``E = sum(v.shard_elements)``: the replica's reduced shard of

@@ -1,7 +1,6 @@
-"""The units path of a stage-3 engine: shard a model's units and run its steps.
+"""The units path of the stage-3 engine: shard a model's units and run its steps.
 
-A model that is not a chain (a DAG, nested or subclassed, tied weights,
-BatchNormalization) runs by units (:mod:`zero_runtime.stage3.units` plans them,
+Every model runs by units (:mod:`zero_runtime.stage3.units` plans them,
 :mod:`zero_runtime.stage3.gather` hooks their calls). :class:`UnitsPath` is the part of
 :class:`~zero_runtime.stage3.engine.Stage3Engine` that does it: it replaces the units'
 originals by ShardedVariables, hooks the units, and runs the traced forward/backward
@@ -19,8 +18,8 @@ import tensorflow as tf
 from tensorflow.python.eager import tape as tape_lib  # no public "a variable was read"
 
 from zero_runtime.comm.buckets import replica_barrier
-from zero_runtime.sharded_variable import ShardedVariable
-from zero_runtime.stage3 import checkpointing, tiling
+from zero_runtime.sharded_variable import ShardedVariable, redirect
+from zero_runtime.stage3 import checkpointing, device_plan, tiling
 from zero_runtime.stage3.embedding import RowPagedEmbedding, row_paging_applies
 from zero_runtime.stage3.gather import Unit, UnitRunner
 from zero_runtime.stage3.schedule import ReadSchedule
@@ -35,9 +34,6 @@ class UnitsPath:
         model: the built Keras model (its units' trainable weights are replaced in place).
         specs: the :class:`~zero_runtime.stage3.units.UnitSpec` plan of ``model``.
         remote: True when other workers hold some replicas' shards.
-        replace: ``(model, old, new)``, points every reference to a Keras variable at
-            its ShardedVariable (the engine's ``_replace_variable``).
-        replica_id: ``() -> int``, the static replica id of the current replica context.
 
     Attributes:
         runner: the :class:`~zero_runtime.stage3.gather.UnitRunner` (the hooks).
@@ -56,13 +52,13 @@ class UnitsPath:
             naming it and the fix.
     """
 
-    def __init__(self, engine, model: keras.Model, specs, remote: bool, replace, replica_id):
+    def __init__(self, engine, model: keras.Model, specs, remote: bool):
         self.model = model
         # Memory-centric tiling (zero_runtime/stage3/tiling.py): a Dense/EinsumDense whose
         # kernel exceeds the tile budget runs as column tiles, which read its shards'
         # rows: such a kernel is split along axis 0 (others along their least padded).
         config = engine.config
-        tile_size = tiling.resolve_tile_size(config.tile_size, config.device_budget_bytes)
+        tile_size = device_plan.tile_budget(config)
         paged = _row_paged_specs(specs, config)
         self.row_paged: dict[int, RowPagedEmbedding] = {}
         for spec in paged:  # only the rows a step looks up move (stage3/embedding.py)
@@ -75,7 +71,7 @@ class UnitsPath:
                 local_replicas=engine.local_replicas,
                 gather_remote=engine._gather_remote if remote else None,  # noqa: SLF001
             )
-            replace(model, old, self.row_paged[spec.index].table)
+            replace_variable(model, old, self.row_paged[spec.index].table)
         sharded: dict[int, ShardedVariable] = {}
         for spec in specs:
             if spec.index in self.row_paged:
@@ -89,7 +85,7 @@ class UnitsPath:
                 # Device tier: each shard a variable on its replica's device, read and
                 # updated in the step's graph (no host call; the pool reserves its pages).
                 sharded[id(v)] = engine.shard_variable(v, remote, devices=engine.devices, **kwargs)
-                replace(model, v, sharded[id(v)])
+                replace_variable(model, v, sharded[id(v)])
         units = []
         for s in specs:
             if s.index in self.row_paged:
@@ -251,6 +247,50 @@ class UnitsPath:
         """The model's own call (its units hooked), with ``training`` if it takes it."""
         kwargs = {"training": training} if self.model._call_has_training_arg else {}  # noqa: SLF001
         return self._own_call(x, **kwargs)
+
+
+def replica_id() -> int:
+    """The static replica id of the current replica context.
+
+    Raises:
+        RuntimeError: outside replica context (stage-3 steps run in ``strategy.run`` or
+            ``fit``), or with a replica id that is not static.
+    """
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None:
+        raise RuntimeError("stage-3 steps run in replica context (strategy.run / fit)")
+    rid = tf.get_static_value(ctx.replica_id_in_sync_group)
+    if rid is None:
+        raise RuntimeError("stage 3 needs a static replica id")
+    return int(rid)
+
+
+def replace_variable(layer: keras.layers.Layer, old, new) -> None:
+    """Point every reference to ``old`` in ``layer`` and its sublayers at ``new``.
+
+    Keras layers hold their weights as attributes (``Dense._kernel``), in their trackers'
+    lists (``_trainable_variables``) and, under TensorFlow, in TensorFlow's checkpoint
+    dependency records (a ``TrackedDict`` of names and a list of ``TrackableReference``
+    pairs). All are rewritten in place, by identity, so that nothing keeps the replicated
+    original alive once the sharded variable replaces it; a reference held elsewhere (a
+    loop's ``train_vars`` read before sharding) becomes an alias of ``new``
+    (:func:`~zero_runtime.sharded_variable.redirect`).
+    """
+    redirect(old, new)
+    for sub in layer._flatten_layers(include_self=True):  # noqa: SLF001
+        for name, value in list(vars(sub).items()):
+            if value is old:
+                object.__setattr__(sub, name, new)
+            elif isinstance(value, list):
+                for j, item in enumerate(value):
+                    if item is old:
+                        value[j] = new
+                    elif getattr(item, "ref", None) is old and hasattr(item, "name"):
+                        value[j] = type(item)(item.name, new)  # TrackableReference(name, ref)
+            elif isinstance(value, dict):  # includes Keras's TrackedDict
+                for key, item in list(value.items()):
+                    if item is old:
+                        value[key] = new
 
 
 def _row_paged_specs(specs, config) -> list:
