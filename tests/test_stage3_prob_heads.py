@@ -17,25 +17,33 @@ again (:func:`zero_runtime.stage3.gather.keras_logits_positions`).
 - :func:`test_heads_train_like_mirrored`: a ``Dense`` softmax head with
   ``sparse_categorical_crossentropy`` and a ``Dense`` sigmoid head with
   ``binary_crossentropy``, 20 samples in batches of 8, 8 and 4, SGD; inputs scaled
-  (:data:`INPUT_SCALE`) so that some probabilities saturate. Stages 1 and 2: bitwise equal
-  to Mirrored; stage 3: within :data:`REL` (bitwise equal, measured). With the clipped
+  (``helpers.applications.INPUT_SCALE``) so that some probabilities saturate. Stages 1
+  and 2: bitwise equal to Mirrored; stage 3: within :data:`REL` (bitwise equal,
+  measured). With the clipped
   fallback, stage 3's first loss was 12.4 against Mirrored's 20.4 (softmax) and 6.29
   against 6.66 (sigmoid), and its weights 1.41 and 0.64 apart in the relative measure
   below.
 - :func:`test_applications_train_like_mirrored`: ``keras.applications`` families at stage
   3 (``weights=None``, 32x32 inputs, 10 classes, the default softmax head, a ``Dense``
-  with a softmax): MobileNetV2 (alpha 0.35, 0.42M parameters) and EfficientNetB0 (4.1M),
-  the same 12 images each (batches of 8 and 4). Within :data:`REL` (bitwise equal,
-  measured); with the clipped fallback MobileNetV2's second loss was 3.01 against 3.20
-  and its weights up to 5.9 apart, EfficientNetB0's 6.53 against 7.03 and up to 4.4
-  apart. Each family's time is its two traces (Mirrored's ~20 s, stage 3's ~42 s for
-  EfficientNetB0; a step after the first takes < 1 s): MobileNetV2 takes 36-44 s on 2
-  cores, and runs here. Left out to bound the suite's time, each measured once bitwise
-  equal to Mirrored at stage 3: EfficientNetB0 (57-72 s), MobileNetV3Small
-  (minimalistic; 20 images, 25 s), whose softmax is an ``Activation`` layer of its own
-  (no unit, so its logits were never hidden; it trains at stage 3 in
-  ``tests/test_parity_matrix.py``), ResNet50 (23.6M parameters) and ConvNeXtTiny (27.8M)
-  (28 images, batches of 8, 8, 8 and 4; ~55 s and ~67 s for their two runs).
+  with a softmax; ``helpers.applications``), the same 12 images each (batches of 8 and
+  4): ``MobileNetV2`` (alpha 0.35, 0.41M parameters), and ResNet, EfficientNet and
+  ConvNeXt through the builders behind Keras's ``ResNet50``, ``EfficientNetB0`` and
+  ``ConvNeXtTiny`` in small configurations with the same kinds of layers:
+  ``resnet_small`` (24k: the stem, a bottleneck block with a convolution shortcut and an
+  identity one), ``efficientnet_small`` (0.21M: Rescaling, Normalization with its
+  non-trainable statistics, squeeze-and-excite, drop-connect Dropouts of rate 0.08-0.16
+  and the head's Dropout(0.2), drawing their masks as under Mirrored) and
+  ``convnext_small`` (0.23M: LayerScale, LayerNormalization, 7x7 depthwise convolutions,
+  the downsampling Sequentials). Within :data:`REL` (bitwise equal, measured); with the
+  clipped fallback MobileNetV2's second loss was 3.01 against 3.20 and its weights up to
+  5.9 apart, EfficientNetB0's 6.53 against 7.03 and up to 4.4 apart. Each family's time
+  is mostly its two traces (a step after the first takes < 1 s); measured on 2 cores
+  shared at load ~4: MobileNetV2 141 s (36-44 s at load ~1), resnet_small 21 s,
+  efficientnet_small 81 s, convnext_small 65-71 s. The families at full size
+  (MobileNetV2, MobileNetV3Small, EfficientNetB0, ResNet50 at 23.6M parameters,
+  ConvNeXtTiny at 27.8M), 20 steps, in ``fit`` and in a user's tape loop:
+  ``bench/bench_applications_parity.py``, bitwise equal to Mirrored
+  (``bench/results/applications_parity.json``; 2-7 min per comparison there).
 - :func:`test_heads_train_like_mirrored_on_other_stage3_paths`: the other stage-3 forms
   whose outputs are ``tf.custom_gradient`` outputs, which keep the logits the same way:
   an int ``device_budget_bytes`` (the device plan; evaluate and predict of the softmax
@@ -271,10 +279,7 @@ def test_heads_train_like_mirrored(name, stage, reference):
     ref = reference(name)
     run = _zero_run(name, stage)
     if stage < 3:
-        assert run.paths == ref.paths
-        assert run.losses == ref.losses
-        for path, w, r in zip(run.paths, run.weights, ref.weights):
-            np.testing.assert_array_equal(w, r, err_msg=path)
+        apps.assert_bitwise(run, ref)
         return
     print(f"{name}: losses {run.losses}, worst weight {_assert_close(run, ref):.3g}")
 
