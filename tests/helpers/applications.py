@@ -274,3 +274,32 @@ def compare(run: Run, ref: Run) -> Difference:
     got, want = np.asarray(run.losses), np.asarray(ref.losses)
     loss_rel = float(np.max(np.abs(got - want) / np.abs(want)))
     return Difference(worst, worst_path, no_grad, loss_rel)
+
+
+def fit_run(
+    strategy: tf.distribute.Strategy,
+    build: Callable[[], keras.Model],
+    data: tuple[np.ndarray, np.ndarray],
+    loss: str = "sparse_categorical_crossentropy",
+    batch: int = 8,
+    learning_rate: float = 0.05,
+) -> tuple[keras.Model, Run]:
+    """``model.fit`` under ``strategy``, one epoch over ``data`` in batches of ``batch``,
+    unshuffled: the model built and compiled (``keras.optimizers.SGD(learning_rate)``,
+    ``loss``) in ``strategy.scope()``.
+
+    Returns:
+        The trained model and its :class:`Run` (``losses``: Keras's running mean of the
+        loss after each batch, as ``fit`` logs it).
+    """
+    with strategy.scope():
+        model = build()
+        initial = model.get_weights()
+        model.compile(optimizer=keras.optimizers.SGD(learning_rate), loss=loss)
+    losses = []
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda _, logs: losses.append(float(logs["loss"]))
+    )
+    x, y = data
+    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[record])
+    return model, Run([v.path for v in model.weights], initial, model.get_weights(), losses)
