@@ -68,6 +68,19 @@ def _fit_repeated(model, callbacks):
     return model.fit(_repeated(), steps_per_epoch=4, epochs=EPOCHS, verbose=0, callbacks=callbacks)
 
 
+def _reference_and_crash(strategy, fit, backup: str, save_every: int, crash_after: int):
+    """The uninterrupted run's weights and steps; then a run backing up every
+    ``save_every`` steps into ``backup`` that crashes after ``crash_after`` steps."""
+    reference = job.build(strategy)
+    fit(reference, [])
+    want = reference.get_weights()
+    steps = int(reference.optimizer.iterations.numpy())
+    model = job.build(strategy)
+    with pytest.raises(RuntimeError, match=f"crashed after step {crash_after}"):
+        fit(model, [ZeroBackupAndRestore(backup, save_freq=save_every), Crash(crash_after)])
+    return want, steps
+
+
 @pytest.fixture(scope="module")
 def strategy(tmp_path_factory):
     s = job.strategy_for(2, "cpu")
@@ -77,15 +90,8 @@ def strategy(tmp_path_factory):
 
 @pytest.mark.parametrize("fit", [_fit_arrays, _fit_repeated], ids=["per_epoch", "repeated"])
 def test_fit_resumes_mid_epoch_at_the_saved_batch_with_the_same_batches(strategy, tmp_path, fit):
-    reference = job.build(strategy)
-    fit(reference, [])
-    want = reference.get_weights()
-    steps = int(reference.optimizer.iterations.numpy())
-
     backup = str(tmp_path / "backup")
-    model = job.build(strategy)
-    with pytest.raises(RuntimeError, match=f"crashed after step {CRASH_AFTER}"):
-        fit(model, [ZeroBackupAndRestore(backup, save_freq=SAVE_EVERY), Crash(CRASH_AFTER)])
+    want, steps = _reference_and_crash(strategy, fit, backup, SAVE_EVERY, CRASH_AFTER)
     resumed = job.build(strategy, seed=99)  # another init: the state is the backup's
     callback = ZeroBackupAndRestore(backup, save_freq=SAVE_EVERY)
     with warnings.catch_warnings(record=True) as caught:
@@ -100,6 +106,33 @@ def test_fit_resumes_mid_epoch_at_the_saved_batch_with_the_same_batches(strategy
         np.testing.assert_array_equal(got, w)
     assert not [w for w in caught if "ran out of data" in str(w.message)]
     assert not os.path.exists(backup)
+
+
+@pytest.mark.parametrize("fit", [_fit_arrays, _fit_repeated], ids=["per_epoch", "repeated"])
+def test_a_backup_at_an_epochs_last_batch_resumes_at_the_next_epochs_first(strategy, tmp_path, fit):
+    """A backup taken at the last batch of an epoch (before Keras's next iterator):
+    arrays resume with the next epoch's new iterator from its start (skipping the used-up
+    iterator's batches there would leave it empty, and Keras would end ``fit`` early
+    with "Your input ran out of data; interrupting training"), and the batches are
+    counted from there for the next backup; a repeated dataset continues its one
+    iterator."""
+    per_epoch = 5 if fit is _fit_arrays else 4
+    backup = str(tmp_path / "backup")
+    want, steps = _reference_and_crash(strategy, fit, backup, per_epoch, per_epoch + 2)
+    for crash in (per_epoch + 2, None):  # the second resume starts at the next backup
+        resumed = job.build(strategy, seed=99)
+        callbacks = [ZeroBackupAndRestore(backup, save_freq=per_epoch)]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if crash is None:
+                fit(resumed, callbacks)
+            else:
+                with pytest.raises(RuntimeError, match="crashed after step"):
+                    fit(resumed, callbacks + [Crash(crash)])
+        assert not [w for w in caught if "ran out of data" in str(w.message)]
+    assert int(resumed.optimizer.iterations.numpy()) == steps
+    for got, w in zip(resumed.get_weights(), want, strict=True):
+        np.testing.assert_array_equal(got, w)
 
 
 def test_a_backup_without_steps_per_epoch_on_a_dataset_of_unknown_length_is_refused(

@@ -34,17 +34,51 @@ TOTAL_STEPS = 18  # 3 epochs of 6 batches (heal_job's defaults)
 _STEP = re.compile(r"rank (\d) pid (\d+) attempt (\d) step (\d+)")
 
 
-def _launch(base, name: str, *extra: str) -> subprocess.Popen:
+def _launch(base, name: str, *extra: str, job_args: tuple[str, ...] = ()) -> subprocess.Popen:
+    """``zero-runtime launch --nproc 2 EXTRA`` of heal_job.py (``JOB_ARGS`` appended) with
+    ``<name>_ckpt``, ``<name>_out`` and ``<name>_nvme`` under ``base``."""
     for d in (f"{name}_out", f"{name}_nvme"):
         os.makedirs(base / d)
     return subprocess.Popen(
         [sys.executable, "-m", "zero_runtime.cli", "launch", "--nproc", "2", *extra]
         + ["--checkpoint-dir", str(base / f"{name}_ckpt"), JOB]
-        + [str(base / f"{name}_out"), str(base / f"{name}_nvme"), "--save-every", "2"],
+        + [str(base / f"{name}_out"), str(base / f"{name}_nvme"), "--save-every", "2"]
+        + list(job_args),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+    )
+
+
+def side_by_side(base, job, reference, on_line, name: str, **seen: dict) -> dict:
+    """Feed each output line of the launched ``job`` to ``on_line(line)`` until it ends,
+    then wait for the ``reference`` launch (both are killed if anything fails). Returns
+    ``base``, the job's ``lines`` and ``log``, the reference's ``ref_log``, both exit
+    statuses and ``seen`` (what ``on_line`` filled: ``sent``, ``resumed``, ``pids``); prints
+    them and the seconds taken, as ``name``."""
+    start = time.monotonic()
+    lines: list[str] = []
+    try:
+        for line in job.stdout:
+            lines.append(line)
+            on_line(line)
+        job.wait(timeout=60)
+        ref_log, _ = reference.communicate(timeout=240)
+    finally:
+        for proc in (job, reference):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    seconds = time.monotonic() - start
+    print(f"{name} (seed {SEED}): {seen['sent']}, resumed {seen['resumed']}, {seconds:.1f} s")
+    return dict(
+        seen,
+        base=base,
+        lines=lines,
+        log="".join(lines),
+        ref_log=ref_log,
+        status=job.returncode,
+        ref_status=reference.returncode,
     )
 
 
@@ -55,59 +89,48 @@ def healed(tmp_path_factory) -> dict:
     rng = random.Random(SEED)
     kill_rank, kill_at = rng.randrange(2), rng.randint(3, 9)
     term_rank, term_after = rng.randrange(2), rng.randint(2, 5)  # steps after the resume
-    start = time.monotonic()
     reference = _launch(base, "ref")
     faulted = _launch(base, "job", "--max-restarts", "3", "--preemption-grace", "20")
-    lines: list[str] = []
     pids: dict[tuple[int, int], int] = {}
     sent: dict[str, tuple[int, int, int]] = {}  # signal -> (rank, pid, step seen)
     resumed: dict[int, int] = {}
-    try:
-        for line in faulted.stdout:
-            lines.append(line)
-            found = _STEP.search(line)
-            if "resumed at step" in line:
-                resumed.setdefault(len(sent), int(line.split()[-1]))
-            if not found:
-                continue
-            rank, pid, attempt, step = (int(g) for g in found.groups())
-            pids[(attempt, rank)] = pid
-            if attempt == 0 and step >= kill_at and "kill" not in sent:
-                target = pids.get((0, kill_rank))
-                if target:
-                    os.kill(target, signal.SIGKILL)
-                    sent["kill"] = (kill_rank, target, step)
-            if attempt == 1 and "term" not in sent and step >= resumed.get(1, 99) + term_after:
-                target = pids.get((1, term_rank))
-                if target:
-                    os.kill(target, signal.SIGTERM)
-                    sent["term"] = (term_rank, target, step)
-        faulted.wait(timeout=60)
-        ref_log, _ = reference.communicate(timeout=240)
-    finally:
-        for proc in (faulted, reference):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-    seconds = time.monotonic() - start
-    print(f"heal test (seed {SEED}): {sent}, resumed {resumed}, {seconds:.1f} s")
-    return dict(
-        base=base,
-        log="".join(lines),
-        ref_log=ref_log,
-        status=faulted.returncode,
-        ref_status=reference.returncode,
-        sent=sent,
-        resumed=resumed,
-        pids=pids,
+
+    def on_line(line: str) -> None:
+        found = _STEP.search(line)
+        if "resumed at step" in line:
+            resumed.setdefault(len(sent), int(line.split()[-1]))
+        if not found:
+            return
+        rank, pid, attempt, step = (int(g) for g in found.groups())
+        pids[(attempt, rank)] = pid
+        if attempt == 0 and step >= kill_at and "kill" not in sent:
+            target = pids.get((0, kill_rank))
+            if target:
+                os.kill(target, signal.SIGKILL)
+                sent["kill"] = (kill_rank, target, step)
+        if attempt == 1 and "term" not in sent and step >= resumed.get(1, 99) + term_after:
+            target = pids.get((1, term_rank))
+            if target:
+                os.kill(target, signal.SIGTERM)
+                sent["term"] = (term_rank, target, step)
+
+    return side_by_side(
+        base, faulted, reference, on_line, "heal test", sent=sent, resumed=resumed, pids=pids
     )
 
 
 def test_the_job_finishes_by_itself_with_the_uninterrupted_weights(healed):
-    log = healed["log"]
-    assert healed["ref_status"] == 0, healed["ref_log"][-3000:]
-    assert healed["status"] == 0, log[-4000:]
-    assert set(healed["sent"]) == {"kill", "term"}, log[-4000:]
-    base = healed["base"]
+    assert_finished_like_the_reference(healed, {"kill", "term"})
+
+
+def assert_finished_like_the_reference(seen: dict, signals: set[str]) -> None:
+    """Both launches exited 0 after the job got ``signals``, and the job's final weights
+    (``base/job_out/final.npz``) equal the reference's bitwise."""
+    log = seen["log"]
+    assert seen["ref_status"] == 0, seen["ref_log"][-3000:]
+    assert seen["status"] == 0, log[-4000:]
+    assert set(seen["sent"]) == signals, log[-4000:]
+    base = seen["base"]
     want = np.load(base / "ref_out" / "final.npz")
     got = np.load(base / "job_out" / "final.npz")
     assert len(got.files) == len(want.files) == 6
@@ -135,8 +158,15 @@ def test_each_restart_resumes_at_the_last_save_or_the_agreed_step(healed):
 def test_the_events_name_each_cause(healed):
     with open(healed["base"] / "job_ckpt" / "restarts.jsonl") as f:
         events = [json.loads(line) for line in f]
+    resumes = [e for e in events if e["event"] == "resume"]
+    events = [e for e in events if e["event"] != "resume"]
     assert [e["event"] for e in events] == ["start", "restart", "start", "restart", "start", "exit"]
     kill, term = events[1], events[3]
+    # each group's resume step, the steps the kill cost, none for the preemption
+    assert [e["step"] for e in resumes] == [0, healed["resumed"][1], healed["resumed"][2]]
+    assert resumes[1]["steps_lost"] == kill["last_step"] - resumes[1]["step"] >= 0
+    assert resumes[2]["steps_lost"] == 0
+    assert events[-1]["goodput"]["useful_steps"] == TOTAL_STEPS
     assert (kill["rank"], kill["pid"], kill["signal"]) == (
         healed["sent"]["kill"][0],
         healed["sent"]["kill"][1],

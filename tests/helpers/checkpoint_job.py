@@ -81,8 +81,9 @@ def data():
     return x, y
 
 
-def build(strategy, seed: int = 0):
-    """The compiled tiny model under ``strategy`` (stage 3: the ShardedModel)."""
+def build(strategy, seed: int = 0, metrics=None):
+    """The compiled tiny model under ``strategy`` (stage 3: the ShardedModel), with
+    ``metrics`` (a list for ``compile``, or None)."""
     import keras
 
     with strategy.scope():
@@ -97,7 +98,7 @@ def build(strategy, seed: int = 0):
         )
         if strategy.config.stage == 3:
             model = strategy.shard_model(model)
-        model.compile(optimizer=keras.optimizers.get("adam"), loss="mse")
+        model.compile(optimizer=keras.optimizers.get("adam"), loss="mse", metrics=metrics)
     return model
 
 

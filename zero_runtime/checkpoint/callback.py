@@ -222,6 +222,8 @@ class ZeroBackupAndRestore(keras.callbacks.Callback):
             self._not_ours()  # fit's data did not come through the strategy
         if self._plan is not None and self._plan.iterators != self._iterators:
             self._iterators, self._k = self._plan.iterators, 0  # Keras made a new iterator
+        elif self._plan is not None and self._plan.started_over:
+            self._plan.started_over, self._k = False, 0  # resumed at an epoch's start
         self._k += done
         self._batch += done
         self.steps += done

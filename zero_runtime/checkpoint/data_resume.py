@@ -10,7 +10,10 @@ distributed datasets as :class:`ResumableDistributedDataset` (TensorFlow's
 ``fit``'s training data; each later ``iter()`` of it is counted (:attr:`DataResume.iterators`,
 so the callback knows how many batches the current iterator has given). After a backup
 taken ``k`` batches into its iterator, at batch ``b`` of its epoch, the bound dataset's
-first iterator is ``dataset.skip(k)`` (:meth:`DataResume.first_dataset`):
+first iterator is ``dataset.skip(k)`` (:meth:`DataResume.first_dataset`; the dataset
+itself when the backup was taken at the last batch of an epoch of data that is not
+``repeat()``-ed, ``k`` = the epoch's batches: Keras starts the next epoch on a new
+iterator):
 
 - a dataset Keras knows the length of, without ``steps_per_epoch`` (arrays, a finite
   ``tf.data.Dataset``; a new iterator per epoch, so ``k == b``): the skipped iterator ends
@@ -21,6 +24,11 @@ first iterator is ``dataset.skip(k)`` (:meth:`DataResume.first_dataset`):
   ``steps_per_epoch`` (Keras's loop cannot be shortened), so the later epochs end ``b``
   batches later than the uninterrupted run's, and the callback stops ``fit`` after the
   run's total (``epochs x steps_per_epoch``) steps: the same batches, the same steps.
+
+One case is taken for the first though it may be the second: an endless dataset whose
+length TensorFlow does not know (not a ``repeat()``, e.g. a generator) with
+``steps_per_epoch``, backed up exactly at the end of the first epoch of its ``fit``, starts
+its data again (``repeat()`` it, or give it its length, to avoid it).
 
 Refused (``NotImplementedError`` naming the fix): a dataset of unknown length without
 ``steps_per_epoch`` (Keras would take the shorter resumed epoch's length for the next
@@ -68,6 +76,9 @@ class DataResume:
 
     Attributes:
         iterators: ``iter()`` calls of the bound dataset since :meth:`watch`.
+        started_over: the resumed iterator started at its dataset's beginning (the backup
+            was taken at an epoch's last batch): its batches count from 0, not from the
+            backup's ``iterator_batches`` (the callback reads and clears it).
     """
 
     def __init__(self) -> None:
@@ -75,6 +86,7 @@ class DataResume:
         self._position: Position | None = None
         self._bound: weakref.ref | None = None
         self.iterators = 0
+        self.started_over = False
 
     def watch(self, position: Position | None = None) -> None:
         """Bind the next ``iter()`` of a resumable dataset; start it at ``position``
@@ -83,6 +95,7 @@ class DataResume:
         self._position = position
         self._bound = None
         self.iterators = 0
+        self.started_over = False
 
     def clear(self) -> None:
         """Stop watching (``fit`` ended)."""
@@ -133,6 +146,12 @@ class DataResume:
                 "resumed run cannot continue exactly: repeat the dataset (dataset.repeat()) "
                 "or leave steps_per_epoch out"
             )
+        if card != INFINITE and b == 0 and 0 < k == (per if per is not None else card):
+            # taken at the last batch of an epoch of finite data (its iterator used up):
+            # the next epoch's new iterator starts at the beginning (a skip would leave it
+            # empty, and Keras would train the epoch on nothing)
+            self.started_over = True
+            return dataset
         return dataset.skip(k)
 
 
