@@ -64,14 +64,13 @@ def test_defaults_are_the_documented_ones():
     assert ZeroConfig.keys() == tuple(EXPECTED_DEFAULTS)
 
 
-def test_every_key_is_documented_in_docstring_and_docs():
+def test_every_key_is_documented_in_the_docstring():
+    """The docstring is the source of the generated config reference (the site's build
+    checks that page lists every key: tests/test_docs_site.py)."""
     doc = ZeroConfig.__doc__ or ""
-    page = (REPO / "docs" / "config.md").read_text(encoding="utf-8")
     for key in ZeroConfig.keys():
         assert f"{key}:" in doc, key
-        assert f"`{key}`" in page, key
-    for key in TUNABLE_KEYS:
-        assert f"`{key}`" in page
+    assert set(TUNABLE_KEYS) <= set(ZeroConfig.keys())
 
 
 def test_frozen():
