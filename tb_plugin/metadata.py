@@ -136,6 +136,17 @@ TAG_CHECKPOINT_RESTORE = "memory_hierarchy/checkpoint_restore"
 # The checkpoint tag a record with ``op`` (``"save"`` / ``"restore"``) is written under.
 CHECKPOINT_OP_TAGS = {"save": TAG_CHECKPOINT, "restore": TAG_CHECKPOINT_RESTORE}
 
+# --- side files --------------------------------------------------------------------------
+# A job's restart events, one JSON object per line, written by ``zero-runtime launch
+# --logdir LOGDIR`` into LOGDIR (the same lines as its checkpoint directory's
+# restarts.jsonl; zero_runtime.launch.restarts.LOGDIR_EVENTS_FILE, docs/multiworker.md):
+# a file, not summaries, because the launcher outlives every worker (its last line, the
+# job's goodput, comes after they exit). Read by GET /restarts for the run's directory or,
+# for a multi-worker run ``LOGDIR/worker_<rank>``, its parent.
+RESTARTS_FILE = "memory_hierarchy_restarts.jsonl"
+# The ``kind`` of a ``resume`` event: what the group before it ended with.
+RESTART_KINDS = ("restart", "preemption", "resize")
+
 # --- standard TensorBoard scalars ---------------------------------------------------------
 # Headline figures, also written as plain scalars (plugin ``scalars``, float32, one value per
 # record) so TensorBoard's Scalars dashboard, tbparse and hparams tools read them without this

@@ -37,6 +37,7 @@ from tb_plugin.routes import (
     first_view,
     oom,
     records,
+    restarts,
     runs,
     series,
     static,
@@ -113,6 +114,7 @@ class MemoryHierarchyPlugin(base_plugin.TBPlugin):
             "/whatif": functools.partial(whatif.whatif_route, reader),
             "/oom": functools.partial(oom.oom_route, reader),
             "/checkpoints": functools.partial(checkpoints.checkpoints_route, reader),
+            "/restarts": functools.partial(restarts.restarts_route, reader),
             "/diff": functools.partial(diff.diff_route, reader),
             "/*": functools.partial(static.static_route, self._static_dir),
         }

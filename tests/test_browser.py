@@ -736,3 +736,59 @@ def test_checkpoints_table_and_step_time_markers_in_every_selected_run(views_pag
     assert frame.locator(f"{BETA} .mh-checkpoints b").count() == 0
     assert plugin_frame(page).evaluate("window.__xss") is None
     assert [c for c in console if c.startswith(("error", "pageerror"))] == []
+
+
+# A restarts table's rows as data: data-* attributes and the cells' text.
+READ_RESTARTS = """
+(rows) => rows.map((r) => ({
+  step: r.dataset.step,
+  kind: r.dataset.kind,
+  stepsLost: r.dataset.stepsLost ?? null,
+  cells: [...r.querySelectorAll('td')].map((c) => c.textContent),
+}))
+"""
+
+
+def test_restart_and_resize_markers_and_the_goodput_figure(views_page):
+    """The job's restart events file (zero-runtime launch --logdir): a marker on the
+    step-time charts at each step the job resumed at, with its cause and what it lost, a
+    row per restart or resize, and the goodput figure."""
+    page, frame, console, _server = views_page
+    timing = frame.locator(f'{ALPHA} .mh-section[data-view="timing"]')
+    expect(timing.locator('.mh-marker-restart[data-step="20"]')).to_have_count(2)
+    for step in (30, 40):
+        expect(timing.locator(f'.mh-marker-resize[data-step="{step}"]')).to_have_count(2)
+    marker = timing.locator('.mh-marker[data-kind="restart"][data-step="20"]').first
+    assert marker.get_attribute("title") == (
+        "step 20: restart: restart 1/3 after rank 1: killed by SIGKILL; lost 2 steps and "
+        "15.0 s; 9.0 s to the first new step"
+    )
+    assert marker.bounding_box()["height"] > 80
+    section = frame.locator(f'{ALPHA} .mh-section[data-view="restarts"]')
+    goodput = section.locator("p.mh-goodput")
+    want = synthetic.goodput(synthetic.RUN_STANDIN)  # 49 of 52 steps, 24.5 of 100 s
+    expect(goodput).to_have_attribute("data-steps-ratio", str(want["steps_ratio"]))
+    assert goodput.get_attribute("data-time-ratio") == str(want["time_ratio"])
+    assert goodput.text_content() == (
+        "Goodput: 94.2% of steps (49 kept of 52 run), 24.5% of time (24.5 s on kept steps "
+        "of 100 s); 2 restarts, 2 resizes"
+    )
+    rows = section.locator("tr.mh-restart").evaluate_all(READ_RESTARTS)
+    assert [(r["step"], r["kind"], r["stepsLost"]) for r in rows] == [
+        ("20", "restart", "2"),
+        ("30", "resize", "1"),
+        ("40", "resize", "0"),
+    ]
+    assert rows[1]["cells"][2:] == [
+        "1",
+        "restart 2/3 after rank 1: killed by SIGKILL; resize 2 -> 1 workers: rank 1 failed 2 "
+        "time(s) in a row",
+        "1",
+        "12.5 s",
+        "9 s",
+    ]
+    # The other run: its cause, which is also HTML, shown as text.
+    beta = frame.locator(f'{BETA} .mh-section[data-view="restarts"] td.mh-restart-cause')
+    expect(beta).to_have_text(synthetic.HTML_CAUSE)
+    assert plugin_frame(page).evaluate("window.__xss") is None
+    assert [c for c in console if c.startswith(("error", "pageerror"))] == []

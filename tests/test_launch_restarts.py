@@ -350,6 +350,7 @@ def test_a_rank_that_keeps_failing_shrinks_the_job_and_sigusr1_grows_it_back(wor
     resumes = [e for e in events if e["event"] == "resume"]
     assert [e["attempt"] for e in resumes] == [0, 1, 2, 3]
     assert resumes[0]["cause"] is None and resumes[0]["steps_lost"] is None
+    assert [e["kind"] for e in resumes] == [None, "restart", "resize", "resize"]
     assert resumes[1]["cause"].startswith("restart 1/3 after rank 1: killed by SIGKILL")
     assert "resize 2 -> 1 workers" in resumes[2]["cause"]
     assert resumes[3]["cause"] == "resize 1 -> 2 workers: asked (SIGUSR1)"

@@ -429,6 +429,48 @@ export function checkpointMarkers(answer) {
   }));
 }
 
+// -- restarts -------------------------------------------------------------------------
+
+/**
+ * Chart markers at the steps a job resumed at after a restart, a preemption or a resize
+ * (GET /restarts), kind 'restart' | 'preemption' | 'resize', labelled with the cause and
+ * what it lost (the server's label).
+ * @param {{markers?: object[]}|null} answer a GET /restarts answer
+ * @returns {Array<{step: number, label: string, kind: string}>}
+ */
+export function restartMarkers(answer) {
+  const kinds = new Set(['restart', 'preemption', 'resize']);
+  return (answer?.markers ?? [])
+    .filter((m) => Number.isInteger(m.step))
+    .map((m) => ({
+      step: m.step,
+      label: String(m.label ?? ''),
+      kind: kinds.has(m.kind) ? m.kind : 'restart',
+    }));
+}
+
+/**
+ * A job's goodput as the figures the view shows (null without one): the share of steps
+ * kept (`useful_steps / all_steps`) and of wall time spent on kept steps
+ * (`useful_seconds / wall_seconds`), with their parts.
+ * @param {{goodput?: object|null}|null} answer a GET /restarts answer
+ * @returns {{stepsRatio: number|null, usefulSteps: number|null, allSteps: number|null,
+ *   timeRatio: number|null, usefulSeconds: number|null, wallSeconds: number|null}|null}
+ */
+export function goodputFigures(answer) {
+  const g = answer?.goodput;
+  if (!g || typeof g !== 'object') return null;
+  const num = (v) => (typeof v === 'number' && Number.isFinite(v) ? v : null);
+  return {
+    stepsRatio: num(g.steps_ratio),
+    usefulSteps: num(g.useful_steps),
+    allSteps: num(g.all_steps),
+    timeRatio: num(g.time_ratio),
+    usefulSeconds: num(g.useful_seconds),
+    wallSeconds: num(g.wall_seconds),
+  };
+}
+
 // -- live tuning ------------------------------------------------------------------------
 
 const BYTE_SUFFIXES = { b: 1, kib: 2 ** 10, mib: 2 ** 20, gib: 2 ** 30, tib: 2 ** 40, pib: 2 ** 50 };

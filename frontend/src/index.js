@@ -3,7 +3,7 @@
 // This module is the controller: it asks the model for data and hands it to the views.
 
 import uPlotCss from 'uplot/dist/uPlot.min.css';
-import { checkpointMarkers, configEvents, configMarkers } from './data.js';
+import { checkpointMarkers, configEvents, configMarkers, restartMarkers } from './data.js';
 import {
   CHART_POINTS,
   FULL_POINTS,
@@ -21,6 +21,7 @@ import {
 } from './model.js';
 import viewCss from './style.css';
 import { renderCheckpoints } from './views/checkpoint_table.js';
+import { renderRestarts } from './views/restarts_view.js';
 import { renderConfigList } from './views/config_list.js';
 import { renderEstimate } from './views/estimate_table.js';
 import { clearWidthCache } from './views/chart.js';
@@ -327,9 +328,10 @@ class App {
   }
 
   /**
-   * Round 2 of a run's refresh: estimate, page moves, step time (with checkpoint markers),
-   * checkpoints, placement, the OOM post-mortem and the live-tuning panel (read at every
-   * poll: its request state lives in files, not in the event stream).
+   * Round 2 of a run's refresh: estimate, page moves, step time (with checkpoint and
+   * restart markers), checkpoints, restarts and goodput, placement, the OOM post-mortem and
+   * the live-tuning panel (tuning and restarts are read at every poll: they live in files,
+   * not in the event stream).
    */
   async refreshOthers(entry, view, token) {
     const stale = () => token !== view.token || !this.selected.has(entry.run);
@@ -343,12 +345,15 @@ class App {
       this.fetchOom(entry).catch(() => null),
       this.tuningOf(entry.run).catch(failed),
       this.fetchCheckpoints(entry).catch(failed),
+      this.model.restarts(entry.run).catch(failed),
     ]);
-    const [pages, timing, placement, estimateAnswer, oomAnswer, tuningAnswer, checkpoints] =
+    const [pages, timing, placement, estimateAnswer, oomAnswer, tuningAnswer, checkpoints, restarts] =
       answers;
     if (stale()) return;
     const force = view.changed; // new tiers or markers: redraw everything
-    const newCheckpoints = view.shown.checkpoints !== checkpoints;
+    // A new /restarts answer each poll: compare what it shows, not the object.
+    const restartsKey = JSON.stringify([restarts?.error?.message, restarts?.markers, restarts?.goodput]);
+    const newMarkers = view.shown.checkpoints !== checkpoints || view.shown.restartsKey !== restartsKey;
     // One scheduler job per view (schedule.js): no long task with many runs. A job of a
     // refresh that went stale does nothing; view.shown is updated once all has drawn.
     const jobs = [
@@ -384,16 +389,22 @@ class App {
       },
       () => this.drawSeriesView(view, 'pages', pages, force),
       () => {
-        // The step-time charts also mark the run's checkpoint saves and restores.
-        if (force || newCheckpoints) {
+        // The step-time charts also mark the run's checkpoint saves and restores, and the
+        // steps its job resumed at after a restart or resize.
+        if (force || view.shown.checkpoints !== checkpoints) {
           const error = checkpoints?.error?.message ?? null;
           renderCheckpoints(parts.checkpointsBody, error ? null : checkpoints, error);
+        }
+        if (force || view.shown.restartsKey !== restartsKey) {
+          const error = restarts?.error?.message ?? null;
+          renderRestarts(parts.restartsBody, error ? null : restarts, error);
         }
         const timingMarkers = [
           ...(view.markers ?? []),
           ...(checkpoints?.error ? [] : checkpointMarkers(checkpoints)),
+          ...(restarts?.error ? [] : restartMarkers(restarts)),
         ];
-        this.drawSeriesView(view, 'timing', timing, force || newCheckpoints, timingMarkers);
+        this.drawSeriesView(view, 'timing', timing, force || newMarkers, timingMarkers);
       },
       () => {
         if (view.shown.placement === placement) return;
@@ -410,7 +421,7 @@ class App {
     ];
     for (const job of jobs) await drawing.run(() => (stale() ? null : job()));
     if (stale()) return;
-    Object.assign(view.shown, { pages, timing, placement, estimateAnswer, oomAnswer, checkpoints });
+    Object.assign(view.shown, { pages, timing, placement, estimateAnswer, oomAnswer, checkpoints, restartsKey });
     view.changed = false;
   }
 

@@ -166,6 +166,14 @@ export class Model {
   }
 
   /**
+   * A job's restarts, resizes and goodput (GET /restarts; not cached: the launcher writes
+   * a file, not summaries, so no max_step tells when it changed).
+   */
+  restarts(run) {
+    return this.getJson('./restarts', { run });
+  }
+
+  /**
    * Run B compared with run A (GET /diff: B − A per step, summaries, placement diff);
    * not cached (the view asks again only when either run's steps grew).
    */

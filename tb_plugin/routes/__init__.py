@@ -10,6 +10,8 @@
 - :mod:`~tb_plugin.routes.tune`: ``GET /tuning`` and ``POST /tune``, the live-tuning panel.
 - :mod:`~tb_plugin.routes.oom`: ``GET /oom``, the out-of-memory post-mortem.
 - :mod:`~tb_plugin.routes.checkpoints`: ``GET /checkpoints``, saves and restores.
+- :mod:`~tb_plugin.routes.restarts`: ``GET /restarts``, a job's restarts, resizes and
+  goodput (``zero-runtime launch --logdir``).
 - :mod:`~tb_plugin.routes.diff`: ``GET /diff``, two runs compared (B - A per step and
   the placement diff); downloads.
 - :mod:`~tb_plugin.routes.static`: ``GET /<asset>``, the built frontend.

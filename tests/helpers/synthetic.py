@@ -42,6 +42,16 @@ OOM_RECENT_STEPS = 8  # steps in the post-mortem's flight-recorder window
 CHECKPOINT_OPS = {RUN_STANDIN: {15: "save", 35: "save"}, RUN_HTML_NAME: {25: "save", 45: "restore"}}
 # A checkpoint tag that is also HTML (the beta run's save): the view must show it as text.
 HTML_CHECKPOINT_TAG = "<b>ckpt</b>"
+# Restarts and resizes of each run's job (zero-runtime launch --logdir: the events file
+# tb_plugin.metadata.RESTARTS_FILE in the run's directory): resume step -> kind.
+RESTART_STEPS = {
+    RUN_STANDIN: {20: "restart", 30: "resize", 40: "resize"},
+    RUN_HTML_NAME: {10: "restart"},
+}
+# A restart cause that is also HTML (the beta run's): the view must show it as text.
+HTML_CAUSE = (
+    "restart 1/3 after rank 0: exited with status 1: ValueError: <img src=x onerror=window.__xss=4>"
+)
 
 
 def wall_time(step: int) -> float:
@@ -345,13 +355,80 @@ def checkpoint(run: str, step: int) -> dict | None:
     return record
 
 
+def goodput(run: str) -> dict:
+    """The ``goodput`` of ``run``'s job at its end (the ``exit`` event): alpha kept 49 of
+    52 steps, 24.5 s of 100 s; beta 49 of 50, 24.5 of 60 s."""
+    alpha = run == RUN_STANDIN
+    every = 52 if alpha else 50
+    wall = 100.0 if alpha else 60.0
+    return {
+        "useful_steps": 49,
+        "all_steps": every,
+        "steps_ratio": round(49 / every, 4),
+        "useful_seconds": 24.5,
+        "wall_seconds": wall,
+        "time_ratio": round(24.5 / wall, 4),
+    }
+
+
+def restart_events(run: str) -> list[dict]:
+    """The events ``zero-runtime launch`` writes for ``run``'s job (docs/multiworker.md):
+    alpha is killed at step 22 and resumes at 20 (2 steps, 15 s lost), shrinks 2 -> 1
+    after its rank 1 is killed again (resumes at 30, 1 step lost) and grows back on
+    SIGUSR1 (resumes at 40, nothing lost): 2 restarts, 2 resizes; beta restarts once at
+    step 10 with the cause :data:`HTML_CAUSE`."""
+    t0 = wall_time(0) - 10.0
+    events = [
+        {"event": "start", "time": t0, "attempt": 0, "nproc": 2, "ports": [1, 2]},
+        {"event": "resume", "time": t0 + 10.0, "attempt": 0, "nproc": 2, "step": 0}
+        | {"kind": None, "cause": None, "steps_lost": None, "seconds_lost": None}
+        | {"restart_seconds": None, "goodput": None},
+    ]
+    nproc, restarts = 2, 0
+    for attempt, (step, kind) in enumerate(sorted(RESTART_STEPS[run].items()), 1):
+        lost = {20: 2, 30: 1, 40: 0, 10: 1}[step]
+        when = wall_time(step)
+        if kind == "restart" or nproc == 2:  # a failure first
+            restarts += 1
+            line = HTML_CAUSE if run == RUN_HTML_NAME else "after rank 1: killed by SIGKILL"
+            cause = line if run == RUN_HTML_NAME else f"restart {restarts}/3 {line}"
+            events.append(
+                {"event": "restart", "time": when - 9.0, "restart": restarts, "max_restarts": 3}
+                | {"rank": 1, "reported_by": 1, "pid": 100 + attempt, "exit_status": 137}
+                | {"signal": "SIGKILL", "cause": "killed by SIGKILL", "uptime_seconds": 5.0}
+                | {"last_step": step + lost}
+            )
+        if kind == "resize":
+            reason = "asked (SIGUSR1)" if nproc == 1 else "rank 1 failed 2 time(s) in a row"
+            events.append(
+                {"event": "resize", "time": when - 9.0, "attempt": attempt, "from_nproc": nproc}
+                | {"to_nproc": 3 - nproc, "reason": reason}
+            )
+            resize = f"resize {nproc} -> {3 - nproc} workers: {reason}"
+            cause = resize if nproc == 1 else f"{cause}; {resize}"
+            nproc = 3 - nproc
+        events.append({"event": "start", "time": when - 8.0, "attempt": attempt, "nproc": nproc})
+        events.append(
+            {"event": "resume", "time": when, "attempt": attempt, "nproc": nproc, "step": step}
+            | {"kind": kind, "cause": cause, "steps_lost": lost}
+            | {"seconds_lost": 10.0 + 2.5 * lost, "restart_seconds": 9.0, "goodput": None}
+        )
+    final = goodput(run)
+    events.append(
+        {"event": "exit", "time": t0 + final["wall_seconds"], "status": 0, "restarts": restarts}
+        | {"reason": "every worker exited 0", "goodput": final}
+    )
+    return events
+
+
 def write_run(logdir: str, run: str, steps: range) -> None:
     """Append ``steps`` of ``run`` to ``logdir/run``.
 
     run_info, placement and estimate at step 0; tiers, readings, pages (stand-in run
     only) and timing at every step; config events at :data:`CONFIG_EVENT_STEPS`; the
     stand-in run's out-of-memory post-mortem at :data:`OOM_STEP` (tag and file);
-    checkpoint records at :data:`CHECKPOINT_OPS` (:func:`checkpoint`; the tag per op).
+    checkpoint records at :data:`CHECKPOINT_OPS` (:func:`checkpoint`; the tag per op);
+    with the last step, the job's restart events file (:func:`restart_events`).
     """
     writer = SummaryWriter(os.path.join(logdir, run))
     try:
@@ -382,6 +459,10 @@ def write_run(logdir: str, run: str, steps: range) -> None:
                 writer.json(metadata.TAG_OOM, step, postmortem, wall_time=wall)
                 with open(os.path.join(logdir, run, OOM_FILE), "w", encoding="utf-8") as fh:
                     json.dump(postmortem, fh, allow_nan=False)
+            if step == NUM_STEPS - 1:
+                path = os.path.join(logdir, run, metadata.RESTARTS_FILE)
+                with open(path, "w", encoding="utf-8") as fh:
+                    fh.writelines(json.dumps(e) + "\n" for e in restart_events(run))
     finally:
         writer.close()
 

@@ -192,7 +192,7 @@ def launch(
     base_env = dict(os.environ if env is None else env)
     requests = Requests()
     restore = forward_signals(requests)
-    restarts, status, attempt, world, cause = 0, 0, 0, nproc, None
+    restarts, status, attempt, world, cause, kind = 0, 0, 0, nproc, None, None
 
     def tick() -> None:
         record = ledger.poll()
@@ -206,7 +206,7 @@ def launch(
                 events.exit(status, restarts, "the launcher received SIGTERM", ledger.goodput())
                 break
             if requests.grow and world < nproc:
-                cause = f"resize {world} -> {nproc} workers: asked (SIGUSR1)"
+                cause, kind = f"resize {world} -> {nproc} workers: asked (SIGUSR1)", "resize"
                 _say(out, lock, f"[launcher] {cause}")
                 events.resize(attempt, world, nproc, "asked (SIGUSR1)")
                 world = nproc
@@ -214,7 +214,7 @@ def launch(
             requests.grow, requests.can_grow = False, world < nproc
             ports = free_ports(world) if port_base is None else range(port_base, port_base + world)
             events.start(attempt, world, tuple(ports))
-            ledger.start(attempt, world, cause)
+            ledger.start(attempt, world, cause, kind)
             outcome = run_group(
                 command,
                 list(ports),
@@ -250,7 +250,7 @@ def launch(
                 events.exit(0, restarts, "every worker exited 0", ledger.goodput())
                 break
             if outcome.preempted == "grow":
-                cause = None
+                cause = kind = None
                 continue  # the grow request is applied at the top of the loop
             if not failure.restartable or restarts >= max_restarts:
                 why = (
@@ -271,6 +271,8 @@ def launch(
             )
             events.restart(restarts, max_restarts, failure, last_step)
             cause = f"restart {restarts}/{max_restarts} after {failure.line()}"
+            preempted = failure.exit_status == PREEMPTED_EXIT_STATUS
+            kind = "preemption" if preempted else "restart"
             smaller = policy.after_failure(world, failure)
             if smaller is not None:
                 reason = (
@@ -280,7 +282,7 @@ def launch(
                 _say(out, lock, f"[launcher] resize {world} -> {smaller} workers: {reason}")
                 events.resize(attempt, world, smaller, reason)
                 cause += f"; resize {world} -> {smaller} workers: {reason}"
-                world = smaller
+                world, kind = smaller, "resize"
     except (LauncherSignalError, KeyboardInterrupt) as stop:
         signum = getattr(stop, "signum", signal.SIGINT)
         status = 128 + signum

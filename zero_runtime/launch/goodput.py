@@ -48,6 +48,8 @@ class Attempt:
         samples: ``(steps, time)`` of each completed-step report seen, in order.
         ended: ``time.time()`` when its failure was seen or it ended, or None.
         cause: why the attempt before it ended (the restart or resize line), or None.
+        kind: ``"restart"``, ``"preemption"`` (the group before it saved and exited 42) or
+            ``"resize"`` (it runs at another world size); None for the first.
         emitted: whether its ``resume`` event was produced.
     """
 
@@ -58,6 +60,7 @@ class Attempt:
     samples: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     ended: float | None = None
     cause: str | None = None
+    kind: str | None = None
     emitted: bool = False
 
     @property
@@ -89,13 +92,16 @@ class Ledger:
         self.path = path
         self.attempts: list[Attempt] = []
 
-    def start(self, number: int, nproc: int, cause: str | None = None) -> None:
-        """A group starts: a new attempt (the progress file is emptied first)."""
+    def start(
+        self, number: int, nproc: int, cause: str | None = None, kind: str | None = None
+    ) -> None:
+        """A group starts: a new attempt (the progress file is emptied first), after a
+        ``kind`` (:class:`Attempt`) for ``cause``."""
         try:
             os.remove(self.path)
         except FileNotFoundError:
             pass
-        self.attempts.append(Attempt(number, nproc, time.time(), cause=cause))
+        self.attempts.append(Attempt(number, nproc, time.time(), cause=cause, kind=kind))
 
     def poll(self) -> dict[str, Any] | None:
         """Read the progress file into the running attempt. Returns the attempt's
@@ -139,7 +145,8 @@ class Ledger:
 
     def resume_record(self, i: int) -> dict[str, Any]:
         """Attempt ``i``'s ``resume`` record: ``attempt``, ``nproc``, ``step`` (resumed
-        at), ``cause`` (of the restart or resize before it; None for the first),
+        at), ``kind`` and ``cause`` (of the restart or resize before it; None for the
+        first),
         ``steps_lost``, ``seconds_lost``, ``restart_seconds`` (None for the first, or
         when unknown), and the ``goodput`` so far (:meth:`goodput`)."""
         a = self.attempts[i]
@@ -148,6 +155,7 @@ class Ledger:
             "attempt": a.number,
             "nproc": a.nproc,
             "step": a.resumed.steps,
+            "kind": a.kind,
             "cause": a.cause,
             "steps_lost": None,
             "seconds_lost": None,

@@ -68,6 +68,10 @@ export function createRunPanel(run) {
   const checkpointsBody = el('div', 'mh-view-body');
   checkpoints.element.append(checkpointsBody);
 
+  const restarts = section('restarts', 'Restarts and goodput');
+  const restartsBody = el('div', 'mh-view-body');
+  restarts.element.append(restartsBody);
+
   const config = section('config', 'Config changes');
   const configList = el('ul', 'mh-config-list');
   config.element.append(configList);
@@ -94,6 +98,7 @@ export function createRunPanel(run) {
     pages.element,
     timing.element,
     checkpoints.element,
+    restarts.element,
     config.element,
     tuning.element,
     placement.element,
@@ -114,6 +119,7 @@ export function createRunPanel(run) {
     pagesBody,
     timingBody,
     checkpointsBody,
+    restartsBody,
     configList,
     oomSection: oom.element,
     oomBody,
