@@ -245,22 +245,23 @@ def assert_bitwise(run: Run, ref: Run) -> None:
         np.testing.assert_array_equal(w, r, err_msg=path)
 
 
-def _unnumbered(path: str) -> str:
-    """``path`` without the counters Keras appends to a name it makes unique in the
-    process (EfficientNet's ``normalization`` is ``normalization_1`` in a second model,
-    ConvNeXt's unnamed LayerScale weight ``variable_4``)."""
-    return re.sub(r"_\d+(?=/|$)", "", path)
+def _weight_name(path: str) -> str:
+    """The variable's own name in ``path``, without the counter Keras appends to a name
+    it makes unique in the process (ConvNeXt's unnamed LayerScale weight is
+    ``variable_4`` in a second model). The layers' names are left out: EfficientNet's
+    ``normalization`` is ``normalization_1`` in a second model, and a reference may be
+    the same layers in another container (``block/hidden`` for ``hidden``)."""
+    return re.sub(r"_\d+$", "", path.rsplit("/", 1)[-1])
 
 
 def compare(run: Run, ref: Run) -> Difference:
     """Measure ``run`` against ``ref`` (MirroredStrategy's, the same model and loop).
 
     Raises:
-        AssertionError: the two runs do not hold the same variables (paths without
-            Keras's name counters, and shapes, in order) or not the same number of
-            losses.
+        AssertionError: the two runs do not hold the same variables (names, without
+            Keras's counters, and shapes, in order) or not the same number of losses.
     """
-    assert [_unnumbered(p) for p in run.paths] == [_unnumbered(p) for p in ref.paths]
+    assert [_weight_name(p) for p in run.paths] == [_weight_name(p) for p in ref.paths]
     assert [w.shape for w in run.weights] == [r.shape for r in ref.weights]
     assert len(run.losses) == len(ref.losses) >= 1
     worst, worst_path, no_grad = 0.0, None, 0.0
