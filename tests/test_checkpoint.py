@@ -136,7 +136,7 @@ def test_reshard_from_two_replicas_to_one_and_four(saved, tmp_path):
     specs = [(1, "cpu"), (2, "nvme"), (3, "cpu")]
     out = tmp_path / "reshard.json"
     nvme = tmp_path / "nvme"
-    nvme.mkdir()
+    nvme.mkdir(exist_ok=True)
     args = [sys.executable, JOB, "restore", str(out), "--replicas", "1,4", "--nvme", str(nvme)]
     args += ["--first-step", str(SAVED_AT), "--steps", str(NEXT)]
     for stage, offload in specs:
@@ -287,7 +287,7 @@ def test_repeated_saves_keep_max_to_keep_and_do_not_grow(tmp_path):
     """20 saves and 20 restores with NVMe optimizer states: the NVMe directory (files,
     bytes), the pool's tiers and the Python heap end where they started."""
     nvme = tmp_path / "nvme"
-    nvme.mkdir()
+    nvme.mkdir(exist_ok=True)
     strategy = _strategy(2, "nvme", str(nvme))
     model = job.build(strategy)
     job.train(model, 0, 1)

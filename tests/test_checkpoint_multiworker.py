@@ -46,7 +46,7 @@ def job_run(tmp_path_factory) -> dict:
     base = tmp_path_factory.mktemp("ckmw")
     out, root, root3, nvme = base / "out", base / "ckpt", base / "ckpt3", base / "nvme"
     out.mkdir()
-    nvme.mkdir()
+    nvme.mkdir(exist_ok=True)
     args = [sys.executable, JOB, "multiworker", str(out), str(root), "--kill-rank", "0"]
     args += ["--first-step", str(SAVED_AT), "--steps", str(NEXT)]
     args += ["--stage3-root", str(root3), "--nvme", str(nvme)]
@@ -57,7 +57,7 @@ def job_run(tmp_path_factory) -> dict:
         for d in (out, root, root3, nvme, base / "ckpt_emb"):
             shutil.rmtree(d, ignore_errors=True)
         out.mkdir()
-        nvme.mkdir()
+        nvme.mkdir(exist_ok=True)
 
     start = time.monotonic()
     status = relaunch.launch_job(2, args, text, reset)

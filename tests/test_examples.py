@@ -54,7 +54,7 @@ def _train(script: Path, out: Path, nvme: Path) -> list[float]:
 @pytest.mark.slow
 def test_both_examples_train_to_the_same_weights(tmp_path):
     nvme = tmp_path / "nvme"
-    nvme.mkdir()
+    nvme.mkdir(exist_ok=True)
     ref = _train(MIRRORED, tmp_path / "mirrored.npz", nvme)
     got = _train(ZERO, tmp_path / "zero.npz", nvme)
     assert len(ref) == len(got) == STEPS

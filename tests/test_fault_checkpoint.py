@@ -181,7 +181,7 @@ def test_corrupt_shards_and_indexes_are_named_nothing_is_lost_and_the_next_save_
     naming the file, no variable changes, the older checkpoint still restores and the next
     save publishes."""
     strategy = _strategy(2, "nvme", str(tmp_path / "nvme"))
-    (tmp_path / "nvme").mkdir()
+    (tmp_path / "nvme").mkdir(exist_ok=True)
     model = job.build(strategy)
     job.train(model, 0, 1)
     found = {}
@@ -254,7 +254,7 @@ def test_a_step_failing_with_enospc_leaves_model_and_optimizer_exactly_as_before
     root = tmp_path / "ckpt"
     CheckpointManager(str(root), model, strategy).save()
     nvme = tmp_path / "nvme2"
-    nvme.mkdir()
+    nvme.mkdir(exist_ok=True)
     strategy2 = _strategy(stage, "nvme", str(nvme))
     restored = job.build(strategy2, seed=99)
     CheckpointManager(str(root), restored, strategy2).restore()
@@ -326,7 +326,7 @@ def test_kill_9_at_random_points_of_training_and_saving_resumes_bitwise(tmp_path
     resume from ``latest`` trains to the end and must equal the uninterrupted run bitwise
     (weights, optimizer states, ``iterations``)."""
     rng = random.Random(22)
-    (tmp_path / "nvme").mkdir()
+    (tmp_path / "nvme").mkdir(exist_ok=True)
     strategy = _strategy(2, "nvme", str(tmp_path / "nvme"))
     model = job.build(strategy)
     job.train(model, 0, KILL_STEPS)
@@ -334,7 +334,7 @@ def test_kill_9_at_random_points_of_training_and_saving_resumes_bitwise(tmp_path
     _close(strategy, model)
     trials = []
     for t in range(KILL_TRIALS):
-        (tmp_path / f"nvme{t}").mkdir()
+        (tmp_path / f"nvme{t}").mkdir(exist_ok=True)
         mark = f"{rng.choice(['train', 'save'])} {rng.randint(2, KILL_STEPS - 1)}"
         trials.append((tmp_path / f"ckpt{t}", tmp_path / f"nvme{t}", mark, rng.uniform(0, 0.05)))
     landed = _kill_children(trials)

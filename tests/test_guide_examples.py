@@ -119,7 +119,7 @@ def _page_line(stderr: str, script: Path, where: list[tuple[int, int]]) -> str:
 
 def _env(tmp_path: Path) -> dict[str, str]:
     nvme = tmp_path / "nvme"
-    nvme.mkdir()
+    nvme.mkdir(exist_ok=True)
     bindir = str(Path(sys.executable).parent)
     return {
         **os.environ,

@@ -52,7 +52,7 @@ def _growth_per_cycle(make_strategy) -> float:
 
 def test_create_train_close_many_times_leaks_nothing(tmp_path, cpu_devices):
     nvme = tmp_path / "nvme"
-    nvme.mkdir()
+    nvme.mkdir(exist_ok=True)
     threads_before = {t.ident for t in threading.enumerate()}
 
     def zero(i: int):
@@ -155,7 +155,7 @@ def test_create_fit_close_releases_threads_descriptors_files_and_pools(stage, cy
     """Every cycle returns to the first cycle's threads and descriptors, leaves no NVMe
     file, and its pools, strategy and model are garbage once dropped."""
     nvme = tmp_path / "nvme"
-    nvme.mkdir()
+    nvme.mkdir(exist_ok=True)
     figures = []
     for i in range(cycles):
         close_model_first = stage == 3 and i % 2 == 1

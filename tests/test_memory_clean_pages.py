@@ -283,7 +283,7 @@ def test_bench_max_model_reports_each_pools_totals(tmp_path):
         sys.path.pop(0)
     layout = FlatLayout.from_variables([SimpleNamespace(shape=(4 * F32_PER_PAGE,), path="w")], 2)
     nvme = tmp_path / "opt"
-    nvme.mkdir()
+    nvme.mkdir(exist_ok=True)
     store = NvmeOptimizerState(layout, ("m",), str(nvme), F32_PER_PAGE, PS)
     with make_pool(tmp_path, host=2, nvme=8) as pool:
         _mixed_kinds_run(pool)

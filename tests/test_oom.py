@@ -454,7 +454,7 @@ def test_pool_oom_deep_inside_a_step_writes_json(tmp_path):
     """The NVMe tier holds one page; the write-behind of the second page fails inside the
     optimizer's host update (a tf.numpy_function inside Keras's train step)."""
     nvme = tmp_path / "nvme"
-    nvme.mkdir()
+    nvme.mkdir(exist_ok=True)
     strategy = zero_runtime.ZeroInfinityStrategy(
         {
             "stage": 1,

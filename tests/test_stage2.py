@@ -376,7 +376,7 @@ def test_optimizer_host_budget_bounds_the_nvme_store_and_changes_no_result(tmp_p
     y = rng.standard_normal((48, 256)).astype("float32")
     runs = {}
     for allowance in (None, budget):
-        (tmp_path / f"nvme{allowance}").mkdir()
+        (tmp_path / f"nvme{allowance}").mkdir(exist_ok=True)
         strategy = zero_runtime.ZeroInfinityStrategy(
             {
                 "stage": 2,

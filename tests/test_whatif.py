@@ -314,7 +314,7 @@ def test_a_fork_is_recorded_and_replayed_with_the_same_moves(tmp_path):
     and the replay makes the same page moves: the source's read from NVMe and its
     clean hand-over, no write."""
     nvme_dir = tmp_path / "nvme"
-    nvme_dir.mkdir()
+    nvme_dir.mkdir(exist_ok=True)
     with PagedBufferPool(
         host_budget_bytes=4 * PAGE, page_size_bytes=PAGE, nvme_path=str(nvme_dir)
     ) as pool:
