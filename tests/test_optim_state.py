@@ -561,6 +561,27 @@ def test_fused_kernels_are_bitwise_the_numpy_kernels(case, restore_backend):
             np.testing.assert_array_equal(g.view(np.uint32), w.view(np.uint32))
 
 
+def test_weight_decay_kernel_is_kerass_decay_in_a_tf_function():
+    """Keras's ``variable.assign_sub(variable * wd * lr)`` runs inside the step's
+    ``tf.function``, where Grappler computes ``variable * (wd * lr)``: the host kernel is
+    bitwise that (the eager order ``(v * wd) * lr`` is not, on these values)."""
+    import tensorflow as tf
+
+    init = np.random.RandomState(0).normal(size=4096).astype(np.float32)
+    var, lr = tf.Variable(init), tf.Variable(0.01)
+
+    @tf.function
+    def decay():  # keras/src/backend/tensorflow/optimizer.py, _apply_weight_decay
+        var.assign_sub(var * tf.cast(0.1, tf.float32) * tf.cast(lr, tf.float32))
+
+    decay()
+    param = init.copy()
+    kernels.weight_decay(param, _F(0.1), _F(lr.numpy()))
+    np.testing.assert_array_equal(param.view(np.uint32), var.numpy().view(np.uint32))
+    eager = init - init * _F(0.1) * _F(lr.numpy())
+    assert np.any(eager != param)
+
+
 @pytest.mark.parametrize("case", ["adam", "adamw", "adamw_ema"])
 def test_fused_adam_is_bitwise_keras(case, restore_backend):
     """The fused host Adam against Keras's own ``Adam``/``AdamW`` on one variable, 6

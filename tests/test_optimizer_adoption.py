@@ -16,6 +16,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
+from helpers.mirrored import Mirrored
 
 import zero_runtime
 import zero_runtime.optim
@@ -141,6 +142,30 @@ def test_unsupported_class_runs_stock_where_the_strategy_is_plain_data_parallel(
             assert strategy.runtime.fallback_mirrored is True  # said in every step record
         finally:
             strategy.close()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+        lambda: keras.optimizers.SGD(0.05, momentum=0.9, weight_decay=0.1),
+    ],
+    ids=["AdamW", "SGD"],
+)
+def test_weight_decay_with_host_states_is_bitwise_mirrored(stage1, cpu_devices, make):
+    """Decoupled weight decay applied by the host update (offload_optimizer='cpu') in
+    the order TensorFlow computes Keras's inside the step (kernels.weight_decay): the
+    weights are bitwise those of MirroredStrategy with Keras's own optimizer."""
+    weights = []
+    for strategy in (stage1, Mirrored(cpu_devices)):
+        with strategy.scope():
+            model = _model()
+            model.compile(optimizer=make(), loss="mse")
+        model.fit(X, Y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+        weights.append(model.get_weights())
+    assert isinstance(model.optimizer, type(make()))  # the reference is Keras's own
+    for got, ref in zip(*weights):
+        np.testing.assert_array_equal(got, ref)
 
 
 def test_placement_describes_the_current_optimizers_after_a_recompile():

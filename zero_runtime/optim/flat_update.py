@@ -424,9 +424,8 @@ class FlatShardUpdate(SplitShardUpdate):
         np.copyto(out, param)
         param = out
         if any(decayed):  # Keras: v - v * wd * lr, before the update
-            wd, lr = np.float32(wd), np.float32(lr)
             for s, e in zs.layout.active_ranges(replica, decayed):
-                param[s:e] = param[s:e] - param[s:e] * wd * lr
+                kernels.weight_decay(param[s:e], wd, lr)
         self._zero_begin(replica, int(step))
         self._zero_store_update(replica, active, param, grad, scalars, int(step))  # ema.py
         return param, time.perf_counter() - start

@@ -77,6 +77,26 @@ def tiles(n: int, tile: int = TILE_ELEMENTS) -> Iterator[tuple[int, int]]:
         yield start, min(n, start + tile)
 
 
+def weight_decay(param: np.ndarray, wd: np.float32, lr: np.float32) -> None:
+    """Keras's decoupled weight decay on a shard, in place: ``param -= param * (wd * lr)``.
+
+    Keras writes ``variable.assign_sub(variable * wd * lr)``
+    (``keras/src/backend/tensorflow/optimizer.py``, ``_apply_weight_decay``), and every
+    training step runs it inside a ``tf.function``, where Grappler's arithmetic
+    optimizer folds the two scalar factors first: TensorFlow computes
+    ``variable - variable * float32(wd * lr)``. Measured on 4096 normal float32 values,
+    ``wd`` 0.1, ``lr`` 0.01: the eager order ``(param * wd) * lr`` differs from it in 4
+    elements by 1 ulp; this order is bitwise equal (with the arithmetic optimizer off,
+    TensorFlow computes the eager order).
+
+    Args:
+        param: float32 ``[n]``, decayed in place.
+        wd: ``float32(weight_decay)``.
+        lr: the step's learning rate, float32.
+    """
+    param -= param * (np.float32(wd) * np.float32(lr))
+
+
 def adam_update(
     param: np.ndarray,
     grad: np.ndarray,

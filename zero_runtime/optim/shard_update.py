@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from zero_runtime.lifecycle import host_function
 from zero_runtime.memory import staging
+from zero_runtime.optim import kernels
 from zero_runtime.optim.device_state import DeviceOptimizerState
 from zero_runtime.optim.host_state import HostOptimizerState
 from zero_runtime.optim.replica_context import replica_id
@@ -177,12 +178,11 @@ class ShardedUpdate:
         if journals is not None:  # the step writes these shards: keep their old values
             journals.record_params(replica, tuple(variables), param)  # copied
         if wd is not None and self.weight_decay:
-            wd, lr = np.float32(wd), np.float32(lr)
             off = 0
             for v in variables:
                 end = off + v.shard_elements
                 if self._use_weight_decay(v):  # Keras: v - v * wd * lr
-                    param[off:end] = param[off:end] - param[off:end] * wd * lr
+                    kernels.weight_decay(param[off:end], wd, lr)
                 off = end
         return param
 
@@ -260,7 +260,7 @@ class ShardedUpdate:
 
             def update(param: np.ndarray, off=off, end=end, decay=decay, last=last) -> None:
                 if decay:  # Keras: v - v * wd * lr
-                    param[:] = param - param * wd * lr
+                    kernels.weight_decay(param, wd, lr)
                 store.update(
                     replica,
                     ((off, end),),
