@@ -102,7 +102,8 @@ TUNABLE_KEYS: Mapping[str, Tunable] = MappingProxyType(
                 "elements",
                 0,
                 _MAX_ELEMENTS,
-                "parameters with fewer elements may stay gathered (a permission)",
+                "parameters with fewer elements may stay gathered (a permission; "
+                "the engine keeps none, the estimator counts them replicated)",
                 "rebuild (stage 3's traced plan)",
             ),
             Tunable(

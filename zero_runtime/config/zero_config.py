@@ -61,9 +61,12 @@ class ZeroConfig:
             (default) meaning unbounded (the file system's free space).
             Must be >= ``page_size_bytes``.
         persistence_threshold: parameters with fewer elements than this *may* stay
-            gathered (DeepSpeed's ``stage3_param_persistence_threshold``, default 1e5),
-            elements, int >= 0. A permission, not a bound: stage 3 gathers a unit's small
-            parameters in the unit's one all-gather, per use. Default 100_000.
+            gathered between uses (DeepSpeed's ``stage3_param_persistence_threshold``,
+            default 1e5), elements, int >= 0. A permission, not a bound: the stage-3
+            engine keeps none gathered (a unit's small parameters move in its one
+            all-gather, per use), so a run is the same for every value; only the
+            estimator reads it, counting weights below it as replicated on the device as
+            DeepSpeed places them. Default 100_000.
         prefetch_bucket_size: elements of parameters fetched ahead of use, int >= 0; 0
             disables prefetch. Default 50_000_000 (DeepSpeed's 5e7).
         max_live_parameters: upper bound on gathered (unsharded) parameter elements resident
