@@ -32,6 +32,7 @@ from zero_runtime.stage3 import autoshard, loss_scaling, shard_norm
 from zero_runtime.stage3.accumulation import ShardAccumulator
 from zero_runtime.stage3.clipping import clip_shards, clipping_active
 from zero_runtime.stage3.engine import Stage3Engine
+from zero_runtime.stage3.units_path import replica_id
 
 log = logging.getLogger(__name__)
 
@@ -163,9 +164,7 @@ class ShardedModel(keras.Model):
             )
             return loss if lso is None else lso.scale_loss(loss)
 
-        replica = int(
-            tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group)
-        )
+        replica = replica_id()
         # With host/NVMe optimizer states (and no accumulation, clipping or loss scaling)
         # each unit's shards are updated during backward (optim/backward_update.py).
         in_backward = backward_update.supported(opt)
@@ -226,9 +225,7 @@ class ShardedModel(keras.Model):
             NotImplementedError: loss scaling with accumulation or a row-paged table
                 (:func:`~zero_runtime.stage3.loss_scaling.check_supported`).
         """
-        replica = int(
-            tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group)
-        )
+        replica = replica_id()
         replica_barrier()  # as in UnitsPath.forward_backward
         given, rows = {}, {}
         for g, v in zip(grads, variables):
