@@ -41,6 +41,11 @@ from typing import IO
 #: ops) or SIGKILL; checkpoints are atomic (docs/checkpoint.md), so nothing is lost.
 TERMINATE_GRACE_SECONDS = 3.0
 
+#: A stopped worker that uses less CPU than this (seconds) over :data:`IDLE_WINDOW_SECONDS`
+#: waits (a collective whose peer died) and is killed then, not after the whole grace.
+IDLE_CPU_SECONDS = 0.02
+IDLE_WINDOW_SECONDS = 0.5
+
 #: Exit status of a worker that saved after a preemption signal and asks to be restarted
 #: (TensorFlow's PreemptionCheckpointHandler; ``zero_runtime.preemption``).
 PREEMPTED_EXIT_STATUS = 42
@@ -469,20 +474,46 @@ def _wait_exit(workers: list[Worker], seconds: float) -> None:
 
 
 def _stop_all(workers: list[Worker]) -> None:
-    """Stop every running worker's process group: SIGTERM and SIGINT, SIGKILL after
-    :data:`TERMINATE_GRACE_SECONDS`."""
+    """Stop every running worker's process group: SIGTERM and SIGINT, then SIGKILL after
+    :data:`TERMINATE_GRACE_SECONDS`, or as soon as the worker used less than
+    :data:`IDLE_CPU_SECONDS` of CPU over :data:`IDLE_WINDOW_SECONDS` (it waits, e.g. in
+    a collective whose peer died, where SIGINT cannot reach its Python code: waiting out
+    the grace period would only delay the restart)."""
     running = [w for w in workers if w.state is WorkerState.RUNNING]
     for w in running:
         _signal_group(w.process, signal.SIGTERM)
         _signal_group(w.process, signal.SIGINT)  # SIGTERM alone is caught by TF (see above)
     deadline = time.monotonic() + TERMINATE_GRACE_SECONDS
-    for w in running:
-        try:
-            w.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _signal_group(w.process, signal.SIGKILL)
-            w.process.wait()
-        w.state, w.returncode = WorkerState.STOPPED, w.process.returncode
+    seen = {w.rank: (time.monotonic(), _cpu_seconds(w.process.pid)) for w in running}
+    while running:
+        for w in list(running):
+            if w.process.poll() is not None:
+                running.remove(w)
+                continue
+            since, cpu = seen[w.rank]
+            now, used = time.monotonic(), _cpu_seconds(w.process.pid)
+            idle = now - since >= IDLE_WINDOW_SECONDS and used - cpu < IDLE_CPU_SECONDS
+            if idle or now >= deadline:
+                _signal_group(w.process, signal.SIGKILL)
+                w.process.wait()
+                running.remove(w)
+            elif now - since >= IDLE_WINDOW_SECONDS:
+                seen[w.rank] = (now, used)
+        time.sleep(0.05)
+    for w in workers:
+        if w.state is WorkerState.RUNNING:
+            w.state, w.returncode = WorkerState.STOPPED, w.process.returncode
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads; ``/proc/<pid>/stat``
+    fields 14 and 15, in clock ticks); 0.0 when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def kill_group_leftovers(pgid: int) -> list[int]:
