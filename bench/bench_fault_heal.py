@@ -33,7 +33,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import random
 import re
 import signal
@@ -46,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 import psutil
+from bench_restart import run_header
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results" / "fault_heal.json"
@@ -222,14 +222,7 @@ def main() -> int:
     terms_lost = [x["steps_lost"] for x in lost if x["kind"] == "preemption"]
     restart_s = [x["restart_seconds"] for x in lost if x["restart_seconds"] is not None]
     result = {
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": {
-            "nproc": os.cpu_count(),
-            "cpu": platform.processor() or platform.machine(),
-            "ram_bytes": psutil.virtual_memory().total,
-        },
-        "load_average_before": [round(x, 2) for x in load_before],
-        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        **run_header(load_before),
         "job": (
             f"tests/helpers/heal_job.py: ZeRO stage 3, parameters and optimizer states on "
             f"NVMe, 2 workers x 1 CPU replica, {args.epochs} epochs x 6 steps, "

@@ -70,6 +70,21 @@ def _worker_pid(launcher: int, rank: int) -> int:
     raise RuntimeError(f"no worker of rank {rank} under pid {launcher}")
 
 
+def run_header(load_before: tuple[float, float, float]) -> dict:
+    """A result's ``date``, ``machine`` (CPUs, processor, RAM bytes) and the load averages
+    (1, 5, 15 min) ``load_average_before`` (given: taken at the start) and ``_after``."""
+    return {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": {
+            "nproc": os.cpu_count(),
+            "cpu": platform.processor() or platform.machine(),
+            "ram_bytes": psutil.virtual_memory().total,
+        },
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
 def one_round(steps: int, kill_at: int, work: Path) -> dict:
     """One launch with one kill; the timeline in seconds (module docstring)."""
     ckpt, logs = work / "ckpt", work / "logs"
@@ -165,14 +180,7 @@ def main() -> int:
         print(f"round {i}: {json.dumps(rounds[-1])}", flush=True)
     keys = [k for k in rounds[0] if k.endswith("_seconds") or k.startswith("goodput")]
     result = {
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": {
-            "nproc": os.cpu_count(),
-            "cpu": platform.processor() or platform.machine(),
-            "ram_bytes": psutil.virtual_memory().total,
-        },
-        "load_average_before": [round(x, 2) for x in load_before],
-        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        **run_header(load_before),
         "job": (
             f"demo/train.py defaults (GPT, ZeRO stage 1), 2 workers x 1 CPU replica, "
             f"{args.steps} steps, a checkpoint every 5; rank 1 SIGKILLed after step "
