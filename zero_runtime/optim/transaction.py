@@ -2,8 +2,8 @@
 transaction.
 
 With optimizer states on NVMe (:class:`~zero_runtime.optim.nvme_state.NvmeOptimizerState`)
-every step is a transaction (issue #22 item 4: after an ``ENOSPC`` inside a step, all
-states had changed while ``iterations`` had not, and a checkpoint then was inconsistent):
+every step is a transaction (without one, an ``ENOSPC`` inside a step would leave every
+state changed while ``iterations`` had not, and a checkpoint then would be inconsistent):
 
 - the store journals the old values of every state sub-group the step changes
   (:class:`~zero_runtime.optim.nvme_state.StepTransaction`);

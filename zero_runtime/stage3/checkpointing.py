@@ -1,4 +1,4 @@
-"""Activation checkpointing of a stage-3 model's blocks on the units path (issue #17).
+"""Activation checkpointing of a stage-3 model's blocks on the units path.
 
 Once parameters, gradients and optimizer states leave the device (offload, the update
 during backward, memory-centric tiling), what a deep model's training step still holds

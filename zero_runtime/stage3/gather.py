@@ -71,7 +71,7 @@ class Unit:
         variables: its sharded originals (one flat parameter: their shards concatenated).
         call: the layer's own ``call`` (bound), what the hook runs.
         tiles: a :class:`~zero_runtime.stage3.tiling.TiledCall` when the unit runs as
-            column tiles (memory-centric tiling, issue #17), else None (default).
+            column tiles (memory-centric tiling), else None (default).
         hooked: True (default) when the layer's ``call`` is hooked. False for a layer
             that also holds other units (``TokenAndPositionEmbedding`` owning a position
             table and an ``Embedding``): a use of it would nest their uses inside its

@@ -1,6 +1,5 @@
 """The stage-3 engine's placement table: where each parameter, gradient and optimizer
-state of a stage-3 model lives (the Memory Hierarchy view's placement rows, issue #16's
-split of the engine into modules with one job each).
+state of a stage-3 model lives (the Memory Hierarchy view's placement rows).
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""The units path's read schedule: NVMe parameter prefetch along the recorded reads
-(issue #16).
+"""The units path's read schedule: NVMe parameter prefetch along the recorded reads.
 
 On the units path (:mod:`zero_runtime.stage3.units_path`) each use of a unit whose shards
 live in pool pages reads them in one blocking host call (``gather._read_shards``; a tile

@@ -315,8 +315,8 @@ class _Tile:
         (:meth:`~zero_runtime.stage3.gather.UnitRunner.update_now`: the kernel read by
         this use alone), the buffer goes to the host update there and then and the
         anchor gets no gradient, so no tiled kernel's gradient shard waits on the device
-        for the step's end (issue #17: the device working set is then a tile plus
-        activations, whatever the model's size).
+        for the step's end (the device working set is then a tile plus activations,
+        whatever the model's size).
         """
         is_float = x.dtype.is_floating
         if kbuf is None:  # forward only

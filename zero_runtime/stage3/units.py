@@ -1,4 +1,4 @@
-"""Which layers are stage-3 *units*, found from the model's own layers (issue #15).
+"""Which layers are stage-3 *units*, found from the model's own layers.
 
 Vocabulary (docs/stage3_design.md): the **original** variable is what the user's layer
 created; its **unit** is the layer whose ``call`` gathers it (one all-gather per use of
