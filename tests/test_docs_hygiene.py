@@ -23,7 +23,6 @@ SKIPPED = ("bench/results/", "tests/test_docs_hygiene.py")
 #: as soon as its file is clean: ``test_allowlist_names_only_files_with_history`` fails
 #: for an entry without hits, so this tuple only shrinks.
 ALLOWLIST = (
-    "docs/parity.md",
     "docs/stage3_design.md",
     "docs/zero_stages.md",
 )
