@@ -258,8 +258,12 @@ def test_both_runs_side_by_side_in_the_tab(main_job, tensorboard_server, browser
         box = tuning.locator(".mh-whatif")
         expect(box).to_have_attribute("data-state", "ready", timeout=120_000)
         peak = box.locator('tr[data-key="device_peak"]')
-        assert 0 < float(peak.get_attribute("data-predicted")) <= 6 << 20
-        assert float(peak.get_attribute("data-now")) > 6 << 20
+        # The whole device tier (the gathered units included) within the proposed budget;
+        # the demo's pool keeps no page on the device (parameters and states live on the
+        # host and NVMe), so the budget moves nothing and the peak stays as measured.
+        predicted = float(peak.get_attribute("data-predicted"))
+        assert 0 < predicted <= 6 << 20
+        assert float(peak.get_attribute("data-now")) == predicted
         expect(mirrored.locator(".mh-tuning")).to_have_attribute("data-mode", "read-only")
     finally:
         page.context.close()

@@ -43,6 +43,11 @@ class PoolCore:
     Attributes:
         access: bytes in and out of pages; None in a simulation (nothing is copied).
         trace: the access trace the façade appends to; None in a simulation.
+        outside_device: ``{"gathered_bytes", "reserved_bytes"}`` of the device tier held
+            outside the pool (a stage-3 step's gathered units; the budget's share kept
+            for them and frozen weights), as its owner last reported them at a step
+            boundary; empty when the owner reports none. Traced with each step, so a
+            replay predicts the whole device tier.
     """
 
     cond: PoolCondition
@@ -57,6 +62,7 @@ class PoolCore:
     prefetcher: Prefetcher
     snapshot: SnapshotFn  # (nbytes, tensor_id, tier, reason) -> OomSnapshot
     trace: AccessTrace | None = None
+    outside_device: dict = dataclasses.field(default_factory=dict)
 
     @property
     def device(self) -> DeviceTier:
@@ -310,6 +316,8 @@ class PoolCore:
         traced = self.trace is not None and self.trace.enabled
         if traced:
             measured = {**dataclasses.asdict(snapshot), **self.figures()}
+            if self.outside_device:
+                measured["outside_device"] = dict(self.outside_device)
         self.counters.reset()
         for tier in self.tiers.values():
             tier.reset_peak()

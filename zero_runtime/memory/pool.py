@@ -39,7 +39,7 @@ import enum
 import logging
 import math
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -601,15 +601,25 @@ class PagedBufferPool(PoolHints, PoolViews):
         with self._p.cond:
             return self._p.counters.totals()
 
-    def step_boundary(self, step: int) -> PageCounters:
+    def step_boundary(
+        self, step: int, outside_device: Mapping[str, int] | None = None
+    ) -> PageCounters:
         """Close step ``step``: return its counters, zero them, restart peaks and the order.
 
         Pages used afterwards are stamped with step ``step + 1``.
+
+        Args:
+            step: the step closed (0-based).
+            outside_device: ``{"gathered_bytes", "reserved_bytes"}`` (bytes): what the
+                pool's owner holds on the device outside the pool this step, recorded
+                with the step's trace (None: as last reported).
 
         Returns:
             The step's :class:`PageCounters` (fields named as ``PAGE_COLUMNS``).
         """
         with self._p.cond:
+            if outside_device is not None:
+                self._p.outside_device = {k: int(v) for k, v in outside_device.items()}
             return self._p.close_step(step)
 
     def _trace(self, *event: object) -> None:

@@ -431,6 +431,17 @@ def summarize(figures: Sequence[StepFigures | Mapping[str, Any]]) -> dict[str, A
     return out
 
 
+def _with_outside(measured: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A recorded step's figures with its gathered bytes (outside the pool) added to the
+    device peak, as the replayed steps' are."""
+    gathered = int((measured.get("outside_device") or {}).get("gathered_bytes", 0))
+    if not gathered:
+        return measured
+    peak = dict(measured["peak_bytes"])
+    peak["device"] = peak.get("device", 0) + gathered
+    return {**measured, "peak_bytes": peak}
+
+
 def predict(
     records: Sequence[Mapping[str, Any]],
     current: Mapping[str, Any],
@@ -463,18 +474,29 @@ def predict(
     steps = usable_steps(records)
     notes = []
     ps = steps[0].page_size
+    # The device tier outside the pool (a stage-3 step's gathered units, and the budget's
+    # share kept for them and frozen weights), as the last recorded step reported it.
+    outside = steps[-1].measured.get("outside_device") or {}
+    gathered = int(outside.get("gathered_bytes", 0))
+    reserved = int(outside.get("reserved_bytes", 0))
     proposal_args: dict[str, Any] = {}
     for key, value in updates.items():
         if key == "device_budget_bytes":
             if value is None:
                 raise ReplayError("device_budget_bytes=None (the default) cannot be simulated")
-            if int(value) < ps:
+            if int(value) - reserved < ps:
+                outside_text = (
+                    f" plus the {reserved} bytes this run holds on the device outside its "
+                    "pool (gathered parameters, frozen weights)"
+                    if reserved
+                    else ""
+                )
                 raise ReplayError(
                     f"device_budget_bytes={value} is below one page of this run's pool "
-                    f"({ps} bytes, page_size_bytes): the pool cannot take it (the key's own "
-                    "lower bound is for any run)"
+                    f"({ps} bytes, page_size_bytes){outside_text}: the run cannot take it "
+                    "(the key's own lower bound is for any run)"
                 )
-            proposal_args["device_slots"] = int(value) // ps
+            proposal_args["device_slots"] = (int(value) - reserved) // ps
             if int(value) % ps:
                 notes.append(
                     f"device_budget_bytes={value} is used as {int(value) // ps * ps} bytes: "
@@ -504,7 +526,10 @@ def predict(
         notes.append("no NVMe tier: the job does not prefetch")
     baseline = replay(steps)
     proposed = replay(steps, Proposal(**proposal_args))
-    recorded_summary = summarize([s.measured for s in steps])
+    if gathered:  # every figure is the whole device tier, as the tiers record shows it
+        for f in (*baseline.steps, *proposed.steps):
+            f.peak_bytes["device"] = f.peak_bytes.get("device", 0) + gathered
+    recorded_summary = summarize([_with_outside(s.measured) for s in steps])
     misses = sum(float(s.measured.get("prefetch_misses", 0)) for s in steps)
     stall = sum(float(s.measured.get("stall_seconds", 0)) for s in steps)
     per_miss = stall / misses if misses else None

@@ -343,13 +343,13 @@ class Stage3Engine:
                 return last
             usage = self.pool.usage()
             capacity = usage["device"].capacity_bytes or 0
-            record = PoolStep(
-                step,
-                usage,
-                self.pool.step_boundary(step),
-                gathered_bytes=self.device_plan.gathered,
-                reserved_bytes=max(0, self._device_budget() - capacity),
-            )
+            outside = {
+                "gathered_bytes": self.device_plan.gathered,
+                "reserved_bytes": max(0, self._device_budget() - capacity),
+            }
+            # The bytes outside the pool go with the step's trace: a what-if replay of a
+            # device budget then predicts the whole device tier (memory/simulate.py).
+            record = PoolStep(step, usage, self.pool.step_boundary(step, outside), **outside)
             self.device_peaks.append(usage["device"].peak_bytes)
             self.last_step = record
             return record
