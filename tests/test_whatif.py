@@ -243,10 +243,16 @@ def test_replayed_stall_uses_the_recorded_stall_per_miss_and_notes_explain(tmp_p
 
 # --- a real stage-3 job -------------------------------------------------------------------
 STEPS = 8
-HIGH, LOW = 64 * PAGE, 16 * PAGE  # all gathered buffers of a step need 28 pages
+#: The stage-3 job's device budgets: HIGH caches every row page of its table on the
+#: device tier; LOW leaves room for about 11 of its 40, so rows page in and out.
+HIGH, LOW = 4 << 20, 1 << 20
+VOCAB, SEQ = 40_000, 16  # the row-paged table (40 row pages of 64 KiB) and ids per sample
 
 
 def _stage3_job(run: str, budget: int) -> None:
+    """A stage-3 job whose pool pages on the device tier: a row-paged 40 000 x 16
+    embedding table and a Dense head, parameters on the device, ``budget`` the device
+    budget (the pool's row cache is what it bounds: zero_runtime/stage3/device_plan.py)."""
     import keras
     import tensorflow as tf
 
@@ -254,12 +260,11 @@ def _stage3_job(run: str, budget: int) -> None:
 
     config = {
         "stage": 3,
-        "offload_param": "cpu",
+        "offload_param": "none",
         "offload_optimizer": "cpu",
         "page_size_bytes": PAGE,
         "device_budget_bytes": budget,
-        "persistence_threshold": 300,
-        "max_reuse_distance": 10**9,
+        "embedding_row_paging_threshold": 100_000,
         "collective_timeout_seconds": 30,
     }
     strategy = zero_runtime.ZeroInfinityStrategy(config, logdir=run)
@@ -267,16 +272,19 @@ def _stage3_job(run: str, budget: int) -> None:
     with strategy.scope():
         model = strategy.shard_model(
             keras.Sequential(
-                [keras.Input((64,))]
-                + [keras.layers.Dense(256, activation="relu") for _ in range(3)]
-                + [keras.layers.Dense(10)]
+                [
+                    keras.Input((SEQ,), dtype="int32"),
+                    keras.layers.Embedding(VOCAB, 16),
+                    keras.layers.GlobalAveragePooling1D(),
+                    keras.layers.Dense(10),
+                ]
             )
         )
         model.compile(
             optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         )
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((STEPS * 16, 64)).astype("float32")  # [N, 64]
+    x = rng.integers(0, VOCAB, size=(STEPS * 16, SEQ)).astype("int32")  # [N, SEQ]
     y = rng.integers(0, 10, size=(STEPS * 16,)).astype("int32")  # [N]
     model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(16), epochs=1, verbose=0)
     model.close()
