@@ -405,7 +405,9 @@ def summarize(figures: Sequence[StepFigures | Mapping[str, Any]]) -> dict[str, A
     """Means per step of the counters, the highest peak and the last used bytes per tier.
 
     Args:
-        figures: replayed :class:`StepFigures`, or recorded steps' ``measured`` dicts.
+        figures: replayed :class:`StepFigures`, or recorded steps' ``measured`` dicts
+            (a recorded device peak gets the step's gathered bytes outside the pool added,
+            as the replay's has: the whole device tier).
 
     Returns:
         ``{}`` for none, else the counters' means per step (``d2h_pages`` ...
@@ -417,6 +419,7 @@ def summarize(figures: Sequence[StepFigures | Mapping[str, Any]]) -> dict[str, A
         if isinstance(f, StepFigures):
             rows.append((f.counters, f.peak_bytes, f.used_bytes))
         else:
+            f = _with_outside(f)
             rows.append((f, f["peak_bytes"], f["used_bytes"]))
     if not rows:
         return {}
@@ -529,7 +532,7 @@ def predict(
     if gathered:  # every figure is the whole device tier, as the tiers record shows it
         for f in (*baseline.steps, *proposed.steps):
             f.peak_bytes["device"] = f.peak_bytes.get("device", 0) + gathered
-    recorded_summary = summarize([_with_outside(s.measured) for s in steps])
+    recorded_summary = summarize([s.measured for s in steps])
     misses = sum(float(s.measured.get("prefetch_misses", 0)) for s in steps)
     stall = sum(float(s.measured.get("stall_seconds", 0)) for s in steps)
     per_miss = stall / misses if misses else None
