@@ -485,9 +485,12 @@ def test_predicted_versus_measured_and_config_markers(views_page):
         ["30", "step 30", "prefetch_depth: 3 → 4"],
     ]
     for step in (10, 30):
-        expect(frame.locator(f'{ALPHA} .mh-marker[data-step="{step}"]')).to_have_count(
-            CHARTS_PER_ALPHA_PANEL
-        )
+        # A config change is marked on every chart (markers without a kind); step 30 is
+        # also where the synthetic job resumed after a resize, marked on the step-time charts.
+        config_markers = f'{ALPHA} .mh-marker:not([data-kind])[data-step="{step}"]'
+        expect(frame.locator(config_markers)).to_have_count(CHARTS_PER_ALPHA_PANEL)
+    resized = frame.locator(f'{ALPHA} .mh-marker[data-kind="resize"][data-step="30"]')
+    expect(resized).to_have_count(2)  # the two step-time charts
     marker = frame.locator(f'{ALPHA} .mh-tier-cell[data-tier="device"] .mh-marker').first
     assert marker.get_attribute("title") == "step 10: prefetch_depth: 1 → 2"
     assert marker.bounding_box()["height"] > 100  # a vertical line across the plot

@@ -95,7 +95,7 @@ def test_over_the_target_shrinks_at_once_and_growth_waits_for_a_quiet_window():
     top = c.target_bytes // PAGE * PAGE
     assert d.updates == {"device_budget_bytes": min(budget - cut + grow, top)}
     # a window with one step above the low mark does not grow it
-    for s, peak in ((6, 79 * MIB), (7, 85 * MIB), (8, 79 * MIB), (9, 79 * MIB)):
+    for s, peak in ((6, 79 * MIB), (7, 84 * MIB), (8, 79 * MIB), (9, 79 * MIB)):
         assert c.observe(s, peak, NVME3) is None
 
 
@@ -104,11 +104,11 @@ def test_a_long_tail_shrinks_the_budget_before_a_step_goes_over():
     c.observe(0, 0, NVME3)
     budget = c.budget
     assert c.observe(1, 86 * MIB, NVME3) is None  # one or two peaks: no judgement yet
-    assert c.observe(2, 80 * MIB, NVME3) is None
-    d = c.observe(3, 81 * MIB, NVME3)  # reach 86 + (86 - 80) / 2 = 89 MiB: under 90
+    assert c.observe(2, 83 * MIB, NVME3) is None
+    d = c.observe(3, 84 * MIB, NVME3)  # reach 86 + (86 - 83) = 89 MiB: under 90
     assert d is None
-    d = c.observe(4, 77 * MIB, NVME3)  # reach 86 + (86 - 77) / 2 = 90.5 MiB: over 90
-    reach = 86 * MIB + 4.5 * MIB
+    d = c.observe(4, 81 * MIB, NVME3)  # reach 86 + (86 - 81) = 91 MiB: over 90
+    reach = 86 * MIB + 5 * MIB
     assert reach > c.target_bytes
     cut = math.ceil(2 * (reach - c.target_bytes) / PAGE) * PAGE
     assert d.updates == {"device_budget_bytes": budget - cut}

@@ -235,7 +235,9 @@ def launch(
             attempt += 1
             if outcome.preempted == "stop":
                 saved = all(code == PREEMPTED_EXIT_STATUS for code in outcome.returncodes)
-                status = PREEMPTED_EXIT_STATUS if saved else (status or 128 + signal.SIGTERM)
+                # Not saved: the launcher's own status, whatever the workers died of on
+                # the way down (a peer's lost connection, an abort in a collective).
+                status = PREEMPTED_EXIT_STATUS if saved else 128 + signal.SIGTERM
                 why = (
                     f"every worker saved and exited {PREEMPTED_EXIT_STATUS}"
                     if saved

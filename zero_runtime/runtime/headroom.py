@@ -25,7 +25,7 @@ first traces), decides at step boundaries:
   i.e. twice the overshoot, until two budgets are measured); the spread is there because
   the peak moves from step to step with the same budget;
 - **a tail too close** (from ``TAIL_SAMPLES`` peaks at the current budget on): the reach
-  of the last ``interval`` peaks, their largest plus half their spread (max - min), is over
+  of the last ``interval`` peaks, their largest plus their spread (max - min), is over
   the target. The peak's tail is long (measured on the CPU stand-in: peaks of
   11.1-11.8 MiB, then one of 13.8 MiB), so a budget that only reacts to steps over the
   target leaves too many of them over: the budget shrinks by the reach's overshoot
@@ -244,7 +244,7 @@ class HeadroomController:
             return self._shrink(peak_bytes, 2, config, near_oom=False)
         recent = self._window[-self.interval :]
         if len(recent) >= TAIL_SAMPLES and self.state is HeadroomState.HOLDING:
-            reach = max(recent) + (max(recent) - min(recent)) / 2
+            reach = max(recent) + (max(recent) - min(recent))
             if reach > self.target_bytes:
                 return self._shrink(reach, 2, config, near_oom=False, tail=True)
         if len(self._window) < self.interval:
@@ -306,7 +306,7 @@ class HeadroomController:
         subject = f"in-step peak {int(peak)} B is {what}"
         if tail:
             subject = (
-                f"in-step peaks reach {int(peak)} B (the largest of the last steps plus half "
+                f"in-step peaks reach {int(peak)} B (the largest of the last steps plus "
                 "their spread), over the target"
             )
         if new < self.budget:

@@ -369,9 +369,10 @@ class Stage3Engine:
         cannot shrink to now (pinned pages), is logged and not applied.
         """
         self.config = dataclasses.replace(
-            self.config, device_budget_bytes=config.device_budget_bytes
+            self.config, prefetch_bucket_size=config.prefetch_bucket_size
         )
-        budget = self._device_budget()
+        budget = config.device_budget_bytes
+        budget = budget if isinstance(budget, int) else self.default_device_budget
         if budget < self.device_plan.total:
             log.warning(
                 "stage 3: device budget %d not applied: the step needs %s",
@@ -379,17 +380,17 @@ class Stage3Engine:
                 self.device_plan.describe(),
             )
             return
-        budget -= self.device_plan.outside_pool
+        pool_budget = budget - self.device_plan.outside_pool
         page = self.pool.page_size
-        if budget // page != self.pool.device_tier.capacity_bytes // page:
+        if pool_budget // page != self.pool.device_tier.capacity_bytes // page:
             try:
-                moved = self.pool.set_device_budget(budget)
+                moved = self.pool.set_device_budget(pool_budget)
             except PoolOutOfMemoryError as exc:
                 log.warning("stage 3: device budget %d not applied: %s", budget, exc)
-            else:
-                log.info("stage 3: device tier capacity %d bytes (%d pages moved)", budget, moved)
+                return
+            log.info("stage 3: device tier capacity %d bytes (%d pages moved)", budget, moved)
         self.config = dataclasses.replace(
-            self.config, prefetch_bucket_size=config.prefetch_bucket_size
+            self.config, device_budget_bytes=config.device_budget_bytes
         )
 
     def _device_budget(self) -> int:
