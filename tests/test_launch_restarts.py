@@ -69,9 +69,12 @@ if mode == "elastic":  # shrink 2 -> 1 (rank 1 killed twice), grow 1 -> 2 (SIGUS
     saved_file = os.path.join(marks, "saved")
     start = int(open(saved_file).read()) if os.path.exists(saved_file) else 0
     step = start
-    def preempted(signum, frame):  # a preemption: save the step, exit 42
-        with open(saved_file, "w") as f:
+    def save(suffix):  # atomic, as a real checkpoint is: a kill mid-write leaves the last
+        with open(saved_file + suffix, "w") as f:
             f.write(str(step))
+        os.replace(saved_file + suffix, saved_file)
+    def preempted(signum, frame):  # a preemption: save the step, exit 42
+        save(".sigterm.tmp")
         sys.exit(42)
     signal.signal(signal.SIGTERM, preempted)
     progress.report(start, resumed=True, rank=rank)
@@ -80,8 +83,7 @@ if mode == "elastic":  # shrink 2 -> 1 (rank 1 killed twice), grow 1 -> 2 (SIGUS
         step += 1
         progress.report(step, rank=rank)
         if rank == 0 and step % 2 == 0:
-            with open(saved_file, "w") as f:
-                f.write(str(step))
+            save(".tmp")
         if attempt < 2 and rank == 1 and step == start + 3:
             os.kill(os.getpid(), signal.SIGKILL)
         if world == 1 and step == start + 2:

@@ -75,24 +75,20 @@ def _launched_logdir(tmp_path) -> str:
     script, marks = tmp_path / "worker.py", tmp_path / "marks"
     script.write_text(WORKER)
     marks.mkdir()
+    out = io.StringIO()
     status = launch.launch(
         2,
         [sys.executable, str(script), "elastic", str(marks)],
-        out=io.StringIO(),
+        out=out,
         max_restarts=3,
         checkpoint_dir=str(tmp_path / "ckpt"),
         min_nproc=1,
         logdir=str(logs / "job"),
     )
-    assert status == 0
+    assert status == 0, out.getvalue()[-3000:]
     return str(logs)
 
 
-@pytest.mark.xfail(
-    reason="under pytest the elastic launch returns 1 (it returns 0 run alone with the "
-    "same worker and environment); not yet diagnosed",
-    strict=False,
-)
 def test_a_worker_run_reads_its_jobs_file_from_the_directory_above(plugin_client, tmp_path):
     client = plugin_client(_launched_logdir(tmp_path))
     status, body = get_json(client, "/restarts", run="job/worker_0")
