@@ -139,7 +139,7 @@ CHECKPOINT_OP_TAGS = {"save": TAG_CHECKPOINT, "restore": TAG_CHECKPOINT_RESTORE}
 # --- side files --------------------------------------------------------------------------
 # A job's restart events, one JSON object per line, written by ``zero-runtime launch
 # --logdir LOGDIR`` into LOGDIR (the same lines as its checkpoint directory's
-# restarts.jsonl; zero_runtime.launch.restarts.LOGDIR_EVENTS_FILE, docs/multiworker.md):
+# restarts.jsonl; zero_runtime.launch.restarts.LOGDIR_EVENTS_FILE, docs/multiworker/restarts.md):
 # a file, not summaries, because the launcher outlives every worker (its last line, the
 # job's goodput, comes after they exit). Read by GET /restarts for the run's directory or,
 # for a multi-worker run ``LOGDIR/worker_<rank>``, its parent.

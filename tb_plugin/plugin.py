@@ -1,6 +1,6 @@
 """The Memory Hierarchy View's TensorBoard plugin: it only registers the routes.
 
-Where things live (``docs/http_api.md`` documents every route's JSON shape and units):
+Where things live (``docs/http/`` documents every route's JSON shape and units):
 
 - :mod:`tb_plugin.reader`: the one :class:`~tb_plugin.reader.Reader` over TensorBoard's
   data provider that every data route shares (the listing, decoded steps and records,

@@ -7,7 +7,7 @@ a ``*_impl(deps..., plain arguments)`` that returns JSON-ready data (raising
 ``NotFoundError``, 404, or :class:`tb_plugin.layout.DataContractError`, 500). Routes are
 decorated with :func:`json_errors`, so each typed error becomes the JSON body
 ``{"error": {"code": <http status>, "message": <text>}}`` with its status, never an HTML
-page. ``docs/http_api.md`` documents every route with its JSON shape and units.
+page. ``docs/http/`` documents every route with its JSON shape and units.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ summary. This module holds what the plugin needs to take part safely, with no HT
   plugin skips and reports it instead of failing the request.
 - :func:`job_chief_run`: for a non-chief worker's run of a multi-worker job
   (``<job>/worker_<k>``, k >= 1), the chief's run (``<job>/worker_0``): live tuning applies
-  to the whole job, and only the chief reads requests (docs/multiworker.md), so the
+  to the whole job, and only the chief reads requests (docs/multiworker/index.md), so the
   plugin writes a request for any worker's run into the chief's.
 
 Only files are used, so TensorBoard and the job may run on different machines that share

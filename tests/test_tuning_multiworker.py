@@ -2,7 +2,7 @@
 
 A multi-worker job writes one run per worker (``<job>/worker_<rank>``) and its chief writes
 ``<job>/cluster.json``; only the chief reads control requests and decides for every worker
-(docs/multiworker.md). A request POSTed for a non-chief worker's run is therefore written
+(docs/multiworker/index.md). A request POSTed for a non-chief worker's run is therefore written
 into the chief's run and the answer says so (``tuning_run``, ``redirected``,
 ``tuning_note``); ``GET /tuning`` on a worker's run shows the job's request and decision.
 When the chief's run is not listed by this TensorBoard the POST is refused with 409 and

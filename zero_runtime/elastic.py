@@ -2,7 +2,7 @@
 gradient accumulation, so the loss curve continues across a resize.
 
 ``zero-runtime launch --nproc N --min-nproc M`` may run a job on fewer workers than N
-after a rank keeps failing, and on N again when asked (docs/multiworker.md, "A shrinking
+after a rank keeps failing, and on N again when asked (docs/multiworker/restarts.md, "A shrinking
 and growing cluster"). It tells each worker the current world size ``w``
 (``ZERO_RUNTIME_WORLD_SIZE``) and N (``ZERO_RUNTIME_MAX_WORLD_SIZE``). DeepSpeed's
 elasticity rule (``deepspeed/elasticity/elasticity.py``): the train batch stays fixed,

@@ -1,7 +1,7 @@
 """Multi-worker ZeRO: ``ZeroInfinityStrategy`` over ``MultiWorkerMirroredStrategy``.
 
 When ``TF_CONFIG`` names a cluster of more than one task (``zero-runtime launch --nproc N``
-sets it per rank; docs/multiworker.md), ``ZeroInfinityStrategy(...)`` returns a
+sets it per rank; docs/multiworker/index.md), ``ZeroInfinityStrategy(...)`` returns a
 :class:`MultiWorkerZeroInfinityStrategy`: the same public class (``isinstance`` holds) and
 the same ZeRO machinery, over ``tf.distribute.MultiWorkerMirroredStrategy`` (TF's
 ``CollectiveAllReduceStrategy``) instead of ``MirroredStrategy``. Design:
@@ -16,7 +16,7 @@ the same ZeRO machinery, over ``tf.distribute.MultiWorkerMirroredStrategy`` (TF'
   ``config.collective_timeout_seconds`` instead of hanging on a stalled peer: the
   process's one :data:`zero_runtime.comm.WATCHDOG` thread enforces the deadlines (no
   ``CommunicationOptions.timeout_seconds``: TensorFlow's timeout keeps an OS thread per
-  collective alive for the whole timeout, docs/multiworker.md);
+  collective alive for the whole timeout, docs/multiworker/failures.md);
 - the cluster start-up (every task registering with TensorFlow's coordination service)
   fails after ``max(30, 3 x collective_timeout_seconds)`` s naming the ranks not listening,
   and workers that exit normally meet at an exit barrier (:mod:`zero_runtime.cluster_guard`);

@@ -110,7 +110,7 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
         :class:`zero_runtime.multiworker.MultiWorkerZeroInfinityStrategy` (a subclass, over
         ``MultiWorkerMirroredStrategy``) when ``TF_CONFIG`` lists more than one
         chief/worker task, else an instance of this class (``MirroredStrategy`` over the
-        local replicas). See docs/multiworker.md. The subclass registers itself in
+        local replicas). See docs/multiworker/index.md. The subclass registers itself in
         :mod:`zero_runtime.strategy_variants` when its module is imported (this module
         cannot import it: it imports this one); ``zero_runtime.ZeroInfinityStrategy``
         imports it first.

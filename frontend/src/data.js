@@ -1,5 +1,5 @@
 // Pure data helpers shared by the views: no DOM, no fetching (tested with node --test).
-// Data contract: /series answers (docs/http_api.md) are columnar arrays parallel to `steps`;
+// Data contract: /series answers (docs/http/series.md) are columnar arrays parallel to `steps`;
 // null means "not measured" and is never turned into 0 here.
 
 import { formatBytes } from './format.js';

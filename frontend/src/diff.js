@@ -1,4 +1,4 @@
-// Pure helpers of the "Compare runs" view (GET /diff, docs/http_api.md): which two runs
+// Pure helpers of the "Compare runs" view (GET /diff, docs/http/reports.md): which two runs
 // are compared by default, and what the tier-difference charts and the placement diff
 // table show. No DOM; tested by `npm test`.
 

@@ -1,4 +1,4 @@
-// The model: owns fetching from the plugin's HTTP API (docs/http_api.md) and a cache.
+// The model: owns fetching from the plugin's HTTP API (docs/http/index.md) and a cache.
 // URLs are relative to this module's own URL: TensorBoard serves it at
 // <root>/data/plugin/memory_hierarchy/index.js, so `./runs` is the plugin's /runs route,
 // whatever path prefix or experiment id TensorBoard is served under.
@@ -18,7 +18,7 @@ export const TAG_CHECKPOINT = 'memory_hierarchy/checkpoint';
 export const TAG_CHECKPOINT_RESTORE = 'memory_hierarchy/checkpoint_restore';
 export const CHECKPOINT_TAGS = [TAG_CHECKPOINT, TAG_CHECKPOINT_RESTORE];
 
-// The header POST /tune requires (a cross-site form cannot set it; see docs/http_api.md).
+// The header POST /tune requires (a cross-site form cannot set it; see docs/http/tuning.md).
 export const TUNING_HEADER = 'X-Memory-Hierarchy-Tuning';
 
 // Points per chart series asked of /series (the server keeps every peak when thinning);

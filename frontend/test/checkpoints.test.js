@@ -1,5 +1,5 @@
 // node --test: the Checkpoints table's rows and the step-time chart's checkpoint markers,
-// from a GET /checkpoints answer (docs/http_api.md).
+// from a GET /checkpoints answer (docs/http/reports.md).
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
 import { checkpointMarkers, checkpointRows } from '../src/data.js';

@@ -256,7 +256,7 @@ def diff_impl(
     run_b: str,
     points: int = DEFAULT_POINTS,
 ) -> dict[str, Any]:
-    """Run B compared with run A (see the module docstring and ``docs/http_api.md``).
+    """Run B compared with run A (see the module docstring and ``docs/http/reports.md``).
 
     Args:
         reader: the plugin's reader (tiers, pages, timing, run_info, placement).

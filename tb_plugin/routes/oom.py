@@ -23,7 +23,7 @@ def oom_impl(reader: Reader, ctx: Any, experiment: str, run: str) -> dict[str, A
     Returns:
         ``{"run", "step", "wall_time", "count", "postmortem"}``: ``postmortem`` is the
         latest record's object as the runtime wrote it (the shared OOM contract, see
-        ``docs/http_api.md``), ``count`` how many post-mortems the run recorded,
+        ``docs/http/reports.md``), ``count`` how many post-mortems the run recorded,
         ``wall_time`` in seconds since the epoch.
 
     Raises:

@@ -127,7 +127,7 @@ def restarts_impl(reader: Reader, ctx: Any, experiment: str, run: str) -> dict[s
         ``{"run", "file", "events", "markers", "goodput", "restarts", "resizes",
         "finished", "status"}``: ``file`` the events file's path relative to the logdir
         (null when the run has none: then every list is empty and the rest null or 0);
-        ``events`` every event as the launcher wrote it (docs/multiworker.md);
+        ``events`` every event as the launcher wrote it (docs/multiworker/restarts.md);
         ``markers`` one per restart or resize (:func:`marker`), in order; ``goodput`` the
         latest (the ``exit`` event's once the job ended): ``useful_steps``,
         ``all_steps``, ``steps_ratio``, ``useful_seconds``, ``wall_seconds`` (s),

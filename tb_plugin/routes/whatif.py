@@ -36,7 +36,7 @@ def whatif_impl(
         the pool cannot take) or True with ``simulate.predict``'s fields: ``steps``
         (the replayed steps), ``page_size``, ``recorded``, ``replayed``,
         ``replay_exact``, ``predicted`` (``first``, ``steady``), ``oom``,
-        ``stall_seconds_per_miss``, ``notes`` (docs/http_api.md), ``scope`` (what the
+        ``stall_seconds_per_miss``, ``notes`` (docs/http/tuning.md), ``scope`` (what the
         replay covers) and ``run_recorded`` (:func:`run_recorded`).
 
     Raises:

@@ -372,7 +372,7 @@ def goodput(run: str) -> dict:
 
 
 def restart_events(run: str) -> list[dict]:
-    """The events ``zero-runtime launch`` writes for ``run``'s job (docs/multiworker.md):
+    """The events ``zero-runtime launch`` writes for ``run``'s job (docs/multiworker/restarts.md):
     alpha is killed at step 22 and resumes at 20 (2 steps, 15 s lost), shrinks 2 -> 1
     after its rank 1 is killed again (resumes at 30, 1 step lost) and grows back on
     SIGUSR1 (resumes at 40, nothing lost): 2 restarts, 2 resizes; beta restarts once at

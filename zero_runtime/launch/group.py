@@ -82,7 +82,7 @@ class Requests:
     Attributes:
         stop: SIGTERM arrived: preempt the workers (each saves at an agreed step and
             exits 42), then end the job without a restart.
-        grow: SIGUSR1 arrived: run the job at its full size again (docs/multiworker.md).
+        grow: SIGUSR1 arrived: run the job at its full size again (docs/multiworker/restarts.md).
         can_grow: whether the running group is below the full size (set by the launcher
             before each group); a ``grow`` request at full size is dropped.
     """

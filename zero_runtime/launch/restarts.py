@@ -12,7 +12,7 @@ checkpoint, a bad config, an import error). Everything else is restarted: a non-
 a signal (kill -9, the kernel's out-of-memory killer), an out-of-memory error, a hang the
 collective watchdog named, a preemption (exit 42).
 
-:class:`EventLog` appends one JSON object per line (docs/multiworker.md, "A job that heals
+:class:`EventLog` appends one JSON object per line (docs/multiworker/restarts.md, "A job that heals
 itself"); it writes nothing until the first restart, so a job that never restarts (or
 fails on bad input) leaves its directory as it was.
 """

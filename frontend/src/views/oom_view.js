@@ -1,5 +1,5 @@
 // View: the out-of-memory post-mortem of a run (GET /oom; the shared OOM contract in
-// docs/http_api.md): the summary a human reads first, the failed request (or why its size
+// docs/http/reports.md): the summary a human reads first, the failed request (or why its size
 // is not known), each tier at the moment of failure as a bar against its capacity with what
 // each figure measures (one accounting: used = the holders' sum; the checked reading
 // beside it), the holders, the last steps' occupancy as one small chart per tier (each its
