@@ -11,9 +11,12 @@ from the code they describe, so that they cannot drift from it.
 - ``reference/api/*.md``: one page per public package (:data:`API_PACKAGES`), a
   mkdocstrings block per name of the package's ``__all__`` (read from its source, without
   importing TensorFlow), rendered from the docstrings.
+- ``performance.md``: the headline figures of every results file under ``bench/results/``,
+  one table written by ``bench/headlines.py`` (its extractor per file).
 
-A key without a docstring entry, a DeepSpeed mapping that does not map, or a public name
-that does not resolve to a definition raises :class:`mkdocs.exceptions.PluginError` and
+A key without a docstring entry, a DeepSpeed mapping that does not map, a public name
+that does not resolve to a definition, or a results file without an extractor (or that
+its extractor does not read) raises :class:`mkdocs.exceptions.PluginError` and
 fails the build. Nothing here is committed as generated Markdown.
 """
 
@@ -26,9 +29,11 @@ import importlib.util
 import inspect
 import logging
 import re
+import sys
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from docs_griffe import rst_to_md  # scripts/ is on sys.path while MkDocs loads a hook
@@ -42,6 +47,8 @@ from zero_runtime.config.deepspeed_keys import DS_TOP_SCALARS, DS_ZERO_SCALARS
 from zero_runtime.config.specs import SPECS
 
 log = logging.getLogger("mkdocs.hooks.docs_hooks")  # under "mkdocs": --strict counts it
+
+REPO = Path(__file__).resolve().parents[1]
 
 API_PACKAGES: tuple[tuple[str, str, str], ...] = (
     # (package, page under reference/api/, title)
@@ -496,6 +503,36 @@ def api_pages() -> dict[str, str]:
     return pages
 
 
+# -- performance -----------------------------------------------------------------------
+
+
+def load_headlines() -> ModuleType:
+    """``bench/headlines.py`` as a module (``bench/`` is not a package; loaded by path, once,
+    under the name ``bench_headlines``)."""
+    name = "bench_headlines"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO / "bench" / "headlines.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up while defining
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def performance_page(results_dir: Path | None = None) -> str:
+    """The Markdown of ``performance.md``: ``bench/headlines.py``'s page over
+    ``results_dir`` (default ``bench/results/``).
+
+    Raises:
+        PluginError: a results file without an extractor, or that its extractor does not
+            read (the message names the file).
+    """
+    headlines = load_headlines()
+    try:
+        return headlines.markdown_page(results_dir or headlines.RESULTS_DIR)
+    except headlines.ResultsFormatError as e:
+        raise PluginError(str(e)) from e
+
+
 # -- the hook --------------------------------------------------------------------------
 
 
@@ -505,6 +542,7 @@ def generated_pages() -> dict[str, str]:
         "reference/config.md": config_reference(),
         "reference/cli.md": cli_reference(),
         **api_pages(),
+        "performance.md": performance_page(),
     }
 
 
