@@ -116,6 +116,16 @@ def test_api_reference_renders_every_public_name(site):
         assert not re.search(r":(class|func|meth|attr|data|mod):", page)
 
 
+def test_performance_page_has_rows_of_every_results_file(site):
+    """The generated performance page (bench/headlines.py; tests/test_performance_table.py
+    checks its figures) is in the built site with each bench/results/ file's rows."""
+    rows = _rows(_page(site, "performance"))
+    results = sorted(p.name for p in (REPO / "bench" / "results").glob("*.json"))
+    assert results
+    for name in results:
+        assert any(first.endswith(f"({name})") for first in rows), name
+
+
 def test_a_wrong_deepspeed_counterpart_fails_the_build():
     docs_hooks._check_deepspeed_counterpart("stage", "zero_optimization.stage", 2, {})
     with pytest.raises(docs_hooks.PluginError, match="not 5"):
