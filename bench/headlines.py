@@ -198,6 +198,8 @@ def _pct(fraction: float) -> float:
 
 
 def applications_parity(d: dict[str, Any]) -> tuple[Run, list[Figure]]:
+    """``bench_applications_parity.py``: how many keras.applications comparisons at
+    stage 3 stayed within the parity bounds, and the worst weight and loss differences."""
     run = _header_run(d, _machine(d["nproc"], ram_bytes=d["memory_gib"] * GIB))
     comparisons, bounds = d["comparisons"], d["bounds"]
     within = sum(bool(c["within_bounds"]) for c in comparisons)
@@ -225,6 +227,8 @@ def applications_parity(d: dict[str, Any]) -> tuple[Run, list[Figure]]:
 
 
 def estimate_peak(d: dict[str, Any]) -> tuple[Run, list[Figure]]:
+    """``bench_estimate_peak.py``: the estimator's device peak against the allocator's,
+    per stage (percent error; goal within 15 %)."""
     run = Run(_date(d["date"]), _machine(d["machine"]["cpus"]), NOT_RECORDED)
     return run, [
         Figure(
@@ -239,6 +243,8 @@ def estimate_peak(d: dict[str, Any]) -> tuple[Run, list[Figure]]:
 
 
 def fault_heal(d: dict[str, Any]) -> tuple[Run, list[Figure]]:
+    """``bench_fault_heal.py``: the faulted job finished and matched the uninterrupted
+    one bitwise; restart seconds, steps lost per kill, goodput."""
     m = d["machine"]
     run = _header_run(d, _machine(m["nproc"], m["cpu"], m["ram_bytes"]))
     lost = d["steps_lost"]
@@ -262,6 +268,8 @@ def fault_heal(d: dict[str, Any]) -> tuple[Run, list[Figure]]:
 
 
 def host_adam(d: dict[str, Any]) -> tuple[Run, list[Figure]]:
+    """``bench_host_adam.py``: host Adam throughput as a share of the memory-bandwidth
+    bound, the runtime's backend and NumPy's."""
     run = _header_run(d, _machine(d["nproc"], d["cpu_model"], d["ram_bytes"]))
     return run, [
         _at_least(
@@ -277,6 +285,9 @@ def host_adam(d: dict[str, Any]) -> tuple[Run, list[Figure]]:
 
 
 def max_model(d: dict[str, Any]) -> tuple[Run, list[Figure]]:
+    """``bench_max_model.py``: the largest model each side trains in the device budget,
+    their ratio, the model-state device ratio and the largest stage-3 step against its I/O
+    bound."""
     run = Run(_date(d["date"]), _machine(d["nproc"], d["cpu"], d["ram_bytes"]), NOT_RECORDED)
     budget = f"{d['device_budget_bytes'] / (1 << 20):.0f} MiB device budget"
     states, io = d["model_states_device_ratio"], d["largest_stage3_io"]
@@ -315,6 +326,8 @@ def max_model(d: dict[str, Any]) -> tuple[Run, list[Figure]]:
 
 
 def oom_advice(d: dict[str, Any]) -> tuple[Run, list[Figure]]:
+    """``bench_oom_advice.py``: precision and recall of the post-mortem's "fits"
+    suggestions (percent)."""
     run = Run(_date(d["date"]), _machine(d["machine"]["cpus"]), NOT_RECORDED)
     return run, [
         _at_least(
@@ -333,6 +346,8 @@ def oom_advice(d: dict[str, Any]) -> tuple[Run, list[Figure]]:
 
 
 def paging(d: dict[str, Any]) -> tuple[Run, list[Figure]]:
+    """``bench_paging.py``: the pool's page-out / page-in bandwidth over fio's at the same
+    queue depth, and prefetch hit rates. The load cell is the range of readings."""
     m, load = d["machine"], d["load_average"]
     run = Run(
         _date(d["date"]),
@@ -368,6 +383,8 @@ def paging(d: dict[str, Any]) -> tuple[Run, list[Figure]]:
 
 
 def partial_offload(d: dict[str, Any]) -> tuple[Run, list[Figure]]:
+    """``bench_partial_offload.py`` (both widths): how many partial-offload runs lie
+    between no and full offload, and full offload's step against Mirrored's."""
     run = _header_run(d)
     between = d["partial_between_none_and_cpu"]
     inside = sum(bool(v) for v in between.values())
@@ -395,6 +412,8 @@ def partial_offload(d: dict[str, Any]) -> tuple[Run, list[Figure]]:
 
 
 def restart(d: dict[str, Any]) -> tuple[Run, list[Figure]]:
+    """``bench_restart.py``: kill to first new step, cold start, goodput at one failure
+    an hour (medians over rounds)."""
     m, median = d["machine"], d["median"]
     run = _header_run(d, _machine(m["nproc"], m["cpu"], m["ram_bytes"]))
     return run, [
@@ -415,6 +434,8 @@ def restart(d: dict[str, Any]) -> tuple[Run, list[Figure]]:
 
 
 def stage3_nvme(d: dict[str, Any]) -> tuple[Run, list[Figure]]:
+    """``bench_stage3_nvme.py``: stage 3 on NVMe against its serial I/O lower bound and
+    against Mirrored."""
     run = _header_run(d)
     ratios = d["ratios"]
     return run, [
@@ -440,6 +461,8 @@ def _stage3_name(config: str) -> str:
 
 
 def stage3_units(d: dict[str, Any]) -> tuple[Run, list[Figure]]:
+    """``bench_stage3_units.py``: stage-3 step over the same model's Mirrored step, chain
+    and residual models, states on device and host."""
     run = _header_run(d)
     figures = []
     for key, ratio in d["ratios_vs_mirrored_same_model"].items():
@@ -461,6 +484,8 @@ _STAGE12_NAMES = {
 
 
 def step_time(d: dict[str, Any]) -> tuple[Run, list[Figure]]:
+    """``bench_step_time.py``: each stage's step over Mirrored's with the file's goals; stage
+    3 on NVMe against its page I/O lower bound."""
     run = _header_run(d)
     figures = [
         _at_most(
@@ -491,6 +516,8 @@ def step_time(d: dict[str, Any]) -> tuple[Run, list[Figure]]:
 
 
 def step_time_ab(d: dict[str, Any]) -> tuple[Run, list[Figure]]:
+    """``step_time.json``'s stage-3 ratios at two revisions: B / A per configuration.
+    The file has no top-level date: the latest run's date stands for it."""
     runs = d["runs"]
     run = Run(
         max(_date(r["date"]) for r in runs),
@@ -511,6 +538,8 @@ def step_time_ab(d: dict[str, Any]) -> tuple[Run, list[Figure]]:
 
 
 def telemetry(d: dict[str, Any]) -> tuple[Run, list[Figure]]:
+    """``bench_telemetry.py``: median step-time overhead of per-step telemetry and its
+    CPU share of the step."""
     run = _start_end_run(d)
     return run, [
         _at_most(
@@ -524,6 +553,8 @@ def telemetry(d: dict[str, Any]) -> tuple[Run, list[Figure]]:
 
 
 def timing_callbacks(d: dict[str, Any]) -> tuple[Run, list[Figure]]:
+    """``bench_timing_callbacks.py``: median step-time overhead of timing the
+    strategy's own collectives."""
     run = Run(_date(d["date"]), _machine(d["nproc"], d["cpu"], d["ram_bytes"]), NOT_RECORDED)
     return run, [
         _at_most(
@@ -536,6 +567,8 @@ def timing_callbacks(d: dict[str, Any]) -> tuple[Run, list[Figure]]:
 
 
 def units_peak(d: dict[str, Any]) -> tuple[Run, list[Figure]]:
+    """``bench_units_peak.py``: the stage-3 step's device peak per parameter, for each
+    configuration of the largest model tried."""
     run = _header_run(d, _machine(d["nproc"], d["cpu"], d["ram_bytes"]))
     largest = max(t["k"] for t in d["trials"])
     return run, [
@@ -558,6 +591,8 @@ _VIEW_SCENARIOS = (
 
 
 def view(d: dict[str, Any]) -> tuple[Run, list[Figure]]:
+    """``bench_view.py``: the tab's cold route latency, first paint per scenario (whole page
+    and the plugin's part) and the longest main-thread task, each against its goal."""
     m, goals = d["machine"], d["goals"]
     run = Run(
         _date(d["date"]),
@@ -611,6 +646,8 @@ def view(d: dict[str, Any]) -> tuple[Run, list[Figure]]:
 
 
 def whatif(d: dict[str, Any]) -> tuple[Run, list[Figure]]:
+    """``bench_whatif.py``: median what-if error of page moves and device peak, and the
+    step-time overhead of recording the access trace."""
     run = _start_end_run(d)
     limit = _pct(_limit(d["goal"]))
     changes = len(d["changes"])
