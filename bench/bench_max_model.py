@@ -612,7 +612,7 @@ def states_ratio(s3: dict, mir: dict) -> dict:
     replica's full gradient before the update; transient). Stage 3 (per replica): the
     pool's measured device-tier peak (gathered parameter pages) / replicas + one block's
     full reduced gradient (4 bytes x the largest block: the CPU backward all-reduces a
-    block and keeps its slice, docs/zero_stages.md) + 0 optimizer bytes (host).
+    block and keeps its slice, docs/stages/stage3.md) + 0 optimizer bytes (host).
     """
     n = mir["replicas"]
     mir_params = mir["param_bytes_all_replicas"] / n

@@ -1,10 +1,13 @@
-"""No development history in the tracked files: docs and code describe the product as it is.
+"""No development history in the tracked files, and docs pages a reader can take in.
 
 Development history belongs in ``git log`` and measured results in ``bench/results/``;
 docs, docstrings and comments say what the code does and why, without an issue number, a
 "session N" or a dated run. This greps every tracked text file (``git ls-files``) except
 ``bench/results/`` for :data:`PATTERNS` and fails listing ``file:line`` for each hit.
 pytest's ``scope="session"`` and TensorBoard or HTTP sessions match none of them.
+
+Every tracked Markdown page under ``docs/`` has at most :data:`MAX_DOC_LINES` lines: a
+longer topic is split into pages (a section of the site's nav), not grown.
 """
 
 from __future__ import annotations
@@ -19,13 +22,13 @@ ROOT = Path(__file__).resolve().parent.parent
 #: the patterns.
 SKIPPED = ("bench/results/", "tests/test_docs_hygiene.py")
 
-#: Files other changes are editing now; each is cleaned once those land. Remove an entry
-#: as soon as its file is clean: ``test_allowlist_names_only_files_with_history`` fails
-#: for an entry without hits, so this tuple only shrinks.
-ALLOWLIST = (
-    "docs/stage3_design.md",
-    "docs/zero_stages.md",
-)
+#: Files let through the history check while another change cleans them (none now). An
+#: entry must still have hits: ``test_allowlist_names_only_files_with_history`` fails for a
+#: clean one, so this tuple only shrinks back to empty.
+ALLOWLIST: tuple[str, ...] = ()
+
+#: Lines a tracked ``docs/**/*.md`` page may have at most.
+MAX_DOC_LINES = 500
 
 #: (what it finds, regex matched case-insensitively against each line).
 PATTERNS = (
@@ -86,3 +89,20 @@ def test_allowlist_names_only_files_with_history():
     leaves the allowlist, so the check then guards it."""
     clean = [path for path in ALLOWLIST if path not in _hits()]
     assert not clean, f"clean now, remove from ALLOWLIST in {SKIPPED[1]}: {clean}"
+
+
+def test_docs_pages_are_at_most_max_doc_lines_long():
+    """Every tracked ``docs/**/*.md`` (``git ls-files``) has at most ``MAX_DOC_LINES``
+    lines; each longer page is listed with its count. Split such a page by topic into
+    pages of its own (and add them to mkdocs.yml's nav) rather than raising the bound."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--", "docs/*.md"], cwd=ROOT, capture_output=True, check=True
+    ).stdout.decode()
+    pages = [p for p in listed.split("\0") if p and (ROOT / p).is_file()]
+    assert pages, "git ls-files found no docs/**/*.md"
+    long = {}
+    for path in pages:
+        n = len((ROOT / path).read_text(encoding="utf-8").splitlines())
+        if n > MAX_DOC_LINES:
+            long[path] = n
+    assert not long, f"docs pages over {MAX_DOC_LINES} lines (split them by topic): {long}"

@@ -1,5 +1,5 @@
 """Stage 3 traces its train step once per input signature, not once per epoch
-(docs/stage3_design.md, "No retrace per epoch").
+(docs/design/stage3.md, "No retrace per epoch").
 
 A chain and a non-chain model train for three epochs under plain ``compile``/``fit``,
 with parameters and optimizer states on the device (``offload_param`` "none") and on the

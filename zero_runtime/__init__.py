@@ -8,7 +8,7 @@ imported (see ``docs/events.md``). On a GPU host nothing needs to be set.
 ``ZeroInfinityStrategy`` is imported lazily (it imports TensorFlow), so that the
 ``zero-runtime`` command line starts fast.
 
-Layering (which package may import which; docs/architecture.md). A module may import only
+Layering (which package may import which; docs/design/architecture.md). A module may import only
 from layers *below* its own, never sideways or up; function-level imports count too.
 ``tests/test_layering.py`` checks this against :data:`LAYERS` (the table below is its
 text) and that ``zero_runtime/`` has no import circle::
@@ -94,7 +94,7 @@ def __getattr__(name: str) -> Any:
         from zero_runtime.strategy import ZeroInfinityStrategy
 
         return ZeroInfinityStrategy
-    if name == "StrategyClosedError":  # a strategy used after close(): docs/zero_stages.md
+    if name == "StrategyClosedError":  # a strategy used after close(): docs/stages/index.md
         from zero_runtime.lifecycle import StrategyClosedError
 
         return StrategyClosedError

@@ -309,7 +309,7 @@ class ZeroInfinityStrategy(tf.distribute.MirroredStrategy):
         build the optimizer of a model created in ``scope()`` before their first trace
         (``Trainer._symbolic_build``). That model is sharded in place
         (:meth:`shard_model`); its own ``fit`` then runs the stage-3 step. See
-        :mod:`zero_runtime.stage3.autoshard` and docs/zero_stages.md.
+        :mod:`zero_runtime.stage3.autoshard` and docs/stages/stage3.md.
 
         Args:
             optimizer: the partitioned optimizer being built.

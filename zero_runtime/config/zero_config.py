@@ -116,11 +116,12 @@ class ZeroConfig:
             many elements runs as column tiles of at most this many kernel elements each,
             gathered, computed and released one at a time, forward and backward
             (zero_runtime/stage3/tiling.py), elements, int >= 1, None or ``'auto'``.
-            Default None: no tiling (measured: on the units path a training step's peak
-            is the gradient shards it holds, which tiling the GPT family leaves where it
-            is; see docs/zero_stages.md). ``'auto'``: from an int ``device_budget_bytes`` (a tile's
-            working set, about 8 float32 copies of the tile, in a quarter of the budget:
-            ``device_budget_bytes // 128``; no tiling without one). DeepSpeed has no config
+            Default None: no tiling (a tile pays off on a layer wide relative to the
+            model; each tile adds a host read and a collective, and the traced step grows
+            with the tiles; see docs/stages/tiling.md). ``'auto'``: from an int
+            ``device_budget_bytes`` (a tile's working set, about 8 float32 copies of the
+            tile, in a quarter of the budget: ``device_budget_bytes // 128``; no tiling
+            without one). DeepSpeed has no config
             key for it: its ``TiledLinear(in_splits, out_splits)`` replaces a module by
             hand.
         activation_checkpointing: stage 3, units path: every outermost block of the model

@@ -25,7 +25,7 @@ and out of pages), :mod:`.tiers` (slots and storage), :mod:`.policy` (victim ran
 :mod:`.core` wires them and holds every operation's policy path, and :mod:`.pool` is the
 façade over it. :mod:`.simulate` replays a recorded trace through the same core over the
 slot-only tiers of :mod:`.sim_tiers` (what-if, ``docs/tuning.md``). See
-``docs/paging.md``.
+``docs/design/paging.md``.
 """
 
 from zero_runtime.memory.counters import PageCounters, PoolTotals, TierUsage

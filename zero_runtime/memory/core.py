@@ -1,7 +1,7 @@
 """The pool's core: its parts wired together, and every operation's policy path.
 
 :class:`PoolCore` holds the parts (page table, eviction policy, transitions, placement,
-prefetcher, page access; one owner each, see ``docs/paging.md``) over one lock and one
+prefetcher, page access; one owner each, see ``docs/design/paging.md``) over one lock and one
 counter accumulator, and implements each operation's decisions: what is checked, which
 pages are brought where, what is pinned, what the policy is told. The
 :class:`~zero_runtime.memory.pool.PagedBufferPool` façade calls these methods with real

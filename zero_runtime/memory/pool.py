@@ -2,7 +2,7 @@
 
 Terms (page, payload, slot, tier) are defined in :mod:`zero_runtime.memory.page_table`.
 
-The pool is a façade over parts with one owner each (``docs/paging.md``):
+The pool is a façade over parts with one owner each (``docs/design/paging.md``):
 
 - :mod:`.page_table`: the one record of every page and its state machine;
 - :mod:`.transitions`: every page move between tiers, one transition per method;
@@ -395,7 +395,7 @@ class PagedBufferPool(PoolHints, PoolViews):
 
         ``source_id``'s pages are brought to the host (a read of the ones on NVMe only,
         waited for as :meth:`acquire` waits); each page that still has its NVMe copy
-        (read from NVMe and not written since: a *clean* page, docs/paging.md) gives its
+        (read from NVMe and not written since: a *clean* page, docs/design/paging.md) gives its
         host slot to the new tensor's page (dirty: written when evicted) and keeps its NVMe
         slot. Writes to the new tensor then never touch the source.
 

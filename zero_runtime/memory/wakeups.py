@@ -4,7 +4,7 @@ Every pool method holds one lock and waits on one condition (:mod:`.pool`). A pl
 ``notify_all`` after each finished NVMe job would wake every waiter for every page: on the
 1B-parameter stage-3 step (~44,000 jobs) the prefetcher and the optimizer's update threads
 then wake thousands of times each to find nothing to do, about a fifth of the step's CPU
-time (``bench/profile_step.py``, docs/stage3_design.md). A waiter in the placement loop
+time (``bench/profile_step.py``, docs/stages/tiling.md). A waiter in the placement loop
 says what it waits for (:meth:`PoolCondition.wait_io`): its pages, and whether it
 waits for room in a tier. A finished job (:meth:`PoolCondition.notify_io`) wakes only the
 waiters for its page, and those waiting for room when the job gave some: a finished write

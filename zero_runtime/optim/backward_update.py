@@ -5,7 +5,7 @@ host anyway (ZeRO-Offload, Ren et al., USENIX ATC 2021, section 4.1: the fp32 gr
 move to the CPU, where the optimizer steps). Done once at the end of the step, as
 :meth:`PartitionedOptimizer.apply_shard_gradients` does, every block's reduced gradient
 shard stays on the device until the whole backward has run: ``4 Ψ / N`` bytes per replica
-plus the concatenation handed to the host (measured in docs/zero_stages.md: the largest
+plus the concatenation handed to the host (docs/stages/optimizer.md: the largest
 term of a stage-3 step's device peak). A :class:`BackwardShardUpdate` instead hands each
 block's gradient shard to the host as soon as it is reduced (ZeRO-Offload's per-bucket
 gradient offload): a host call copies it (the device buffer is freed when the call

@@ -34,7 +34,7 @@ _MAX_FRAMES = 10
 CUSTOM_LOOP_FORM = (
     "strategy.run(model.train_step, args=(batch,)) inside a tf.function, after "
     "model.compile(optimizer=..., loss=...) and strategy.shard_model(model) "
-    "(docs/zero_stages.md, 'Custom training loops at stage 3')"
+    "(docs/stages/custom-loops.md)"
 )
 
 
@@ -109,7 +109,7 @@ def trainer_to_shard(optimizer, variables: list) -> keras.Model:
 def _refuse_unfrozen(model: keras.Model, variables: list) -> None:
     """Raise for an optimizer built over weights of a sharded ``model`` that were not
     sharded: frozen (``trainable = False``) when the model was sharded, so replicated
-    (docs/zero_stages.md, "Frozen weights at stage 3"), and unfrozen since.
+    (docs/stages/stage3.md, "Frozen weights"), and unfrozen since.
 
     Raises:
         ValueError: naming the first such weight and the fix (shard the model while

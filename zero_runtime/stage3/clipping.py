@@ -23,7 +23,7 @@ each replica's own gradient (of its local loss / replicas) before the all-reduce
 ``_backend_update_step`` all-reduces). That cannot be reproduced at stage 3 for
 ``global_clipnorm`` (the scale of replica r needs the norm of r's whole unreduced gradient,
 known only after every block's gradient has been reduce-scattered), so the three options
-share the reduced-gradient semantics instead (docs/zero_stages.md).
+share the reduced-gradient semantics instead (docs/stages/optimizer.md).
 """
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ STATE_TIER = {"none": "device", "cpu": "host", "nvme": "nvme"}
 
 #: Default device row cache of a table: 1/ROW_CACHE_DIVISOR of a shard's row pages (per
 #: local replica). Skewed (power-law) ids concentrate most lookups on few rows; a cache of
-#: 1/8 of the table keeps those hot without reserving the table (see docs/zero_stages.md).
+#: 1/8 of the table keeps those hot without reserving the table (see docs/stages/embeddings.md).
 ROW_CACHE_DIVISOR = 8
 #: ... and at least this many row pages per local replica (one page being read while the
 #: previous one is still the most recently used).

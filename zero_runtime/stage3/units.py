@@ -1,6 +1,6 @@
 """Which layers are stage-3 *units*, found from the model's own layers.
 
-Vocabulary (docs/stage3_design.md): the **original** variable is what the user's layer
+Vocabulary (docs/design/stage3.md): the **original** variable is what the user's layer
 created; its **unit** is the layer whose ``call`` gathers it (one all-gather per use of
 the unit, one reduce-scatter of the use's gradients). A unit is every layer that owns
 trainable weights *directly* (``layer._trainable_variables``, not through a sublayer):

@@ -161,7 +161,7 @@ class UnitsPath:
             # the units' collectives are raw (no merge_call), and without this barrier
             # replica 0's update host calls were traced before replica 1's loss, whose
             # Assert (an unknown batch dimension) automatic control dependencies then
-            # chained after them: a deadlock (docs/zero_stages.md, "Dimensions unknown").
+            # chained after them: a deadlock (docs/stages/index.md, "Dimensions unknown").
             replica_barrier()
         finally:
             self.runner.end(replica)
