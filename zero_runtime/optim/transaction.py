@@ -54,7 +54,7 @@ class StepJournals:
     :class:`~zero_runtime.memory.staging.StagingPool` of the journal's own that keeps up
     to the journal's peak idle between steps): the next step's copies reuse the memory the
     last commit released instead of faulting in fresh pages. Measured on the 1B-parameter
-    step of ``bench/bench_max_model.py`` (k = 22, 2026-12-06): a fresh copy per block cost
+    step of ``bench/bench_max_model.py`` (k = 22): a fresh copy per block cost
     the update threads 5 CPU-seconds per step (``_zero3_read_shards``'s own time in
     ``bench/profile_step.py --py-sample-hz``), most of it page faults on 4 GB of new
     memory.
