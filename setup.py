@@ -38,6 +38,8 @@ setup(
         "gpu": ["tensorflow[and-cuda]>=2.16"],
         "test": [
             "pytest>=8",
+            # The suite in two workers (scripts/run_tests.sh; tests/conftest.py groups).
+            "pytest-xdist>=3.5",
             "hypothesis>=6.100",
             "playwright>=1.45",
             "ruff>=0.5",

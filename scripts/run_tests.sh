@@ -14,4 +14,6 @@ else
   .venv/bin/ruff format --check .
 fi
 (cd frontend && npm test --silent)
-.venv/bin/python -m pytest -q "$@"
+# Two xdist workers (ZERO_TEST_WORKERS; 0 runs in this process), tests grouped by file and
+# the server files in one group: tests/conftest.py's pytest_collection_modifyitems.
+.venv/bin/python -m pytest -q -n "${ZERO_TEST_WORKERS:-2}" --dist loadgroup "$@"

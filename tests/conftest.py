@@ -11,6 +11,12 @@
 - ``two_stage_logdir``: two short real demo runs written by the runtime, ZeRO stage 0
   (``stage0``, 4 steps) and stage 3 with the optimizer states on the host (``stage3``,
   6 steps), a tiny model each (about 1.5 min on 2 cores); the run diff's tests.
+
+The test command runs the suite in two pytest-xdist workers (``-n 2 --dist loadgroup``,
+scripts/run_tests.sh): most tests keep one core busy, and the machine has two.
+:func:`pytest_collection_modifyitems` groups the tests by file, so a module's fixtures
+are built once, and puts every file that uses the session's TensorBoard servers, browser
+or trained logdirs in one group (:data:`SERVER_FILES`), so each server starts once.
 """
 
 from __future__ import annotations
@@ -278,3 +284,31 @@ def two_stage_logdir(tmp_path_factory: pytest.TempPathFactory) -> str:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return str(logdir)
+
+
+#: Test files that use the session's TensorBoard servers, browser or trained logdirs
+#: (``tensorboard_server``, ``browser``, ``two_stage_logdir``, the demo's and the main
+#: job's runs): one xdist group, so each is made once in the run.
+SERVER_FILES = frozenset(
+    {
+        "test_browser.py",
+        "test_browser_diff.py",
+        "test_e2e_demo.py",
+        "test_main_job.py",
+        "test_plugin.py",
+        "test_plugin_checkpoints.py",
+        "test_plugin_diff.py",
+        "test_tuning_e2e.py",
+        "test_tuning_multiworker.py",
+        "test_whatif_browser.py",
+    }
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Give every test an ``xdist_group``: its file's name, or ``"servers"`` for the files
+    in :data:`SERVER_FILES`. Only ``--dist loadgroup`` reads it (each group runs in one
+    worker); without xdist the marks change nothing."""
+    for item in items:
+        name = item.path.name
+        item.add_marker(pytest.mark.xdist_group("servers" if name in SERVER_FILES else name))
