@@ -194,6 +194,12 @@ def _pct(fraction: float) -> float:
     return fraction * 100
 
 
+def _median_overhead(d: dict[str, Any], name: str) -> Figure:
+    """The figure of a results file with ``overhead_median`` (a fraction of the step) and
+    a ``goal`` text ``"... <= limit"``, both shown in percent."""
+    return _at_most(name, _pct(d["overhead_median"]), _pct(_limit(d["goal"])), "%")
+
+
 # -- one extractor per results file ----------------------------------------------------
 
 
@@ -542,12 +548,7 @@ def telemetry(d: dict[str, Any]) -> tuple[Run, list[Figure]]:
     CPU share of the step."""
     run = _start_end_run(d)
     return run, [
-        _at_most(
-            "step-time overhead of telemetry on every step, median",
-            _pct(d["overhead_median"]),
-            _pct(_limit(d["goal"])),
-            "%",
-        ),
+        _median_overhead(d, "step-time overhead of telemetry on every step, median"),
         Figure("telemetry CPU per step, share of the step", _pct(d["cpu_fraction_of_step"]), "%"),
     ]
 
@@ -557,12 +558,7 @@ def timing_callbacks(d: dict[str, Any]) -> tuple[Run, list[Figure]]:
     strategy's own collectives."""
     run = Run(_date(d["date"]), _machine(d["nproc"], d["cpu"], d["ram_bytes"]), NOT_RECORDED)
     return run, [
-        _at_most(
-            "step-time overhead of timing the strategy's collectives, median",
-            _pct(d["overhead_median"]),
-            _pct(_limit(d["goal"])),
-            "%",
-        )
+        _median_overhead(d, "step-time overhead of timing the strategy's collectives, median")
     ]
 
 

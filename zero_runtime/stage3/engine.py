@@ -371,8 +371,7 @@ class Stage3Engine:
         self.config = dataclasses.replace(
             self.config, prefetch_bucket_size=config.prefetch_bucket_size
         )
-        budget = config.device_budget_bytes
-        budget = budget if isinstance(budget, int) else self.default_device_budget
+        budget = self._device_budget(config)
         if budget < self.device_plan.total:
             log.warning(
                 "stage 3: device budget %d not applied: the step needs %s",
@@ -393,10 +392,10 @@ class Stage3Engine:
             self.config, device_budget_bytes=config.device_budget_bytes
         )
 
-    def _device_budget(self) -> int:
-        """The device tier's capacity in bytes: ``device_budget_bytes`` when an int, else
-        :attr:`default_device_budget`."""
-        budget = self.config.device_budget_bytes
+    def _device_budget(self, config: ZeroConfig | None = None) -> int:
+        """The device tier's capacity in bytes: ``config.device_budget_bytes`` (default
+        the engine's config) when an int, else :attr:`default_device_budget`."""
+        budget = (config or self.config).device_budget_bytes
         return budget if isinstance(budget, int) else self.default_device_budget
 
     def placement_rows(self, optimizer_tier: str) -> list[dict]:
